@@ -1,0 +1,62 @@
+//! The [`Collective`] trait: the one interface between the sharding core and a transport.
+
+use burn::tensor::Tensor;
+
+use crate::{CommError, CommStats};
+
+/// How values from all ranks are combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Element-wise sum over ranks.
+    Sum,
+    /// Element-wise sum over ranks divided by `world_size` (the data-parallel gradient mean).
+    Avg,
+}
+
+/// A group of `world_size` ranks that exchange flat 1-D float tensors.
+///
+/// Every rank of the group must issue the same collectives, in the same order, with the same
+/// lengths and dtypes. Breaking that contract is reported as [`CommError::Mismatch`] on every
+/// rank, never as a hang. A rank that dies or drops its handle makes the others fail with
+/// [`CommError::PeerGone`]; a peer that is silent for longer than the group's timeout gives
+/// [`CommError::Timeout`]. After any error the group is aborted and every later call returns
+/// [`CommError::Aborted`].
+///
+/// Tensors: shape `[len]`, float dtype. `f32` is the native dtype; `bf16` and `f16` are accepted,
+/// reduced in `f32` and returned in the input dtype. Inputs must not be tracked by autodiff (call
+/// `.inner()` first); outputs live on the input's device and do not require grad.
+pub trait Collective: Send + Sync {
+    /// This rank's index in `0..world_size`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+
+    /// Reduces `tensor` (shape `[len]`) over all ranks; every rank receives the same `[len]`
+    /// result, bitwise identical on every rank.
+    fn all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError>;
+
+    /// Reduces `tensor` (shape `[len]`, `len` divisible by `world_size`) over all ranks and
+    /// returns this rank's chunk: elements `[rank·len/N, (rank+1)·len/N)` of the reduced buffer,
+    /// shape `[len/N]`.
+    ///
+    /// # Errors
+    /// [`CommError::NotDivisible`] when `len % world_size != 0`.
+    fn reduce_scatter(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError>;
+
+    /// Concatenates every rank's `tensor` (shape `[chunk]`, equal on all ranks) in rank order;
+    /// returns shape `[world_size·chunk]`.
+    fn all_gather(&self, tensor: Tensor<1>) -> Result<Tensor<1>, CommError>;
+
+    /// Returns `root`'s `tensor` on every rank (shape `[len]`, equal on all ranks).
+    ///
+    /// # Errors
+    /// [`CommError::InvalidRoot`] when `root >= world_size`.
+    fn broadcast(&self, tensor: Tensor<1>, root: usize) -> Result<Tensor<1>, CommError>;
+
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self) -> Result<(), CommError>;
+
+    /// Bytes sent and calls made by this rank so far, per collective.
+    fn stats(&self) -> CommStats;
+}

@@ -1,0 +1,79 @@
+//! Errors of the collectives.
+
+use std::time::Duration;
+
+/// Why a collective failed. Every variant says what to change.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum CommError {
+    /// Ranks issued different collectives at the same point of their program.
+    #[error(
+        "collective mismatch at call #{seq}: rank {rank} called {ours} but rank {peer} called {theirs}; \
+         every rank must issue the same collectives in the same order with the same lengths and dtypes"
+    )]
+    Mismatch {
+        /// Index of the collective call (0-based, per group).
+        seq: u64,
+        /// The rank that detected the mismatch.
+        rank: usize,
+        /// What that rank called.
+        ours: String,
+        /// The neighbouring rank whose call differed.
+        peer: usize,
+        /// What the neighbour called.
+        theirs: String,
+    },
+    /// A length that must be a multiple of `world_size` is not.
+    #[error(
+        "{op} needs a length divisible by world_size {world_size}, got {len}; pad the buffer to a multiple of world_size"
+    )]
+    NotDivisible {
+        /// The collective.
+        op: &'static str,
+        /// The offending length (elements).
+        len: usize,
+        /// The group size.
+        world_size: usize,
+    },
+    /// The dtype is not a float type the backend can move.
+    #[error("collectives take f32, bf16 or f16 tensors, got {0}; cast the tensor first")]
+    UnsupportedDtype(String),
+    /// `root` is not a rank of the group.
+    #[error("broadcast root {root} is out of range for world_size {world_size}")]
+    InvalidRoot {
+        /// The requested root.
+        root: usize,
+        /// The group size.
+        world_size: usize,
+    },
+    /// A peer dropped its handle or its thread panicked while this rank waited for it.
+    #[error(
+        "rank {peer} left the group (its thread ended or panicked) during {op}; see that rank's error"
+    )]
+    PeerGone {
+        /// The rank that disappeared.
+        peer: usize,
+        /// The collective in progress.
+        op: String,
+    },
+    /// No message arrived within the group's timeout.
+    #[error(
+        "rank {rank} waited {waited:?} in {op} without hearing from rank {peer}; a rank is stuck or \
+         skipped this collective (raise the timeout with InProcessGroup::with_timeout if the work is legitimately slow)"
+    )]
+    Timeout {
+        /// The waiting rank.
+        rank: usize,
+        /// The rank it waited for.
+        peer: usize,
+        /// The collective in progress.
+        op: String,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// An earlier error on some rank aborted the group.
+    #[error("the group was aborted by an earlier error: {0}")]
+    Aborted(String),
+    /// The world size is not usable.
+    #[error("world_size must be at least 1, got {0}")]
+    InvalidWorldSize(usize),
+}

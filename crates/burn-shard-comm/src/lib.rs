@@ -1,0 +1,27 @@
+//! Collectives for sharded data-parallel training with Burn.
+//!
+//! One trait, [`Collective`], carries the five operations that ZeRO and FSDP need
+//! (all-reduce, reduce-scatter, all-gather, broadcast, barrier) on flat 1-D float tensors.
+//! Backends implement it; the sharding core (`burn-shard`) only ever talks to the trait.
+//!
+//! Backends in this crate:
+//! - [`InProcessGroup`]: `world_size` ranks as threads of one process, connected in a ring
+//!   by channels. It is the CPU default and the test bed: reductions are deterministic and
+//!   every misuse (mismatched calls, a rank that dies) is an error within a bounded time.
+//!
+//! Every backend counts the bytes each rank sends ([`CommStats`]), so traffic can be checked
+//! against the ring-algorithm volumes (all-reduce `2(N-1)/N·S`, reduce-scatter and all-gather
+//! `(N-1)/N·S` bytes per rank for a buffer of `S` bytes).
+
+mod collective;
+mod error;
+mod in_process;
+mod launch;
+mod ring;
+mod stats;
+
+pub use collective::{Collective, ReduceOp};
+pub use error::CommError;
+pub use in_process::{InProcessComm, InProcessGroup};
+pub use launch::{RankFailure, run_ranks};
+pub use stats::{CollectiveKind, CommStats, OpStats};

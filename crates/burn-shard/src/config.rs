@@ -1,0 +1,116 @@
+//! [`ShardConfig`]: the one call that turns sharding on.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::optim::Optimizer;
+use burn::tensor::{Tensor, TensorData};
+use burn_shard_comm::Collective;
+
+use crate::flat;
+use crate::layout::FlatLayout;
+use crate::{ShardError, ShardedOptimizer, Stage};
+
+/// Default bucket size: 25 Mi elements (100 MiB of f32), the order of PyTorch DDP's 25 MB
+/// buckets; one bucket for models below that size.
+pub const DEFAULT_BUCKET_NUMEL: usize = 25 * 1024 * 1024;
+
+/// How to shard: the ZeRO stage and the bucket size.
+///
+/// ```ignore
+/// let comm = /* this rank's Collective, e.g. from InProcessGroup */;
+/// let (model, mut optim) = ShardConfig::new(Stage::Two).init(model, AdamWConfig::new().build(), comm)?;
+/// // each step, on each rank, with that rank's part of the batch:
+/// let grads = GradientsParams::from_grads(loss.backward(), &model);
+/// model = optim.step(lr, model, grads)?;
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardConfig {
+    /// ZeRO stage.
+    pub stage: Stage,
+    /// Maximum elements per bucket (a larger parameter gets its own bucket). Default
+    /// [`DEFAULT_BUCKET_NUMEL`].
+    pub bucket_numel: usize,
+}
+
+impl ShardConfig {
+    /// A configuration for `stage` with the default bucket size.
+    pub fn new(stage: Stage) -> Self {
+        Self {
+            stage,
+            bucket_numel: DEFAULT_BUCKET_NUMEL,
+        }
+    }
+
+    /// Sets the maximum number of elements per bucket.
+    pub fn with_bucket_numel(mut self, bucket_numel: usize) -> Self {
+        self.bucket_numel = bucket_numel;
+        self
+    }
+
+    /// Wraps `model` and `optim` for this rank: builds the flat layout, checks that every rank
+    /// built the same one, and broadcasts rank 0's parameters so all ranks start identical
+    /// (as PyTorch DDP does at construction). Every rank must call it.
+    ///
+    /// # Errors
+    /// [`ShardError::NoTrainableParams`], [`ShardError::InvalidConfig`] (zero bucket size),
+    /// [`ShardError::LayoutMismatch`] (ranks built different models), [`ShardError::Comm`].
+    pub fn init<M: Module, O: Optimizer, C: Collective + 'static>(
+        &self,
+        model: M,
+        optim: O,
+        comm: C,
+    ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
+        let comm: Arc<dyn Collective> = Arc::new(comm);
+        let layout = FlatLayout::from_module(&model, comm.world_size(), self.bucket_numel)?;
+        check_same_layout(comm.as_ref(), &layout)?;
+
+        let (values, device) = flat::param_values(&model, &layout)?;
+        let mut full = Vec::with_capacity(layout.buckets().len());
+        for bucket in layout.buckets() {
+            let mine = flat::assemble(&layout, bucket, &values, 0..bucket.padded_numel, &device);
+            full.push(comm.broadcast(mine, 0)?);
+        }
+        drop(values);
+        let model = flat::scatter_into(model, &layout, &full);
+        let layout = Arc::new(layout);
+        Ok((
+            model,
+            ShardedOptimizer::new(optim, comm, layout, self.stage),
+        ))
+    }
+}
+
+/// All-gathers every rank's layout fingerprint (as four exact 16-bit pieces in f32) and fails
+/// on the first rank that differs.
+fn check_same_layout(comm: &dyn Collective, layout: &FlatLayout) -> Result<(), ShardError> {
+    let ours = layout.fingerprint();
+    let pieces: Vec<f32> = (0..4)
+        .map(|i| ((ours >> (16 * i)) & 0xffff) as f32)
+        .collect();
+    let device = burn::tensor::Device::default();
+    let all = comm.all_gather(Tensor::<1>::from_data(
+        TensorData::new(pieces, [4]),
+        &device,
+    ))?;
+    let all: Vec<f32> = all
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec()
+        .unwrap_or_default();
+    for (peer, p) in all.chunks(4).enumerate() {
+        let theirs = p
+            .iter()
+            .enumerate()
+            .fold(0u64, |acc, (i, v)| acc | ((*v as u64) << (16 * i)));
+        if theirs != ours {
+            return Err(ShardError::LayoutMismatch {
+                rank: comm.rank(),
+                peer,
+                ours,
+                theirs,
+            });
+        }
+    }
+    Ok(())
+}

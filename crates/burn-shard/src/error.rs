@@ -1,0 +1,56 @@
+//! Errors of the sharding core.
+
+use burn_shard_comm::CommError;
+
+/// Why sharded set-up or a sharded step failed. Every message names the fix.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ShardError {
+    /// A collective failed (mismatch, dead peer, timeout): see the inner error.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The module has no parameter that requires grad, so there is nothing to shard.
+    #[error(
+        "the module has no trainable float parameter; build it on an autodiff device (Device::flex().autodiff()) and do not freeze every parameter"
+    )]
+    NoTrainableParams,
+    /// Ranks hold modules with different parameter layouts.
+    #[error(
+        "rank {rank} has a different parameter layout than rank {peer} (fingerprints {ours:#018x} vs {theirs:#018x}); \
+         every rank must build the same model (same architecture, same frozen parameters, same bucket size)"
+    )]
+    LayoutMismatch {
+        /// This rank.
+        rank: usize,
+        /// The rank whose layout differs.
+        peer: usize,
+        /// This rank's fingerprint.
+        ours: u64,
+        /// The peer's fingerprint.
+        theirs: u64,
+    },
+    /// The module given to `step` is not the one the optimizer was built for.
+    #[error(
+        "parameter `{path}` ({id}) of the module passed to step is not in the layout built by ShardConfig::init; pass the model that init returned"
+    )]
+    UnknownParam {
+        /// The parameter's module path.
+        path: String,
+        /// Its id.
+        id: String,
+    },
+    /// A parameter changed shape since the layout was built.
+    #[error(
+        "parameter `{path}` has shape {found:?}, the layout expects {expected:?}; rebuild the sharded optimizer after changing the model"
+    )]
+    ShapeChanged {
+        /// The parameter's module path.
+        path: String,
+        /// Shape recorded in the layout.
+        expected: Vec<usize>,
+        /// Shape found now.
+        found: Vec<usize>,
+    },
+    /// A configuration value is out of range.
+    #[error("invalid sharding configuration: {0}")]
+    InvalidConfig(String),
+}

@@ -1,0 +1,197 @@
+//! Moving values between a module's parameters and the flat bucket buffers.
+//!
+//! All buffers here are plain (non-autodiff) 1-D tensors on the parameters' inner device.
+
+use std::ops::Range;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Shape, Tensor};
+
+use crate::ShardError;
+use crate::layout::{Bucket, FlatLayout};
+
+/// One flat `[numel]` tensor per layout slot; `None` where the value is absent (a parameter
+/// that received no gradient this step), which reads as zeros.
+pub(crate) type SlotValues = Vec<Option<Tensor<1>>>;
+
+/// Flat views of the trainable parameters' current values, in layout order.
+pub(crate) fn param_values<M: Module>(
+    module: &M,
+    layout: &FlatLayout,
+) -> Result<(SlotValues, Device), ShardError> {
+    let mut v = SlotVisitor::new(layout, None);
+    module.visit(&mut v);
+    v.finish()
+}
+
+/// Takes (removes) every trainable parameter's gradient out of `grads`, flattened, in layout order.
+pub(crate) fn take_grads<M: Module>(
+    module: &M,
+    layout: &FlatLayout,
+    grads: &mut GradientsParams,
+) -> Result<(SlotValues, Device), ShardError> {
+    let mut v = SlotVisitor::new(layout, Some(grads));
+    module.visit(&mut v);
+    v.finish()
+}
+
+/// Elements `range` of bucket `bucket` assembled from per-slot values: shape `[range.len()]`,
+/// zeros for absent values and for the padding tail.
+pub(crate) fn assemble(
+    layout: &FlatLayout,
+    bucket: &Bucket,
+    values: &SlotValues,
+    range: Range<usize>,
+    device: &Device,
+) -> Tensor<1> {
+    let mut pieces = Vec::new();
+    for slot in &layout.slots()[bucket.slots.clone()] {
+        let lo = range.start.max(slot.offset);
+        let hi = range.end.min(slot.offset + slot.numel);
+        if lo >= hi {
+            continue;
+        }
+        let len = hi - lo;
+        let piece = match &values[layout
+            .slot_of(&slot.id)
+            .expect("slot ids index their own layout")]
+        {
+            Some(t) if len == slot.numel => t.clone(),
+            Some(t) => t.clone().narrow(0, lo - slot.offset, len),
+            None => Tensor::zeros([len], device),
+        };
+        pieces.push(piece);
+    }
+    let pad_start = range.start.max(bucket.numel);
+    if range.end > pad_start {
+        pieces.push(Tensor::zeros([range.end - pad_start], device));
+    }
+    match pieces.len() {
+        0 => Tensor::zeros([0], device),
+        1 => pieces.pop().expect("one piece"),
+        _ => Tensor::cat(pieces, 0),
+    }
+}
+
+/// Replaces every trainable parameter of `module` with its elements of `full_buckets`
+/// (one `[padded_numel]` tensor per bucket), keeping ids, autodiff, require-grad and
+/// checkpointing settings. Each new value is a fresh autodiff leaf.
+pub(crate) fn scatter_into<M: Module>(
+    module: M,
+    layout: &FlatLayout,
+    full_buckets: &[Tensor<1>],
+) -> M {
+    let mut mapper = ScatterMapper {
+        layout,
+        full_buckets,
+    };
+    module.map(&mut mapper)
+}
+
+/// Byte size of a tensor: elements × dtype size.
+pub(crate) fn tensor_bytes<const D: usize>(t: &Tensor<D>) -> usize {
+    t.shape().num_elements() * t.dtype().size()
+}
+
+struct SlotVisitor<'a> {
+    layout: &'a FlatLayout,
+    grads: Option<&'a mut GradientsParams>,
+    out: SlotValues,
+    path: Vec<String>,
+    device: Option<Device>,
+    error: Option<ShardError>,
+}
+
+impl<'a> SlotVisitor<'a> {
+    fn new(layout: &'a FlatLayout, grads: Option<&'a mut GradientsParams>) -> Self {
+        Self {
+            layout,
+            grads,
+            out: vec![None; layout.slots().len()],
+            path: Vec::new(),
+            device: None,
+            error: None,
+        }
+    }
+
+    fn finish(self) -> Result<(SlotValues, Device), ShardError> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        let device = self.device.ok_or(ShardError::NoTrainableParams)?;
+        Ok((self.out, device))
+    }
+}
+
+impl ModuleVisitor for SlotVisitor<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if self.error.is_some() || !param.is_require_grad() {
+            return;
+        }
+        let Some(i) = self.layout.slot_of(&param.id) else {
+            self.error = Some(ShardError::UnknownParam {
+                path: self.path.join("."),
+                id: param.id.to_string(),
+            });
+            return;
+        };
+        let slot = &self.layout.slots()[i];
+        let value = param.val().inner();
+        let dims = value.shape().to_vec();
+        if dims != slot.shape {
+            self.error = Some(ShardError::ShapeChanged {
+                path: slot.path.clone(),
+                expected: slot.shape.clone(),
+                found: dims,
+            });
+            return;
+        }
+        if self.device.is_none() {
+            self.device = Some(value.device());
+        }
+        let flat = match self.grads.as_deref_mut() {
+            Some(grads) => grads.remove::<D>(param.id),
+            None => Some(value),
+        };
+        self.out[i] = flat.map(|t| t.reshape([slot.numel]));
+    }
+}
+
+struct ScatterMapper<'a> {
+    layout: &'a FlatLayout,
+    full_buckets: &'a [Tensor<1>],
+}
+
+impl ModuleMapper for ScatterMapper<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(i) = self.layout.slot_of(&param.id) else {
+            return param;
+        };
+        let slot = &self.layout.slots()[i];
+        let (id, old, mapper) = param.consume();
+        let flat = self.full_buckets[slot.bucket]
+            .clone()
+            .narrow(0, slot.offset, slot.numel);
+        let mut value: Tensor<D> = flat.reshape(Shape::from(slot.shape.clone()));
+        if old.is_autodiff() {
+            let strategy = old.gradient_checkpointing_strategy();
+            value = value.autodiff();
+            if let Some(s) = strategy {
+                value = value.with_gradient_checkpointing_strategy(s);
+            }
+            if old.is_require_grad() {
+                value = value.require_grad();
+            }
+        }
+        Param::from_mapped_value(id, value, mapper)
+    }
+}

@@ -1,0 +1,201 @@
+//! Where every trainable parameter lives in the flat, bucketed, padded buffers.
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::ops::Range;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::Tensor;
+
+use crate::ShardError;
+
+/// One trainable parameter's place in the flat buffers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamSlot {
+    /// Module path, e.g. `blocks.0.attn.query.weight`.
+    pub path: String,
+    /// The parameter's id (identical on every rank when the model was cloned and forked).
+    pub id: ParamId,
+    /// Full shape of the parameter.
+    pub shape: Vec<usize>,
+    /// Number of elements (product of `shape`; 0 for an empty parameter, 1 for a scalar).
+    pub numel: usize,
+    /// Index of the bucket that holds it.
+    pub bucket: usize,
+    /// Offset of its first element inside that bucket (elements).
+    pub offset: usize,
+}
+
+/// A contiguous run of parameters that is reduced and updated as one flat buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bucket {
+    /// Indices into [`FlatLayout::slots`].
+    pub slots: Range<usize>,
+    /// Elements of real data.
+    pub numel: usize,
+    /// `numel` rounded up to a multiple of `world_size`; the tail is zero padding.
+    pub padded_numel: usize,
+    /// `padded_numel / world_size`: the elements each rank owns.
+    pub shard_numel: usize,
+}
+
+impl Bucket {
+    /// Element range of the bucket owned by `rank`: `[rank·L/N, (rank+1)·L/N)`.
+    pub fn shard_range(&self, rank: usize) -> Range<usize> {
+        rank * self.shard_numel..(rank + 1) * self.shard_numel
+    }
+}
+
+/// The flat-parameter layout shared by all ranks.
+///
+/// Parameters that require grad are taken in module traversal order (field declaration order,
+/// `Vec` index order), which is the same on every rank for the same model type, and never
+/// depends on `ParamId` values or hashing. Frozen parameters are left out: they get no gradient
+/// and no optimizer state. A parameter never straddles two buckets; a bucket closes when the
+/// next parameter would push it over `bucket_numel` elements.
+#[derive(Clone, Debug)]
+pub struct FlatLayout {
+    slots: Vec<ParamSlot>,
+    buckets: Vec<Bucket>,
+    world_size: usize,
+    index: HashMap<ParamId, usize>,
+}
+
+impl FlatLayout {
+    /// Builds the layout of `module` for `world_size` ranks and buckets of at most
+    /// `bucket_numel` elements (a larger parameter gets a bucket of its own).
+    ///
+    /// # Errors
+    /// [`ShardError::NoTrainableParams`] when no float parameter requires grad;
+    /// [`ShardError::InvalidConfig`] when `world_size` or `bucket_numel` is 0.
+    pub fn from_module<M: Module>(
+        module: &M,
+        world_size: usize,
+        bucket_numel: usize,
+    ) -> Result<Self, ShardError> {
+        if world_size == 0 || bucket_numel == 0 {
+            return Err(ShardError::InvalidConfig(format!(
+                "world_size ({world_size}) and bucket_numel ({bucket_numel}) must be at least 1"
+            )));
+        }
+        let mut collector = SlotCollector::default();
+        module.visit(&mut collector);
+        let mut slots = collector.slots;
+        if slots.is_empty() {
+            return Err(ShardError::NoTrainableParams);
+        }
+        let mut buckets: Vec<Bucket> = Vec::new();
+        let mut start = 0;
+        let mut numel = 0;
+        for i in 0..slots.len() {
+            if i > start && numel + slots[i].numel > bucket_numel {
+                buckets.push(Bucket::new(start..i, numel, world_size));
+                start = i;
+                numel = 0;
+            }
+            slots[i].bucket = buckets.len();
+            slots[i].offset = numel;
+            numel += slots[i].numel;
+        }
+        buckets.push(Bucket::new(start..slots.len(), numel, world_size));
+        let index = slots.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
+        Ok(Self {
+            slots,
+            buckets,
+            world_size,
+            index,
+        })
+    }
+
+    /// Every trainable parameter, in layout order.
+    pub fn slots(&self) -> &[ParamSlot] {
+        &self.slots
+    }
+
+    /// The buckets, in layout order.
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+
+    /// Number of ranks the layout was built for.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// `Ψ`: the number of trainable parameter elements (padding excluded).
+    pub fn numel(&self) -> usize {
+        self.buckets.iter().map(|b| b.numel).sum()
+    }
+
+    /// Elements of padding added over all buckets (less than `world_size` per bucket).
+    pub fn padding(&self) -> usize {
+        self.buckets.iter().map(|b| b.padded_numel - b.numel).sum()
+    }
+
+    /// Elements one rank owns over all buckets.
+    pub fn shard_numel(&self) -> usize {
+        self.buckets.iter().map(|b| b.shard_numel).sum()
+    }
+
+    /// Index of the slot of parameter `id`, if it is trainable.
+    pub fn slot_of(&self, id: &ParamId) -> Option<usize> {
+        self.index.get(id).copied()
+    }
+
+    /// A 64-bit digest of paths, shapes, buckets and world size; equal layouts give equal values
+    /// on every rank of the same build.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = DefaultHasher::new();
+        self.world_size.hash(&mut h);
+        for s in &self.slots {
+            s.path.hash(&mut h);
+            s.shape.hash(&mut h);
+            s.bucket.hash(&mut h);
+        }
+        h.finish()
+    }
+}
+
+impl Bucket {
+    fn new(slots: Range<usize>, numel: usize, world_size: usize) -> Self {
+        let padded_numel = numel.div_ceil(world_size) * world_size;
+        Bucket {
+            slots,
+            numel,
+            padded_numel,
+            shard_numel: padded_numel / world_size,
+        }
+    }
+}
+
+/// Collects trainable parameters with their module paths.
+#[derive(Default)]
+struct SlotCollector {
+    path: Vec<String>,
+    slots: Vec<ParamSlot>,
+}
+
+impl ModuleVisitor for SlotCollector {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !param.is_require_grad() {
+            return;
+        }
+        let shape = param.lazy_shape().to_vec();
+        self.slots.push(ParamSlot {
+            path: self.path.join("."),
+            id: param.id,
+            numel: shape.iter().product(),
+            shape,
+            bucket: 0,
+            offset: 0,
+        });
+    }
+}

@@ -1,0 +1,33 @@
+//! ZeRO sharded data-parallel training for Burn.
+//!
+//! One call turns it on: [`ShardConfig::init`] takes a Burn model, one of Burn's optimizers
+//! (`Adam`, `AdamW`, `Sgd`, ... anything implementing [`burn::optim::Optimizer`]) and this rank's
+//! [`Collective`](burn_shard_comm::Collective), and returns the model (parameters synchronised
+//! from rank 0) and a [`ShardedOptimizer`] whose `step` replaces `ModuleOptimizer::step`.
+//!
+//! | stage | gradients | optimizer state | parameters | collectives per step |
+//! |---|---|---|---|---|
+//! | 0 (DDP) | all-reduced, full | full | full | all-reduce |
+//! | 1 | all-reduced, full | sharded | full | all-reduce + all-gather |
+//! | 2 | reduce-scattered, sharded | sharded | full | reduce-scatter + all-gather |
+//!
+//! The parameters that require grad are packed, in module traversal order, into flat buckets
+//! ([`FlatLayout`]); rank `r` owns elements `[r·L/N, (r+1)·L/N)` of each padded bucket of
+//! length `L`. Burn's own optimizer runs on each flat shard, so its update math is reused.
+
+mod config;
+mod error;
+mod flat;
+mod layout;
+mod memory;
+mod optimizer;
+mod stage;
+
+pub use config::ShardConfig;
+pub use error::ShardError;
+pub use layout::{Bucket, FlatLayout, ParamSlot};
+pub use memory::MemoryReport;
+pub use optimizer::ShardedOptimizer;
+pub use stage::Stage;
+
+pub use burn_shard_comm as comm;

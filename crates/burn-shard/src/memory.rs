@@ -1,0 +1,93 @@
+//! Per-rank memory accounting, measured from the tensors actually held.
+
+use std::fmt;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+
+use crate::flat::tensor_bytes;
+
+/// Bytes one rank holds, measured from live tensors (shape × dtype size), not from a formula.
+///
+/// Compare with the ZeRO paper's model-state formula (Rajbhandari et al., 2020, §5.1): for `Ψ`
+/// fp32 parameters and Adam on `N` ranks, optimizer state is `8Ψ` (stage 0) or `8Ψ/N`
+/// (stages 1-2), and gradients `4Ψ` (stages 0-1) or `4Ψ/N` (stage 2), plus padding of fewer
+/// than `N` elements per bucket.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the group.
+    pub world_size: usize,
+    /// ZeRO stage (0, 1 or 2).
+    pub stage: u8,
+    /// Bytes of every float parameter of the module (trainable and frozen).
+    pub parameters_bytes: usize,
+    /// Bytes of the reduced gradient buffers held while the last step ran the optimizer
+    /// (whole buckets for stages 0-1, this rank's shards for stage 2).
+    pub gradients_bytes: usize,
+    /// Bytes of the optimizer state tensors this rank holds (e.g. Adam's two moments).
+    pub optimizer_state_bytes: usize,
+    /// Peak bytes of transient buffers alive at once during the last step (the flat,
+    /// not-yet-reduced gradient bucket, the parameter shard and the all-gathered bucket).
+    pub temporary_peak_bytes: usize,
+}
+
+impl MemoryReport {
+    /// Parameters + gradients + optimizer state: the persistent model state.
+    pub fn model_state_bytes(&self) -> usize {
+        self.parameters_bytes + self.gradients_bytes + self.optimizer_state_bytes
+    }
+}
+
+impl fmt::Display for MemoryReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const MIB: f64 = 1024.0 * 1024.0;
+        write!(
+            f,
+            "rank {}/{} stage {}: params {:.2} MiB, grads {:.2} MiB, optim {:.2} MiB, temp peak {:.2} MiB",
+            self.rank,
+            self.world_size,
+            self.stage,
+            self.parameters_bytes as f64 / MIB,
+            self.gradients_bytes as f64 / MIB,
+            self.optimizer_state_bytes as f64 / MIB,
+            self.temporary_peak_bytes as f64 / MIB,
+        )
+    }
+}
+
+/// Bytes of every float parameter of `module`.
+pub(crate) fn module_param_bytes<M: Module>(module: &M) -> usize {
+    struct Bytes(usize);
+    impl ModuleVisitor for Bytes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0 += tensor_bytes(&param.val());
+        }
+    }
+    let mut b = Bytes(0);
+    module.visit(&mut b);
+    b.0
+}
+
+/// Tracks the transient bytes alive at once and their peak.
+#[derive(Default, Debug)]
+pub(crate) struct PeakTracker {
+    live: usize,
+    peak: usize,
+}
+
+impl PeakTracker {
+    pub(crate) fn alloc(&mut self, bytes: usize) {
+        self.live += bytes;
+        self.peak = self.peak.max(self.live);
+    }
+
+    pub(crate) fn free(&mut self, bytes: usize) {
+        self.live -= bytes;
+    }
+
+    pub(crate) fn peak(&self) -> usize {
+        self.peak
+    }
+}

@@ -1,0 +1,136 @@
+//! Reference models, deterministic data and the unwrapped single-device training loop that
+//! every sharded run is compared against.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::loss::{MseLoss, Reduction};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::prelude::*;
+
+/// A small MLP whose sizes divide by no world size in 2..=4 (5·7=35, 7, 7·3=21, 3) and whose
+/// last bias (3 elements) is smaller than 4 ranks; `scale` is a scalar parameter.
+#[derive(Module, Debug)]
+pub struct TinyMlp {
+    pub l1: Linear,
+    pub act: Relu,
+    pub l2: Linear,
+    pub scale: Param<Tensor<1>>,
+}
+
+pub const IN: usize = 5;
+pub const OUT: usize = 3;
+
+impl TinyMlp {
+    pub fn new(device: &Device) -> Self {
+        Self {
+            l1: LinearConfig::new(IN, 7).init(device),
+            act: Relu::new(),
+            l2: LinearConfig::new(7, OUT).init(device),
+            scale: Param::from_tensor(Tensor::from_floats([1.5], device).require_grad()),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let h = self.l2.forward(self.act.forward(self.l1.forward(x)));
+        h * self.scale.val().unsqueeze::<2>()
+    }
+}
+
+/// A deterministic pseudo-random stream (SplitMix64), so data never depends on Burn's global RNG
+/// or on which thread asks first.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next_f32(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next_f32()).collect()
+    }
+}
+
+/// The global batch of step `step`: fresh inputs `x` `[batch, IN]` and targets `y` `[batch, OUT]`
+/// from a fixed linear teacher (so the loss can fall), as host rows.
+pub fn batch(step: usize, batch: usize) -> (Vec<f32>, Vec<f32>) {
+    let teacher = Rng::new(5).vec(IN * OUT);
+    let x = Rng::new(1000 + step as u64).vec(batch * IN);
+    let y = (0..batch)
+        .flat_map(|b| {
+            let (x, teacher) = (&x, &teacher);
+            (0..OUT).map(move |o| {
+                (0..IN)
+                    .map(|i| x[b * IN + i] * teacher[i * OUT + o])
+                    .sum::<f32>()
+            })
+        })
+        .collect();
+    (x, y)
+}
+
+/// Rows `[start, end)` of a row-major host matrix as a tensor.
+pub fn rows(data: &[f32], width: usize, start: usize, end: usize, device: &Device) -> Tensor<2> {
+    let slice = data[start * width..end * width].to_vec();
+    Tensor::from_data(TensorData::new(slice, [end - start, width]), device)
+}
+
+pub fn mse(model: &TinyMlp, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+    MseLoss::new().forward(model.forward(x), y, Reduction::Mean)
+}
+
+/// Every float parameter of `module`, flattened in traversal order.
+pub fn params_of<M: Module>(module: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0
+                .extend(p.val().into_data().convert::<f32>().iter::<f32>());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    module.visit(&mut c);
+    c.0
+}
+
+/// Unwrapped single-device Burn training on the whole global batch: per-step losses and the
+/// final parameters.
+pub fn reference_run(
+    base: &TinyMlp,
+    mut optim: ModuleOptimizer,
+    steps: usize,
+    global_batch: usize,
+    lr: f64,
+) -> (Vec<f32>, Vec<f32>) {
+    let device = Device::flex().autodiff();
+    let mut model = base.clone().fork(&device);
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let (x, y) = batch(step, global_batch);
+        let loss = mse(
+            &model,
+            rows(&x, IN, 0, global_batch, &device),
+            rows(&y, OUT, 0, global_batch, &device),
+        );
+        losses.push(loss.clone().into_scalar::<f32>());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr, model, grads);
+    }
+    (losses, params_of(&model))
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "compared buffers differ in length");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}

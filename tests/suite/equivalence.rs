@@ -1,0 +1,174 @@
+//! Sharded training equals unwrapped single-device Burn training: same per-step losses
+//! (relative difference <= 1e-4) and final parameters (max abs difference <= 1e-4) for world
+//! sizes 1-4 and stages 0-2; world size 1 is bitwise identical.
+
+use burn::module::Module;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{
+    AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer, SgdConfig,
+};
+use burn::prelude::*;
+use burn_shard::{ShardConfig, Stage};
+use burn_shard_comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
+
+use crate::common::*;
+
+const STEPS: usize = 20;
+const GLOBAL_BATCH: usize = 12; // divisible by 1, 2, 3 and 4
+const LR: f64 = 1e-2;
+
+/// Runs `STEPS` sharded steps on `world_size` rank threads; returns rank 0's globally averaged
+/// losses and every rank's final parameters.
+fn sharded_run<O: Optimizer>(
+    base: &TinyMlp,
+    optim: O,
+    world_size: usize,
+    config: ShardConfig,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let results = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+        let rank = comm.rank();
+        let device = Device::flex().autodiff();
+        let model = base.clone().fork(&device);
+        let (mut model, mut optim) = config.init(model, optim.clone(), comm).expect("init");
+        let per_rank = GLOBAL_BATCH / world_size;
+        let (start, end) = (rank * per_rank, (rank + 1) * per_rank);
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let (x, y) = batch(step, GLOBAL_BATCH);
+            let loss = mse(
+                &model,
+                rows(&x, IN, start, end, &device),
+                rows(&y, OUT, start, end, &device),
+            );
+            let global = optim
+                .comm()
+                .all_reduce(loss.clone().inner(), ReduceOp::Avg)
+                .expect("loss all_reduce");
+            losses.push(global.into_scalar::<f32>());
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(LR, model, grads).expect("sharded step");
+        }
+        (losses, params_of(&model))
+    })
+    .expect("no rank panics");
+    let losses = results[0].0.clone();
+    (losses, results.into_iter().map(|r| r.1).collect())
+}
+
+fn check_all<O: Optimizer>(
+    name: &str,
+    reference: ModuleOptimizer,
+    optim: O,
+    bucket_numel: Option<usize>,
+) {
+    let device = Device::flex().autodiff();
+    device.seed(7);
+    let base = TinyMlp::new(&device);
+    let (ref_losses, ref_params) = reference_run(&base, reference, STEPS, GLOBAL_BATCH, LR);
+    assert!(
+        ref_losses[STEPS - 1] < ref_losses[0],
+        "{name}: the reference run must learn"
+    );
+    for world_size in 1..=4 {
+        for stage in [Stage::Zero, Stage::One, Stage::Two] {
+            let mut config = ShardConfig::new(stage);
+            if let Some(b) = bucket_numel {
+                config = config.with_bucket_numel(b);
+            }
+            let (losses, params) = sharded_run(&base, optim.clone(), world_size, config);
+            let ctx = format!("{name}, world_size {world_size}, stage {stage}");
+            for rank_params in &params[1..] {
+                assert_eq!(
+                    rank_params, &params[0],
+                    "{ctx}: ranks must hold bitwise-identical parameters"
+                );
+            }
+            if world_size == 1 {
+                assert_eq!(
+                    losses, ref_losses,
+                    "{ctx}: world_size 1 must be bitwise identical (losses)"
+                );
+                assert_eq!(
+                    params[0], ref_params,
+                    "{ctx}: world_size 1 must be bitwise identical (params)"
+                );
+                continue;
+            }
+            for (step, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
+                let rel = (a - b).abs() / b.abs().max(1e-12);
+                assert!(
+                    rel <= 1e-4,
+                    "{ctx}: step {step} loss {a} vs reference {b} (rel {rel:e})"
+                );
+            }
+            let diff = max_abs_diff(&params[0], &ref_params);
+            assert!(diff <= 1e-4, "{ctx}: max |param - reference| = {diff:e}");
+        }
+    }
+}
+
+#[test]
+fn adam_matches_single_device() {
+    check_all(
+        "Adam",
+        AdamConfig::new().init(),
+        AdamConfig::new().build(),
+        None,
+    );
+}
+
+#[test]
+fn adamw_matches_single_device() {
+    let cfg = AdamWConfig::new().with_weight_decay(0.1);
+    check_all("AdamW", cfg.init(), cfg.build(), None);
+}
+
+#[test]
+fn sgd_momentum_matches_single_device() {
+    let cfg = SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_nesterov(true)));
+    check_all("SGD+momentum", cfg.init(), cfg.build(), None);
+}
+
+#[test]
+fn many_small_buckets_match_single_device() {
+    // 16-element buckets: every parameter of TinyMlp lands in a bucket of its own or shares one.
+    check_all(
+        "Adam, 16-element buckets",
+        AdamConfig::new().init(),
+        AdamConfig::new().build(),
+        Some(16),
+    );
+}
+
+#[test]
+fn ranks_start_from_rank_zero_parameters() {
+    // Each rank builds its own, differently seeded model; init must broadcast rank 0's.
+    let results = run_ranks(InProcessGroup::new(3).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let rank = comm.rank();
+        let model = {
+            // Distinct values per rank without touching the shared RNG.
+            let m = TinyMlp::new(&device);
+            let shift = rank as f32;
+            m.clone().fork(&device).map(&mut AddScalar(shift))
+        };
+        let (model, _optim) = ShardConfig::new(Stage::Two)
+            .init(model, AdamConfig::new().build(), comm)
+            .unwrap();
+        params_of(&model)
+    })
+    .unwrap();
+    assert_eq!(results[1], results[0]);
+    assert_eq!(results[2], results[0]);
+}
+
+struct AddScalar(f32);
+impl burn::module::ModuleMapper for AddScalar {
+    fn map_float<const D: usize>(
+        &mut self,
+        p: burn::module::Param<Tensor<D>>,
+    ) -> burn::module::Param<Tensor<D>> {
+        let s = self.0;
+        p.map(|t| (t.inner().add_scalar(s)).autodiff().require_grad())
+    }
+}

@@ -1,0 +1,7 @@
+//! The burn-shard test suite: one binary, one module per area.
+
+mod comm;
+mod common;
+mod equivalence;
+mod layout;
+mod memory;
