@@ -89,7 +89,10 @@ fn run(args: Args) -> Result<(), String> {
             args.batch_size, args.world_size
         ));
     }
-    let path = args.data.clone().unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tinyshakespeare.txt"));
+    let path = args
+        .data
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tinyshakespeare.txt"));
     let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let corpus = CharCorpus::new(&text);
     let config = GptConfig {
@@ -155,7 +158,13 @@ fn lr_at(step: usize, steps: usize, peak: f64) -> f64 {
 }
 
 /// Mean validation loss over `eval_batches` per rank, averaged over ranks (same windows each call).
-fn estimate_val(model: &Gpt, corpus: &CharCorpus, args: &Args, comm: &dyn Collective, local_batch: usize) -> Result<f32, ShardError> {
+fn estimate_val(
+    model: &Gpt,
+    corpus: &CharCorpus,
+    args: &Args,
+    comm: &dyn Collective,
+    local_batch: usize,
+) -> Result<f32, ShardError> {
     let model = model.valid();
     let device = Device::flex();
     let mut rng = StdRng::seed_from_u64(args.seed ^ 0xe7a1 ^ ((comm.rank() as u64) << 32));
@@ -197,7 +206,10 @@ fn train_rank(
     for step in 0..args.steps {
         let (x, y) = sample_batch(&corpus.train, local_batch, args.block_size, &mut rng, &device);
         let loss = model.loss(x, y);
-        let train_loss = optim.comm().all_reduce(loss.clone().inner(), ReduceOp::Avg)?.into_scalar::<f32>();
+        let train_loss = optim
+            .comm()
+            .all_reduce(loss.clone().inner(), ReduceOp::Avg)?
+            .into_scalar::<f32>();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(lr_at(step, args.steps, args.lr), model, grads)?;
 
@@ -206,7 +218,12 @@ fn train_rank(
             val_loss = estimate_val(&model, corpus, args, optim.comm(), local_batch)?;
             if let Some(bar) = &bar {
                 // suspend + println (not bar.println) so the line also reaches a log that is not a terminal.
-                bar.suspend(|| println!("step {:>5}: train loss {train_loss:.4}, val loss {val_loss:.4}", step + 1));
+                bar.suspend(|| {
+                    println!(
+                        "step {:>5}: train loss {train_loss:.4}, val loss {val_loss:.4}",
+                        step + 1
+                    )
+                });
             }
         }
         if let Some(bar) = &bar {
@@ -222,8 +239,19 @@ fn train_rank(
         let eval = model.valid();
         let mut rng = StdRng::seed_from_u64(args.seed);
         let prompt = corpus.encode("\n");
-        let out = eval.generate(&prompt, args.sample_chars, config.block_size, 0.8, &mut rng, &Device::flex());
+        let out = eval.generate(
+            &prompt,
+            args.sample_chars,
+            config.block_size,
+            0.8,
+            &mut rng,
+            &Device::flex(),
+        );
         corpus.decode(&out)
     });
-    Ok(RankOutcome { val_loss, memory, sample })
+    Ok(RankOutcome {
+        val_loss,
+        memory,
+        sample,
+    })
 }

@@ -19,9 +19,16 @@ impl CharCorpus {
         let mut vocab: Vec<char> = text.chars().collect();
         vocab.sort_unstable();
         vocab.dedup();
-        let ids: Vec<u16> = text.chars().map(|c| vocab.binary_search(&c).expect("char in vocab") as u16).collect();
+        let ids: Vec<u16> = text
+            .chars()
+            .map(|c| vocab.binary_search(&c).expect("char in vocab") as u16)
+            .collect();
         let split = ids.len() * 9 / 10;
-        Self { vocab, val: ids[split..].to_vec(), train: ids[..split].to_vec() }
+        Self {
+            vocab,
+            val: ids[split..].to_vec(),
+            train: ids[..split].to_vec(),
+        }
     }
 
     /// Number of distinct characters.
@@ -36,13 +43,21 @@ impl CharCorpus {
 
     /// Encodes text; characters outside the vocabulary are skipped.
     pub fn encode(&self, text: &str) -> Vec<u16> {
-        text.chars().filter_map(|c| self.vocab.binary_search(&c).ok().map(|i| i as u16)).collect()
+        text.chars()
+            .filter_map(|c| self.vocab.binary_search(&c).ok().map(|i| i as u16))
+            .collect()
     }
 }
 
 /// A batch of `batch` random windows of `block` characters from `ids`: inputs and next-char
 /// targets, both `[batch, block]` Int tensors.
-pub fn sample_batch(ids: &[u16], batch: usize, block: usize, rng: &mut impl Rng, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+pub fn sample_batch(
+    ids: &[u16],
+    batch: usize,
+    block: usize,
+    rng: &mut impl Rng,
+    device: &Device,
+) -> (Tensor<2, Int>, Tensor<2, Int>) {
     let mut x = Vec::with_capacity(batch * block);
     let mut y = Vec::with_capacity(batch * block);
     for _ in 0..batch {

@@ -38,7 +38,9 @@ impl Block {
     fn new(c: &GptConfig, device: &Device) -> Self {
         Self {
             ln1: LayerNormConfig::new(c.n_embd).init(device),
-            attn: MultiHeadAttentionConfig::new(c.n_embd, c.n_head).with_dropout(0.0).init(device),
+            attn: MultiHeadAttentionConfig::new(c.n_embd, c.n_head)
+                .with_dropout(0.0)
+                .init(device),
             ln2: LayerNormConfig::new(c.n_embd).init(device),
             fc: LinearConfig::new(c.n_embd, 4 * c.n_embd).init(device),
             act: Gelu::new(),
@@ -48,9 +50,14 @@ impl Block {
 
     /// `x`: `[batch, seq, n_embd]`, `mask`: `[batch, seq, seq]` (true = masked).
     fn forward(&self, x: Tensor<3>, mask: Tensor<3, Bool>) -> Tensor<3> {
-        let a = self.attn.forward(MhaInput::self_attn(self.ln1.forward(x.clone())).mask_attn(mask)).context;
+        let a = self
+            .attn
+            .forward(MhaInput::self_attn(self.ln1.forward(x.clone())).mask_attn(mask))
+            .context;
         let x = x + a;
-        let m = self.proj.forward(self.act.forward(self.fc.forward(self.ln2.forward(x.clone()))));
+        let m = self
+            .proj
+            .forward(self.act.forward(self.fc.forward(self.ln2.forward(x.clone()))));
         x + m
     }
 }
@@ -95,19 +102,36 @@ impl Gpt {
         let logits = self.forward(idx);
         let [b, t, v] = logits.dims();
         let device = logits.device();
-        CrossEntropyLossConfig::new().init(&device).forward(logits.reshape([b * t, v]), targets.reshape([b * t]))
+        CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(logits.reshape([b * t, v]), targets.reshape([b * t]))
     }
 
     /// Samples `n` tokens after `prompt` with softmax temperature `temperature`.
-    pub fn generate(&self, prompt: &[u16], n: usize, block_size: usize, temperature: f32, rng: &mut impl Rng, device: &Device) -> Vec<u16> {
+    pub fn generate(
+        &self,
+        prompt: &[u16],
+        n: usize,
+        block_size: usize,
+        temperature: f32,
+        rng: &mut impl Rng,
+        device: &Device,
+    ) -> Vec<u16> {
         let mut ids: Vec<u16> = prompt.to_vec();
         for _ in 0..n {
-            let ctx: Vec<i64> = ids[ids.len().saturating_sub(block_size)..].iter().map(|&i| i as i64).collect();
+            let ctx: Vec<i64> = ids[ids.len().saturating_sub(block_size)..]
+                .iter()
+                .map(|&i| i as i64)
+                .collect();
             let t = ctx.len();
             let logits = self.forward(Tensor::from_data(TensorData::new(ctx, [1, t]), device));
             let v = logits.dims()[2];
             let last = logits.slice([0..1, t - 1..t, 0..v]).reshape([v]);
-            let probs: Vec<f32> = softmax(last.div_scalar(temperature), 0).into_data().convert::<f32>().iter::<f32>().collect();
+            let probs: Vec<f32> = softmax(last.div_scalar(temperature), 0)
+                .into_data()
+                .convert::<f32>()
+                .iter::<f32>()
+                .collect();
             let mut u: f32 = rng.random();
             let mut next = probs.len() - 1;
             for (i, p) in probs.iter().enumerate() {

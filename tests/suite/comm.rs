@@ -36,10 +36,7 @@ fn reference_sum(world_size: usize, len: usize) -> Vec<f64> {
 fn assert_close(got: &[f32], want: &[f64], tol: f64, ctx: &str) {
     assert_eq!(got.len(), want.len(), "{ctx}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (*g as f64 - w).abs() <= tol,
-            "{ctx}: element {i}: {g} vs {w}"
-        );
+        assert!((*g as f64 - w).abs() <= tol, "{ctx}: element {i}: {g} vs {w}");
     }
 }
 
@@ -49,10 +46,7 @@ fn all_reduce_matches_float64_and_is_bitwise_identical_on_every_rank() {
         for len in [0, 1, 3, 7, 1000] {
             for op in [ReduceOp::Sum, ReduceOp::Avg] {
                 let out = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
-                    host(
-                        comm.all_reduce(tensor(input(comm.rank(), len)), op)
-                            .unwrap(),
-                    )
+                    host(comm.all_reduce(tensor(input(comm.rank(), len)), op).unwrap())
                 })
                 .unwrap();
                 let mut want = reference_sum(world_size, len);
@@ -62,10 +56,7 @@ fn all_reduce_matches_float64_and_is_bitwise_identical_on_every_rank() {
                 let ctx = format!("all_reduce {op:?} N={world_size} len={len}");
                 assert_close(&out[0], &want, 1e-5, &ctx);
                 for r in 1..world_size {
-                    let same = out[r]
-                        .iter()
-                        .zip(&out[0])
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    let same = out[r].iter().zip(&out[0]).all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{ctx}: rank {r} differs bitwise from rank 0");
                 }
             }
@@ -80,10 +71,7 @@ fn reduce_scatter_and_all_gather_match_float64() {
         let chunk = len / world_size;
         let out = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
             let r = comm.rank();
-            let rs = host(
-                comm.reduce_scatter(tensor(input(r, len)), ReduceOp::Sum)
-                    .unwrap(),
-            );
+            let rs = host(comm.reduce_scatter(tensor(input(r, len)), ReduceOp::Sum).unwrap());
             let ag = host(comm.all_gather(tensor(input(r, chunk))).unwrap());
             (rs, ag)
         })
@@ -96,16 +84,8 @@ fn reduce_scatter_and_all_gather_match_float64() {
                 1e-5,
                 &format!("reduce_scatter N={world_size} rank {r}"),
             );
-            let want: Vec<f64> = (0..world_size)
-                .flat_map(|q| input(q, chunk))
-                .map(f64::from)
-                .collect();
-            assert_close(
-                ag,
-                &want,
-                0.0,
-                &format!("all_gather N={world_size} rank {r}"),
-            );
+            let want: Vec<f64> = (0..world_size).flat_map(|q| input(q, chunk)).map(f64::from).collect();
+            assert_close(ag, &want, 0.0, &format!("all_gather N={world_size} rank {r}"));
         }
     }
 }
@@ -150,24 +130,14 @@ fn bytes_sent_follow_the_ring_formulas() {
             let t = tensor(input(comm.rank(), len));
             comm.all_reduce(t.clone(), ReduceOp::Sum).unwrap();
             comm.reduce_scatter(t.clone(), ReduceOp::Avg).unwrap();
-            comm.all_gather(tensor(input(comm.rank(), len / world_size)))
-                .unwrap();
+            comm.all_gather(tensor(input(comm.rank(), len / world_size))).unwrap();
             comm.stats()
         })
         .unwrap();
         for st in stats {
-            assert_eq!(
-                st.get(CollectiveKind::AllReduce).bytes_sent,
-                2 * (n - 1) * s / n
-            );
-            assert_eq!(
-                st.get(CollectiveKind::ReduceScatter).bytes_sent,
-                (n - 1) * s / n
-            );
-            assert_eq!(
-                st.get(CollectiveKind::AllGather).bytes_sent,
-                (n - 1) * s / n
-            );
+            assert_eq!(st.get(CollectiveKind::AllReduce).bytes_sent, 2 * (n - 1) * s / n);
+            assert_eq!(st.get(CollectiveKind::ReduceScatter).bytes_sent, (n - 1) * s / n);
+            assert_eq!(st.get(CollectiveKind::AllGather).bytes_sent, (n - 1) * s / n);
             assert_eq!(st.get(CollectiveKind::AllReduce).calls, 1);
         }
     }
@@ -178,16 +148,13 @@ fn mismatched_calls_are_errors_on_every_rank() {
     let start = Instant::now();
     let out = run_ranks(InProcessGroup::new(3).unwrap(), |comm| match comm.rank() {
         1 => comm.all_gather(tensor(vec![1.0; 4])).map(|_| ()),
-        _ => comm
-            .all_reduce(tensor(vec![1.0; 4]), ReduceOp::Sum)
-            .map(|_| ()),
+        _ => comm.all_reduce(tensor(vec![1.0; 4]), ReduceOp::Sum).map(|_| ()),
     })
     .unwrap();
     assert!(start.elapsed() < Duration::from_secs(10));
     assert!(out.iter().all(|r| r.is_err()), "{out:?}");
     assert!(
-        out.iter()
-            .any(|r| matches!(r, Err(CommError::Mismatch { .. }))),
+        out.iter().any(|r| matches!(r, Err(CommError::Mismatch { .. }))),
         "{out:?}"
     );
 }
@@ -195,8 +162,7 @@ fn mismatched_calls_are_errors_on_every_rank() {
 #[test]
 fn mismatched_lengths_are_errors() {
     let out = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
-        comm.all_reduce(tensor(vec![1.0; 4 + comm.rank()]), ReduceOp::Sum)
-            .err()
+        comm.all_reduce(tensor(vec![1.0; 4 + comm.rank()]), ReduceOp::Sum).err()
     })
     .unwrap();
     assert!(out.iter().all(Option::is_some), "{out:?}");
@@ -212,8 +178,7 @@ fn mismatched_lengths_are_errors() {
 #[test]
 fn a_length_not_divisible_by_world_size_is_an_error_naming_the_fix() {
     let out = run_ranks(InProcessGroup::new(4).unwrap(), |comm| {
-        comm.reduce_scatter(tensor(vec![1.0; 10]), ReduceOp::Sum)
-            .unwrap_err()
+        comm.reduce_scatter(tensor(vec![1.0; 10]), ReduceOp::Sum).unwrap_err()
     })
     .unwrap();
     assert!(matches!(
@@ -242,18 +207,12 @@ fn a_rank_that_panics_fails_the_others_quickly() {
     assert_eq!(failure.rank, 1);
     assert!(failure.message.contains("simulated crash"));
     assert_eq!(*results.lock().unwrap(), vec![true, true]);
-    assert!(
-        start.elapsed() < Duration::from_secs(10),
-        "took {:?}",
-        start.elapsed()
-    );
+    assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
 }
 
 #[test]
 fn a_silent_rank_is_a_timeout_not_a_hang() {
-    let group = InProcessGroup::new(2)
-        .unwrap()
-        .with_timeout(Duration::from_millis(200));
+    let group = InProcessGroup::new(2).unwrap().with_timeout(Duration::from_millis(200));
     let out = run_ranks(group, |comm| {
         if comm.rank() == 1 {
             std::thread::sleep(Duration::from_millis(800)); // alive, but never calls
@@ -263,14 +222,7 @@ fn a_silent_rank_is_a_timeout_not_a_hang() {
     })
     .unwrap();
     assert!(
-        matches!(
-            out[0],
-            Some(CommError::Timeout {
-                rank: 0,
-                peer: 1,
-                ..
-            })
-        ),
+        matches!(out[0], Some(CommError::Timeout { rank: 0, peer: 1, .. })),
         "{:?}",
         out[0]
     );
@@ -281,10 +233,7 @@ fn results_do_not_depend_on_thread_timing() {
     let run = |delays: [u64; 4]| {
         run_ranks(InProcessGroup::new(4).unwrap(), |comm| {
             std::thread::sleep(Duration::from_millis(delays[comm.rank()]));
-            host(
-                comm.all_reduce(tensor(input(comm.rank(), 33)), ReduceOp::Avg)
-                    .unwrap(),
-            )
+            host(comm.all_reduce(tensor(input(comm.rank(), 33)), ReduceOp::Avg).unwrap())
         })
         .unwrap()
     };

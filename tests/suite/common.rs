@@ -67,11 +67,7 @@ pub fn batch(step: usize, batch: usize) -> (Vec<f32>, Vec<f32>) {
     let y = (0..batch)
         .flat_map(|b| {
             let (x, teacher) = (&x, &teacher);
-            (0..OUT).map(move |o| {
-                (0..IN)
-                    .map(|i| x[b * IN + i] * teacher[i * OUT + o])
-                    .sum::<f32>()
-            })
+            (0..OUT).map(move |o| (0..IN).map(|i| x[b * IN + i] * teacher[i * OUT + o]).sum::<f32>())
         })
         .collect();
     (x, y)
@@ -92,8 +88,7 @@ pub fn params_of<M: Module>(module: &M) -> Vec<f32> {
     struct Collect(Vec<f32>);
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            self.0
-                .extend(p.val().into_data().convert::<f32>().iter::<f32>());
+            self.0.extend(p.val().into_data().convert::<f32>().iter::<f32>());
         }
     }
     let mut c = Collect(Vec::new());
@@ -129,8 +124,5 @@ pub fn reference_run(
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "compared buffers differ in length");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }

@@ -4,9 +4,7 @@
 
 use burn::module::Module;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{
-    AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer, SgdConfig,
-};
+use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::prelude::*;
 use burn_shard::{ShardConfig, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
@@ -55,12 +53,7 @@ fn sharded_run<O: Optimizer>(
     (losses, results.into_iter().map(|r| r.1).collect())
 }
 
-fn check_all<O: Optimizer>(
-    name: &str,
-    reference: ModuleOptimizer,
-    optim: O,
-    bucket_numel: Option<usize>,
-) {
+fn check_all<O: Optimizer>(name: &str, reference: ModuleOptimizer, optim: O, bucket_numel: Option<usize>) {
     let device = Device::flex().autodiff();
     device.seed(7);
     let base = TinyMlp::new(&device);
@@ -109,12 +102,7 @@ fn check_all<O: Optimizer>(
 
 #[test]
 fn adam_matches_single_device() {
-    check_all(
-        "Adam",
-        AdamConfig::new().init(),
-        AdamConfig::new().build(),
-        None,
-    );
+    check_all("Adam", AdamConfig::new().init(), AdamConfig::new().build(), None);
 }
 
 #[test]
@@ -164,10 +152,7 @@ fn ranks_start_from_rank_zero_parameters() {
 
 struct AddScalar(f32);
 impl burn::module::ModuleMapper for AddScalar {
-    fn map_float<const D: usize>(
-        &mut self,
-        p: burn::module::Param<Tensor<D>>,
-    ) -> burn::module::Param<Tensor<D>> {
+    fn map_float<const D: usize>(&mut self, p: burn::module::Param<Tensor<D>>) -> burn::module::Param<Tensor<D>> {
         let s = self.0;
         p.map(|t| (t.inner().add_scalar(s)).autodiff().require_grad())
     }
@@ -184,14 +169,22 @@ fn gpt_on_shakespeare_matches_single_device() {
 
     let text = include_str!("../../examples/data/tinyshakespeare.txt");
     let corpus = CharCorpus::new(&text[..20_000]);
-    let config = GptConfig { vocab_size: corpus.vocab_size(), block_size: 8, n_embd: 16, n_head: 2, n_layer: 1 };
+    let config = GptConfig {
+        vocab_size: corpus.vocab_size(),
+        block_size: 8,
+        n_embd: 16,
+        n_head: 2,
+        n_layer: 1,
+    };
     let device = Device::flex().autodiff();
     let base = Gpt::new(&config, &device);
     let optim_cfg = AdamWConfig::new().with_weight_decay(0.1);
     const STEPS: usize = 5;
     let batches: Vec<_> = {
         let mut rng = StdRng::seed_from_u64(3);
-        (0..STEPS).map(|_| sample_batch(&corpus.train, 4, 8, &mut rng, &device)).collect()
+        (0..STEPS)
+            .map(|_| sample_batch(&corpus.train, 4, 8, &mut rng, &device))
+            .collect()
     };
 
     let mut model = base.clone().fork(&device);
@@ -208,12 +201,20 @@ fn gpt_on_shakespeare_matches_single_device() {
     let out = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
         let rank = comm.rank();
         let device = Device::flex().autodiff();
-        let (mut model, mut optim) = ShardConfig::new(Stage::Two).init(base.clone().fork(&device), optim_cfg.build(), comm).unwrap();
+        let (mut model, mut optim) = ShardConfig::new(Stage::Two)
+            .init(base.clone().fork(&device), optim_cfg.build(), comm)
+            .unwrap();
         let mut losses = Vec::new();
         for (x, y) in &batches {
             let (x, y) = (x.clone().narrow(0, 2 * rank, 2), y.clone().narrow(0, 2 * rank, 2));
             let loss = model.loss(x, y);
-            losses.push(optim.comm().all_reduce(loss.clone().inner(), ReduceOp::Avg).unwrap().into_scalar::<f32>());
+            losses.push(
+                optim
+                    .comm()
+                    .all_reduce(loss.clone().inner(), ReduceOp::Avg)
+                    .unwrap()
+                    .into_scalar::<f32>(),
+            );
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(1e-2, model, grads).unwrap();
         }
@@ -221,7 +222,10 @@ fn gpt_on_shakespeare_matches_single_device() {
     })
     .unwrap();
     for (step, (a, b)) in out[0].0.iter().zip(&ref_losses).enumerate() {
-        assert!((a - b).abs() / b.abs() <= 1e-4, "GPT step {step}: loss {a} vs reference {b}");
+        assert!(
+            (a - b).abs() / b.abs() <= 1e-4,
+            "GPT step {step}: loss {a} vs reference {b}"
+        );
     }
     let diff = max_abs_diff(&out[0].1, &ref_params);
     assert!(diff <= 1e-4, "GPT: max |param - reference| = {diff:e}");

@@ -15,10 +15,7 @@ fn slots_follow_module_order_and_buckets_are_padded() {
     for world_size in 1..=5 {
         let layout = FlatLayout::from_module(&model, world_size, usize::MAX).unwrap();
         let paths: Vec<_> = layout.slots().iter().map(|s| s.path.as_str()).collect();
-        assert_eq!(
-            paths,
-            ["l1.weight", "l1.bias", "l2.weight", "l2.bias", "scale"]
-        );
+        assert_eq!(paths, ["l1.weight", "l1.bias", "l2.weight", "l2.bias", "scale"]);
         assert_eq!(layout.numel(), 5 * 7 + 7 + 7 * 3 + 3 + 1);
         let b = &layout.buckets()[0];
         assert_eq!(b.padded_numel % world_size, 0);
@@ -41,11 +38,7 @@ fn small_buckets_never_split_a_parameter() {
     let layout = FlatLayout::from_module(&TinyMlp::new(&device), 3, 10).unwrap();
     for s in layout.slots() {
         let b = &layout.buckets()[s.bucket];
-        assert!(
-            s.offset + s.numel <= b.numel,
-            "{} straddles its bucket",
-            s.path
-        );
+        assert!(s.offset + s.numel <= b.numel, "{} straddles its bucket", s.path);
     }
     // l1.weight (35) exceeds 10 and gets its own bucket.
     assert_eq!(layout.buckets()[0].numel, 35);
@@ -99,10 +92,7 @@ fn ranks_with_different_models_get_a_layout_mismatch() {
     .unwrap();
     for (rank, err) in results.into_iter().enumerate() {
         let err = err.unwrap_or_else(|| panic!("rank {rank} must fail"));
-        assert!(
-            matches!(err, ShardError::LayoutMismatch { .. }),
-            "rank {rank}: {err}"
-        );
+        assert!(matches!(err, ShardError::LayoutMismatch { .. }), "rank {rank}: {err}");
         assert!(err.to_string().contains("same model"));
     }
 }

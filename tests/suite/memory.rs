@@ -53,35 +53,16 @@ fn optimizer_state_and_gradients_follow_the_zero_formulas() {
     let pad = PSI.div_ceil(n) * n - PSI; // padding elements of the single bucket
     for r in reports(n, Stage::Zero) {
         assert_eq!(r.parameters_bytes, 4 * PSI);
-        assert_near(
-            r.optimizer_state_bytes,
-            8 * PSI,
-            8 * pad,
-            "stage 0 Adam state",
-        );
+        assert_near(r.optimizer_state_bytes, 8 * PSI, 8 * pad, "stage 0 Adam state");
         assert_near(r.gradients_bytes, 4 * PSI, 4 * pad, "stage 0 gradients");
     }
     for r in reports(n, Stage::One) {
-        assert_near(
-            r.optimizer_state_bytes,
-            8 * PSI / n,
-            8 * pad,
-            "stage 1 Adam state",
-        );
+        assert_near(r.optimizer_state_bytes, 8 * PSI / n, 8 * pad, "stage 1 Adam state");
         assert_near(r.gradients_bytes, 4 * PSI, 4 * pad, "stage 1 gradients");
     }
     for r in reports(n, Stage::Two) {
-        assert_eq!(
-            r.parameters_bytes,
-            4 * PSI,
-            "stage 2 keeps whole parameters"
-        );
-        assert_near(
-            r.optimizer_state_bytes,
-            8 * PSI / n,
-            8 * pad,
-            "stage 2 Adam state",
-        );
+        assert_eq!(r.parameters_bytes, 4 * PSI, "stage 2 keeps whole parameters");
+        assert_near(r.optimizer_state_bytes, 8 * PSI / n, 8 * pad, "stage 2 Adam state");
         assert_near(r.gradients_bytes, 4 * PSI / n, 4 * pad, "stage 2 gradients");
         assert!(
             r.temporary_peak_bytes >= 4 * PSI,

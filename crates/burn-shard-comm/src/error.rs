@@ -46,9 +46,7 @@ pub enum CommError {
         world_size: usize,
     },
     /// A peer dropped its handle or its thread panicked while this rank waited for it.
-    #[error(
-        "rank {peer} left the group (its thread ended or panicked) during {op}; see that rank's error"
-    )]
+    #[error("rank {peer} left the group (its thread ended or panicked) during {op}; see that rank's error")]
     PeerGone {
         /// The rank that disappeared.
         peer: usize,

@@ -71,10 +71,8 @@ impl InProcessGroup {
         let n = self.world_size;
         let shared = Arc::new(Shared::default());
         // Channel i carries messages from rank i to rank i+1.
-        let (senders, receivers): (Vec<_>, Vec<_>) =
-            (0..n).map(|_| mpsc::channel::<Message>()).unzip();
-        let mut receivers: Vec<Option<Receiver<Message>>> =
-            receivers.into_iter().map(Some).collect();
+        let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| mpsc::channel::<Message>()).unzip();
+        let mut receivers: Vec<Option<Receiver<Message>>> = receivers.into_iter().map(Some).collect();
         senders
             .into_iter()
             .enumerate()
@@ -85,11 +83,7 @@ impl InProcessGroup {
                     world_size: n,
                     timeout: self.timeout,
                     next,
-                    prev: Mutex::new(
-                        receivers[prev_rank]
-                            .take()
-                            .expect("each receiver is taken once"),
-                    ),
+                    prev: Mutex::new(receivers[prev_rank].take().expect("each receiver is taken once")),
                     seq: AtomicU64::new(0),
                     shared: shared.clone(),
                     stats: StatsCounter::default(),
@@ -116,11 +110,7 @@ impl Shared {
 
     fn check(&self) -> Result<(), CommError> {
         if self.aborted.load(Ordering::SeqCst) {
-            let reason = self
-                .reason
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone();
+            let reason = self.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
             return Err(CommError::Aborted(reason.unwrap_or_default()));
         }
         Ok(())
@@ -273,11 +263,7 @@ impl HostBuffer {
             .convert::<f32>()
             .try_into_vec::<f32>()
             .map_err(|e| CommError::UnsupportedDtype(format!("{dtype:?} ({e:?})")))?;
-        Ok(Self {
-            values,
-            dtype,
-            device,
-        })
+        Ok(Self { values, dtype, device })
     }
 
     fn into_tensor(values: Vec<f32>, dtype: DType, device: &Device) -> Tensor<1> {
@@ -298,12 +284,7 @@ impl InProcessComm {
     ) -> Result<T, CommError> {
         self.shared.check()?;
         let prev = self.prev.lock().unwrap_or_else(|p| p.into_inner());
-        let sig = CallSig {
-            kind,
-            len,
-            dtype,
-            root,
-        };
+        let sig = CallSig { kind, len, dtype, root };
         let mut call = Call {
             comm: self,
             prev: &prev,
@@ -373,13 +354,9 @@ impl Collective for InProcessComm {
                 world_size: n,
             }));
         }
-        let own = self.call(
-            CollectiveKind::ReduceScatter,
-            values.len(),
-            dtype,
-            0,
-            |link| ring::reduce_scatter(link, &mut values),
-        )?;
+        let own = self.call(CollectiveKind::ReduceScatter, values.len(), dtype, 0, |link| {
+            ring::reduce_scatter(link, &mut values)
+        })?;
         let mut out = values[own].to_vec();
         if op == ReduceOp::Avg {
             out.iter_mut().for_each(|v| *v /= n as f32);
@@ -388,11 +365,7 @@ impl Collective for InProcessComm {
     }
 
     fn all_gather(&self, tensor: Tensor<1>) -> Result<Tensor<1>, CommError> {
-        let HostBuffer {
-            values,
-            dtype,
-            device,
-        } = HostBuffer::read(tensor)?;
+        let HostBuffer { values, dtype, device } = HostBuffer::read(tensor)?;
         let (n, c) = (self.world_size, values.len());
         let mut full = vec![0.0f32; n * c];
         full[self.rank * c..(self.rank + 1) * c].copy_from_slice(&values);
@@ -409,18 +382,10 @@ impl Collective for InProcessComm {
                 world_size: self.world_size,
             }));
         }
-        let HostBuffer {
-            values,
-            dtype,
-            device,
-        } = HostBuffer::read(tensor)?;
-        let out = self.call(
-            CollectiveKind::Broadcast,
-            values.len(),
-            dtype,
-            root,
-            |link| ring::broadcast(link, values, root),
-        )?;
+        let HostBuffer { values, dtype, device } = HostBuffer::read(tensor)?;
+        let out = self.call(CollectiveKind::Broadcast, values.len(), dtype, root, |link| {
+            ring::broadcast(link, values, root)
+        })?;
         Ok(HostBuffer::into_tensor(out, dtype, &device))
     }
 

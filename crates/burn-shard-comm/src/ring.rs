@@ -29,10 +29,7 @@ pub(crate) fn chunk(len: usize, n: usize, i: usize) -> Range<usize> {
 }
 
 /// Ring reduce-scatter (sum) in place; returns the range of `buf` this rank now holds reduced.
-pub(crate) fn reduce_scatter(
-    link: &mut dyn RingLink,
-    buf: &mut [f32],
-) -> Result<Range<usize>, CommError> {
+pub(crate) fn reduce_scatter(link: &mut dyn RingLink, buf: &mut [f32]) -> Result<Range<usize>, CommError> {
     let (n, r, len) = (link.world_size(), link.rank(), buf.len());
     for step in 0..n - 1 {
         let send_c = (r + 2 * n - step - 1) % n;
@@ -62,11 +59,7 @@ pub(crate) fn all_gather(link: &mut dyn RingLink, buf: &mut [f32]) -> Result<(),
 }
 
 /// Pipelined ring broadcast from `root`: every rank but the last one before `root` forwards.
-pub(crate) fn broadcast(
-    link: &mut dyn RingLink,
-    buf: Vec<f32>,
-    root: usize,
-) -> Result<Vec<f32>, CommError> {
+pub(crate) fn broadcast(link: &mut dyn RingLink, buf: Vec<f32>, root: usize) -> Result<Vec<f32>, CommError> {
     let (n, r) = (link.world_size(), link.rank());
     let buf = if r == root { buf } else { link.recv()? };
     if (r + 1) % n != root {

@@ -74,10 +74,7 @@ impl ShardConfig {
         drop(values);
         let model = flat::scatter_into(model, &layout, &full);
         let layout = Arc::new(layout);
-        Ok((
-            model,
-            ShardedOptimizer::new(optim, comm, layout, self.stage),
-        ))
+        Ok((model, ShardedOptimizer::new(optim, comm, layout, self.stage)))
     }
 }
 
@@ -85,19 +82,10 @@ impl ShardConfig {
 /// on the first rank that differs.
 fn check_same_layout(comm: &dyn Collective, layout: &FlatLayout) -> Result<(), ShardError> {
     let ours = layout.fingerprint();
-    let pieces: Vec<f32> = (0..4)
-        .map(|i| ((ours >> (16 * i)) & 0xffff) as f32)
-        .collect();
+    let pieces: Vec<f32> = (0..4).map(|i| ((ours >> (16 * i)) & 0xffff) as f32).collect();
     let device = burn::tensor::Device::default();
-    let all = comm.all_gather(Tensor::<1>::from_data(
-        TensorData::new(pieces, [4]),
-        &device,
-    ))?;
-    let all: Vec<f32> = all
-        .into_data()
-        .convert::<f32>()
-        .try_to_vec()
-        .unwrap_or_default();
+    let all = comm.all_gather(Tensor::<1>::from_data(TensorData::new(pieces, [4]), &device))?;
+    let all: Vec<f32> = all.into_data().convert::<f32>().try_to_vec().unwrap_or_default();
     for (peer, p) in all.chunks(4).enumerate() {
         let theirs = p
             .iter()

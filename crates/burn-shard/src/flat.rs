@@ -16,10 +16,7 @@ use crate::layout::{Bucket, FlatLayout};
 pub(crate) type SlotValues = Vec<Option<Tensor<1>>>;
 
 /// Flat views of the trainable parameters' current values, in layout order.
-pub(crate) fn param_values<M: Module>(
-    module: &M,
-    layout: &FlatLayout,
-) -> Result<(SlotValues, Device), ShardError> {
+pub(crate) fn param_values<M: Module>(module: &M, layout: &FlatLayout) -> Result<(SlotValues, Device), ShardError> {
     let mut v = SlotVisitor::new(layout, None);
     module.visit(&mut v);
     v.finish()
@@ -53,10 +50,7 @@ pub(crate) fn assemble(
             continue;
         }
         let len = hi - lo;
-        let piece = match &values[layout
-            .slot_of(&slot.id)
-            .expect("slot ids index their own layout")]
-        {
+        let piece = match &values[layout.slot_of(&slot.id).expect("slot ids index their own layout")] {
             Some(t) if len == slot.numel => t.clone(),
             Some(t) => t.clone().narrow(0, lo - slot.offset, len),
             None => Tensor::zeros([len], device),
@@ -77,15 +71,8 @@ pub(crate) fn assemble(
 /// Replaces every trainable parameter of `module` with its elements of `full_buckets`
 /// (one `[padded_numel]` tensor per bucket), keeping ids, autodiff, require-grad and
 /// checkpointing settings. Each new value is a fresh autodiff leaf.
-pub(crate) fn scatter_into<M: Module>(
-    module: M,
-    layout: &FlatLayout,
-    full_buckets: &[Tensor<1>],
-) -> M {
-    let mut mapper = ScatterMapper {
-        layout,
-        full_buckets,
-    };
+pub(crate) fn scatter_into<M: Module>(module: M, layout: &FlatLayout, full_buckets: &[Tensor<1>]) -> M {
+    let mut mapper = ScatterMapper { layout, full_buckets };
     module.map(&mut mapper)
 }
 

@@ -68,11 +68,7 @@ impl FlatLayout {
     /// # Errors
     /// [`ShardError::NoTrainableParams`] when no float parameter requires grad;
     /// [`ShardError::InvalidConfig`] when `world_size` or `bucket_numel` is 0.
-    pub fn from_module<M: Module>(
-        module: &M,
-        world_size: usize,
-        bucket_numel: usize,
-    ) -> Result<Self, ShardError> {
+    pub fn from_module<M: Module>(module: &M, world_size: usize, bucket_numel: usize) -> Result<Self, ShardError> {
         if world_size == 0 || bucket_numel == 0 {
             return Err(ShardError::InvalidConfig(format!(
                 "world_size ({world_size}) and bucket_numel ({bucket_numel}) must be at least 1"

@@ -31,12 +31,7 @@ pub struct ShardedOptimizer<O: Optimizer> {
 }
 
 impl<O: Optimizer> ShardedOptimizer<O> {
-    pub(crate) fn new(
-        optim: O,
-        comm: Arc<dyn Collective>,
-        layout: Arc<FlatLayout>,
-        stage: Stage,
-    ) -> Self {
+    pub(crate) fn new(optim: O, comm: Arc<dyn Collective>, layout: Arc<FlatLayout>, stage: Stage) -> Self {
         let states = vec![None; layout.buckets().len()];
         Self {
             optim,
@@ -61,12 +56,7 @@ impl<O: Optimizer> ShardedOptimizer<O> {
     /// [`ShardError::Comm`] when a collective fails (the group is then aborted: stop training);
     /// [`ShardError::UnknownParam`] / [`ShardError::ShapeChanged`] when `model` is not the
     /// module returned by `init`.
-    pub fn step<M: Module>(
-        &mut self,
-        lr: LearningRate,
-        model: M,
-        mut grads: GradientsParams,
-    ) -> Result<M, ShardError> {
+    pub fn step<M: Module>(&mut self, lr: LearningRate, model: M, mut grads: GradientsParams) -> Result<M, ShardError> {
         let layout = self.layout.clone();
         let rank = self.comm.rank();
         let mut temp = PeakTracker::default();
@@ -76,16 +66,8 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         drop(grads);
         let mut reduced = Vec::with_capacity(layout.buckets().len());
         for bucket in layout.buckets() {
-            let flat = flat::assemble(
-                &layout,
-                bucket,
-                &grad_parts,
-                0..bucket.padded_numel,
-                &device,
-            );
-            grad_parts[bucket.slots.clone()]
-                .iter_mut()
-                .for_each(|g| *g = None);
+            let flat = flat::assemble(&layout, bucket, &grad_parts, 0..bucket.padded_numel, &device);
+            grad_parts[bucket.slots.clone()].iter_mut().for_each(|g| *g = None);
             let flat_bytes = tensor_bytes(&flat);
             temp.alloc(flat_bytes);
             let grad = if self.stage.shards_gradients() {
@@ -101,12 +83,7 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         // 2. Burn's optimizer on the owned range, then all-gather the updated shards.
         let (param_parts, _) = flat::param_values(&model, &layout)?;
         let mut full = Vec::with_capacity(layout.buckets().len());
-        for ((bucket, grad), state) in layout
-            .buckets()
-            .iter()
-            .zip(reduced)
-            .zip(self.states.iter_mut())
-        {
+        for ((bucket, grad), state) in layout.buckets().iter().zip(reduced).zip(self.states.iter_mut()) {
             let range = if self.stage.shards_optimizer_state() {
                 bucket.shard_range(rank)
             } else {

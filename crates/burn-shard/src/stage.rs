@@ -50,9 +50,7 @@ impl TryFrom<u8> for Stage {
             0 => Ok(Stage::Zero),
             1 => Ok(Stage::One),
             2 => Ok(Stage::Two),
-            _ => Err(ShardError::InvalidConfig(format!(
-                "stage must be 0, 1 or 2, got {n}"
-            ))),
+            _ => Err(ShardError::InvalidConfig(format!("stage must be 0, 1 or 2, got {n}"))),
         }
     }
 }
@@ -61,9 +59,10 @@ impl FromStr for Stage {
     type Err = ShardError;
 
     fn from_str(s: &str) -> Result<Self, ShardError> {
-        let n: u8 = s.trim().parse().map_err(|_| {
-            ShardError::InvalidConfig(format!("stage must be 0, 1 or 2, got `{s}`"))
-        })?;
+        let n: u8 = s
+            .trim()
+            .parse()
+            .map_err(|_| ShardError::InvalidConfig(format!("stage must be 0, 1 or 2, got `{s}`")))?;
         Stage::try_from(n)
     }
 }
