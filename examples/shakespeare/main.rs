@@ -26,7 +26,8 @@ struct Args {
     /// Number of ranks (threads); the global batch is split evenly between them.
     #[arg(long, default_value_t = 2)]
     world_size: usize,
-    /// ZeRO stage: 0 (data parallel), 1 (optimizer state sharded), 2 (+ gradients sharded).
+    /// ZeRO stage: 0 (data parallel), 1 (optimizer state sharded), 2 (+ gradients sharded),
+    /// 3 (+ parameters sharded, FSDP).
     #[arg(long, default_value_t = 2)]
     stage: u8,
     /// Optimizer steps.
@@ -102,7 +103,7 @@ fn run(args: Args) -> Result<(), String> {
         n_head: args.n_head,
         n_layer: args.n_layer,
     };
-    let device = Device::flex().autodiff();
+    let device = training_device(stage);
     device.seed(args.seed);
     let base = Gpt::new(&config, &device);
     println!(
@@ -147,6 +148,17 @@ fn run(args: Args) -> Result<(), String> {
     Ok(())
 }
 
+/// The autodiff device of every rank. At stage 3, Burn's balanced checkpointing lets the
+/// reshape that `Linear` applies to a gathered weight be recomputed like the gather itself, so
+/// no gathered weight outlives its use in forward. Parameters keep the strategy of the device
+/// they were created on, so the model is built on this device too.
+fn training_device(stage: Stage) -> Device {
+    match stage {
+        Stage::Three => Device::flex().autodiff().gradient_checkpointing(),
+        _ => Device::flex().autodiff(),
+    }
+}
+
 /// Learning rate at `step`: linear warm-up over the first 5% of steps, then cosine to 10% of `peak`.
 fn lr_at(step: usize, steps: usize, peak: f64) -> f64 {
     let warmup = (steps / 20).max(1);
@@ -186,7 +198,7 @@ fn train_rank(
     comm: burn_shard::comm::InProcessComm,
 ) -> Result<RankOutcome, ShardError> {
     let rank = comm.rank();
-    let device = Device::flex().autodiff();
+    let device = training_device(stage);
     let local_batch = args.batch_size / args.world_size;
     let optimizer = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1).build();
 
@@ -235,8 +247,10 @@ fn train_rank(
         bar.finish_and_clear();
     }
     let memory = optim.memory_report(&model);
+    // At stage 3 unsharding is a collective, so every rank takes part; then rank 0 samples.
+    let full = model.valid().materialize();
     let sample = (rank == 0).then(|| {
-        let eval = model.valid();
+        let eval = full;
         let mut rng = StdRng::seed_from_u64(args.seed);
         let prompt = corpus.encode("\n");
         let out = eval.generate(

@@ -92,7 +92,9 @@ impl Gpt {
         let mut x = self.tok.forward(idx) + self.pos.forward(pos);
         let mask = generate_autoregressive_mask(b, t, &device);
         for block in &self.blocks {
-            x = block.forward(x, mask.clone());
+            // Each block is a unit for stage 3 (FSDP): its gradients are reduce-scattered right
+            // after its backward. Without sharding this only runs the closure.
+            x = burn_shard::fsdp::unit(&x, || block.forward(x.clone(), mask.clone()));
         }
         self.head.forward(self.ln_f.forward(x))
     }

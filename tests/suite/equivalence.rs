@@ -198,36 +198,38 @@ fn gpt_on_shakespeare_matches_single_device() {
     }
     let ref_params = params_of(&model);
 
-    let out = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
-        let rank = comm.rank();
-        let device = Device::flex().autodiff();
-        let (mut model, mut optim) = ShardConfig::new(Stage::Two)
-            .init(base.clone().fork(&device), optim_cfg.build(), comm)
-            .unwrap();
-        let mut losses = Vec::new();
-        for (x, y) in &batches {
-            let (x, y) = (x.clone().narrow(0, 2 * rank, 2), y.clone().narrow(0, 2 * rank, 2));
-            let loss = model.loss(x, y);
-            losses.push(
-                optim
-                    .comm()
-                    .all_reduce(loss.clone().inner(), ReduceOp::Avg)
-                    .unwrap()
-                    .into_scalar::<f32>(),
+    for stage in [Stage::Two, Stage::Three] {
+        let out = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let rank = comm.rank();
+            let device = Device::flex().autodiff();
+            let (mut model, mut optim) = ShardConfig::new(stage)
+                .init(base.clone().fork(&device), optim_cfg.build(), comm)
+                .unwrap();
+            let mut losses = Vec::new();
+            for (x, y) in &batches {
+                let (x, y) = (x.clone().narrow(0, 2 * rank, 2), y.clone().narrow(0, 2 * rank, 2));
+                let loss = model.loss(x, y);
+                losses.push(
+                    optim
+                        .comm()
+                        .all_reduce(loss.clone().inner(), ReduceOp::Avg)
+                        .unwrap()
+                        .into_scalar::<f32>(),
+                );
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                model = optim.step(1e-2, model, grads).unwrap();
+            }
+            (losses, params_of(&model.materialize()))
+        })
+        .unwrap();
+        for (step, (a, b)) in out[0].0.iter().zip(&ref_losses).enumerate() {
+            assert!(
+                (a - b).abs() / b.abs() <= 1e-4,
+                "GPT stage {stage} step {step}: loss {a} vs reference {b}"
             );
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.step(1e-2, model, grads).unwrap();
         }
-        (losses, params_of(&model))
-    })
-    .unwrap();
-    for (step, (a, b)) in out[0].0.iter().zip(&ref_losses).enumerate() {
-        assert!(
-            (a - b).abs() / b.abs() <= 1e-4,
-            "GPT step {step}: loss {a} vs reference {b}"
-        );
+        let diff = max_abs_diff(&out[0].1, &ref_params);
+        assert!(diff <= 1e-4, "GPT stage {stage}: max |param - reference| = {diff:e}");
+        assert_eq!(out[0].1, out[1].1, "ranks hold identical GPT parameters");
     }
-    let diff = max_abs_diff(&out[0].1, &ref_params);
-    assert!(diff <= 1e-4, "GPT: max |param - reference| = {diff:e}");
-    assert_eq!(out[0].1, out[1].1, "ranks hold identical GPT parameters");
 }

@@ -5,3 +5,4 @@ mod common;
 mod equivalence;
 mod layout;
 mod memory;
+mod stage3;

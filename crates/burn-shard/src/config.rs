@@ -8,6 +8,8 @@ use burn::tensor::{Tensor, TensorData};
 use burn_shard_comm::Collective;
 
 use crate::flat;
+use crate::fsdp::context::FsdpContext;
+use crate::fsdp::sharded_param::Sharder;
 use crate::layout::FlatLayout;
 use crate::{ShardError, ShardedOptimizer, Stage};
 
@@ -31,6 +33,10 @@ pub struct ShardConfig {
     /// Maximum elements per bucket (a larger parameter gets its own bucket). Default
     /// [`DEFAULT_BUCKET_NUMEL`].
     pub bucket_numel: usize,
+    /// Stage 3 only: free each gathered parameter after forward and re-gather it in backward
+    /// (default `true`, FSDP's `reshard_after_forward`). `false` keeps gathered parameters
+    /// from forward to backward: more memory, one all-gather per parameter instead of two.
+    pub reshard_after_forward: bool,
 }
 
 impl ShardConfig {
@@ -39,7 +45,14 @@ impl ShardConfig {
         Self {
             stage,
             bucket_numel: DEFAULT_BUCKET_NUMEL,
+            reshard_after_forward: true,
         }
+    }
+
+    /// Stage 3: whether gathered parameters are freed after forward (default `true`).
+    pub fn with_reshard_after_forward(mut self, reshard_after_forward: bool) -> Self {
+        self.reshard_after_forward = reshard_after_forward;
+        self
     }
 
     /// Sets the maximum number of elements per bucket.
@@ -72,9 +85,17 @@ impl ShardConfig {
             full.push(comm.broadcast(mine, 0)?);
         }
         drop(values);
-        let model = flat::scatter_into(model, &layout, &full);
-        let layout = Arc::new(layout);
-        Ok((model, ShardedOptimizer::new(optim, comm, layout, self.stage)))
+        let model = flat::scatter_into(model, &layout, &full, &[]);
+        if self.stage != Stage::Three {
+            let layout = Arc::new(layout);
+            return Ok((model, ShardedOptimizer::new(optim, comm, layout, self.stage, None)));
+        }
+        // Stage 3: keep only this rank's shard of every parameter; `val()` gathers on demand.
+        // The optimizer then works on the local shards alone (their gradients arrive reduced).
+        let ctx = FsdpContext::new(comm.clone(), self.reshard_after_forward);
+        let model = model.apply_reparameterization(Sharder { ctx: ctx.clone() });
+        let local = Arc::new(FlatLayout::from_module(&model, 1, self.bucket_numel)?);
+        Ok((model, ShardedOptimizer::new(optim, comm, local, self.stage, Some(ctx))))
     }
 }
 

@@ -70,9 +70,14 @@ pub(crate) fn assemble(
 
 /// Replaces every trainable parameter of `module` with its elements of `full_buckets`
 /// (one `[padded_numel]` tensor per bucket), keeping ids, autodiff, require-grad and
-/// checkpointing settings. Each new value is a fresh autodiff leaf.
-pub(crate) fn scatter_into<M: Module>(module: M, layout: &FlatLayout, full_buckets: &[Tensor<1>]) -> M {
-    let mut mapper = ScatterMapper { layout, full_buckets };
+/// checkpointing settings. Each new value is a fresh autodiff leaf. Slots with `keep[i]` set
+/// keep their current value.
+pub(crate) fn scatter_into<M: Module>(module: M, layout: &FlatLayout, full_buckets: &[Tensor<1>], keep: &[bool]) -> M {
+    let mut mapper = ScatterMapper {
+        layout,
+        full_buckets,
+        keep,
+    };
     module.map(&mut mapper)
 }
 
@@ -156,11 +161,16 @@ impl ModuleVisitor for SlotVisitor<'_> {
 struct ScatterMapper<'a> {
     layout: &'a FlatLayout,
     full_buckets: &'a [Tensor<1>],
+    keep: &'a [bool],
 }
 
 impl ModuleMapper for ScatterMapper<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some(i) = self.layout.slot_of(&param.id) else {
+        let Some(i) = self
+            .layout
+            .slot_of(&param.id)
+            .filter(|&i| !self.keep.get(i).copied().unwrap_or(false))
+        else {
             return param;
         };
         let slot = &self.layout.slots()[i];

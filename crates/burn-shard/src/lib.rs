@@ -18,6 +18,7 @@
 mod config;
 mod error;
 mod flat;
+pub mod fsdp;
 mod layout;
 mod memory;
 mod optimizer;

@@ -21,7 +21,8 @@ pub struct MemoryReport {
     pub world_size: usize,
     /// ZeRO stage (0, 1 or 2).
     pub stage: u8,
-    /// Bytes of every float parameter of the module (trainable and frozen).
+    /// Bytes of every float parameter of the module (trainable and frozen); at stage 3 the
+    /// shards this rank stores.
     pub parameters_bytes: usize,
     /// Bytes of the reduced gradient buffers held while the last step ran the optimizer
     /// (whole buckets for stages 0-1, this rank's shards for stage 2).
@@ -30,6 +31,9 @@ pub struct MemoryReport {
     pub optimizer_state_bytes: usize,
     /// Peak bytes of transient buffers alive at once during the last step (the flat,
     /// not-yet-reduced gradient bucket, the parameter shard and the all-gathered bucket).
+    /// Stage 3: the peak over the forward, backward and step that preceded the report of the
+    /// gathered full parameters and full gradients alive at once (measured by liveness probes
+    /// on their buffers, sampled at every all-gather and reduce-scatter).
     pub temporary_peak_bytes: usize,
 }
 

@@ -4,9 +4,11 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::{GradientsParams, LearningRate, Optimizer, RecordState, StateSink};
+use burn::tensor::{Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, ReduceOp};
 
 use crate::flat::{self, tensor_bytes};
+use crate::fsdp::context::FsdpContext;
 use crate::layout::FlatLayout;
 use crate::memory::{MemoryReport, PeakTracker, module_param_bytes};
 use crate::{ShardError, Stage};
@@ -28,10 +30,18 @@ pub struct ShardedOptimizer<O: Optimizer> {
     states: Vec<Option<O::State<1>>>,
     gradients_bytes: usize,
     temporary_peak_bytes: usize,
+    /// Stage 3: what the model's gather ops share (their first error, transient probes).
+    fsdp: Option<FsdpContext>,
 }
 
 impl<O: Optimizer> ShardedOptimizer<O> {
-    pub(crate) fn new(optim: O, comm: Arc<dyn Collective>, layout: Arc<FlatLayout>, stage: Stage) -> Self {
+    pub(crate) fn new(
+        optim: O,
+        comm: Arc<dyn Collective>,
+        layout: Arc<FlatLayout>,
+        stage: Stage,
+        fsdp: Option<FsdpContext>,
+    ) -> Self {
         let states = vec![None; layout.buckets().len()];
         Self {
             optim,
@@ -41,6 +51,7 @@ impl<O: Optimizer> ShardedOptimizer<O> {
             states,
             gradients_bytes: 0,
             temporary_peak_bytes: 0,
+            fsdp,
         }
     }
 
@@ -60,20 +71,29 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         let layout = self.layout.clone();
         let rank = self.comm.rank();
         let mut temp = PeakTracker::default();
+        if let Some(fsdp) = &self.fsdp {
+            // Stage 3: the gradients were reduce-scattered inside backward; a collective that
+            // failed there left its error here.
+            if let Some(err) = fsdp.take_error() {
+                return Err(err.into());
+            }
+        }
 
         // 1. Reduce the gradients bucket by bucket; keep what this stage holds.
         let (mut grad_parts, device) = flat::take_grads(&model, &layout, &mut grads)?;
         drop(grads);
+        let keep = self.without_gradient(&grad_parts, &device)?;
         let mut reduced = Vec::with_capacity(layout.buckets().len());
         for bucket in layout.buckets() {
             let flat = flat::assemble(&layout, bucket, &grad_parts, 0..bucket.padded_numel, &device);
             grad_parts[bucket.slots.clone()].iter_mut().for_each(|g| *g = None);
             let flat_bytes = tensor_bytes(&flat);
             temp.alloc(flat_bytes);
-            let grad = if self.stage.shards_gradients() {
-                self.comm.reduce_scatter(flat, ReduceOp::Avg)?
-            } else {
-                self.comm.all_reduce(flat, ReduceOp::Avg)?
+            let grad = match self.stage {
+                Stage::Zero | Stage::One => self.comm.all_reduce(flat, ReduceOp::Avg)?,
+                Stage::Two => self.comm.reduce_scatter(flat, ReduceOp::Avg)?,
+                // The layout covers this rank's parameter shards, whose gradients are reduced.
+                Stage::Three => flat,
             };
             temp.free(flat_bytes);
             reduced.push(grad);
@@ -84,32 +104,57 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         let (param_parts, _) = flat::param_values(&model, &layout)?;
         let mut full = Vec::with_capacity(layout.buckets().len());
         for ((bucket, grad), state) in layout.buckets().iter().zip(reduced).zip(self.states.iter_mut()) {
-            let range = if self.stage.shards_optimizer_state() {
-                bucket.shard_range(rank)
-            } else {
-                0..bucket.padded_numel
+            let range = match self.stage {
+                Stage::One | Stage::Two => bucket.shard_range(rank),
+                Stage::Zero | Stage::Three => 0..bucket.padded_numel,
             };
             let grad = match self.stage {
                 Stage::One => grad.narrow(0, range.start, range.len()),
-                Stage::Zero | Stage::Two => grad,
+                Stage::Zero | Stage::Two | Stage::Three => grad,
             };
             let param = flat::assemble(&layout, bucket, &param_parts, range, &device);
             let param_bytes = tensor_bytes(&param);
             temp.alloc(param_bytes);
             let (param, new_state) = self.optim.step(lr, param, grad, state.take());
             *state = new_state;
-            let updated = if self.stage.shards_optimizer_state() {
-                self.comm.all_gather(param)?
-            } else {
-                param
+            let updated = match self.stage {
+                Stage::One | Stage::Two => self.comm.all_gather(param)?,
+                Stage::Zero | Stage::Three => param,
             };
             temp.free(param_bytes);
             temp.alloc(tensor_bytes(&updated));
             full.push(updated);
         }
         drop(param_parts);
-        self.temporary_peak_bytes = temp.peak();
-        Ok(flat::scatter_into(model, &layout, &full))
+        self.temporary_peak_bytes = match &self.fsdp {
+            // Stage 3: the gathered parameters and full gradients of the forward and backward
+            // that produced `grads` dominate; the step itself holds only shards.
+            Some(fsdp) => {
+                let peak = fsdp.transient_peak().max(temp.peak());
+                fsdp.reset_transient_peak();
+                peak
+            }
+            None => temp.peak(),
+        };
+        Ok(flat::scatter_into(model, &layout, &full, &keep))
+    }
+
+    /// Which slots received a gradient on no rank this step: like Burn's `ModuleOptimizer`,
+    /// the step leaves those parameters unchanged (weight decay included). At stages 0-2 a
+    /// rank cannot know alone, so the per-slot flags are all-reduced (one small collective of
+    /// `slots` elements); at stage 3 a gradient exists on every rank or on none.
+    fn without_gradient(&self, grads: &flat::SlotValues, device: &Device) -> Result<Vec<bool>, ShardError> {
+        let local: Vec<bool> = grads.iter().map(Option::is_none).collect();
+        if self.stage == Stage::Three || self.comm.world_size() == 1 {
+            return Ok(local);
+        }
+        let flags: Vec<f32> = grads.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }).collect();
+        let n = flags.len();
+        let summed = self
+            .comm
+            .all_reduce(Tensor::from_data(TensorData::new(flags, [n]), device), ReduceOp::Sum)?;
+        let summed: Vec<f32> = summed.into_data().convert::<f32>().iter::<f32>().collect();
+        Ok(summed.iter().map(|&c| c == 0.0).collect())
     }
 
     /// This rank's memory, measured from the tensors held now (`model`'s parameters and the

@@ -10,7 +10,7 @@ use crate::ShardError;
 ///
 /// Per-rank model-state bytes for `Ψ` fp32 parameters trained with Adam on `N` ranks:
 /// stage 0: `16Ψ` (params 4Ψ, grads 4Ψ, Adam moments 8Ψ); stage 1: `8Ψ + 8Ψ/N`;
-/// stage 2: `4Ψ + 12Ψ/N`.
+/// stage 2: `4Ψ + 12Ψ/N`; stage 3: `16Ψ/N`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Stage {
     /// Plain data parallelism: gradients all-reduced, everything replicated.
@@ -19,6 +19,10 @@ pub enum Stage {
     One,
     /// Optimizer state and gradients sharded; gradients reduce-scattered.
     Two,
+    /// Parameters sharded too (FSDP): each parameter is all-gathered when used and freed
+    /// after, re-gathered in backward, and its gradient reduce-scattered as soon as it is
+    /// complete. See [`crate::fsdp`].
+    Three,
 }
 
 impl Stage {
@@ -28,17 +32,23 @@ impl Stage {
             Stage::Zero => 0,
             Stage::One => 1,
             Stage::Two => 2,
+            Stage::Three => 3,
         }
     }
 
-    /// Whether the optimizer state (and the parameter shard it updates) is partitioned.
+    /// Whether the optimizer state is partitioned.
     pub fn shards_optimizer_state(self) -> bool {
         self >= Stage::One
     }
 
-    /// Whether gradients are reduce-scattered and only this rank's shard is kept.
+    /// Whether only this rank's shard of the gradients is kept.
     pub fn shards_gradients(self) -> bool {
         self >= Stage::Two
+    }
+
+    /// Whether only this rank's shard of the parameters is kept between uses.
+    pub fn shards_parameters(self) -> bool {
+        self >= Stage::Three
     }
 }
 
@@ -50,7 +60,10 @@ impl TryFrom<u8> for Stage {
             0 => Ok(Stage::Zero),
             1 => Ok(Stage::One),
             2 => Ok(Stage::Two),
-            _ => Err(ShardError::InvalidConfig(format!("stage must be 0, 1 or 2, got {n}"))),
+            3 => Ok(Stage::Three),
+            _ => Err(ShardError::InvalidConfig(format!(
+                "stage must be 0, 1, 2 or 3, got {n}"
+            ))),
         }
     }
 }
@@ -62,7 +75,7 @@ impl FromStr for Stage {
         let n: u8 = s
             .trim()
             .parse()
-            .map_err(|_| ShardError::InvalidConfig(format!("stage must be 0, 1 or 2, got `{s}`")))?;
+            .map_err(|_| ShardError::InvalidConfig(format!("stage must be 0, 1, 2 or 3, got `{s}`")))?;
         Stage::try_from(n)
     }
 }

@@ -1,0 +1,39 @@
+//! Buffer layouts of the stage-3 collectives: a parameter of `numel` elements is split into
+//! `world_size` chunks of `chunk = ceil(numel / N)` elements, the last one zero-padded.
+
+use burn::tensor::Tensor;
+
+use super::context::FsdpContext;
+
+/// This rank's `[chunk]` shard -> the full `[numel]` parameter (padding dropped).
+/// On a collective error the error is recorded and zeros are returned (the step then fails).
+pub(crate) fn all_gather_full(ctx: &FsdpContext, shard: Tensor<1>, numel: usize) -> Tensor<1> {
+    let device = shard.device();
+    match ctx.comm().all_gather(shard) {
+        Ok(full) if full.dims()[0] == numel => full,
+        Ok(full) => full.narrow(0, 0, numel),
+        Err(e) => {
+            ctx.record_error(e);
+            Tensor::zeros([numel], &device)
+        }
+    }
+}
+
+/// The full `[numel]` gradient -> this rank's `[chunk]` shard of its mean over ranks.
+pub(crate) fn reduce_scatter_grad(ctx: &FsdpContext, full: Tensor<1>, chunk: usize) -> Tensor<1> {
+    let device = full.device();
+    let n = ctx.comm().world_size();
+    let numel = full.dims()[0];
+    let padded = if numel == chunk * n {
+        full
+    } else {
+        Tensor::cat(vec![full, Tensor::zeros([chunk * n - numel], &device)], 0)
+    };
+    match ctx.comm().reduce_scatter(padded, burn_shard_comm::ReduceOp::Avg) {
+        Ok(shard) => shard,
+        Err(e) => {
+            ctx.record_error(e);
+            Tensor::zeros([chunk], &device)
+        }
+    }
+}

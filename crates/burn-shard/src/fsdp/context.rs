@@ -1,0 +1,102 @@
+//! Per-rank state shared by every stage-3 op of one model.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, Weak};
+
+use burn_shard_comm::{Collective, CommError};
+
+/// Shared by the sharded parameters of one model on one rank. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct FsdpContext(Arc<Inner>);
+
+struct Inner {
+    comm: Arc<dyn Collective>,
+    reshard_after_forward: bool,
+    first_error: Mutex<Option<CommError>>,
+    transient: Mutex<TransientProbes>,
+}
+
+impl fmt::Debug for FsdpContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FsdpContext")
+            .field("rank", &self.0.comm.rank())
+            .field("world_size", &self.0.comm.world_size())
+            .field("reshard_after_forward", &self.0.reshard_after_forward)
+            .finish()
+    }
+}
+
+impl FsdpContext {
+    pub(crate) fn new(comm: Arc<dyn Collective>, reshard_after_forward: bool) -> Self {
+        Self(Arc::new(Inner {
+            comm,
+            reshard_after_forward,
+            first_error: Mutex::new(None),
+            transient: Mutex::new(TransientProbes::default()),
+        }))
+    }
+
+    pub(crate) fn comm(&self) -> &dyn Collective {
+        self.0.comm.as_ref()
+    }
+
+    /// Whether gathered parameters are freed after forward and re-gathered in backward
+    /// (FSDP's `reshard_after_forward=True`, the default) or kept until backward.
+    pub(crate) fn reshard_after_forward(&self) -> bool {
+        self.0.reshard_after_forward
+    }
+
+    /// Ops cannot return errors through Burn's autodiff: they record the first one here and
+    /// [`ShardedOptimizer::step`](crate::ShardedOptimizer::step) returns it.
+    pub(crate) fn record_error(&self, err: CommError) {
+        let mut slot = self.0.first_error.lock().unwrap_or_else(|p| p.into_inner());
+        tracing::error!(rank = self.0.comm.rank(), "stage-3 collective failed: {err}");
+        slot.get_or_insert(err);
+    }
+
+    pub(crate) fn take_error(&self) -> Option<CommError> {
+        self.0.first_error.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// Watches a transient buffer (a gathered parameter or a full gradient) of `bytes` bytes,
+    /// alive as long as `alive` can be upgraded, and updates the peak.
+    pub(crate) fn watch_transient<T: Send + Sync + 'static>(&self, alive: Weak<T>, bytes: usize) {
+        let mut t = self.0.transient.lock().unwrap_or_else(|p| p.into_inner());
+        t.watch(Box::new(move || alive.strong_count() > 0), bytes);
+    }
+
+    /// Peak bytes of watched transient buffers alive at once since the last reset.
+    pub(crate) fn transient_peak(&self) -> usize {
+        self.0.transient.lock().unwrap_or_else(|p| p.into_inner()).peak
+    }
+
+    pub(crate) fn reset_transient_peak(&self) {
+        let mut t = self.0.transient.lock().unwrap_or_else(|p| p.into_inner());
+        t.prune();
+        t.peak = t.live();
+    }
+}
+
+/// Liveness probes of transient buffers, sampled whenever a new one appears (after each
+/// all-gather and at each reduce-scatter), which is when the transient set is largest.
+#[derive(Default)]
+struct TransientProbes {
+    probes: Vec<(Box<dyn Fn() -> bool + Send>, usize)>,
+    peak: usize,
+}
+
+impl TransientProbes {
+    fn prune(&mut self) {
+        self.probes.retain(|(alive, _)| alive());
+    }
+
+    fn live(&self) -> usize {
+        self.probes.iter().map(|(_, b)| b).sum()
+    }
+
+    fn watch(&mut self, alive: Box<dyn Fn() -> bool + Send>, bytes: usize) {
+        self.prune();
+        self.probes.push((alive, bytes));
+        self.peak = self.peak.max(self.live());
+    }
+}

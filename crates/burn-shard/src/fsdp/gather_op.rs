@@ -1,0 +1,253 @@
+//! The stage-3 autodiff op: a differentiable all-gather of a parameter shard.
+//!
+//! Forward: all-gather the shard into the full parameter. Backward: the gradient of the full
+//! parameter, once every consumer has added its part, is reduce-scattered into the shard's
+//! gradient (mean over ranks). The op is registered *memory-bound* with a retro-forward: a
+//! consumer that needs the full weight in its own backward (a matmul) records "recompute"
+//! instead of keeping the buffer, and the retro-forward re-gathers it from the shard when
+//! backward reaches it. The full weight therefore lives only while it is used.
+//!
+//! The op forces Burn's balanced checkpointing for itself only (not for the whole device), so
+//! activations are saved as usual while gathered weights are recomputed (approach "C" of
+//! `../shared/notes/zero3-in-burn.md`). With `reshard_after_forward = false` it is
+//! compute-bound instead: consumers keep the gathered weight until backward and nothing is
+//! re-gathered (ZeRO-2-like memory, two thirds of the traffic).
+//!
+//! When a [`unit`](super::unit) scope is active, the unit's input is a second, gradient-less
+//! parent. The op's depth in the graph then follows the unit, and Burn's backward, which runs
+//! nodes by decreasing depth, reduce-scatters the unit's gradients right after the unit's
+//! backward instead of at the very end.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use burn::backend::autodiff::{
+    Autodiff, NodeId,
+    checkpoint::{
+        base::Checkpointer,
+        retro_forward::RetroForward,
+        state::BackwardStates,
+        strategy::{BalancedCheckpointing, CheckpointStrategy},
+    },
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind, unary},
+};
+use burn::backend::flex::FlexTensor;
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Flex, backend_extension};
+use burn::tensor::{Shape, Tensor};
+
+use super::collectives::{all_gather_full, reduce_scatter_grad};
+use super::context::FsdpContext;
+
+/// What one gather needs: the shared context and the parameter's shapes.
+#[derive(Clone, Debug)]
+pub struct GatherSpec {
+    pub(crate) ctx: FsdpContext,
+    /// Shape of the full parameter.
+    pub(crate) full_shape: Shape,
+    /// Shape of this rank's shard: `[1, .., 1, chunk]` (same rank as the parameter).
+    pub(crate) shard_shape: Shape,
+    /// Elements of the full parameter.
+    pub(crate) numel: usize,
+    /// Elements of each rank's shard, `ceil(numel / world_size)`.
+    pub(crate) chunk: usize,
+}
+
+/// The stage-3 collectives as backend operations (CPU `Flex` backend; the autodiff decorator
+/// adds the backward pass).
+#[backend_extension(Autodiff, Flex)]
+pub trait FsdpOps: Backend {
+    /// `shard` (`spec.shard_shape`) -> the full parameter (`spec.full_shape`).
+    fn fsdp_all_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
+    /// As [`FsdpOps::fsdp_all_gather`], ordered after `unit_input` in the autodiff graph.
+    fn fsdp_all_gather_in_unit(
+        shard: FloatTensor<Self>,
+        unit_input: FloatTensor<Self>,
+        spec: GatherSpec,
+    ) -> FloatTensor<Self>;
+    /// The full gradient (`spec.full_shape`) -> this rank's shard of its mean over ranks.
+    fn fsdp_reduce_scatter(full: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
+}
+
+impl FsdpOps for Flex {
+    fn fsdp_all_gather(shard: FlexTensor, spec: GatherSpec) -> FlexTensor {
+        let flat = Tensor::<1>::from_primitive::<Flex>(Flex::float_reshape(shard, Shape::new([spec.chunk])));
+        let full = all_gather_full(&spec.ctx, flat, spec.numel);
+        let full = full.try_into_primitive::<Flex>().expect("a Flex tensor stays on Flex");
+        let full = Flex::float_reshape(full, spec.full_shape.clone());
+        spec.ctx
+            .watch_transient(Arc::downgrade(&full.data_arc()), spec.numel * full.dtype().size());
+        full
+    }
+
+    fn fsdp_all_gather_in_unit(shard: FlexTensor, _unit_input: FlexTensor, spec: GatherSpec) -> FlexTensor {
+        Self::fsdp_all_gather(shard, spec)
+    }
+
+    fn fsdp_reduce_scatter(full: FlexTensor, spec: GatherSpec) -> FlexTensor {
+        spec.ctx
+            .watch_transient(Arc::downgrade(&full.data_arc()), spec.numel * full.dtype().size());
+        let flat = Tensor::<1>::from_primitive::<Flex>(Flex::float_reshape(full, Shape::new([spec.numel])));
+        let shard = reduce_scatter_grad(&spec.ctx, flat, spec.chunk);
+        let shard = shard.try_into_primitive::<Flex>().expect("a Flex tensor stays on Flex");
+        Flex::float_reshape(shard, spec.shard_shape.clone())
+    }
+}
+
+impl<B: Backend + FsdpOps, C: CheckpointStrategy> FsdpOps for Autodiff<B, C> {
+    fn fsdp_all_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+        if spec.ctx.reshard_after_forward() {
+            gather::<B, BalancedCheckpointing>(shard, spec)
+        } else {
+            gather_kept::<B, C>(shard, spec)
+        }
+    }
+
+    fn fsdp_all_gather_in_unit(
+        shard: FloatTensor<Self>,
+        unit_input: FloatTensor<Self>,
+        spec: GatherSpec,
+    ) -> FloatTensor<Self> {
+        if spec.ctx.reshard_after_forward() {
+            gather_in_unit::<B, BalancedCheckpointing>(shard, unit_input, spec)
+        } else {
+            drop(unit_input);
+            gather_kept::<B, C>(shard, spec)
+        }
+    }
+
+    fn fsdp_reduce_scatter(_full: FloatTensor<Self>, _spec: GatherSpec) -> FloatTensor<Self> {
+        // Reduce-scatters run inside backward, on the inner backend; this crate never calls
+        // this entry point on an autodiff tensor.
+        unreachable!("fsdp_reduce_scatter is only called on the inner backend")
+    }
+}
+
+/// Backward of the one-parent gather: reduce-scatter the complete full gradient.
+#[derive(Debug)]
+struct GatherBackward;
+
+impl<B: Backend + FsdpOps> Backward<B, 1> for GatherBackward {
+    type State = GatherSpec;
+
+    fn backward(self, ops: Ops<GatherSpec, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let spec = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| B::fsdp_reduce_scatter(grad, spec));
+    }
+}
+
+/// Backward of the gather inside a unit: same, and the unit input gets no gradient from it.
+#[derive(Debug)]
+struct GatherInUnitBackward;
+
+impl<B: Backend + FsdpOps> Backward<B, 2> for GatherInUnitBackward {
+    type State = GatherSpec;
+
+    fn backward(self, ops: Ops<GatherSpec, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [shard, _unit_input] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(shard) = shard {
+            grads.register::<B>(shard.id, B::fsdp_reduce_scatter(grad, ops.state));
+        }
+    }
+}
+
+/// Re-gathers the full parameter from the saved shard when backward needs it.
+#[derive(Debug)]
+struct Regather<B> {
+    shard: NodeId,
+    /// The unit input, when it is a checkpointed parent: its state was counted for this node
+    /// and must be consumed once to keep the checkpointer's counts balanced.
+    unit_input: Option<NodeId>,
+    spec: GatherSpec,
+    _backend: PhantomData<B>,
+}
+
+impl<B: Backend + FsdpOps> RetroForward for Regather<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        if let Some(input) = self.unit_input {
+            let _ = states.get_state::<B::FloatTensorPrimitive>(&input);
+        }
+        let shard = states.get_state::<B::FloatTensorPrimitive>(&self.shard);
+        states.save(out_node, B::fsdp_all_gather(shard, self.spec.clone()));
+    }
+}
+
+/// Memory-bound gather with no unit.
+fn gather<B: Backend + FsdpOps, C: CheckpointStrategy>(
+    shard: FloatTensor<Autodiff<B, C>>,
+    spec: GatherSpec,
+) -> FloatTensor<Autodiff<B, C>> {
+    let retro = Regather::<B> {
+        shard: shard.id(),
+        unit_input: None,
+        spec: spec.clone(),
+        _backend: PhantomData,
+    };
+    let prep = <GatherBackward as Backward<B, 1>>::prepare::<C>(GatherBackward, [shard.node()])
+        .memory_bound()
+        .retro_forward(retro)
+        .parents([&shard])
+        .stateful();
+    match prep {
+        OpsKind::Tracked(prep) => {
+            let out = B::fsdp_all_gather(shard.into_primitive(), spec.clone());
+            prep.finish(spec, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(B::fsdp_all_gather(shard.into_primitive(), spec)),
+    }
+}
+
+/// Memory-bound gather ordered after the unit input.
+fn gather_in_unit<B: Backend + FsdpOps, C: CheckpointStrategy>(
+    shard: FloatTensor<Autodiff<B, C>>,
+    unit_input: FloatTensor<Autodiff<B, C>>,
+    spec: GatherSpec,
+) -> FloatTensor<Autodiff<B, C>> {
+    let input_tracked = unit_input.is_tracked();
+    let retro = Regather::<B> {
+        shard: shard.id(),
+        unit_input: input_tracked.then(|| unit_input.id()),
+        spec: spec.clone(),
+        _backend: PhantomData,
+    };
+    let prep =
+        <GatherInUnitBackward as Backward<B, 2>>::prepare::<C>(GatherInUnitBackward, [shard.node(), unit_input.node()])
+            .memory_bound()
+            .retro_forward(retro)
+            // An untracked parent here would make the checkpointer give up and save the full
+            // weight: list the unit input only when it is tracked.
+            .parents(if input_tracked {
+                vec![&shard, &unit_input]
+            } else {
+                vec![&shard]
+            })
+            .stateful();
+    drop(unit_input);
+    match prep {
+        OpsKind::Tracked(prep) => {
+            let out = B::fsdp_all_gather(shard.into_primitive(), spec.clone());
+            prep.finish(spec, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(B::fsdp_all_gather(shard.into_primitive(), spec)),
+    }
+}
+
+/// Compute-bound gather (`reshard_after_forward = false`): consumers keep the full weight.
+fn gather_kept<B: Backend + FsdpOps, C: CheckpointStrategy>(
+    shard: FloatTensor<Autodiff<B, C>>,
+    spec: GatherSpec,
+) -> FloatTensor<Autodiff<B, C>> {
+    let prep = <GatherBackward as Backward<B, 1>>::prepare::<C>(GatherBackward, [shard.node()])
+        .compute_bound()
+        .stateful();
+    match prep {
+        OpsKind::Tracked(prep) => {
+            let out = B::fsdp_all_gather(shard.into_primitive(), spec.clone());
+            prep.finish(spec, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(B::fsdp_all_gather(shard.into_primitive(), spec)),
+    }
+}

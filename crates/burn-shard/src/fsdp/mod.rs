@@ -1,0 +1,22 @@
+//! Stage 3 (FSDP): parameters sharded too, all-gathered per use and freed after it.
+//!
+//! The decomposition follows PyTorch FSDP2's:
+//! - [`sharded_param`]: one parameter's sharded state (its shard leaf, full shape, how to
+//!   unshard it), attached to Burn's `Param` as a `Reparameterization`, so `param.val()`
+//!   all-gathers just in time and model code stays unchanged;
+//! - [`gather_op`]: the autodiff op that hooks the collectives into forward and backward
+//!   (all-gather forward, re-gather in backward instead of keeping the full weight,
+//!   reduce-scatter of the gradient as soon as it is complete);
+//! - [`collectives`]: the buffer layouts of those collectives (padding, flattening), nothing else;
+//! - [`unit`]: marking a unit (e.g. a transformer block) so its reduce-scatters run right after
+//!   its backward instead of at the end of the whole backward pass;
+//! - [`context`]: what the ops share per rank: the collective, the first error, and the
+//!   transient-memory probes.
+
+pub(crate) mod collectives;
+pub(crate) mod context;
+pub(crate) mod gather_op;
+pub(crate) mod sharded_param;
+pub mod unit;
+
+pub use unit::unit;
