@@ -84,6 +84,9 @@ fn main() {
 
 fn run(args: Args) -> Result<(), String> {
     let stage = Stage::try_from(args.stage).map_err(|e| e.to_string())?;
+    if args.eval_interval == 0 || args.eval_batches == 0 || args.steps == 0 {
+        return Err("--steps, --eval-interval and --eval-batches must be at least 1".into());
+    }
     if args.world_size == 0 || args.batch_size % args.world_size != 0 {
         return Err(format!(
             "--batch-size {} must be a positive multiple of --world-size {}",
@@ -96,6 +99,14 @@ fn run(args: Args) -> Result<(), String> {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tinyshakespeare.txt"));
     let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let corpus = CharCorpus::new(&text);
+    if corpus.val.len() <= args.block_size + 1 {
+        return Err(format!(
+            "{} is too short for --block-size {}: its 10% validation split has {} characters",
+            path.display(),
+            args.block_size,
+            corpus.val.len()
+        ));
+    }
     let config = GptConfig {
         vocab_size: corpus.vocab_size(),
         block_size: args.block_size,
@@ -202,7 +213,8 @@ fn train_rank(
     let local_batch = args.batch_size / args.world_size;
     let optimizer = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1).build();
 
-    // The one call: shard the optimizer state (and gradients at stage 2) over the ranks.
+    // The one call: shard the optimizer state (stage 1), gradients (stage 2) and parameters
+    // (stage 3) over the ranks.
     let (mut model, mut optim) = ShardConfig::new(stage).init(base.clone().fork(&device), optimizer, comm)?;
 
     let bar = (rank == 0).then(|| {

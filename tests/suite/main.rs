@@ -3,6 +3,7 @@
 mod comm;
 mod common;
 mod equivalence;
+mod fused_adam;
 mod layout;
 mod memory;
 mod stage3;

@@ -59,4 +59,9 @@ pub trait Collective: Send + Sync {
 
     /// Bytes sent and calls made by this rank so far, per collective.
     fn stats(&self) -> CommStats;
+
+    /// Aborts the group: every rank blocked in a collective, and every later call, returns
+    /// [`CommError::Aborted`] carrying `reason`. Called when a rank fails on its own, so the
+    /// others do not wait for it until the timeout.
+    fn abort(&self, reason: &str);
 }

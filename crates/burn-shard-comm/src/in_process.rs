@@ -401,4 +401,8 @@ impl Collective for InProcessComm {
     fn stats(&self) -> CommStats {
         self.stats.snapshot()
     }
+
+    fn abort(&self, reason: &str) {
+        self.shared.abort(reason.to_string());
+    }
 }

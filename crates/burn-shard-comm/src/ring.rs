@@ -58,7 +58,8 @@ pub(crate) fn all_gather(link: &mut dyn RingLink, buf: &mut [f32]) -> Result<(),
     Ok(())
 }
 
-/// Pipelined ring broadcast from `root`: every rank but the last one before `root` forwards.
+/// Ring broadcast from `root`: each rank but the one before `root` forwards the whole buffer
+/// to its successor ((N-1)·S bytes in all; not chunk-pipelined).
 pub(crate) fn broadcast(link: &mut dyn RingLink, buf: Vec<f32>, root: usize) -> Result<Vec<f32>, CommError> {
     let (n, r) = (link.world_size(), link.rank());
     let buf = if r == root { buf } else { link.recv()? };

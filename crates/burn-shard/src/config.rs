@@ -75,17 +75,36 @@ impl ShardConfig {
         comm: C,
     ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
         let comm: Arc<dyn Collective> = Arc::new(comm);
-        let layout = FlatLayout::from_module(&model, comm.world_size(), self.bucket_numel)?;
-        check_same_layout(comm.as_ref(), &layout)?;
+        let result = self.init_with(model, optim, comm.clone());
+        if let Err(e) = &result {
+            // A rank that fails alone (bad model) must not leave the others waiting.
+            comm.abort(&format!("rank {} failed in ShardConfig::init: {e}", comm.rank()));
+        }
+        result
+    }
 
-        let (values, device) = flat::param_values(&model, &layout)?;
-        let mut full = Vec::with_capacity(layout.buckets().len());
-        for bucket in layout.buckets() {
-            let mine = flat::assemble(&layout, bucket, &values, 0..bucket.padded_numel, &device);
+    fn init_with<M: Module, O: Optimizer>(
+        &self,
+        model: M,
+        optim: O,
+        comm: Arc<dyn Collective>,
+    ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
+        let layout = FlatLayout::from_module(&model, comm.world_size(), self.bucket_numel)?;
+        // Frozen parameters are not trained but must be identical too: broadcast everything.
+        let everything = FlatLayout::with_frozen(&model, comm.world_size(), self.bucket_numel)?;
+        check_same_layout(
+            comm.as_ref(),
+            layout.fingerprint() ^ everything.fingerprint().rotate_left(1),
+        )?;
+
+        let (values, device) = flat::param_values(&model, &everything)?;
+        let mut full = Vec::with_capacity(everything.buckets().len());
+        for bucket in everything.buckets() {
+            let mine = flat::assemble(&everything, bucket, &values, 0..bucket.padded_numel, &device);
             full.push(comm.broadcast(mine, 0)?);
         }
         drop(values);
-        let model = flat::scatter_into(model, &layout, &full, &[]);
+        let model = flat::scatter_into(model, &everything, &full, &[]);
         if self.stage != Stage::Three {
             let layout = Arc::new(layout);
             return Ok((model, ShardedOptimizer::new(optim, comm, layout, self.stage, None)));
@@ -101,12 +120,11 @@ impl ShardConfig {
 
 /// All-gathers every rank's layout fingerprint (as four exact 16-bit pieces in f32) and fails
 /// on the first rank that differs.
-fn check_same_layout(comm: &dyn Collective, layout: &FlatLayout) -> Result<(), ShardError> {
-    let ours = layout.fingerprint();
+fn check_same_layout(comm: &dyn Collective, ours: u64) -> Result<(), ShardError> {
     let pieces: Vec<f32> = (0..4).map(|i| ((ours >> (16 * i)) & 0xffff) as f32).collect();
     let device = burn::tensor::Device::default();
     let all = comm.all_gather(Tensor::<1>::from_data(TensorData::new(pieces, [4]), &device))?;
-    let all: Vec<f32> = all.into_data().convert::<f32>().try_to_vec().unwrap_or_default();
+    let all: Vec<f32> = all.into_data().convert::<f32>().iter::<f32>().collect();
     for (peer, p) in all.chunks(4).enumerate() {
         let theirs = p
             .iter()

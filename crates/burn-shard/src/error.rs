@@ -50,6 +50,17 @@ pub enum ShardError {
         /// Shape found now.
         found: Vec<usize>,
     },
+    /// Two module fields hold the same parameter (same `ParamId`), e.g. a weight tied by
+    /// `clone()`. Use one field and read it twice instead (`param.val()` in both places).
+    #[error(
+        "parameters `{first}` and `{second}` share one ParamId; tie weights by using one Param in two places, not by cloning it into two fields"
+    )]
+    DuplicateParam {
+        /// Path of the first field.
+        first: String,
+        /// Path of the second field.
+        second: String,
+    },
     /// A configuration value is out of range.
     #[error("invalid sharding configuration: {0}")]
     InvalidConfig(String),

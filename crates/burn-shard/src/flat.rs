@@ -43,14 +43,14 @@ pub(crate) fn assemble(
     device: &Device,
 ) -> Tensor<1> {
     let mut pieces = Vec::new();
-    for slot in &layout.slots()[bucket.slots.clone()] {
+    for (index, slot) in bucket.slots.clone().zip(&layout.slots()[bucket.slots.clone()]) {
         let lo = range.start.max(slot.offset);
         let hi = range.end.min(slot.offset + slot.numel);
         if lo >= hi {
             continue;
         }
         let len = hi - lo;
-        let piece = match &values[layout.slot_of(&slot.id).expect("slot ids index their own layout")] {
+        let piece = match &values[index] {
             Some(t) if len == slot.numel => t.clone(),
             Some(t) => t.clone().narrow(0, lo - slot.offset, len),
             None => Tensor::zeros([len], device),
@@ -126,14 +126,17 @@ impl ModuleVisitor for SlotVisitor<'_> {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if self.error.is_some() || !param.is_require_grad() {
+        if self.error.is_some() {
             return;
         }
         let Some(i) = self.layout.slot_of(&param.id) else {
-            self.error = Some(ShardError::UnknownParam {
-                path: self.path.join("."),
-                id: param.id.to_string(),
-            });
+            // Frozen parameters are outside the training layout; a trainable one must be in it.
+            if param.is_require_grad() {
+                self.error = Some(ShardError::UnknownParam {
+                    path: self.path.join("."),
+                    id: param.id.to_string(),
+                });
+            }
             return;
         };
         let slot = &self.layout.slots()[i];
@@ -175,10 +178,16 @@ impl ModuleMapper for ScatterMapper<'_> {
         };
         let slot = &self.layout.slots()[i];
         let (id, old, mapper) = param.consume();
-        let flat = self.full_buckets[slot.bucket]
-            .clone()
-            .narrow(0, slot.offset, slot.numel);
-        let mut value: Tensor<D> = flat.reshape(Shape::from(slot.shape.clone()));
+        let shape = Shape::from(slot.shape.clone());
+        let mut value: Tensor<D> = if slot.numel == 0 {
+            // Burn's narrow rejects empty ranges; an empty parameter stays empty.
+            Tensor::zeros(shape, &self.full_buckets[slot.bucket].device())
+        } else {
+            self.full_buckets[slot.bucket]
+                .clone()
+                .narrow(0, slot.offset, slot.numel)
+                .reshape(shape)
+        };
         if old.is_autodiff() {
             let strategy = old.gradient_checkpointing_strategy();
             value = value.autodiff();

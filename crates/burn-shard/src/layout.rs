@@ -69,12 +69,34 @@ impl FlatLayout {
     /// [`ShardError::NoTrainableParams`] when no float parameter requires grad;
     /// [`ShardError::InvalidConfig`] when `world_size` or `bucket_numel` is 0.
     pub fn from_module<M: Module>(module: &M, world_size: usize, bucket_numel: usize) -> Result<Self, ShardError> {
+        Self::build(module, world_size, bucket_numel, false)
+    }
+
+    /// As [`FlatLayout::from_module`], with frozen parameters included: the layout of
+    /// everything `ShardConfig::init` broadcasts from rank 0.
+    pub(crate) fn with_frozen<M: Module>(
+        module: &M,
+        world_size: usize,
+        bucket_numel: usize,
+    ) -> Result<Self, ShardError> {
+        Self::build(module, world_size, bucket_numel, true)
+    }
+
+    fn build<M: Module>(
+        module: &M,
+        world_size: usize,
+        bucket_numel: usize,
+        include_frozen: bool,
+    ) -> Result<Self, ShardError> {
         if world_size == 0 || bucket_numel == 0 {
             return Err(ShardError::InvalidConfig(format!(
                 "world_size ({world_size}) and bucket_numel ({bucket_numel}) must be at least 1"
             )));
         }
-        let mut collector = SlotCollector::default();
+        let mut collector = SlotCollector {
+            include_frozen,
+            ..Default::default()
+        };
         module.visit(&mut collector);
         let mut slots = collector.slots;
         if slots.is_empty() {
@@ -94,7 +116,15 @@ impl FlatLayout {
             numel += slots[i].numel;
         }
         buckets.push(Bucket::new(start..slots.len(), numel, world_size));
-        let index = slots.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
+        let mut index = HashMap::with_capacity(slots.len());
+        for (i, slot) in slots.iter().enumerate() {
+            if let Some(first) = index.insert(slot.id, i) {
+                return Err(ShardError::DuplicateParam {
+                    first: slots[first].path.clone(),
+                    second: slot.path.clone(),
+                });
+            }
+        }
         Ok(Self {
             slots,
             buckets,
@@ -169,6 +199,7 @@ impl Bucket {
 struct SlotCollector {
     path: Vec<String>,
     slots: Vec<ParamSlot>,
+    include_frozen: bool,
 }
 
 impl ModuleVisitor for SlotCollector {
@@ -181,7 +212,7 @@ impl ModuleVisitor for SlotCollector {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if !param.is_require_grad() {
+        if !self.include_frozen && !param.is_require_grad() {
             return;
         }
         let shape = param.lazy_shape().to_vec();

@@ -10,10 +10,12 @@
 //! | 0 (DDP) | all-reduced, full | full | full | all-reduce |
 //! | 1 | all-reduced, full | sharded | full | all-reduce + all-gather |
 //! | 2 | reduce-scattered, sharded | sharded | full | reduce-scatter + all-gather |
+//! | 3 (FSDP) | reduce-scattered in backward | sharded | sharded, gathered per use | all-gather (forward, backward) + reduce-scatter |
 //!
-//! The parameters that require grad are packed, in module traversal order, into flat buckets
-//! ([`FlatLayout`]); rank `r` owns elements `[r·L/N, (r+1)·L/N)` of each padded bucket of
-//! length `L`. Burn's own optimizer runs on each flat shard, so its update math is reused.
+//! Stages 0-2: the parameters that require grad are packed, in module traversal order, into flat
+//! buckets ([`FlatLayout`]); rank `r` owns elements `[r·L/N, (r+1)·L/N)` of each padded bucket
+//! of length `L`. Burn's own optimizer runs on each flat shard, so its update math is reused.
+//! Stage 3: see [`fsdp`].
 
 mod config;
 mod error;

@@ -11,15 +11,16 @@ use crate::flat::tensor_bytes;
 ///
 /// Compare with the ZeRO paper's model-state formula (Rajbhandari et al., 2020, §5.1): for `Ψ`
 /// fp32 parameters and Adam on `N` ranks, optimizer state is `8Ψ` (stage 0) or `8Ψ/N`
-/// (stages 1-2), and gradients `4Ψ` (stages 0-1) or `4Ψ/N` (stage 2), plus padding of fewer
-/// than `N` elements per bucket.
+/// (stages 1-3), gradients `4Ψ` (stages 0-1) or `4Ψ/N` (stages 2-3), parameters `4Ψ` (stages
+/// 0-2) or `4Ψ/N` (stage 3), plus padding of fewer than `N` elements per bucket (stages 0-2)
+/// or per parameter (stage 3).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryReport {
     /// This rank.
     pub rank: usize,
     /// Ranks in the group.
     pub world_size: usize,
-    /// ZeRO stage (0, 1 or 2).
+    /// ZeRO stage (0 to 3).
     pub stage: u8,
     /// Bytes of every float parameter of the module (trainable and frozen); at stage 3 the
     /// shards this rank stores.

@@ -13,11 +13,19 @@ use crate::layout::FlatLayout;
 use crate::memory::{MemoryReport, PeakTracker, module_param_bytes};
 use crate::{ShardError, Stage};
 
-/// A Burn optimizer whose state (stages 1-2) and gradients (stage 2) are partitioned over the
-/// ranks of a [`Collective`]. Built by [`ShardConfig::init`](crate::ShardConfig::init).
+/// A Burn optimizer whose state (stages 1-3), gradients (stages 2-3) and parameters (stage 3)
+/// are partitioned over the ranks of a [`Collective`]. Built by
+/// [`ShardConfig::init`](crate::ShardConfig::init).
 ///
-/// Each bucket of the [`FlatLayout`] is stepped as one flat `[shard_numel]` tensor (stages 1-2)
-/// or `[padded_numel]` tensor (stage 0) by Burn's own `O::step`, so the update math is Burn's.
+/// Each bucket of the [`FlatLayout`] is stepped as one flat `[shard_numel]` tensor (stages 1-2),
+/// `[padded_numel]` tensor (stage 0) or tensor of this rank's parameter shards (stage 3, where
+/// the layout covers the local shards) by Burn's own `O::step`, so the update math is Burn's.
+///
+/// A parameter that received a gradient on no rank keeps its value, as with Burn's
+/// `ModuleOptimizer`; its slice of the bucket's optimizer state still advances with the bucket
+/// (moments decay, the step count grows), as in DeepSpeed's flat buffers. Gradient clipping
+/// configured on a Burn optimizer config is not applied: Burn's `build()` leaves it out and its
+/// per-parameter norms would be wrong on shards.
 /// Adam, AdamW and SGD (with or without momentum) are element-wise, so the flat step equals
 /// Burn's per-parameter step element for element. Optimizers that mix elements of a tensor
 /// (per-tensor norms: LAMB, Muon, Adafactor, or Burn's per-parameter norm clipping) would see
@@ -67,17 +75,40 @@ impl<O: Optimizer> ShardedOptimizer<O> {
     /// [`ShardError::Comm`] when a collective fails (the group is then aborted: stop training);
     /// [`ShardError::UnknownParam`] / [`ShardError::ShapeChanged`] when `model` is not the
     /// module returned by `init`.
-    pub fn step<M: Module>(&mut self, lr: LearningRate, model: M, mut grads: GradientsParams) -> Result<M, ShardError> {
+    pub fn step<M: Module>(&mut self, lr: LearningRate, model: M, grads: GradientsParams) -> Result<M, ShardError> {
+        let result = self.step_with(lr, model, grads);
+        if let Err(e) = &result {
+            // A rank that fails alone (a wrong model, say) must not leave the others waiting.
+            self.comm.abort(&format!(
+                "rank {} failed in ShardedOptimizer::step: {e}",
+                self.comm.rank()
+            ));
+        }
+        result
+    }
+
+    /// Stage 3: returns the first error a collective met inside forward or backward (gathers
+    /// and reduce-scatters cannot return errors through Burn's autodiff; they record them and
+    /// use zeros). `step` checks this itself; call it after an evaluation pass run outside it.
+    pub fn check_collectives(&self) -> Result<(), ShardError> {
+        match self.fsdp.as_ref().and_then(FsdpContext::take_error) {
+            Some(err) => Err(err.into()),
+            None => Ok(()),
+        }
+    }
+
+    fn step_with<M: Module>(
+        &mut self,
+        lr: LearningRate,
+        model: M,
+        mut grads: GradientsParams,
+    ) -> Result<M, ShardError> {
         let layout = self.layout.clone();
         let rank = self.comm.rank();
         let mut temp = PeakTracker::default();
-        if let Some(fsdp) = &self.fsdp {
-            // Stage 3: the gradients were reduce-scattered inside backward; a collective that
-            // failed there left its error here.
-            if let Some(err) = fsdp.take_error() {
-                return Err(err.into());
-            }
-        }
+        // Stage 3: the gradients were reduce-scattered inside backward; a collective that failed
+        // there left its error behind.
+        self.check_collectives()?;
 
         // 1. Reduce the gradients bucket by bucket; keep what this stage holds.
         let (mut grad_parts, device) = flat::take_grads(&model, &layout, &mut grads)?;
@@ -198,7 +229,8 @@ impl<O: Optimizer> ShardedOptimizer<O> {
     }
 
     /// Burn's optimizer state for each bucket's flat range owned by this rank (`None` before the
-    /// first step). Tensors are `[shard_numel]` (stages 1-2) or `[padded_numel]` (stage 0).
+    /// first step). Tensors are `[shard_numel]` (stages 1-2), `[padded_numel]` (stage 0) or the
+    /// bucket of local shards (stage 3).
     pub fn bucket_states(&self) -> &[Option<O::State<1>>] {
         &self.states
     }

@@ -26,7 +26,7 @@ pub enum Stage {
 }
 
 impl Stage {
-    /// The stage number (0, 1 or 2).
+    /// The stage number (0 to 3).
     pub fn number(self) -> u8 {
         match self {
             Stage::Zero => 0,

@@ -7,9 +7,12 @@
 //! instead of keeping the buffer, and the retro-forward re-gathers it from the shard when
 //! backward reaches it. The full weight therefore lives only while it is used.
 //!
-//! The op forces Burn's balanced checkpointing for itself only (not for the whole device), so
-//! activations are saved as usual while gathered weights are recomputed (approach "C" of
-//! `../shared/notes/zero3-in-burn.md`). With `reshard_after_forward = false` it is
+//! The op forces Burn's balanced checkpointing for itself only (approach "C" of the project's
+//! stage-3 notes), so on a plain autodiff device activations are saved as usual while a weight
+//! that feeds its consumer directly is recomputed. A weight that passes through another op
+//! first (the reshape `Linear` applies on 3-D inputs) is saved by that op unless the device
+//! itself uses balanced checkpointing (`device.gradient_checkpointing()`), which then also
+//! recomputes cheap activations: the trade-off FSDP users make with activation checkpointing. With `reshard_after_forward = false` it is
 //! compute-bound instead: consumers keep the gathered weight until backward and nothing is
 //! re-gathered (ZeRO-2-like memory, two thirds of the traffic).
 //!

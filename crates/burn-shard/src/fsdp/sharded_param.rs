@@ -53,16 +53,21 @@ impl Reparameterizer for Sharder {
         let full_shape = full.shape();
         let numel = full_shape.num_elements();
         let chunk = numel.div_ceil(n);
-        let (lo, hi) = ((r * chunk).min(numel), ((r + 1) * chunk).min(numel));
-        let flat = full.inner().reshape([numel]);
-        let mut mine = flat.narrow(0, lo, hi - lo);
-        if hi - lo < chunk {
-            let inner_device = mine.device();
-            mine = Tensor::cat(
-                vec![mine, Tensor::zeros([chunk - (hi - lo)], (&inner_device, dtype))],
+        // Pad the flat parameter to `n·chunk` once, then every rank's slice exists, also for
+        // parameters smaller than the group (a scalar on 4 ranks) and empty ones.
+        let mut flat = full.inner().reshape([numel]);
+        if numel < n * chunk {
+            let inner_device = flat.device();
+            flat = Tensor::cat(
+                vec![flat, Tensor::zeros([n * chunk - numel], (&inner_device, dtype))],
                 0,
             );
         }
+        let mine = if chunk == 0 {
+            flat
+        } else {
+            flat.narrow(0, r * chunk, chunk)
+        };
         // A new leaf from data: a view of the full tensor would keep the full weight alive.
         let mut shard_dims = [1usize; D];
         shard_dims[D - 1] = chunk;

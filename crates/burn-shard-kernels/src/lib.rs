@@ -1,0 +1,39 @@
+//! Fused Adam / AdamW steps on flat `f32` shards.
+//!
+//! Burn's stock Adam builds one step from about ten tensor operations, each a pass over memory
+//! with its own allocation. Here the whole update (moments, bias correction, weight decay,
+//! parameter) is one pass that reads `param, grad, exp_avg, exp_avg_sq` and writes `param,
+//! exp_avg, exp_avg_sq`: 28 bytes per `f32` element (32 with AMSGrad).
+//!
+//! - [`cpu`]: the fused update on slices, multi-threaded with rayon, auto-vectorised.
+//! - [`FusedAdam`]: a `burn::optim::Optimizer` that runs the fused CPU path on Burn's pure-Rust
+//!   `Flex` backend and falls back to Burn's own Adam/AdamW elsewhere. Its state is Burn's
+//!   [`AdamState`](burn::optim::AdamState), so checkpoints move between the two.
+
+pub mod cpu;
+mod hyper;
+mod optimizer;
+
+pub use hyper::{AdamHyper, AdamScalars};
+pub use optimizer::{FusedAdam, FusedAdamConfig};
+
+/// Errors of the fused kernels.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// The flat buffers of one step differ in length.
+    #[error(
+        "fused Adam buffers differ in length: param {param}, grad {grad}, exp_avg {exp_avg}, exp_avg_sq {exp_avg_sq}, max_exp_avg_sq {max:?}; pass shards of one flat parameter"
+    )]
+    LengthMismatch {
+        /// Elements of the parameter.
+        param: usize,
+        /// Elements of the gradient.
+        grad: usize,
+        /// Elements of the first moment.
+        exp_avg: usize,
+        /// Elements of the second moment.
+        exp_avg_sq: usize,
+        /// Elements of the AMSGrad maximum, when used.
+        max: Option<usize>,
+    },
+}

@@ -1,0 +1,233 @@
+//! [`FusedAdam`]: Burn's `Optimizer` trait on top of the fused kernels.
+
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::{
+    Adam, AdamConfig, AdamState, AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer,
+};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+
+use crate::{AdamHyper, cpu};
+
+/// Configuration of [`FusedAdam`], with Burn's defaults and Burn's builder style.
+///
+/// | field | [`FusedAdamConfig::adam`] | [`FusedAdamConfig::adamw`] |
+/// |---|---|---|
+/// | `beta_1` | 0.9 | 0.9 |
+/// | `beta_2` | 0.999 | 0.999 |
+/// | `epsilon` | 1e-5 (Burn's; PyTorch uses 1e-8) | 1e-5 |
+/// | `weight_decay` | 0 (L2 penalty) | 1e-4 (decoupled) |
+/// | `amsgrad` | false | false |
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FusedAdamConfig {
+    hyper: AdamHyper,
+}
+
+impl FusedAdamConfig {
+    /// Adam (L2 weight decay added to the gradient), as `burn::optim::AdamConfig::new()`.
+    pub fn adam() -> Self {
+        Self {
+            hyper: AdamHyper {
+                beta_1: 0.9,
+                beta_2: 0.999,
+                epsilon: 1e-5,
+                weight_decay: 0.0,
+                decoupled_weight_decay: false,
+                amsgrad: false,
+            },
+        }
+    }
+
+    /// AdamW (decoupled weight decay), as `burn::optim::AdamWConfig::new()`.
+    pub fn adamw() -> Self {
+        Self {
+            hyper: AdamHyper {
+                weight_decay: 1e-4,
+                decoupled_weight_decay: true,
+                ..Self::adam().hyper
+            },
+        }
+    }
+
+    /// Sets `β1`.
+    pub fn with_beta_1(mut self, beta_1: f32) -> Self {
+        self.hyper.beta_1 = beta_1;
+        self
+    }
+
+    /// Sets `β2`.
+    pub fn with_beta_2(mut self, beta_2: f32) -> Self {
+        self.hyper.beta_2 = beta_2;
+        self
+    }
+
+    /// Sets `ε`.
+    pub fn with_epsilon(mut self, epsilon: f32) -> Self {
+        self.hyper.epsilon = epsilon;
+        self
+    }
+
+    /// Sets the weight decay (L2 penalty for Adam, decoupled rate for AdamW).
+    pub fn with_weight_decay(mut self, weight_decay: f32) -> Self {
+        self.hyper.weight_decay = weight_decay;
+        self
+    }
+
+    /// Enables AMSGrad.
+    pub fn with_amsgrad(mut self, amsgrad: bool) -> Self {
+        self.hyper.amsgrad = amsgrad;
+        self
+    }
+
+    /// The hyper-parameters.
+    pub fn hyper(&self) -> AdamHyper {
+        self.hyper
+    }
+
+    /// Builds the optimizer.
+    pub fn init(&self) -> FusedAdam {
+        let h = self.hyper;
+        let fallback = if h.decoupled_weight_decay {
+            Fallback::AdamW(
+                AdamWConfig::new()
+                    .with_beta_1(h.beta_1)
+                    .with_beta_2(h.beta_2)
+                    .with_epsilon(h.epsilon)
+                    .with_weight_decay(h.weight_decay)
+                    .with_amsgrad(h.amsgrad)
+                    .build(),
+            )
+        } else {
+            let decay = (h.weight_decay != 0.0).then(|| WeightDecayConfig::new(h.weight_decay));
+            Fallback::Adam(
+                AdamConfig::new()
+                    .with_beta_1(h.beta_1)
+                    .with_beta_2(h.beta_2)
+                    .with_epsilon(h.epsilon)
+                    .with_weight_decay(decay)
+                    .with_amsgrad(h.amsgrad)
+                    .build(),
+            )
+        };
+        FusedAdam { hyper: h, fallback }
+    }
+}
+
+#[derive(Clone)]
+enum Fallback {
+    Adam(Adam),
+    AdamW(AdamW),
+}
+
+/// Adam / AdamW whose step is one fused pass on `f32` tensors of Burn's CPU (`Flex`) backend,
+/// and Burn's own implementation on every other backend or dtype.
+///
+/// The state is Burn's [`AdamState`] (`momentum.time`, `momentum.moment_1`,
+/// `momentum.moment_2`, `momentum.max_moment_2`), so a record written by `FusedAdam` loads into
+/// Burn's `Adam`/`AdamW` and back ([`FusedAdam::from_adamw_state`] for `AdamWState`, whose
+/// fields are the same). Updates equal Burn's within `f32` rounding.
+#[derive(Clone)]
+pub struct FusedAdam {
+    hyper: AdamHyper,
+    fallback: Fallback,
+}
+
+impl FusedAdam {
+    /// Converts Burn's AdamW state (same fields) into this optimizer's state.
+    pub fn from_adamw_state<const D: usize>(state: AdamWState<D>) -> AdamState<D> {
+        AdamState {
+            momentum: state.momentum,
+        }
+    }
+
+    /// Converts this optimizer's state into Burn's AdamW state.
+    pub fn to_adamw_state<const D: usize>(state: AdamState<D>) -> AdamWState<D> {
+        AdamWState {
+            momentum: state.momentum,
+        }
+    }
+
+    /// The hyper-parameters.
+    pub fn hyper(&self) -> AdamHyper {
+        self.hyper
+    }
+
+    /// Whether `tensor` can take the fused CPU path: `f32` on the `Flex` device, no autodiff.
+    fn fused_cpu_applies<const D: usize>(tensor: &Tensor<D>) -> bool {
+        tensor.dtype() == DType::F32 && !tensor.is_autodiff() && tensor.device() == Device::flex()
+    }
+
+    fn fused_cpu<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<AdamState<D>>,
+    ) -> (Tensor<D>, Option<AdamState<D>>) {
+        let device = tensor.device();
+        let shape = tensor.shape();
+        let numel = shape.num_elements();
+        let zeros = || TensorData::new(vec![0.0f32; numel], shape.clone());
+        // `into_data` hands over a uniquely owned Flex buffer without copying it.
+        let (time, m, v, vmax) = match state {
+            Some(s) => (
+                s.momentum.time,
+                s.momentum.moment_1.into_data(),
+                s.momentum.moment_2.into_data(),
+                s.momentum.max_moment_2.map(Tensor::into_data),
+            ),
+            None => (0, zeros(), zeros(), None),
+        };
+        let vmax = match (self.hyper.amsgrad, vmax) {
+            (true, Some(d)) => Some(d),
+            (true, None) => Some(zeros()),
+            (false, _) => None,
+        };
+        let time = time + 1;
+        let (mut p, g, mut m, mut v, mut vmax) = (tensor.into_data(), grad.into_data(), m, v, vmax);
+        let g = g.convert::<f32>();
+        let scalars = self.hyper.scalars(lr, time);
+        cpu::adam_step(
+            &scalars,
+            p.as_mut_slice::<f32>().expect("f32 checked"),
+            g.as_slice::<f32>().expect("converted to f32"),
+            m.as_mut_slice::<f32>().expect("state is f32"),
+            v.as_mut_slice::<f32>().expect("state is f32"),
+            vmax.as_mut().map(|d| d.as_mut_slice::<f32>().expect("state is f32")),
+        )
+        .expect("buffers of one parameter have one shape");
+        let momentum = AdaptiveMomentumState {
+            time,
+            moment_1: Tensor::from_data(m, &device),
+            moment_2: Tensor::from_data(v, &device),
+            max_moment_2: vmax.map(|d| Tensor::from_data(d, &device)),
+        };
+        (Tensor::from_data(p, &device), Some(AdamState { momentum }))
+    }
+}
+
+impl Optimizer for FusedAdam {
+    type State<const D: usize> = AdamState<D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<D>, Option<Self::State<D>>) {
+        if Self::fused_cpu_applies(&tensor) && grad.shape() == tensor.shape() {
+            return self.fused_cpu(lr, tensor, grad, state);
+        }
+        match &self.fallback {
+            Fallback::Adam(adam) => adam.step(lr, tensor, grad, state),
+            Fallback::AdamW(adamw) => {
+                let (t, s) = adamw.step(lr, tensor, grad, state.map(|s| AdamWState { momentum: s.momentum }));
+                (t, s.map(Self::from_adamw_state))
+            }
+        }
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
+        <Adam as Optimizer>::to_device(state, device)
+    }
+}

@@ -1,0 +1,190 @@
+//! The fused Adam/AdamW path against a float64 reference and against Burn's own optimizers,
+//! and its state against Burn's `AdamState`.
+
+use burn::optim::{AdamConfig, AdamState, AdamWConfig, Optimizer};
+use burn::prelude::*;
+use burn_shard_kernels::{AdamHyper, FusedAdam, FusedAdamConfig, cpu};
+
+use crate::common::{Rng, max_abs_diff};
+
+/// Float64 Adam/AdamW, written from the papers' formulas (Kingma & Ba 2015, Algorithm 1;
+/// Loshchilov & Hutter 2019, Algorithm 2; Reddi et al. 2018 for AMSGrad).
+fn reference_step(
+    h: &AdamHyper,
+    lr: f64,
+    t: i32,
+    p: &mut [f64],
+    g: &[f64],
+    m: &mut [f64],
+    v: &mut [f64],
+    vmax: &mut [f64],
+) {
+    let (b1, b2, eps, wd) = (
+        h.beta_1 as f64,
+        h.beta_2 as f64,
+        h.epsilon as f64,
+        h.weight_decay as f64,
+    );
+    for i in 0..p.len() {
+        let gi = if h.decoupled_weight_decay {
+            g[i]
+        } else {
+            g[i] + wd * p[i]
+        };
+        m[i] = b1 * m[i] + (1.0 - b1) * gi;
+        v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+        vmax[i] = vmax[i].max(v[i]);
+        let v_used = if h.amsgrad { vmax[i] } else { v[i] };
+        let m_hat = m[i] / (1.0 - b1.powi(t));
+        let v_hat = v_used / (1.0 - b2.powi(t));
+        if h.decoupled_weight_decay {
+            p[i] *= 1.0 - lr * wd;
+        }
+        p[i] -= lr * m_hat / (v_hat.sqrt() + eps);
+    }
+}
+
+fn variants() -> Vec<(&'static str, FusedAdamConfig)> {
+    vec![
+        ("adam", FusedAdamConfig::adam()),
+        ("adam+l2", FusedAdamConfig::adam().with_weight_decay(0.05)),
+        (
+            "adamw",
+            FusedAdamConfig::adamw().with_weight_decay(0.1).with_epsilon(1e-8),
+        ),
+        ("adamw+amsgrad", FusedAdamConfig::adamw().with_amsgrad(true)),
+    ]
+}
+
+#[test]
+fn cpu_kernel_matches_a_float64_reference() {
+    // Odd lengths, an empty one, and one that spans several rayon chunks with a ragged tail.
+    for n in [0usize, 1, 7, 1000, 3 * 65536 + 5] {
+        for (name, cfg) in variants() {
+            let h = cfg.hyper();
+            let mut rng = Rng::new(n as u64 + 3);
+            let mut p: Vec<f32> = rng.vec(n);
+            let (mut m, mut v, mut vmax) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+            let mut p64: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+            let (mut m64, mut v64, mut vmax64) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
+            for t in 1..=4 {
+                let g: Vec<f32> = rng.vec(n).iter().map(|x| x * 3.0).collect();
+                let g64: Vec<f64> = g.iter().map(|&x| x as f64).collect();
+                let lr = 1e-2;
+                let vmax_arg = h.amsgrad.then_some(vmax.as_mut_slice());
+                cpu::adam_step(&h.scalars(lr, t), &mut p, &g, &mut m, &mut v, vmax_arg).unwrap();
+                reference_step(&h, lr, t as i32, &mut p64, &g64, &mut m64, &mut v64, &mut vmax64);
+            }
+            for i in 0..n {
+                let err = (p[i] as f64 - p64[i]).abs();
+                assert!(
+                    err <= 1e-6 + 1e-5 * p64[i].abs(),
+                    "{name} n={n} element {i}: {} vs {}",
+                    p[i],
+                    p64[i]
+                );
+                assert!(
+                    (m[i] as f64 - m64[i]).abs() <= 1e-6 + 1e-5 * m64[i].abs(),
+                    "{name} n={n} exp_avg {i}"
+                );
+                assert!(
+                    (v[i] as f64 - v64[i]).abs() <= 1e-6 + 1e-5 * v64[i].abs(),
+                    "{name} n={n} exp_avg_sq {i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn mismatched_lengths_are_an_error() {
+    let h = FusedAdamConfig::adam().hyper();
+    let (mut p, g, mut m, mut v) = (vec![0f32; 4], vec![0f32; 3], vec![0f32; 4], vec![0f32; 4]);
+    let err = cpu::adam_step(&h.scalars(1e-3, 1), &mut p, &g, &mut m, &mut v, None).unwrap_err();
+    assert!(err.to_string().contains("grad 3"), "{err}");
+}
+
+fn tensor(values: Vec<f32>, shape: [usize; 2]) -> Tensor<2> {
+    Tensor::from_data(TensorData::new(values, shape), &Device::flex())
+}
+
+fn host<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
+    t.to_data().convert::<f32>().iter::<f32>().collect()
+}
+
+/// Runs `steps` steps of `optim` from `state` on the deterministic gradient stream.
+fn run<O: Optimizer>(
+    optim: &O,
+    mut p: Tensor<2>,
+    mut state: Option<O::State<2>>,
+    steps: std::ops::Range<u64>,
+) -> (Tensor<2>, Option<O::State<2>>) {
+    for s in steps {
+        let g = tensor(Rng::new(900 + s).vec(5 * 7), [5, 7]);
+        let (np, ns) = optim.step(3e-3, p, g, state);
+        p = np;
+        state = ns;
+    }
+    (p, state)
+}
+
+#[test]
+fn fused_optimizer_matches_burn_adam_and_adamw() {
+    let p0 = tensor(Rng::new(1).vec(35), [5, 7]);
+    let pairs: Vec<(FusedAdam, Box<dyn Fn(Tensor<2>) -> Tensor<2>>)> = vec![
+        (FusedAdamConfig::adam().with_weight_decay(0.05).init(), {
+            let burn = AdamConfig::new()
+                .with_weight_decay(Some(burn::optim::decay::WeightDecayConfig::new(0.05)))
+                .build();
+            Box::new(move |p| run(&burn, p, None, 0..6).0)
+        }),
+        (
+            FusedAdamConfig::adamw()
+                .with_weight_decay(0.1)
+                .with_amsgrad(true)
+                .init(),
+            {
+                let burn = AdamWConfig::new().with_weight_decay(0.1).with_amsgrad(true).build();
+                Box::new(move |p| run(&burn, p, None, 0..6).0)
+            },
+        ),
+    ];
+    for (fused, burn_run) in pairs {
+        let (ours, state) = run(&fused, p0.clone(), None, 0..6);
+        let theirs = burn_run(p0.clone());
+        let diff = max_abs_diff(&host(&ours), &host(&theirs));
+        assert!(diff <= 1e-6, "fused vs Burn: max abs diff {diff:e}");
+        assert_ne!(host(&ours), host(&p0), "the step must move the parameters");
+        assert_eq!(state.unwrap().momentum.time, 6);
+    }
+}
+
+#[test]
+fn state_moves_between_fused_and_burn_adamw() {
+    let p0 = tensor(Rng::new(2).vec(35), [5, 7]);
+    let fused = FusedAdamConfig::adamw().with_weight_decay(0.1).init();
+    let burn = AdamWConfig::new().with_weight_decay(0.1).build();
+    let (all_burn, _) = run(&burn, p0.clone(), None, 0..6);
+
+    // Three fused steps, then the state goes to Burn's AdamW for three more.
+    let (p, s) = run(&fused, p0.clone(), None, 0..3);
+    let (fused_then_burn, _) = run(&burn, p, s.map(FusedAdam::to_adamw_state), 3..6);
+    // And the other way round.
+    let (p, s) = run(&burn, p0.clone(), None, 0..3);
+    let (burn_then_fused, _) = run(&fused, p, s.map(FusedAdam::from_adamw_state), 3..6);
+
+    assert!(max_abs_diff(&host(&fused_then_burn), &host(&all_burn)) <= 1e-6);
+    assert!(max_abs_diff(&host(&burn_then_fused), &host(&all_burn)) <= 1e-6);
+}
+
+#[test]
+fn fused_state_is_burn_adam_state() {
+    // The record of the fused optimizer's state is the one Burn's Adam writes.
+    let fused = FusedAdamConfig::adam().init();
+    let (_, state) = run(&fused, tensor(Rng::new(4).vec(35), [5, 7]), None, 0..2);
+    let state: AdamState<2> = state.unwrap();
+    let mut sink = burn::optim::StateSink::default();
+    burn::optim::RecordState::state_flatten(&state, "p", &mut sink);
+    let names: Vec<_> = sink.tensors.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["p.momentum.moment_1", "p.momentum.moment_2"]);
+}

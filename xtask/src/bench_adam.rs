@@ -1,0 +1,201 @@
+//! One Adam(W) step on a flat f32 shard, timed for several implementations in one run, with
+//! the machine's copy bandwidth as the yardstick.
+//!
+//! Bytes moved per element: the step reads param, grad, exp_avg, exp_avg_sq (16 B) and writes
+//! param, exp_avg, exp_avg_sq (12 B): 28 B. GB/s = 28·n / seconds / 1e9.
+
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use burn::optim::{AdamWConfig, Optimizer};
+use burn::tensor::{Device, Distribution, Tensor};
+use burn_shard_kernels::FusedAdamConfig;
+
+const BYTES_PER_ELEMENT: f64 = 28.0;
+
+/// Arguments of `cargo xtask bench adam`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Shard sizes in elements.
+    #[arg(long, value_delimiter = ',', default_values_t = [100_000usize, 1_000_000, 10_000_000, 100_000_000])]
+    sizes: Vec<usize>,
+    /// Timed steps per size and implementation (after one warm-up step); the median is reported.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Skip PyTorch even when it is importable.
+    #[arg(long)]
+    no_torch: bool,
+    /// Install `torch` from the Python registry first when `import torch` fails.
+    #[arg(long)]
+    install_torch: bool,
+}
+
+struct Row {
+    size: usize,
+    burn_ms: f64,
+    fused_ms: f64,
+    torch_ms: Option<f64>,
+    copy_gbs: f64,
+}
+
+pub fn run(args: &Args) -> Result<(), String> {
+    let torch = if args.no_torch { None } else { torch_times(args)? };
+    let mut rows = Vec::new();
+    for &n in &args.sizes {
+        eprintln!("size {n}: Burn Adam, fused CPU, copy bandwidth ...");
+        rows.push(Row {
+            size: n,
+            burn_ms: time_optimizer(n, args.reps, |p, g, s| AdamWConfig::new().build().step(1e-3, p, g, s)),
+            fused_ms: time_optimizer(n, args.reps, |p, g, s| {
+                FusedAdamConfig::adamw().init().step(1e-3, p, g, s)
+            }),
+            torch_ms: torch
+                .as_ref()
+                .and_then(|t| t.iter().find(|(s, _)| *s == n).map(|(_, ms)| *ms)),
+            copy_gbs: copy_bandwidth(n, args.reps),
+        });
+    }
+    print_table(&rows);
+    Ok(())
+}
+
+/// Median milliseconds of one `step` on `[n]` f32 tensors of the Flex CPU backend, the state
+/// carried from step to step as in training.
+fn time_optimizer<S>(
+    n: usize,
+    reps: usize,
+    step: impl Fn(Tensor<1>, Tensor<1>, Option<S>) -> (Tensor<1>, Option<S>),
+) -> f64 {
+    let device = Device::flex();
+    let mut param = Tensor::<1>::random([n], Distribution::Default, &device);
+    let grad = Tensor::<1>::random([n], Distribution::Default, &device);
+    let mut state = None;
+    let mut times = Vec::with_capacity(reps);
+    for i in 0..=reps {
+        let g = grad.clone().add_scalar(0.0); // a fresh, uniquely owned gradient, made outside the timing
+        let _ = g.clone().into_data(); // force it to exist before the clock starts
+        let start = Instant::now();
+        let (p, s) = step(param, g, state);
+        let _ = black_box(p.clone().slice([0..1.min(n)]).into_data()); // wait for the result
+        if i > 0 {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        param = p;
+        state = s;
+    }
+    median(times)
+}
+
+/// GB/s of a plain copy of `n` f32 (read + write: 8 bytes per element), the machine's
+/// practical memory bandwidth for this access pattern.
+fn copy_bandwidth(n: usize, reps: usize) -> f64 {
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let mut times = Vec::new();
+    for i in 0..=reps {
+        let start = Instant::now();
+        dst.copy_from_slice(black_box(&src));
+        black_box(&mut dst);
+        if i > 0 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    8.0 * n as f64 / median(times) / 1e9
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn gbs(n: usize, ms: f64) -> f64 {
+    BYTES_PER_ELEMENT * n as f64 / (ms / 1e3) / 1e9
+}
+
+/// Runs `xtask/bench_adam_torch.py`; `None` when PyTorch is not available.
+fn torch_times(args: &Args) -> Result<Option<Vec<(usize, f64)>>, String> {
+    let has_torch = || {
+        Command::new("python3")
+            .args(["-c", "import torch"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false)
+    };
+    if !has_torch() && args.install_torch {
+        eprintln!("installing torch from the Python registry (python3 -m pip install torch) ...");
+        let ok = Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "torch"])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        if !ok {
+            eprintln!("pip install torch failed: the PyTorch column is skipped");
+        }
+    }
+    if !has_torch() {
+        eprintln!("PyTorch is not importable: its column is skipped (pass --install-torch to install it)");
+        return Ok(None);
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("bench_adam_torch.py");
+    let sizes: Vec<String> = args.sizes.iter().map(|s| s.to_string()).collect();
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg("--reps")
+        .arg(args.reps.to_string())
+        .arg("--sizes")
+        .arg(sizes.join(","))
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let times = text
+        .lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+        })
+        .collect();
+    Ok(Some(times))
+}
+
+fn print_table(rows: &[Row]) {
+    println!();
+    println!(
+        "One AdamW step on a flat f32 shard, Flex CPU backend, median of the timed steps (28 B moved per element)."
+    );
+    println!(
+        "| elements | Burn AdamW ms | fused CPU ms | PyTorch fused ms | Burn GB/s | fused GB/s | PyTorch GB/s | copy GB/s | fused / Burn | fused / PyTorch | fused / copy |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let torch_ms = r.torch_ms.map_or("n/a".to_string(), |t| format!("{t:.3}"));
+        let torch_gbs = r
+            .torch_ms
+            .map_or("n/a".to_string(), |t| format!("{:.1}", gbs(r.size, t)));
+        let vs_torch = r
+            .torch_ms
+            .map_or("n/a".to_string(), |t| format!("{:.2}x", t / r.fused_ms));
+        println!(
+            "| {} | {:.3} | {:.3} | {} | {:.1} | {:.1} | {} | {:.1} | {:.2}x | {} | {:.0}% |",
+            r.size,
+            r.burn_ms,
+            r.fused_ms,
+            torch_ms,
+            gbs(r.size, r.burn_ms),
+            gbs(r.size, r.fused_ms),
+            torch_gbs,
+            r.copy_gbs,
+            r.burn_ms / r.fused_ms,
+            vs_torch,
+            100.0 * gbs(r.size, r.fused_ms) / r.copy_gbs,
+        );
+    }
+}
