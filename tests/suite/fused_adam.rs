@@ -9,7 +9,7 @@ use crate::common::{Rng, max_abs_diff};
 
 /// Float64 Adam/AdamW, written from the papers' formulas (Kingma & Ba 2015, Algorithm 1;
 /// Loshchilov & Hutter 2019, Algorithm 2; Reddi et al. 2018 for AMSGrad).
-fn reference_step(
+pub(crate) fn reference_step(
     h: &AdamHyper,
     lr: f64,
     t: i32,
@@ -44,7 +44,7 @@ fn reference_step(
     }
 }
 
-fn variants() -> Vec<(&'static str, FusedAdamConfig)> {
+pub(crate) fn variants() -> Vec<(&'static str, FusedAdamConfig)> {
     vec![
         ("adam", FusedAdamConfig::adam()),
         ("adam+l2", FusedAdamConfig::adam().with_weight_decay(0.05)),
@@ -150,6 +150,11 @@ fn fused_optimizer_matches_burn_adam_and_adamw() {
         ),
     ];
     for (fused, burn_run) in pairs {
+        assert_eq!(
+            fused.path_for(&p0),
+            burn_shard_kernels::StepPath::FusedCpu,
+            "the fused CPU loop must run"
+        );
         let (ours, state) = run(&fused, p0.clone(), None, 0..6);
         let theirs = burn_run(p0.clone());
         let diff = max_abs_diff(&host(&ours), &host(&theirs));

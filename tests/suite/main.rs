@@ -4,6 +4,8 @@ mod comm;
 mod common;
 mod equivalence;
 mod fused_adam;
+#[cfg(feature = "wgpu")]
+mod fused_adam_wgpu;
 mod layout;
 mod memory;
 mod stage3;

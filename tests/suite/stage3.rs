@@ -12,7 +12,7 @@ use burn_shard::fsdp::unit;
 use burn_shard::{ShardConfig, Stage};
 use burn_shard_comm::{Collective, CollectiveKind, InProcessGroup, ReduceOp, run_ranks};
 
-use crate::common::{Rng, max_abs_diff, params_of};
+use crate::common::{Rng, max_abs_diff, params_of, rows};
 
 /// `embed` is tied (input projection and output head), `frozen` never trains, `unused` is
 /// trainable but never read, and the three `blocks` are the units.
@@ -70,13 +70,6 @@ fn batch(step: usize, vocab: usize, batch: usize) -> (Vec<f32>, Vec<f32>) {
         })
         .collect();
     (x, y)
-}
-
-fn rows(data: &[f32], width: usize, start: usize, end: usize, device: &Device) -> Tensor<2> {
-    Tensor::from_data(
-        TensorData::new(data[start * width..end * width].to_vec(), [end - start, width]),
-        device,
-    )
 }
 
 fn loss(model: &Net3, step: usize, range: (usize, usize), device: &Device) -> Tensor<1> {

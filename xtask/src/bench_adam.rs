@@ -36,21 +36,28 @@ struct Row {
     size: usize,
     burn_ms: f64,
     fused_ms: f64,
+    cube_ms: Option<f64>,
     torch_ms: Option<f64>,
     copy_gbs: f64,
 }
 
 pub fn run(args: &Args) -> Result<(), String> {
     let torch = if args.no_torch { None } else { torch_times(args)? };
+    let cube_device = cube_device();
+    let flex = Device::flex();
+    let adamw = |p, g, s| AdamWConfig::new().build().step(1e-3, p, g, s);
+    let fused = |p, g, s| FusedAdamConfig::adamw().init().step(1e-3, p, g, s);
     let mut rows = Vec::new();
     for &n in &args.sizes {
-        eprintln!("size {n}: Burn Adam, fused CPU, copy bandwidth ...");
+        eprintln!("size {n}: Burn AdamW, fused CPU, CubeCL on wgpu, copy bandwidth ...");
         rows.push(Row {
             size: n,
-            burn_ms: time_optimizer(n, args.reps, |p, g, s| AdamWConfig::new().build().step(1e-3, p, g, s)),
-            fused_ms: time_optimizer(n, args.reps, |p, g, s| {
-                FusedAdamConfig::adamw().init().step(1e-3, p, g, s)
-            }),
+            burn_ms: time_optimizer(&flex, n, args.reps, adamw),
+            fused_ms: time_optimizer(&flex, n, args.reps, fused),
+            // A driver may refuse a buffer this large: report it as missing, not a crash.
+            cube_ms: cube_device
+                .as_ref()
+                .and_then(|d| std::panic::catch_unwind(|| time_optimizer(d, n, args.reps, fused)).ok()),
             torch_ms: torch
                 .as_ref()
                 .and_then(|t| t.iter().find(|(s, _)| *s == n).map(|(_, ms)| *ms)),
@@ -61,21 +68,33 @@ pub fn run(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
-/// Median milliseconds of one `step` on `[n]` f32 tensors of the Flex CPU backend, the state
-/// carried from step to step as in training.
+/// The wgpu CPU adapter (lavapipe) for the CubeCL column, when this build and machine have it.
+fn cube_device() -> Option<Device> {
+    #[cfg(feature = "wgpu")]
+    match burn_shard_kernels::wgpu_cpu_device() {
+        Ok(d) => return Some(d),
+        Err(e) => eprintln!("CubeCL column skipped: {e}"),
+    }
+    #[cfg(not(feature = "wgpu"))]
+    eprintln!("CubeCL column skipped: xtask built without the `wgpu` feature");
+    None
+}
+
+/// Median milliseconds of one `step` on `[n]` f32 tensors on `device`, the state carried from
+/// step to step as in training.
 fn time_optimizer<S>(
+    device: &Device,
     n: usize,
     reps: usize,
     step: impl Fn(Tensor<1>, Tensor<1>, Option<S>) -> (Tensor<1>, Option<S>),
 ) -> f64 {
-    let device = Device::flex();
-    let mut param = Tensor::<1>::random([n], Distribution::Default, &device);
-    let grad = Tensor::<1>::random([n], Distribution::Default, &device);
+    let mut param = Tensor::<1>::random([n], Distribution::Default, device);
+    let grad = Tensor::<1>::random([n], Distribution::Default, device);
     let mut state = None;
     let mut times = Vec::with_capacity(reps);
     for i in 0..=reps {
         let g = grad.clone().add_scalar(0.0); // a fresh, uniquely owned gradient, made outside the timing
-        let _ = g.clone().into_data(); // force it to exist before the clock starts
+        device.sync().ok(); // nothing queued before the clock starts
         let start = Instant::now();
         let (p, s) = step(param, g, state);
         let _ = black_box(p.clone().slice([0..1.min(n)]).into_data()); // wait for the result

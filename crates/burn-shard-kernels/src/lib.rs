@@ -6,16 +6,24 @@
 //! exp_avg, exp_avg_sq`: 28 bytes per `f32` element (32 with AMSGrad).
 //!
 //! - [`cpu`]: the fused update on slices, multi-threaded with rayon, auto-vectorised.
+//! - `cube` (feature `cube`, or `wgpu`): the same update as a CubeCL kernel, run in place on
+//!   Burn tensors of the CubeCL backend (CUDA, wgpu, CubeCL's CPU runtime).
 //! - [`FusedAdam`]: a `burn::optim::Optimizer` that runs the fused CPU path on Burn's pure-Rust
-//!   `Flex` backend and falls back to Burn's own Adam/AdamW elsewhere. Its state is Burn's
+//!   `Flex` backend, the CubeCL kernel on the CubeCL backend (when built with it), and Burn's
+//!   own Adam/AdamW elsewhere. Its state is Burn's
 //!   [`AdamState`](burn::optim::AdamState), so checkpoints move between the two.
 
 pub mod cpu;
+#[cfg(feature = "cube")]
+mod cube;
 mod hyper;
 mod optimizer;
 
 pub use hyper::{AdamHyper, AdamScalars};
-pub use optimizer::{FusedAdam, FusedAdamConfig};
+pub use optimizer::{FusedAdam, FusedAdamConfig, StepPath};
+
+#[cfg(feature = "wgpu")]
+pub use cube::wgpu_cpu_device;
 
 /// Errors of the fused kernels.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

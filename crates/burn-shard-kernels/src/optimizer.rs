@@ -112,6 +112,17 @@ impl FusedAdamConfig {
     }
 }
 
+/// The implementation a [`FusedAdam`] step runs for a given tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepPath {
+    /// The fused CPU loop ([`crate::cpu::adam_step`]) on Burn's `Flex` backend.
+    FusedCpu,
+    /// The CubeCL kernel on Burn's CubeCL backend.
+    CubeKernel,
+    /// Burn's own Adam/AdamW (other backends, other dtypes, autodiff tensors).
+    BurnFallback,
+}
+
 #[derive(Clone)]
 enum Fallback {
     Adam(Adam),
@@ -149,6 +160,18 @@ impl FusedAdam {
     /// The hyper-parameters.
     pub fn hyper(&self) -> AdamHyper {
         self.hyper
+    }
+
+    /// Which implementation [`Optimizer::step`] uses for `tensor`.
+    pub fn path_for<const D: usize>(&self, tensor: &Tensor<D>) -> StepPath {
+        if Self::fused_cpu_applies(tensor) {
+            return StepPath::FusedCpu;
+        }
+        #[cfg(feature = "cube")]
+        if crate::cube::applies(tensor) {
+            return StepPath::CubeKernel;
+        }
+        StepPath::BurnFallback
     }
 
     /// Whether `tensor` can take the fused CPU path: `f32` on the `Flex` device, no autodiff.
@@ -205,6 +228,47 @@ impl FusedAdam {
     }
 }
 
+#[cfg(feature = "cube")]
+impl FusedAdam {
+    fn fused_cube<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<AdamState<D>>,
+    ) -> (Tensor<D>, Option<AdamState<D>>) {
+        let shape = tensor.shape();
+        let n = shape.num_elements();
+        let flat = |t: Tensor<D>| t.reshape([n]);
+        let p = flat(tensor);
+        let (time, m, v, vmax) = match state {
+            Some(s) => (
+                s.momentum.time,
+                flat(s.momentum.moment_1),
+                flat(s.momentum.moment_2),
+                s.momentum.max_moment_2.map(flat),
+            ),
+            None => (0, crate::cube::zeros_like(&p), crate::cube::zeros_like(&p), None),
+        };
+        let vmax = match (self.hyper.amsgrad, vmax) {
+            (true, Some(t)) => Some(t),
+            (true, None) => Some(crate::cube::zeros_like(&p)),
+            (false, _) => None,
+        };
+        let time = time + 1;
+        let scalars = self.hyper.scalars(lr, time);
+        let (p, m, v, vmax) = crate::cube::adam_step(&scalars, p, flat(grad), m, v, vmax);
+        let back = |t: Tensor<1>| -> Tensor<D> { t.reshape(shape.clone()) };
+        let momentum = AdaptiveMomentumState {
+            time,
+            moment_1: back(m),
+            moment_2: back(v),
+            max_moment_2: vmax.map(back),
+        };
+        (back(p), Some(AdamState { momentum }))
+    }
+}
+
 impl Optimizer for FusedAdam {
     type State<const D: usize> = AdamState<D>;
 
@@ -215,8 +279,13 @@ impl Optimizer for FusedAdam {
         grad: Tensor<D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<D>, Option<Self::State<D>>) {
-        if Self::fused_cpu_applies(&tensor) && grad.shape() == tensor.shape() {
-            return self.fused_cpu(lr, tensor, grad, state);
+        if grad.shape() == tensor.shape() {
+            match self.path_for(&tensor) {
+                StepPath::FusedCpu => return self.fused_cpu(lr, tensor, grad, state),
+                #[cfg(feature = "cube")]
+                StepPath::CubeKernel => return self.fused_cube(lr, tensor, grad, state),
+                _ => {}
+            }
         }
         match &self.fallback {
             Fallback::Adam(adam) => adam.step(lr, tensor, grad, state),

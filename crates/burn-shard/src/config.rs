@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::Optimizer;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 use burn_shard_comm::Collective;
 
 use crate::flat;
@@ -92,12 +92,9 @@ impl ShardConfig {
         let layout = FlatLayout::from_module(&model, comm.world_size(), self.bucket_numel)?;
         // Frozen parameters are not trained but must be identical too: broadcast everything.
         let everything = FlatLayout::with_frozen(&model, comm.world_size(), self.bucket_numel)?;
-        check_same_layout(
-            comm.as_ref(),
-            layout.fingerprint() ^ everything.fingerprint().rotate_left(1),
-        )?;
-
         let (values, device) = flat::param_values(&model, &everything)?;
+        let fingerprint = layout.fingerprint() ^ everything.fingerprint().rotate_left(1);
+        check_same_layout(comm.as_ref(), fingerprint, &device)?;
         let mut full = Vec::with_capacity(everything.buckets().len());
         for bucket in everything.buckets() {
             let mine = flat::assemble(&everything, bucket, &values, 0..bucket.padded_numel, &device);
@@ -120,10 +117,9 @@ impl ShardConfig {
 
 /// All-gathers every rank's layout fingerprint (as four exact 16-bit pieces in f32) and fails
 /// on the first rank that differs.
-fn check_same_layout(comm: &dyn Collective, ours: u64) -> Result<(), ShardError> {
+fn check_same_layout(comm: &dyn Collective, ours: u64, device: &Device) -> Result<(), ShardError> {
     let pieces: Vec<f32> = (0..4).map(|i| ((ours >> (16 * i)) & 0xffff) as f32).collect();
-    let device = burn::tensor::Device::default();
-    let all = comm.all_gather(Tensor::<1>::from_data(TensorData::new(pieces, [4]), &device))?;
+    let all = comm.all_gather(Tensor::<1>::from_data(TensorData::new(pieces, [4]), device))?;
     let all: Vec<f32> = all.into_data().convert::<f32>().iter::<f32>().collect();
     for (peer, p) in all.chunks(4).enumerate() {
         let theirs = p

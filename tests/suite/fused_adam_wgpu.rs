@@ -1,0 +1,79 @@
+//! The CubeCL fused Adam kernel, run for real through wgpu (on CI: Mesa's lavapipe, a Vulkan
+//! driver on the CPU), against the float64 reference.
+
+use burn::optim::Optimizer;
+use burn::prelude::*;
+use burn_shard_kernels::{StepPath, wgpu_cpu_device};
+
+use crate::common::Rng;
+use crate::fused_adam::{reference_step, variants};
+
+/// The lavapipe device, or `None` with the reason printed. Under CI a missing device fails the
+/// test: CI installs lavapipe, so its absence is a broken set-up, not a skip.
+fn device() -> Option<Device> {
+    match wgpu_cpu_device() {
+        Ok(d) => Some(d),
+        Err(reason) if std::env::var_os("CI").is_some() => panic!("CI must run the CubeCL kernel: {reason}"),
+        Err(reason) => {
+            eprintln!("skipped: {reason}");
+            None
+        }
+    }
+}
+
+#[test]
+fn cubecl_kernel_on_wgpu_matches_a_float64_reference() {
+    let Some(device) = device() else { return };
+    // Lengths divisible by 4 (vectorised), odd ones (scalar tail) and zero.
+    for n in [0usize, 1, 7, 1000, 4099, 65_539] {
+        for (name, cfg) in variants() {
+            let h = cfg.hyper();
+            let optim = cfg.init();
+            let mut rng = Rng::new(n as u64 + 17);
+            let p0 = rng.vec(n);
+            let mut p = Tensor::<1>::from_data(TensorData::new(p0.clone(), [n]), &device);
+            assert_eq!(
+                optim.path_for(&p),
+                StepPath::CubeKernel,
+                "{name}: the CubeCL kernel must run, not Burn's Adam"
+            );
+            let mut state = None;
+            let mut p64: Vec<f64> = p0.iter().map(|&x| x as f64).collect();
+            let (mut m64, mut v64, mut vmax64) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
+            for t in 1..=3 {
+                let g: Vec<f32> = rng.vec(n).iter().map(|x| x * 2.0).collect();
+                let g64: Vec<f64> = g.iter().map(|&x| x as f64).collect();
+                let grad = Tensor::<1>::from_data(TensorData::new(g, [n]), &device);
+                let (np, ns) = optim.step(1e-2, p, grad, state);
+                p = np;
+                state = ns;
+                reference_step(&h, 1e-2, t, &mut p64, &g64, &mut m64, &mut v64, &mut vmax64);
+            }
+            let got: Vec<f32> = p.into_data().convert::<f32>().iter::<f32>().collect();
+            assert_eq!(got.len(), n);
+            for i in 0..n {
+                let err = (got[i] as f64 - p64[i]).abs();
+                assert!(
+                    err <= 1e-6 + 1e-5 * p64[i].abs(),
+                    "{name} n={n} element {i}: {} vs {}",
+                    got[i],
+                    p64[i]
+                );
+            }
+            if n > 0 {
+                let m: Vec<f32> = state
+                    .unwrap()
+                    .momentum
+                    .moment_1
+                    .into_data()
+                    .convert::<f32>()
+                    .iter::<f32>()
+                    .collect();
+                assert!(
+                    (m[n - 1] as f64 - m64[n - 1]).abs() <= 1e-6 + 1e-5 * m64[n - 1].abs(),
+                    "{name} n={n} exp_avg"
+                );
+            }
+        }
+    }
+}
