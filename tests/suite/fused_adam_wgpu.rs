@@ -25,7 +25,7 @@ fn device() -> Option<Device> {
 fn cubecl_kernel_on_wgpu_matches_a_float64_reference() {
     let Some(device) = device() else { return };
     // Lengths divisible by 4 (vectorised), odd ones (scalar tail) and zero.
-    for n in [0usize, 1, 7, 1000, 4099, 65_539] {
+    for n in [0usize, 1, 7, 1000, 4099, 65_539, 1_000_003] {
         for (name, cfg) in variants() {
             let h = cfg.hyper();
             let optim = cfg.init();

@@ -37,18 +37,71 @@ pub fn adam_step(
         .zip(grad.par_chunks(CHUNK))
         .zip(exp_avg.par_chunks_mut(CHUNK))
         .zip(exp_avg_sq.par_chunks_mut(CHUNK));
+    let simd = Simd::detect();
     match max_exp_avg_sq {
-        None => chunks.for_each(|(((p, g), m), v)| adam_chunk(s, p, g, m, v)),
+        None => chunks.for_each(|(((p, g), m), v)| simd.adam(s, p, g, m, v)),
         Some(vmax) => chunks
             .zip(vmax.par_chunks_mut(CHUNK))
-            .for_each(|((((p, g), m), v), vm)| amsgrad_chunk(s, p, g, m, v, vm)),
+            .for_each(|((((p, g), m), v), vm)| simd.amsgrad(s, p, g, m, v, vm)),
     }
     Ok(())
 }
 
+/// The widest vector instructions this CPU has, picked once per step at run time: the default
+/// x86-64 target only guarantees SSE2, while the element-wise loop gains from AVX2 and FMA
+/// (twice the lanes, fused multiply-adds), as PyTorch's CPU kernels do.
+#[derive(Clone, Copy)]
+enum Simd {
+    Baseline,
+    #[cfg(target_arch = "x86_64")]
+    Avx2Fma,
+}
+
+impl Simd {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            return Simd::Avx2Fma;
+        }
+        Simd::Baseline
+    }
+
+    fn adam(self, s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        match self {
+            Simd::Baseline => adam_chunk(s, p, g, m, v),
+            // SAFETY: `detect` checked that the CPU has AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2Fma => unsafe { adam_chunk_avx2(s, p, g, m, v) },
+        }
+    }
+
+    fn amsgrad(self, s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], vm: &mut [f32]) {
+        match self {
+            Simd::Baseline => amsgrad_chunk(s, p, g, m, v, vm),
+            // SAFETY: `detect` checked that the CPU has AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2Fma => unsafe { amsgrad_chunk_avx2(s, p, g, m, v, vm) },
+        }
+    }
+}
+
+/// [`adam_chunk`] compiled for AVX2 + FMA (the body is inlined and vectorised for them).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn adam_chunk_avx2(s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    adam_chunk(s, p, g, m, v)
+}
+
+/// [`amsgrad_chunk`] compiled for AVX2 + FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn amsgrad_chunk_avx2(s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], vm: &mut [f32]) {
+    amsgrad_chunk(s, p, g, m, v, vm)
+}
+
 /// The element-wise update; written as one straight loop over zipped slices so LLVM
 /// vectorises it (no bounds checks, no branches).
-#[inline]
+#[inline(always)]
 fn adam_chunk(s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
         let g = g + s.l2 * *p;
@@ -60,7 +113,7 @@ fn adam_chunk(s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut 
     }
 }
 
-#[inline]
+#[inline(always)]
 fn amsgrad_chunk(s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], vmax: &mut [f32]) {
     for ((((p, &g), m), v), vmax) in p
         .iter_mut()

@@ -1,10 +1,12 @@
 //! [`FusedAdam`]: Burn's `Optimizer` trait on top of the fused kernels.
 
+use burn::backend::Flex;
+use burn::backend::flex::FlexTensor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::{
     Adam, AdamConfig, AdamState, AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer,
 };
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor};
 
 use crate::{AdamHyper, cpu};
 
@@ -186,45 +188,47 @@ impl FusedAdam {
         grad: Tensor<D>,
         state: Option<AdamState<D>>,
     ) -> (Tensor<D>, Option<AdamState<D>>) {
-        let device = tensor.device();
         let shape = tensor.shape();
         let numel = shape.num_elements();
-        let zeros = || TensorData::new(vec![0.0f32; numel], shape.clone());
-        // `into_data` hands over a uniquely owned Flex buffer without copying it.
+        let zeros = || FlexTensor::zeros(shape.clone(), DType::F32);
+        // Work on the Flex buffers themselves: the parameter and the moments are updated in
+        // place when this step owns them, and the gradient is only read (it may stay shared).
         let (time, m, v, vmax) = match state {
             Some(s) => (
                 s.momentum.time,
-                s.momentum.moment_1.into_data(),
-                s.momentum.moment_2.into_data(),
-                s.momentum.max_moment_2.map(Tensor::into_data),
+                flex_owned(s.momentum.moment_1),
+                flex_owned(s.momentum.moment_2),
+                s.momentum.max_moment_2.map(flex_owned),
             ),
             None => (0, zeros(), zeros(), None),
         };
         let vmax = match (self.hyper.amsgrad, vmax) {
-            (true, Some(d)) => Some(d),
+            (true, Some(t)) => Some(t),
             (true, None) => Some(zeros()),
             (false, _) => None,
         };
         let time = time + 1;
-        let (mut p, g, mut m, mut v, mut vmax) = (tensor.into_data(), grad.into_data(), m, v, vmax);
-        let g = g.convert::<f32>();
+        let (mut p, mut m, mut v, mut vmax) = (flex_owned(tensor), m, v, vmax);
+        let g = flex_readable(grad);
         let scalars = self.hyper.scalars(lr, time);
         cpu::adam_step(
             &scalars,
-            p.as_mut_slice::<f32>().expect("f32 checked"),
-            g.as_slice::<f32>().expect("converted to f32"),
-            m.as_mut_slice::<f32>().expect("state is f32"),
-            v.as_mut_slice::<f32>().expect("state is f32"),
-            vmax.as_mut().map(|d| d.as_mut_slice::<f32>().expect("state is f32")),
+            owned_slice(&mut p),
+            g.as_slice::<f32>().expect("made contiguous f32 by flex_readable"),
+            owned_slice(&mut m),
+            owned_slice(&mut v),
+            vmax.as_mut().map(owned_slice),
         )
         .expect("buffers of one parameter have one shape");
+        debug_assert_eq!(p.layout().num_elements(), numel);
+        let back = |t: FlexTensor| Tensor::<D>::from_primitive::<Flex>(t);
         let momentum = AdaptiveMomentumState {
             time,
-            moment_1: Tensor::from_data(m, &device),
-            moment_2: Tensor::from_data(v, &device),
-            max_moment_2: vmax.map(|d| Tensor::from_data(d, &device)),
+            moment_1: back(m),
+            moment_2: back(v),
+            max_moment_2: vmax.map(back),
         };
-        (Tensor::from_data(p, &device), Some(AdamState { momentum }))
+        (back(p), Some(AdamState { momentum }))
     }
 }
 
@@ -299,4 +303,30 @@ impl Optimizer for FusedAdam {
     fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
         <Adam as Optimizer>::to_device(state, device)
     }
+}
+
+/// The Flex buffer of an `f32` tensor, owned by this step: a uniquely held, contiguous buffer
+/// that starts at offset 0 is taken as is (no copy); anything else is copied once.
+fn flex_owned<const D: usize>(t: Tensor<D>) -> FlexTensor {
+    let t = t.try_into_primitive::<Flex>().expect("checked by fused_cpu_applies");
+    let exact = t.is_unique()
+        && t.is_contiguous()
+        && t.layout().start_offset() == 0
+        && t.bytes().len() == t.layout().num_elements() * DType::F32.size();
+    if exact { t } else { FlexTensor::from_data(t.into_data()) }
+}
+
+/// The Flex buffer of an `f32` tensor to read: shared buffers are read in place.
+fn flex_readable<const D: usize>(t: Tensor<D>) -> FlexTensor {
+    let t = t.try_into_primitive::<Flex>().expect("checked by fused_cpu_applies");
+    if t.as_slice::<f32>().is_some() {
+        t
+    } else {
+        t.to_contiguous()
+    }
+}
+
+fn owned_slice(t: &mut FlexTensor) -> &mut [f32] {
+    t.try_storage_mut::<f32>()
+        .expect("flex_owned returns a uniquely held buffer")
 }
