@@ -12,6 +12,27 @@ use cubecl::prelude::*;
 
 use crate::AdamScalars;
 
+/// `β·old + (1-β)·x`: one moment update.
+#[cube]
+fn next_moment<F: Float, N: Size>(old: Vector<F, N>, x: Vector<F, N>, beta: f32, one_minus_beta: f32) -> Vector<F, N> {
+    old * Vector::new(F::cast_from(beta)) + x * Vector::new(F::cast_from(one_minus_beta))
+}
+
+/// `p·decay - step_size·m / (sqrt(v)·inv_sqrt_bc2 + ε)`: the parameter update.
+#[cube]
+fn updated_param<F: Float, N: Size>(
+    p: Vector<F, N>,
+    m: Vector<F, N>,
+    v: Vector<F, N>,
+    epsilon: f32,
+    decay: f32,
+    step_size: f32,
+    inv_sqrt_bc2: f32,
+) -> Vector<F, N> {
+    let denom = Vector::sqrt(v) * Vector::new(F::cast_from(inv_sqrt_bc2)) + Vector::new(F::cast_from(epsilon));
+    p * Vector::new(F::cast_from(decay)) - Vector::new(F::cast_from(step_size)) * m / denom
+}
+
 #[cube(launch)]
 fn fused_adam<F: Float, N: Size>(
     param: &mut [Vector<F, N>],
@@ -32,15 +53,15 @@ fn fused_adam<F: Float, N: Size>(
     if i < param.len() {
         let p = param[i];
         let g = grad[i] + p * Vector::new(F::cast_from(l2));
-        let m = exp_avg[i] * Vector::new(F::cast_from(beta_1)) + g * Vector::new(F::cast_from(one_minus_beta_1));
-        let v = exp_avg_sq[i] * Vector::new(F::cast_from(beta_2)) + g * g * Vector::new(F::cast_from(one_minus_beta_2));
+        let m = next_moment(exp_avg[i], g, beta_1, one_minus_beta_1);
+        let v = next_moment(exp_avg_sq[i], g * g, beta_2, one_minus_beta_2);
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
-        let denom = Vector::sqrt(v) * Vector::new(F::cast_from(inv_sqrt_bc2)) + Vector::new(F::cast_from(epsilon));
-        param[i] = p * Vector::new(F::cast_from(decay)) - Vector::new(F::cast_from(step_size)) * m / denom;
+        param[i] = updated_param(p, m, v, epsilon, decay, step_size, inv_sqrt_bc2);
     }
 }
 
+/// [`fused_adam`] with AMSGrad: the update uses the running maximum of the second moment.
 #[cube(launch)]
 fn fused_amsgrad<F: Float, N: Size>(
     param: &mut [Vector<F, N>],
@@ -62,14 +83,13 @@ fn fused_amsgrad<F: Float, N: Size>(
     if i < param.len() {
         let p = param[i];
         let g = grad[i] + p * Vector::new(F::cast_from(l2));
-        let m = exp_avg[i] * Vector::new(F::cast_from(beta_1)) + g * Vector::new(F::cast_from(one_minus_beta_1));
-        let v = exp_avg_sq[i] * Vector::new(F::cast_from(beta_2)) + g * g * Vector::new(F::cast_from(one_minus_beta_2));
+        let m = next_moment(exp_avg[i], g, beta_1, one_minus_beta_1);
+        let v = next_moment(exp_avg_sq[i], g * g, beta_2, one_minus_beta_2);
         let vm = <Vector<F, N> as FloatOps>::max(max_exp_avg_sq[i], v);
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
         max_exp_avg_sq[i] = vm;
-        let denom = Vector::sqrt(vm) * Vector::new(F::cast_from(inv_sqrt_bc2)) + Vector::new(F::cast_from(epsilon));
-        param[i] = p * Vector::new(F::cast_from(decay)) - Vector::new(F::cast_from(step_size)) * m / denom;
+        param[i] = updated_param(p, m, vm, epsilon, decay, step_size, inv_sqrt_bc2);
     }
 }
 
