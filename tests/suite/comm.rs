@@ -242,3 +242,19 @@ fn results_do_not_depend_on_thread_timing() {
     let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&a[0]), bits(&b[0]));
 }
+
+#[test]
+fn tagged_collectives_of_equal_length_but_different_tags_are_errors() {
+    let out = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let tag = 10 + comm.rank() as u64; // same length, different "parameter"
+        comm.all_gather_tagged(tensor(vec![1.0; 3]), tag).err()
+    })
+    .unwrap();
+    assert!(out.iter().all(Option::is_some), "{out:?}");
+    assert!(
+        out.iter()
+            .flatten()
+            .any(|e| matches!(e, CommError::Mismatch { .. }) && e.to_string().contains("tag=")),
+        "{out:?}"
+    );
+}

@@ -48,6 +48,18 @@ impl Net3 {
     }
 }
 
+impl Net3 {
+    /// `forward` with the blocks run in reverse order: a rank-dependent control flow.
+    fn forward_reversed(&self, x: Tensor<2>) -> Tensor<2> {
+        let mut h = unit(&x, || x.clone().matmul(self.embed.val()));
+        for block in self.blocks.iter().rev() {
+            h = unit(&h, || relu(block.forward(h.clone())));
+        }
+        let h = h * self.frozen.val().unsqueeze::<2>();
+        h.matmul(self.embed.val().transpose())
+    }
+}
+
 const VOCAB: usize = 6;
 const WIDTH: usize = 10;
 const STEPS: usize = 20;
@@ -341,4 +353,37 @@ fn stage3_without_resharding_gathers_once() {
             "one gather per use, none in backward"
         );
     }
+}
+
+#[test]
+fn ranks_that_gather_different_parameters_fail_instead_of_mixing_them() {
+    // Rank 1 runs the (equal-sized) blocks in reverse: its gathers meet rank 0's for other
+    // parameters of the same length. The tags make that an error, returned by `step`.
+    let device = Device::flex().autodiff();
+    let base = Net3::new(VOCAB, WIDTH, &device);
+    let start = std::time::Instant::now();
+    let out = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let rank = comm.rank();
+        let device = Device::flex().autodiff();
+        let (model, mut optim) = ShardConfig::new(Stage::Three)
+            .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
+            .unwrap();
+        let x = Tensor::<2>::ones([2, VOCAB], &device);
+        let y = if rank == 0 {
+            model.forward(x)
+        } else {
+            model.forward_reversed(x)
+        };
+        let grads = GradientsParams::from_grads(y.powi_scalar(2).mean().backward(), &model);
+        optim.step(1e-3, model, grads).err().map(|e| e.to_string())
+    })
+    .unwrap();
+    for (rank, err) in out.iter().enumerate() {
+        let err = err.as_ref().unwrap_or_else(|| panic!("rank {rank} must fail"));
+        assert!(
+            err.contains("mismatch") || err.contains("aborted"),
+            "rank {rank}: {err}"
+        );
+    }
+    assert!(start.elapsed() < std::time::Duration::from_secs(30));
 }

@@ -54,6 +54,22 @@ pub trait Collective: Send + Sync {
     /// [`CommError::InvalidRoot`] when `root >= world_size`.
     fn broadcast(&self, tensor: Tensor<1>, root: usize) -> Result<Tensor<1>, CommError>;
 
+    /// [`Collective::reduce_scatter`] with a `tag` naming what is reduced (e.g. a hash of the
+    /// parameter's path), identical on every rank. Backends that can check it report ranks that
+    /// reduce different things with equal lengths as [`CommError::Mismatch`] instead of mixing
+    /// them; the default ignores the tag.
+    fn reduce_scatter_tagged(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Result<Tensor<1>, CommError> {
+        let _ = tag;
+        self.reduce_scatter(tensor, op)
+    }
+
+    /// [`Collective::all_gather`] with a `tag`, checked like
+    /// [`Collective::reduce_scatter_tagged`]'s.
+    fn all_gather_tagged(&self, tensor: Tensor<1>, tag: u64) -> Result<Tensor<1>, CommError> {
+        let _ = tag;
+        self.all_gather(tensor)
+    }
+
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<(), CommError>;
 

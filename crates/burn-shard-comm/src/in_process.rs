@@ -124,6 +124,8 @@ struct CallSig {
     len: usize,
     dtype: DType,
     root: usize,
+    /// What is being reduced or gathered (0: untagged).
+    tag: u64,
 }
 
 impl fmt::Display for CallSig {
@@ -131,6 +133,9 @@ impl fmt::Display for CallSig {
         write!(f, "{}(len={}, {:?}", self.kind.name(), self.len, self.dtype)?;
         if self.kind == CollectiveKind::Broadcast {
             write!(f, ", root={}", self.root)?;
+        }
+        if self.tag != 0 {
+            write!(f, ", tag={:#018x}", self.tag)?;
         }
         write!(f, ")")
     }
@@ -280,11 +285,18 @@ impl InProcessComm {
         len: usize,
         dtype: DType,
         root: usize,
+        tag: u64,
         body: impl FnOnce(&mut Call<'_>) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
         self.shared.check()?;
         let prev = self.prev.lock().unwrap_or_else(|p| p.into_inner());
-        let sig = CallSig { kind, len, dtype, root };
+        let sig = CallSig {
+            kind,
+            len,
+            dtype,
+            root,
+            tag,
+        };
         let mut call = Call {
             comm: self,
             prev: &prev,
@@ -330,7 +342,7 @@ impl Collective for InProcessComm {
             device,
         } = HostBuffer::read(tensor)?;
         let n = self.world_size;
-        self.call(CollectiveKind::AllReduce, values.len(), dtype, 0, |link| {
+        self.call(CollectiveKind::AllReduce, values.len(), dtype, 0, 0, |link| {
             let own = ring::reduce_scatter(link, &mut values)?;
             if op == ReduceOp::Avg {
                 values[own].iter_mut().for_each(|v| *v /= n as f32);
@@ -341,6 +353,10 @@ impl Collective for InProcessComm {
     }
 
     fn reduce_scatter(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        self.reduce_scatter_tagged(tensor, op, 0)
+    }
+
+    fn reduce_scatter_tagged(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Result<Tensor<1>, CommError> {
         let HostBuffer {
             mut values,
             dtype,
@@ -354,7 +370,7 @@ impl Collective for InProcessComm {
                 world_size: n,
             }));
         }
-        let own = self.call(CollectiveKind::ReduceScatter, values.len(), dtype, 0, |link| {
+        let own = self.call(CollectiveKind::ReduceScatter, values.len(), dtype, 0, tag, |link| {
             ring::reduce_scatter(link, &mut values)
         })?;
         let mut out = values[own].to_vec();
@@ -365,11 +381,15 @@ impl Collective for InProcessComm {
     }
 
     fn all_gather(&self, tensor: Tensor<1>) -> Result<Tensor<1>, CommError> {
+        self.all_gather_tagged(tensor, 0)
+    }
+
+    fn all_gather_tagged(&self, tensor: Tensor<1>, tag: u64) -> Result<Tensor<1>, CommError> {
         let HostBuffer { values, dtype, device } = HostBuffer::read(tensor)?;
         let (n, c) = (self.world_size, values.len());
         let mut full = vec![0.0f32; n * c];
         full[self.rank * c..(self.rank + 1) * c].copy_from_slice(&values);
-        self.call(CollectiveKind::AllGather, c, dtype, 0, |link| {
+        self.call(CollectiveKind::AllGather, c, dtype, 0, tag, |link| {
             ring::all_gather(link, &mut full)
         })?;
         Ok(HostBuffer::into_tensor(full, dtype, &device))
@@ -383,7 +403,7 @@ impl Collective for InProcessComm {
             }));
         }
         let HostBuffer { values, dtype, device } = HostBuffer::read(tensor)?;
-        let out = self.call(CollectiveKind::Broadcast, values.len(), dtype, root, |link| {
+        let out = self.call(CollectiveKind::Broadcast, values.len(), dtype, root, 0, |link| {
             ring::broadcast(link, values, root)
         })?;
         Ok(HostBuffer::into_tensor(out, dtype, &device))
@@ -392,7 +412,7 @@ impl Collective for InProcessComm {
     fn barrier(&self) -> Result<(), CommError> {
         // An all-gather of empty chunks: after N-1 ring steps every rank has heard, through its
         // neighbour, from every other rank, so all have entered.
-        self.call(CollectiveKind::Barrier, 0, DType::F32, 0, |link| {
+        self.call(CollectiveKind::Barrier, 0, DType::F32, 0, 0, |link| {
             let mut empty: Vec<f32> = Vec::new();
             ring::all_gather(link, &mut empty)
         })

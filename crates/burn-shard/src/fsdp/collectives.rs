@@ -7,9 +7,9 @@ use super::context::FsdpContext;
 
 /// This rank's `[chunk]` shard -> the full `[numel]` parameter (padding dropped).
 /// On a collective error the error is recorded and zeros are returned (the step then fails).
-pub(crate) fn all_gather_full(ctx: &FsdpContext, shard: Tensor<1>, numel: usize) -> Tensor<1> {
+pub(crate) fn all_gather_full(ctx: &FsdpContext, shard: Tensor<1>, numel: usize, tag: u64) -> Tensor<1> {
     let device = shard.device();
-    match ctx.comm().all_gather(shard) {
+    match ctx.comm().all_gather_tagged(shard, tag) {
         Ok(full) if full.dims()[0] == numel => full,
         Ok(full) => full.narrow(0, 0, numel),
         Err(e) => {
@@ -20,7 +20,7 @@ pub(crate) fn all_gather_full(ctx: &FsdpContext, shard: Tensor<1>, numel: usize)
 }
 
 /// The full `[numel]` gradient -> this rank's `[chunk]` shard of its mean over ranks.
-pub(crate) fn reduce_scatter_grad(ctx: &FsdpContext, full: Tensor<1>, chunk: usize) -> Tensor<1> {
+pub(crate) fn reduce_scatter_grad(ctx: &FsdpContext, full: Tensor<1>, chunk: usize, tag: u64) -> Tensor<1> {
     let device = full.device();
     let n = ctx.comm().world_size();
     let numel = full.dims()[0];
@@ -29,7 +29,10 @@ pub(crate) fn reduce_scatter_grad(ctx: &FsdpContext, full: Tensor<1>, chunk: usi
     } else {
         Tensor::cat(vec![full, Tensor::zeros([chunk * n - numel], &device)], 0)
     };
-    match ctx.comm().reduce_scatter(padded, burn_shard_comm::ReduceOp::Avg) {
+    match ctx
+        .comm()
+        .reduce_scatter_tagged(padded, burn_shard_comm::ReduceOp::Avg, tag)
+    {
         Ok(shard) => shard,
         Err(e) => {
             ctx.record_error(e);

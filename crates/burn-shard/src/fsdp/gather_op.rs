@@ -56,6 +56,9 @@ pub struct GatherSpec {
     pub(crate) numel: usize,
     /// Elements of each rank's shard, `ceil(numel / world_size)`.
     pub(crate) chunk: usize,
+    /// Names the parameter in its collectives (a hash of its module path, equal on every rank),
+    /// so ranks that reach different parameters of equal size fail instead of mixing them.
+    pub(crate) tag: u64,
 }
 
 /// The stage-3 collectives as backend operations (CPU `Flex` backend; the autodiff decorator
@@ -77,7 +80,7 @@ pub trait FsdpOps: Backend {
 impl FsdpOps for Flex {
     fn fsdp_all_gather(shard: FlexTensor, spec: GatherSpec) -> FlexTensor {
         let flat = Tensor::<1>::from_primitive::<Flex>(Flex::float_reshape(shard, Shape::new([spec.chunk])));
-        let full = all_gather_full(&spec.ctx, flat, spec.numel);
+        let full = all_gather_full(&spec.ctx, flat, spec.numel, spec.tag);
         let full = full.try_into_primitive::<Flex>().expect("a Flex tensor stays on Flex");
         let full = Flex::float_reshape(full, spec.full_shape.clone());
         spec.ctx
@@ -93,7 +96,7 @@ impl FsdpOps for Flex {
         spec.ctx
             .watch_transient(Arc::downgrade(&full.data_arc()), spec.numel * full.dtype().size());
         let flat = Tensor::<1>::from_primitive::<Flex>(Flex::float_reshape(full, Shape::new([spec.numel])));
-        let shard = reduce_scatter_grad(&spec.ctx, flat, spec.chunk);
+        let shard = reduce_scatter_grad(&spec.ctx, flat, spec.chunk, spec.tag);
         let shard = shard.try_into_primitive::<Flex>().expect("a Flex tensor stays on Flex");
         Flex::float_reshape(shard, spec.shard_shape.clone())
     }

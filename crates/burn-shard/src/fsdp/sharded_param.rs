@@ -1,5 +1,7 @@
 //! One parameter's sharded state, attached to Burn's `Param` as a reparameterization.
 
+use std::hash::{DefaultHasher, Hash, Hasher};
+
 use burn::backend::Dispatch;
 use burn::module::{Module, Param, Reparameterization, Reparameterizer};
 use burn::tensor::{Shape, Tensor};
@@ -42,7 +44,7 @@ impl Reparameterizer for Sharder {
 
     fn reparameterize<const D: usize>(
         &mut self,
-        _path: &str,
+        path: &str,
         param: Param<Tensor<D>>,
     ) -> (Param<Tensor<D>>, Option<ShardedParam>) {
         let (n, r) = (self.ctx.comm().world_size(), self.ctx.comm().rank());
@@ -81,12 +83,18 @@ impl Reparameterizer for Sharder {
         if require_grad {
             shard = shard.require_grad();
         }
+        let tag = {
+            let mut h = DefaultHasher::new();
+            path.hash(&mut h);
+            h.finish() | 1 // never 0, which means "untagged"
+        };
         let spec = GatherSpec {
             ctx: self.ctx.clone(),
             full_shape,
             shard_shape,
             numel,
             chunk,
+            tag,
         };
         (Param::from_mapped_value(id, shard, mapper), Some(ShardedParam { spec }))
     }
