@@ -6,6 +6,8 @@ mod equivalence;
 mod fused_adam;
 #[cfg(feature = "wgpu")]
 mod fused_adam_wgpu;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod layout;
 mod memory;
 mod stage3;

@@ -1,8 +1,12 @@
 //! `cargo xtask <task>`: project tasks that are programs rather than tests.
 //!
 //! - `cargo xtask bench adam`: the fused-Adam benchmark table (see `bench_adam.rs`).
+//! - `cargo xtask setup`: lavapipe and CubeCL's LLVM bundle on Debian/Ubuntu (`setup.rs`).
+//! - `cargo xtask multi-gpu-test`: the GPU suite on every GPU (`multi_gpu_test.rs`).
 
 mod bench_adam;
+mod multi_gpu_test;
+mod setup;
 
 use clap::{Parser, Subcommand};
 
@@ -20,6 +24,10 @@ enum Task {
         #[command(subcommand)]
         which: Bench,
     },
+    /// Installs lavapipe and links Debian's LLVM 22 where CubeCL's build looks (idempotent).
+    Setup(setup::Args),
+    /// Runs the GPU test suite on all GPUs and prints a summary table.
+    MultiGpuTest(multi_gpu_test::Args),
 }
 
 #[derive(Subcommand)]
@@ -34,6 +42,8 @@ fn main() {
         Task::Bench {
             which: Bench::Adam(args),
         } => bench_adam::run(&args),
+        Task::Setup(args) => setup::run(&args),
+        Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
     };
     if let Err(e) = result {
         eprintln!("error: {e}");

@@ -71,6 +71,12 @@ pub enum CommError {
     /// An earlier error on some rank aborted the group.
     #[error("the group was aborted by an earlier error: {0}")]
     Aborted(String),
+    /// The backend cannot run on this machine (no GPU, no libnccl, too few GPUs).
+    #[error("collective backend unavailable: {0}")]
+    Unavailable(String),
+    /// The backend library failed (an NCCL or CUDA error, with its message).
+    #[error("collective backend error: {0}")]
+    Backend(String),
     /// The world size is not usable.
     #[error("world_size must be at least 1, got {0}")]
     InvalidWorldSize(usize),

@@ -8,6 +8,8 @@
 //! - [`InProcessGroup`]: `world_size` ranks as threads of one process, connected in a ring
 //!   by channels. It is the CPU default and the test bed: reductions are deterministic and
 //!   every misuse (mismatched calls, a rank that dies) is an error within a bounded time.
+//! - `NcclComm` (feature `cuda`): NCCL through cudarc, one rank per GPU, in place on Burn's
+//!   CUDA tensors.
 //!
 //! Every backend counts the bytes each rank sends ([`CommStats`]), so traffic can be checked
 //! against the ring-algorithm volumes (all-reduce `2(N-1)/N·S`, reduce-scatter and all-gather
@@ -17,6 +19,8 @@ mod collective;
 mod error;
 mod in_process;
 mod launch;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod ring;
 mod stats;
 
@@ -25,3 +29,6 @@ pub use error::CommError;
 pub use in_process::{InProcessComm, InProcessGroup};
 pub use launch::{RankFailure, run_ranks};
 pub use stats::{CollectiveKind, CommStats, OpStats};
+
+#[cfg(feature = "cuda")]
+pub use nccl::{NCCL_DEFAULT_TIMEOUT, NcclComm, NcclId, cuda_device_count, nccl_available};
