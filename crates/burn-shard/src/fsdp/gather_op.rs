@@ -181,6 +181,25 @@ impl<B: Backend + FsdpOps> RetroForward for Regather<B> {
     }
 }
 
+/// Runs the forward all-gather and records it in the graph as `prep` decided (with the spec as
+/// backward state when tracked).
+fn run_gather<B, BO, C, const N: usize>(
+    prep: OpsKind<BO, B, GatherSpec, C, N>,
+    shard: FloatTensor<B>,
+    spec: GatherSpec,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    B: Backend + FsdpOps,
+    BO: Backward<B, N, State = GatherSpec>,
+    C: CheckpointStrategy,
+{
+    let out = B::fsdp_all_gather(shard, spec.clone());
+    match prep {
+        OpsKind::Tracked(prep) => prep.finish(spec, out),
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    }
+}
+
 /// Memory-bound gather with no unit.
 fn gather<B: Backend + FsdpOps, C: CheckpointStrategy>(
     shard: FloatTensor<Autodiff<B, C>>,
@@ -197,13 +216,7 @@ fn gather<B: Backend + FsdpOps, C: CheckpointStrategy>(
         .retro_forward(retro)
         .parents([&shard])
         .stateful();
-    match prep {
-        OpsKind::Tracked(prep) => {
-            let out = B::fsdp_all_gather(shard.into_primitive(), spec.clone());
-            prep.finish(spec, out)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(B::fsdp_all_gather(shard.into_primitive(), spec)),
-    }
+    run_gather(prep, shard.into_primitive(), spec)
 }
 
 /// Memory-bound gather ordered after the unit input.
@@ -232,13 +245,7 @@ fn gather_in_unit<B: Backend + FsdpOps, C: CheckpointStrategy>(
             })
             .stateful();
     drop(unit_input);
-    match prep {
-        OpsKind::Tracked(prep) => {
-            let out = B::fsdp_all_gather(shard.into_primitive(), spec.clone());
-            prep.finish(spec, out)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(B::fsdp_all_gather(shard.into_primitive(), spec)),
-    }
+    run_gather(prep, shard.into_primitive(), spec)
 }
 
 /// Compute-bound gather (`reshard_after_forward = false`): consumers keep the full weight.
@@ -249,11 +256,5 @@ fn gather_kept<B: Backend + FsdpOps, C: CheckpointStrategy>(
     let prep = <GatherBackward as Backward<B, 1>>::prepare::<C>(GatherBackward, [shard.node()])
         .compute_bound()
         .stateful();
-    match prep {
-        OpsKind::Tracked(prep) => {
-            let out = B::fsdp_all_gather(shard.into_primitive(), spec.clone());
-            prep.finish(spec, out)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(B::fsdp_all_gather(shard.into_primitive(), spec)),
-    }
+    run_gather(prep, shard.into_primitive(), spec)
 }
