@@ -126,3 +126,21 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "compared buffers differ in length");
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
+
+/// One sharded training step on this rank's `loss`: returns the model after
+/// [`ShardedOptimizer::step`](burn_shard::ShardedOptimizer::step) and the loss averaged over
+/// ranks (the loss of the global batch when every rank holds an equal share of it).
+pub fn sharded_step<M: Module, O: burn::optim::Optimizer>(
+    optim: &mut burn_shard::ShardedOptimizer<O>,
+    model: M,
+    loss: Tensor<1>,
+    lr: f64,
+) -> (M, f32) {
+    let global = optim
+        .comm()
+        .all_reduce(loss.clone().inner(), burn_shard_comm::ReduceOp::Avg)
+        .expect("loss all_reduce")
+        .into_scalar::<f32>();
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    (optim.step(lr, model, grads).expect("sharded step"), global)
+}

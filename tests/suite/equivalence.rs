@@ -7,7 +7,7 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::prelude::*;
 use burn_shard::{ShardConfig, Stage};
-use burn_shard_comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
+use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 
 use crate::common::*;
 
@@ -38,13 +38,9 @@ fn sharded_run<O: Optimizer>(
                 rows(&x, IN, start, end, &device),
                 rows(&y, OUT, start, end, &device),
             );
-            let global = optim
-                .comm()
-                .all_reduce(loss.clone().inner(), ReduceOp::Avg)
-                .expect("loss all_reduce");
-            losses.push(global.into_scalar::<f32>());
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.step(LR, model, grads).expect("sharded step");
+            let (next, global) = sharded_step(&mut optim, model, loss, LR);
+            model = next;
+            losses.push(global);
         }
         // Stage 3 unshards with a collective, so every rank does it.
         (losses, params_of(&model.materialize()))
@@ -231,15 +227,9 @@ fn gpt_on_shakespeare_matches_single_device() {
             for (x, y) in &batches {
                 let (x, y) = (x.clone().narrow(0, 2 * rank, 2), y.clone().narrow(0, 2 * rank, 2));
                 let loss = model.loss(x, y);
-                losses.push(
-                    optim
-                        .comm()
-                        .all_reduce(loss.clone().inner(), ReduceOp::Avg)
-                        .unwrap()
-                        .into_scalar::<f32>(),
-                );
-                let grads = GradientsParams::from_grads(loss.backward(), &model);
-                model = optim.step(1e-2, model, grads).unwrap();
+                let (next, global) = sharded_step(&mut optim, model, loss, 1e-2);
+                model = next;
+                losses.push(global);
             }
             (losses, params_of(&model.materialize()))
         })

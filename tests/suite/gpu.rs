@@ -2,7 +2,7 @@
 //! collectives against host-computed results, sharded training against single-device training,
 //! and the fused Adam kernel on CUDA. Each test prints why and returns when no GPU is found.
 
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamConfig, Optimizer};
 use burn::prelude::*;
 use burn_shard::{ShardConfig, Stage};
 use burn_shard_comm::{Collective, NcclComm, NcclId, ReduceOp, cuda_device_count};
@@ -136,15 +136,9 @@ fn gpu_sharded_training_matches_single_device() {
                 let (x, y) = batch(step, global_batch);
                 let (a, b) = (rank * 4, rank * 4 + 4);
                 let loss = mse(&model, rows(&x, IN, a, b, &device), rows(&y, OUT, a, b, &device));
-                losses.push(
-                    optim
-                        .comm()
-                        .all_reduce(loss.clone().inner(), ReduceOp::Avg)
-                        .unwrap()
-                        .into_scalar::<f32>(),
-                );
-                let grads = GradientsParams::from_grads(loss.backward(), &model);
-                model = optim.step(1e-2, model, grads).unwrap();
+                let (next, global) = sharded_step(&mut optim, model, loss, 1e-2);
+                model = next;
+                losses.push(global);
             }
             (losses, params_of(&model))
         });

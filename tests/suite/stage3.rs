@@ -10,9 +10,9 @@ use burn::prelude::*;
 use burn::tensor::activation::relu;
 use burn_shard::fsdp::unit;
 use burn_shard::{ShardConfig, Stage};
-use burn_shard_comm::{Collective, CollectiveKind, InProcessGroup, ReduceOp, run_ranks};
+use burn_shard_comm::{Collective, CollectiveKind, InProcessGroup, run_ranks};
 
-use crate::common::{Rng, max_abs_diff, params_of, rows};
+use crate::common::{Rng, max_abs_diff, params_of, rows, sharded_step};
 
 /// `embed` is tied (input projection and output head), `frozen` never trains, `unused` is
 /// trainable but never read, and the three `blocks` are the units.
@@ -119,10 +119,9 @@ fn sharded<O: Optimizer>(base: &Net3, optim: O, world_size: usize, config: Shard
         let mut losses = Vec::new();
         for step in 0..STEPS {
             let l = loss(&model, step, (rank * per_rank, (rank + 1) * per_rank), &device);
-            let grads = GradientsParams::from_grads(l.backward(), &model);
-            model = optim.step(LR, model, grads).expect("sharded step");
-            let global = optim.comm().all_reduce(l.inner(), ReduceOp::Avg).unwrap();
-            losses.push(global.into_scalar::<f32>());
+            let (next, global) = sharded_step(&mut optim, model, l, LR);
+            model = next;
+            losses.push(global);
         }
         // Unsharding is a collective at stage 3: every rank does it.
         let full_params = params_of(&model.clone().materialize());
