@@ -211,7 +211,8 @@ fn train_rank(
     let rank = comm.rank();
     let device = training_device(stage);
     let local_batch = args.batch_size / args.world_size;
-    let optimizer = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1).build();
+    // Burn's config (not `.build()`): the sharded optimizer then runs the fused AdamW step.
+    let optimizer = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1);
 
     // The one call: shard the optimizer state (stage 1), gradients (stage 2) and parameters
     // (stage 3) over the ranks.

@@ -4,9 +4,9 @@
 
 use burn::module::Module;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer, SgdConfig};
+use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
-use burn_shard::{ShardConfig, Stage};
+use burn_shard::{IntoOptimizer, ShardConfig, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 
 use crate::common::*;
@@ -17,7 +17,18 @@ const LR: f64 = 1e-2;
 
 /// Runs `STEPS` sharded steps on `world_size` rank threads; returns rank 0's globally averaged
 /// losses and every rank's final parameters.
-fn sharded_run<O: Optimizer>(
+fn sharded_run<O: IntoOptimizer + Clone + Send + Sync>(
+    base: &TinyMlp,
+    optim: O,
+    world_size: usize,
+    config: ShardConfig,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    sharded_run_on(&Device::flex().autodiff(), base, optim, world_size, config)
+}
+
+/// [`sharded_run`] with every rank's model and data on `device` (an autodiff device).
+fn sharded_run_on<O: IntoOptimizer + Clone + Send + Sync>(
+    device: &Device,
     base: &TinyMlp,
     optim: O,
     world_size: usize,
@@ -25,7 +36,7 @@ fn sharded_run<O: Optimizer>(
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let results = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
         let rank = comm.rank();
-        let device = Device::flex().autodiff();
+        let device = device.clone();
         let model = base.clone().fork(&device);
         let (mut model, mut optim) = config.init(model, optim.clone(), comm).expect("init");
         let per_rank = GLOBAL_BATCH / world_size;
@@ -52,7 +63,7 @@ fn sharded_run<O: Optimizer>(
 
 /// `exact_at_one`: world size 1 must reproduce the reference bit for bit (true when the sharded
 /// run uses Burn's own update math).
-fn check_all<O: Optimizer>(
+fn check_all<O: IntoOptimizer + Clone + Send + Sync>(
     name: &str,
     reference: ModuleOptimizer,
     optim: O,
@@ -129,6 +140,36 @@ fn fused_adamw_matches_burn_adamw_at_every_stage() {
         .with_weight_decay(0.1)
         .init();
     check_all("FusedAdamW", cfg.init(), fused, None, false);
+}
+
+#[test]
+fn burn_adamw_config_runs_the_fused_step_and_matches_single_device() {
+    // Passing Burn's config (not its built optimizer) selects the fused step.
+    let cfg = AdamWConfig::new().with_weight_decay(0.1).with_amsgrad(true);
+    check_all("AdamWConfig", cfg.init(), cfg.clone(), None, false);
+    let device = Device::flex().autodiff();
+    let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+    let (_, optim) = ShardConfig::new(Stage::Two)
+        .init(TinyMlp::new(&device), cfg, comm)
+        .unwrap();
+    let shard = Tensor::<1>::zeros([8], &Device::flex());
+    assert_eq!(
+        optim.optimizer().path_for(&shard),
+        burn_shard_kernels::StepPath::FusedCpu
+    );
+}
+
+#[test]
+fn gradient_clipping_in_a_burn_config_is_refused() {
+    use burn::grad_clipping::GradientClippingConfig;
+    let device = Device::flex().autodiff();
+    let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+    let cfg = AdamWConfig::new().with_grad_clipping(Some(GradientClippingConfig::Norm(1.0)));
+    let err = ShardConfig::new(Stage::Two)
+        .init(TinyMlp::new(&device), cfg, comm)
+        .err()
+        .expect("clipping must be refused");
+    assert!(err.to_string().contains("grad_clipping"), "{err}");
 }
 
 #[test]
@@ -243,5 +284,34 @@ fn gpt_on_shakespeare_matches_single_device() {
         let diff = max_abs_diff(&out[0].1, &ref_params);
         assert!(diff <= 1e-4, "GPT stage {stage}: max |param - reference| = {diff:e}");
         assert_eq!(out[0].1, out[1].1, "ranks hold identical GPT parameters");
+    }
+}
+
+/// Stages 0-3 on Burn's CubeCL backend through wgpu (lavapipe on CI): stage 3's gather op and
+/// the fused Adam kernel on CubeCL tensors, against single-device training on the CPU.
+#[cfg(feature = "wgpu")]
+#[test]
+fn sharded_training_on_wgpu_matches_single_device_on_the_cpu() {
+    let wgpu = match burn_shard_kernels::wgpu_cpu_device() {
+        Ok(d) => d,
+        Err(reason) if std::env::var_os("CI").is_some() => panic!("CI must run the wgpu tests: {reason}"),
+        Err(reason) => return eprintln!("skipped: {reason}"),
+    };
+    let device = Device::flex().autodiff();
+    device.seed(7);
+    let base = TinyMlp::new(&device);
+    let cfg = AdamWConfig::new().with_weight_decay(0.1);
+    let (ref_losses, ref_params) = reference_run(&base, cfg.init(), STEPS, GLOBAL_BATCH, LR);
+    let wgpu = wgpu.autodiff();
+    for stage in [Stage::Zero, Stage::Two, Stage::Three] {
+        let (losses, params) = sharded_run_on(&wgpu, &base, cfg.clone(), 2, ShardConfig::new(stage));
+        let ctx = format!("wgpu, world_size 2, stage {stage}");
+        assert_eq!(params[0], params[1], "{ctx}: ranks must hold identical parameters");
+        for (step, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
+            let rel = (a - b).abs() / b.abs().max(1e-12);
+            assert!(rel <= 1e-4, "{ctx}: step {step} loss {a} vs reference {b}");
+        }
+        let diff = max_abs_diff(&params[0], &ref_params);
+        assert!(diff <= 1e-4, "{ctx}: max |param - reference| = {diff:e}");
     }
 }

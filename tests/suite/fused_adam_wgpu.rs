@@ -3,10 +3,11 @@
 
 use burn::optim::Optimizer;
 use burn::prelude::*;
+use burn::tensor::DType;
 use burn_shard_kernels::{StepPath, wgpu_cpu_device};
 
 use crate::common::Rng;
-use crate::fused_adam::{reference_step, variants};
+use crate::fused_adam::{check_master_kernel, reference_step, variants};
 
 /// The lavapipe device, or `None` with the reason printed. Under CI a missing device fails the
 /// test: CI installs lavapipe, so its absence is a broken set-up, not a skip.
@@ -76,4 +77,11 @@ fn cubecl_kernel_on_wgpu_matches_a_float64_reference() {
             }
         }
     }
+}
+
+#[test]
+fn cubecl_master_weight_kernel_on_wgpu_matches_a_float64_reference() {
+    let Some(device) = device() else { return };
+    // wgpu has no bf16; f16 needs the adapter's SHADER_F16 (lavapipe has it).
+    check_master_kernel(&device, &[DType::F32, DType::F16], &[0, 1, 7, 4099, 65_539]);
 }

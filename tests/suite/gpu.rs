@@ -4,6 +4,7 @@
 
 use burn::optim::{AdamConfig, Optimizer};
 use burn::prelude::*;
+use burn::tensor::DType;
 use burn_shard::{ShardConfig, Stage};
 use burn_shard_comm::{Collective, NcclComm, NcclId, ReduceOp, cuda_device_count};
 use burn_shard_kernels::{FusedAdamConfig, StepPath};
@@ -115,6 +116,15 @@ fn gpu_fused_adam_kernel_matches_a_float64_reference() {
 }
 
 #[test]
+fn gpu_master_weight_kernel_matches_a_float64_reference_in_bf16_and_f16() {
+    if gpus() == 0 {
+        return;
+    }
+    let dtypes = [DType::BF16, DType::F16, DType::F32];
+    crate::fused_adam::check_master_kernel(&Device::cuda(0), &dtypes, &[1, 7, 100_003]);
+}
+
+#[test]
 fn gpu_sharded_training_matches_single_device() {
     let n = gpus();
     if n == 0 {
@@ -124,12 +134,13 @@ fn gpu_sharded_training_matches_single_device() {
     let base = TinyMlp::new(&device);
     let global_batch = 4 * n;
     let (ref_losses, ref_params) = reference_run(&base, AdamConfig::new().init(), 10, global_batch, 1e-2);
-    for stage in [Stage::Zero, Stage::One, Stage::Two] {
+    // Stage 3 runs its gather op on CUDA tensors; `AdamConfig` selects the fused CubeCL kernel.
+    for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
         let out = on_all_gpus(n, |comm| {
             let rank = comm.rank();
             let device = comm.device().clone().autodiff();
             let (mut model, mut optim) = ShardConfig::new(stage)
-                .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
+                .init(base.clone().fork(&device), AdamConfig::new(), comm)
                 .unwrap();
             let mut losses = Vec::new();
             for step in 0..10 {
@@ -140,7 +151,7 @@ fn gpu_sharded_training_matches_single_device() {
                 model = next;
                 losses.push(global);
             }
-            (losses, params_of(&model))
+            (losses, params_of(&model.materialize()))
         });
         for (a, b) in out[0].0.iter().zip(&ref_losses) {
             assert!((a - b).abs() / b.abs() < 1e-4, "stage {stage}: loss {a} vs {b}");

@@ -8,6 +8,8 @@ mod fused_adam;
 mod fused_adam_wgpu;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod launch;
 mod layout;
 mod memory;
+mod mixed_precision;
 mod stage3;

@@ -5,11 +5,11 @@
 use burn::module::{Module, Param};
 use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::{Linear, LinearConfig};
-use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer};
+use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::prelude::*;
 use burn::tensor::activation::relu;
 use burn_shard::fsdp::unit;
-use burn_shard::{ShardConfig, Stage};
+use burn_shard::{IntoOptimizer, ShardConfig, Stage};
 use burn_shard_comm::{Collective, CollectiveKind, InProcessGroup, run_ranks};
 
 use crate::common::{Rng, max_abs_diff, params_of, rows, sharded_step};
@@ -108,7 +108,12 @@ struct RankRun {
     full_params: Vec<f32>,
 }
 
-fn sharded<O: Optimizer>(base: &Net3, optim: O, world_size: usize, config: ShardConfig) -> Vec<RankRun> {
+fn sharded<O: IntoOptimizer + Clone + Send + Sync>(
+    base: &Net3,
+    optim: O,
+    world_size: usize,
+    config: ShardConfig,
+) -> Vec<RankRun> {
     run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
         let rank = comm.rank();
         let device = Device::flex().autodiff();
@@ -130,7 +135,12 @@ fn sharded<O: Optimizer>(base: &Net3, optim: O, world_size: usize, config: Shard
     .expect("no rank panics")
 }
 
-fn check_equivalence<O: Optimizer>(name: &str, reference_optim: ModuleOptimizer, optim: O, config: ShardConfig) {
+fn check_equivalence<O: IntoOptimizer + Clone + Send + Sync>(
+    name: &str,
+    reference_optim: ModuleOptimizer,
+    optim: O,
+    config: ShardConfig,
+) {
     let device = Device::flex().autodiff();
     let base = Net3::new(VOCAB, WIDTH, &device);
     let (ref_losses, ref_params) = reference(&base, reference_optim);

@@ -2,8 +2,9 @@
 //!
 //! Finds the GPUs (`nvidia-smi -L`), builds the test suite with the `cuda` feature and runs its
 //! `gpu` module with `BURN_SHARD_GPUS` set: NCCL collectives against host-computed results on
-//! all GPUs, sharded training (stages 0-2) against single-GPU training, and the fused Adam
-//! kernel on CUDA. Prints one summary table.
+//! all GPUs, sharded training (stages 0-3) against single-GPU training, the fused Adam kernels
+//! (`f32`; `bf16`/`f16` with `f32` masters) on CUDA, and the launcher's NCCL rendezvous. Prints
+//! one summary table.
 
 use std::process::Command;
 
@@ -45,7 +46,7 @@ pub fn run(args: &Args) -> Result<(), String> {
         .map_err(|e| format!("cannot run cargo test: {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout);
     println!("| test | result |\n|---|---|");
-    for line in text.lines().filter(|l| l.starts_with("test gpu::")) {
+    for line in text.lines().filter(|l| l.starts_with("test ") && l.contains("gpu::")) {
         let name = line.trim_start_matches("test ").split(" ... ").next().unwrap_or(line);
         let result = line.rsplit(" ... ").next().unwrap_or("?");
         println!("| {name} | {result} |");

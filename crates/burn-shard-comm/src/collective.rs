@@ -70,6 +70,34 @@ pub trait Collective: Send + Sync {
         self.all_gather(tensor)
     }
 
+    /// [`Collective::all_gather`] of each tensor of a bucket, in order: `out[i]` is the
+    /// all-gather of `tensors[i]` (shape `[world_size·chunk_i]`). Every rank passes the same
+    /// number of tensors with the same lengths.
+    ///
+    /// The default loops over [`Collective::all_gather`]; backends may fuse the calls (NCCL runs
+    /// them as one group, one launch and one wait) with the same results and the same
+    /// [`Collective::stats`] (one call per tensor). An empty `tensors` returns an empty `Vec`.
+    ///
+    /// # Errors
+    /// As [`Collective::all_gather`]; after an error no output is returned.
+    fn all_gather_many(&self, tensors: Vec<Tensor<1>>) -> Result<Vec<Tensor<1>>, CommError> {
+        tensors.into_iter().map(|t| self.all_gather(t)).collect()
+    }
+
+    /// [`Collective::reduce_scatter`] of each tensor of a bucket, in order: `out[i]` is this
+    /// rank's chunk of the reduction of `tensors[i]` (shape `[len_i/world_size]`). Every rank
+    /// passes the same number of tensors with the same lengths.
+    ///
+    /// The default loops over [`Collective::reduce_scatter`]; backends may fuse the calls, as for
+    /// [`Collective::all_gather_many`].
+    ///
+    /// # Errors
+    /// As [`Collective::reduce_scatter`]: [`CommError::NotDivisible`] when a length is not a
+    /// multiple of `world_size` (a fusing backend checks every tensor before moving any).
+    fn reduce_scatter_many(&self, tensors: Vec<Tensor<1>>, op: ReduceOp) -> Result<Vec<Tensor<1>>, CommError> {
+        tensors.into_iter().map(|t| self.reduce_scatter(t, op)).collect()
+    }
+
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<(), CommError>;
 

@@ -9,7 +9,8 @@
 //!   by channels. It is the CPU default and the test bed: reductions are deterministic and
 //!   every misuse (mismatched calls, a rank that dies) is an error within a bounded time.
 //! - `NcclComm` (feature `cuda`): NCCL through cudarc, one rank per GPU, in place on Burn's
-//!   CUDA tensors.
+//!   CUDA tensors. `NcclComm::from_env` joins a job started by `burn-shard-run` (or `torchrun`)
+//!   through the [`Rendezvous`], a TCP key-value store hosted by rank 0.
 //!
 //! Every backend counts the bytes each rank sends ([`CommStats`]), so traffic can be checked
 //! against the ring-algorithm volumes (all-reduce `2(N-1)/N·S`, reduce-scatter and all-gather
@@ -21,6 +22,7 @@ mod in_process;
 mod launch;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod rendezvous;
 mod ring;
 mod stats;
 
@@ -28,6 +30,9 @@ pub use collective::{Collective, ReduceOp};
 pub use error::CommError;
 pub use in_process::{InProcessComm, InProcessGroup};
 pub use launch::{RankFailure, run_ranks};
+pub use rendezvous::{
+    MAX_KEY_BYTES, MAX_VALUE_BYTES, RENDEZVOUS_DEFAULT_TIMEOUT, Rendezvous, RendezvousEnv, StoreClient, StoreServer,
+};
 pub use stats::{CollectiveKind, CommStats, OpStats};
 
 #[cfg(feature = "cuda")]

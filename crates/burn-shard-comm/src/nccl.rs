@@ -22,10 +22,15 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as ncclsys};
 
 use crate::stats::{CollectiveKind, StatsCounter};
-use crate::{Collective, CommError, CommStats, ReduceOp};
+use crate::{Collective, CommError, CommStats, RENDEZVOUS_DEFAULT_TIMEOUT, ReduceOp, Rendezvous, RendezvousEnv};
 
 /// The CUDA server type of CubeCL (not nameable otherwise).
 type CudaServer = <CudaRuntime as Runtime>::Server;
+
+/// The rendezvous key under which rank 0 publishes the NCCL id (256 hex digits).
+const NCCL_ID_KEY: &str = "burn-shard/nccl-id";
+/// Prefix of the value rank 0 publishes instead when it cannot create the id.
+const NCCL_ID_FAILED: &str = "error: ";
 
 /// Default time a collective may take before the communicator is aborted (5 minutes).
 pub const NCCL_DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -196,6 +201,63 @@ impl NcclComm {
         })
     }
 
+    /// Joins the job this process was started in by `burn-shard-run` (or `torchrun`): reads
+    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`,
+    /// exchanges the NCCL id through the [`Rendezvous`] (rank 0 creates it) and builds the
+    /// communicator on CUDA device `LOCAL_RANK`. Every process of the job must call it once.
+    /// Waits up to [`RENDEZVOUS_DEFAULT_TIMEOUT`] (60 s) for the other ranks.
+    ///
+    /// # Errors
+    /// [`CommError::Env`] for missing or malformed variables; otherwise as
+    /// [`NcclComm::from_rendezvous_env`].
+    pub fn from_env() -> Result<Self, CommError> {
+        Self::from_rendezvous_env(&RendezvousEnv::from_env()?, RENDEZVOUS_DEFAULT_TIMEOUT)
+    }
+
+    /// [`NcclComm::from_env`] with the job's place given by `env` and every rendezvous wait
+    /// (connecting, the NCCL id, all ranks present) bounded by `timeout`.
+    ///
+    /// All ranks meet in a barrier before joining the communicator, so a rank that never started
+    /// is reported within `timeout` by every other rank. `ncclCommInitRank` itself has no
+    /// timeout: a rank that passes the barrier and then fails (e.g. its GPU is missing) leaves the
+    /// others waiting there until the launcher stops them (`burn-shard-run` does, at once).
+    ///
+    /// # Errors
+    /// [`CommError::Rendezvous`] when the store cannot be hosted or reached, the id does not
+    /// arrive, or not every rank arrives within `timeout`; on ranks other than 0, also when rank 0
+    /// could not create the id (carrying its reason); else as [`NcclComm::new`].
+    pub fn from_rendezvous_env(env: &RendezvousEnv, timeout: Duration) -> Result<Self, CommError> {
+        let rendezvous = Rendezvous::new(env.clone(), timeout)?;
+        let store = rendezvous.store();
+        let id = if env.rank == 0 {
+            match NcclId::new() {
+                Ok(id) => {
+                    store.set(NCCL_ID_KEY, id.to_hex().as_bytes())?;
+                    id
+                }
+                Err(e) => {
+                    // Tell the other ranks why, instead of letting them time out.
+                    let _ = store.set(NCCL_ID_KEY, format!("{NCCL_ID_FAILED}{e}").as_bytes());
+                    return Err(e);
+                }
+            }
+        } else {
+            let value = store.get(NCCL_ID_KEY, timeout)?;
+            let text = String::from_utf8_lossy(&value);
+            if let Some(reason) = text.strip_prefix(NCCL_ID_FAILED) {
+                return Err(CommError::Rendezvous(format!(
+                    "rank 0 could not create the NCCL id: {reason}"
+                )));
+            }
+            NcclId::from_hex(&text)?
+        };
+        rendezvous.barrier(timeout)?;
+        // Past the barrier every rank has the id: leave the store (rank 0 closes it once the
+        // others have left) before the communicator, which may live for the whole job, exists.
+        drop(rendezvous);
+        Self::new(env.local_rank, env.rank, env.world_size, &id)
+    }
+
     /// Sets how long one collective may take before the communicator is aborted.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -243,7 +305,7 @@ impl NcclComm {
         }
     }
 
-    /// Runs one NCCL call on `inputs` (read) into a fresh output of `out_len` elements.
+    /// Runs one NCCL call on `input` (read) into a fresh output of `out_len` elements.
     fn run(
         &self,
         kind: CollectiveKind,
@@ -252,31 +314,112 @@ impl NcclComm {
         sent_elems: usize,
         call: impl FnOnce(*const c_void, *mut c_void, ncclsys::ncclDataType_t, ncclsys::cudaStream_t) -> Result<(), String>,
     ) -> Result<Tensor<1>, CommError> {
-        self.check()?;
-        let dtype = input.dtype();
-        let nccl_dtype = match dtype {
-            DType::F32 => ncclsys::ncclDataType_t::ncclFloat32,
-            DType::F16 => ncclsys::ncclDataType_t::ncclFloat16,
-            DType::BF16 => ncclsys::ncclDataType_t::ncclBfloat16,
-            other => return Err(CommError::UnsupportedDtype(format!("{other:?}"))),
+        let item = Item {
+            input,
+            out_len,
+            sent_elems,
         };
-        let output = Tensor::<1>::empty([out_len], (&self.device, dtype));
-        let src = cube(input)?;
-        let dst = cube(output)?;
-        cubecl::future::block_on(src.client.sync()).map_err(|e| CommError::Backend(format!("{e:?}")))?;
-        let (src_ptr, _src_guard) = device_ptr(&src)?;
-        let (dst_ptr, _dst_guard) = device_ptr(&dst)?;
-        call(
-            src_ptr as *const c_void,
-            dst_ptr as *mut c_void,
-            nccl_dtype,
-            self.stream.cu_stream() as _,
-        )
-        .map_err(CommError::Backend)?;
-        self.wait(kind.name())?;
-        self.stats.record(kind, (sent_elems * dtype.size()) as u64);
-        Ok(Tensor::from_primitive::<CubeBackend>(dst))
+        let mut call = Some(call);
+        let mut outputs = self.run_group(kind, vec![item], |_, src, dst, dt, stream| match call.take() {
+            Some(call) => call(src, dst, dt, stream),
+            None => Err("internal error: a single collective was issued twice".into()),
+        })?;
+        outputs
+            .pop()
+            .ok_or_else(|| CommError::Backend("internal error: a single collective returned no output".into()))
     }
+
+    /// Runs `call(i, ..)` for every item, each into a fresh output of its `out_len` elements.
+    /// More than one item run as one NCCL group (`ncclGroupStart`/`ncclGroupEnd`): one launch,
+    /// one wait with the timeout, and on error inside the group the communicator is aborted (the
+    /// peers may already be waiting for the part that was issued).
+    fn run_group(
+        &self,
+        kind: CollectiveKind,
+        items: Vec<Item>,
+        mut call: impl FnMut(
+            usize,
+            *const c_void,
+            *mut c_void,
+            ncclsys::ncclDataType_t,
+            ncclsys::cudaStream_t,
+        ) -> Result<(), String>,
+    ) -> Result<Vec<Tensor<1>>, CommError> {
+        self.check()?;
+        // Check and allocate every buffer before issuing anything, so a bad dtype or device fails
+        // the whole call with nothing sent.
+        let mut buffers = Vec::with_capacity(items.len());
+        for item in items {
+            let dtype = item.input.dtype();
+            let nccl_dtype = match dtype {
+                DType::F32 => ncclsys::ncclDataType_t::ncclFloat32,
+                DType::F16 => ncclsys::ncclDataType_t::ncclFloat16,
+                DType::BF16 => ncclsys::ncclDataType_t::ncclBfloat16,
+                other => return Err(CommError::UnsupportedDtype(format!("{other:?}"))),
+            };
+            let output = Tensor::<1>::empty([item.out_len], (&self.device, dtype));
+            let src = cube(item.input)?;
+            let dst = cube(output)?;
+            buffers.push((src, dst, nccl_dtype, (item.sent_elems * dtype.size()) as u64));
+        }
+        let mut pointers = Vec::with_capacity(buffers.len());
+        let mut guards = Vec::with_capacity(2 * buffers.len());
+        for (src, dst, _, _) in &buffers {
+            cubecl::future::block_on(src.client.sync()).map_err(|e| CommError::Backend(format!("{e:?}")))?;
+            let (src_ptr, src_guard) = device_ptr(src)?;
+            let (dst_ptr, dst_guard) = device_ptr(dst)?;
+            pointers.push((src_ptr, dst_ptr));
+            guards.push(src_guard);
+            guards.push(dst_guard);
+        }
+        let stream = self.stream.cu_stream() as ncclsys::cudaStream_t;
+        let grouped = buffers.len() > 1;
+        let mut failure = None;
+        if grouped {
+            nccl::group_start().map_err(|e| CommError::Backend(format!("ncclGroupStart failed: {e:?}")))?;
+        }
+        for (i, ((src_ptr, dst_ptr), (_, _, nccl_dtype, _))) in pointers.iter().zip(&buffers).enumerate() {
+            if let Err(e) = call(
+                i,
+                *src_ptr as *const c_void,
+                *dst_ptr as *mut c_void,
+                *nccl_dtype,
+                stream,
+            ) {
+                failure = Some(e);
+                break;
+            }
+        }
+        if grouped {
+            // Always close the group: an open group would swallow this thread's next NCCL calls.
+            let end = nccl::group_end().map_err(|e| format!("ncclGroupEnd failed: {e:?}"));
+            if let (None, Err(e)) = (&failure, end) {
+                failure = Some(e);
+            }
+        }
+        if let Some(e) = failure {
+            if grouped {
+                self.abort(&e);
+            }
+            return Err(CommError::Backend(e));
+        }
+        self.wait(kind.name())?;
+        drop(guards);
+        Ok(buffers
+            .into_iter()
+            .map(|(_, dst, _, sent_bytes)| {
+                self.stats.record(kind, sent_bytes);
+                Tensor::from_primitive::<CubeBackend>(dst)
+            })
+            .collect())
+    }
+}
+
+/// One tensor of a collective: its input, its output length and the elements this rank sends.
+struct Item {
+    input: Tensor<1>,
+    out_len: usize,
+    sent_elems: usize,
 }
 
 fn cube(t: Tensor<1>) -> Result<CubeTensor, CommError> {
@@ -332,7 +475,7 @@ impl Collective for NcclComm {
 
     fn reduce_scatter(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
         let n = tensor.dims()[0];
-        if n % self.world_size != 0 {
+        if !n.is_multiple_of(self.world_size) {
             return Err(CommError::NotDivisible {
                 op: "reduce_scatter",
                 len: n,
@@ -390,6 +533,59 @@ impl Collective for NcclComm {
                     .map_err(nccl_err("ncclBroadcast"))
             },
         )
+    }
+
+    fn all_gather_many(&self, tensors: Vec<Tensor<1>>) -> Result<Vec<Tensor<1>>, CommError> {
+        if tensors.is_empty() {
+            return Ok(Vec::new());
+        }
+        let chunks: Vec<usize> = tensors.iter().map(|t| t.dims()[0]).collect();
+        let items = tensors
+            .into_iter()
+            .zip(&chunks)
+            .map(|(input, &chunk)| Item {
+                input,
+                out_len: chunk * self.world_size,
+                sent_elems: (self.world_size - 1) * chunk,
+            })
+            .collect();
+        self.run_group(CollectiveKind::AllGather, items, |i, src, dst, dt, stream| unsafe {
+            nccl::all_gather(src, dst, chunks[i], dt, self.comm, stream)
+                .map(drop)
+                .map_err(nccl_err("ncclAllGather"))
+        })
+    }
+
+    fn reduce_scatter_many(&self, tensors: Vec<Tensor<1>>, op: ReduceOp) -> Result<Vec<Tensor<1>>, CommError> {
+        if tensors.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut chunks = Vec::with_capacity(tensors.len());
+        for t in &tensors {
+            let n = t.dims()[0];
+            if !n.is_multiple_of(self.world_size) {
+                return Err(CommError::NotDivisible {
+                    op: "reduce_scatter",
+                    len: n,
+                    world_size: self.world_size,
+                });
+            }
+            chunks.push(n / self.world_size);
+        }
+        let items = tensors
+            .into_iter()
+            .zip(&chunks)
+            .map(|(input, &chunk)| Item {
+                input,
+                out_len: chunk,
+                sent_elems: (self.world_size - 1) * chunk,
+            })
+            .collect();
+        self.run_group(CollectiveKind::ReduceScatter, items, |i, src, dst, dt, stream| unsafe {
+            nccl::reduce_scatter(src, dst, chunks[i], dt, nccl_op(op), self.comm, stream)
+                .map(drop)
+                .map_err(nccl_err("ncclReduceScatter"))
+        })
     }
 
     fn barrier(&self) -> Result<(), CommError> {

@@ -4,9 +4,15 @@ use rayon::prelude::*;
 
 use crate::{AdamScalars, KernelError};
 
-/// Elements per rayon task: large enough to amortise scheduling, small enough to balance
-/// (256 KiB of each `f32` buffer).
-const CHUNK: usize = 1 << 16;
+/// Fewest elements per rayon task: below this, scheduling costs more than the work.
+const MIN_CHUNK: usize = 1 << 16;
+
+/// Elements per rayon task for `n` elements: one contiguous range per thread (each thread then
+/// streams through its own memory, which the hardware prefetcher rewards), at least
+/// [`MIN_CHUNK`], and a multiple of 64 so every task starts on a cache line of each buffer.
+fn chunk_len(n: usize) -> usize {
+    n.div_ceil(rayon::current_num_threads()).next_multiple_of(64).max(MIN_CHUNK)
+}
 
 /// One fused step, in place: `param`, `exp_avg` (`m`), `exp_avg_sq` (`v`) and, with AMSGrad,
 /// `max_exp_avg_sq` are updated from `grad`. All slices have the same length (elements).
@@ -32,16 +38,17 @@ pub fn adam_step(
             max: max_len,
         });
     }
+    let chunk = chunk_len(n);
     let chunks = param
-        .par_chunks_mut(CHUNK)
-        .zip(grad.par_chunks(CHUNK))
-        .zip(exp_avg.par_chunks_mut(CHUNK))
-        .zip(exp_avg_sq.par_chunks_mut(CHUNK));
+        .par_chunks_mut(chunk)
+        .zip(grad.par_chunks(chunk))
+        .zip(exp_avg.par_chunks_mut(chunk))
+        .zip(exp_avg_sq.par_chunks_mut(chunk));
     let simd = Simd::detect();
     match max_exp_avg_sq {
         None => chunks.for_each(|(((p, g), m), v)| simd.adam(s, p, g, m, v)),
         Some(vmax) => chunks
-            .zip(vmax.par_chunks_mut(CHUNK))
+            .zip(vmax.par_chunks_mut(chunk))
             .for_each(|((((p, g), m), v), vm)| simd.amsgrad(s, p, g, m, v, vm)),
     }
     Ok(())
@@ -49,19 +56,27 @@ pub fn adam_step(
 
 /// The widest vector instructions this CPU has, picked once per step at run time: the default
 /// x86-64 target only guarantees SSE2, while the element-wise loop gains from AVX2 and FMA
-/// (twice the lanes, fused multiply-adds), as PyTorch's CPU kernels do.
+/// (twice the lanes, fused multiply-adds) and from AVX-512 (twice again), as PyTorch's CPU
+/// kernels do with their own capability dispatch.
 #[derive(Clone, Copy)]
 enum Simd {
     Baseline,
     #[cfg(target_arch = "x86_64")]
     Avx2Fma,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl Simd {
     fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            return Simd::Avx2Fma;
+        {
+            if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma") {
+                return Simd::Avx512;
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                return Simd::Avx2Fma;
+            }
         }
         Simd::Baseline
     }
@@ -72,6 +87,9 @@ impl Simd {
             // SAFETY: `detect` checked that the CPU has AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2Fma => unsafe { adam_chunk_avx2(s, p, g, m, v) },
+            // SAFETY: `detect` checked that the CPU has AVX-512F and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => unsafe { adam_chunk_avx512(s, p, g, m, v) },
         }
     }
 
@@ -81,6 +99,9 @@ impl Simd {
             // SAFETY: `detect` checked that the CPU has AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2Fma => unsafe { amsgrad_chunk_avx2(s, p, g, m, v, vm) },
+            // SAFETY: `detect` checked that the CPU has AVX-512F and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => unsafe { amsgrad_chunk_avx512(s, p, g, m, v, vm) },
         }
     }
 }
@@ -99,17 +120,49 @@ unsafe fn amsgrad_chunk_avx2(s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut 
     amsgrad_chunk(s, p, g, m, v, vm)
 }
 
+/// [`adam_chunk`] compiled for AVX-512F + FMA (16 lanes).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn adam_chunk_avx512(s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    adam_chunk(s, p, g, m, v)
+}
+
+/// [`amsgrad_chunk`] compiled for AVX-512F + FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn amsgrad_chunk_avx512(
+    s: &AdamScalars,
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    vm: &mut [f32],
+) {
+    amsgrad_chunk(s, p, g, m, v, vm)
+}
+
+/// `β·old + (1-β)·x`: one moment update.
+#[inline(always)]
+fn next_moment(old: f32, x: f32, beta: f32, one_minus_beta: f32) -> f32 {
+    beta * old + one_minus_beta * x
+}
+
+/// `p·decay - step_size·m / (sqrt(v)·inv_sqrt_bc2 + ε)`: the parameter update (see
+/// [`AdamScalars`] for the formula's source).
+#[inline(always)]
+fn updated_param(s: &AdamScalars, p: f32, m: f32, v: f32) -> f32 {
+    p * s.decay - s.step_size * m / (v.sqrt() * s.inv_sqrt_bc2 + s.epsilon)
+}
+
 /// The element-wise update; written as one straight loop over zipped slices so LLVM
 /// vectorises it (no bounds checks, no branches).
 #[inline(always)]
 fn adam_chunk(s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
         let g = g + s.l2 * *p;
-        let mi = s.beta_1 * *m + s.one_minus_beta_1 * g;
-        let vi = s.beta_2 * *v + s.one_minus_beta_2 * g * g;
-        *m = mi;
-        *v = vi;
-        *p = *p * s.decay - s.step_size * mi / (vi.sqrt() * s.inv_sqrt_bc2 + s.epsilon);
+        *m = next_moment(*m, g, s.beta_1, s.one_minus_beta_1);
+        *v = next_moment(*v, g * g, s.beta_2, s.one_minus_beta_2);
+        *p = updated_param(s, *p, *m, *v);
     }
 }
 
@@ -123,12 +176,125 @@ fn amsgrad_chunk(s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &m
         .zip(vmax.iter_mut())
     {
         let g = g + s.l2 * *p;
-        let mi = s.beta_1 * *m + s.one_minus_beta_1 * g;
-        let vi = s.beta_2 * *v + s.one_minus_beta_2 * g * g;
-        let vm = vmax.max(vi);
-        *m = mi;
-        *v = vi;
-        *vmax = vm;
-        *p = *p * s.decay - s.step_size * mi / (vm.sqrt() * s.inv_sqrt_bc2 + s.epsilon);
+        *m = next_moment(*m, g, s.beta_1, s.one_minus_beta_1);
+        *v = next_moment(*v, g * g, s.beta_2, s.one_minus_beta_2);
+        *vmax = vmax.max(*v);
+        *p = updated_param(s, *p, *m, *vmax);
     }
+}
+
+/// A parameter or gradient element type the master-weight step reads or writes: `f32`,
+/// `bf16` or `f16` (the update itself is always computed in `f32`).
+pub trait Element: Copy + Send + Sync + 'static {
+    /// Widens to `f32` (exact for all three types).
+    fn to_f32(self) -> f32;
+    /// Rounds an `f32` to this type (round to nearest even).
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Element for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl Element for half::bf16 {
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+}
+
+impl Element for half::f16 {
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+}
+
+/// One fused mixed-precision step, in place: the `f32` master copy `master`, `exp_avg`,
+/// `exp_avg_sq` (and `max_exp_avg_sq` with AMSGrad) are updated from `grad` (any [`Element`]),
+/// and the low-precision model copy `param` is written from the new master in the same pass
+/// (`param[i] = P::from_f32(master[i])`). This is the mixed-precision Adam of Micikevicius et
+/// al., "Mixed Precision Training" (2018), as ZeRO keeps it: the update is applied to the
+/// `f32` master, so updates below the `bf16` resolution still accumulate.
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] when the lengths (elements) differ.
+pub fn adam_step_master<P: Element, G: Element>(
+    s: &AdamScalars,
+    master: &mut [f32],
+    param: &mut [P],
+    grad: &[G],
+    exp_avg: &mut [f32],
+    exp_avg_sq: &mut [f32],
+    max_exp_avg_sq: Option<&mut [f32]>,
+) -> Result<(), KernelError> {
+    let n = master.len();
+    let max_len = max_exp_avg_sq.as_ref().map(|m| m.len());
+    if param.len() != n
+        || grad.len() != n
+        || exp_avg.len() != n
+        || exp_avg_sq.len() != n
+        || max_len.is_some_and(|l| l != n)
+    {
+        return Err(KernelError::LengthMismatch {
+            param: param.len(),
+            grad: grad.len(),
+            exp_avg: exp_avg.len(),
+            exp_avg_sq: exp_avg_sq.len(),
+            max: max_len,
+        });
+    }
+    let chunk = chunk_len(n);
+    let chunks = master
+        .par_chunks_mut(chunk)
+        .zip(param.par_chunks_mut(chunk))
+        .zip(grad.par_chunks(chunk))
+        .zip(exp_avg.par_chunks_mut(chunk))
+        .zip(exp_avg_sq.par_chunks_mut(chunk));
+    match max_exp_avg_sq {
+        None => chunks.for_each(|((((w, p), g), m), v)| {
+            for ((((w, p), g), m), v) in w
+                .iter_mut()
+                .zip(p.iter_mut())
+                .zip(g)
+                .zip(m.iter_mut())
+                .zip(v.iter_mut())
+            {
+                let g = g.to_f32() + s.l2 * *w;
+                *m = next_moment(*m, g, s.beta_1, s.one_minus_beta_1);
+                *v = next_moment(*v, g * g, s.beta_2, s.one_minus_beta_2);
+                *w = updated_param(s, *w, *m, *v);
+                *p = P::from_f32(*w);
+            }
+        }),
+        Some(vmax) => chunks
+            .zip(vmax.par_chunks_mut(chunk))
+            .for_each(|(((((w, p), g), m), v), vm)| {
+                for (((((w, p), g), m), v), vm) in w
+                    .iter_mut()
+                    .zip(p.iter_mut())
+                    .zip(g)
+                    .zip(m.iter_mut())
+                    .zip(v.iter_mut())
+                    .zip(vm.iter_mut())
+                {
+                    let g = g.to_f32() + s.l2 * *w;
+                    *m = next_moment(*m, g, s.beta_1, s.one_minus_beta_1);
+                    *v = next_moment(*v, g * g, s.beta_2, s.one_minus_beta_2);
+                    *vm = vm.max(*v);
+                    *w = updated_param(s, *w, *m, *vm);
+                    *p = P::from_f32(*w);
+                }
+            }),
+    }
+    Ok(())
 }

@@ -110,7 +110,107 @@ impl FusedAdamConfig {
                     .build(),
             )
         };
-        FusedAdam { hyper: h, fallback }
+        FusedAdam {
+            hyper: h,
+            fallback,
+            fused: true,
+            clips_gradients: false,
+        }
+    }
+}
+
+/// The fields of Burn's `AdamConfig` / `AdamWConfig`, read through their serde form (Burn keeps
+/// the fields private; `Config` types are serde types by contract).
+#[derive(serde::Deserialize)]
+struct BurnAdamFields {
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    amsgrad: bool,
+    /// A number (AdamW) or `null` / `{"penalty": x}` (Adam).
+    weight_decay: serde_json::Value,
+    #[serde(default)]
+    cautious_weight_decay: bool,
+    #[serde(default)]
+    grad_clipping: serde_json::Value,
+}
+
+impl BurnAdamFields {
+    fn read(config: &impl serde::Serialize) -> Option<Self> {
+        serde_json::from_value(serde_json::to_value(config).ok()?).ok()
+    }
+
+    fn weight_decay(&self) -> Option<f32> {
+        match &self.weight_decay {
+            serde_json::Value::Null => Some(0.0),
+            serde_json::Value::Number(n) => n.as_f64().map(|x| x as f32),
+            serde_json::Value::Object(o) => o.get("penalty")?.as_f64().map(|x| x as f32),
+            _ => None,
+        }
+    }
+
+    fn config(&self, decoupled_weight_decay: bool) -> Option<FusedAdamConfig> {
+        Some(FusedAdamConfig {
+            hyper: AdamHyper {
+                beta_1: self.beta_1,
+                beta_2: self.beta_2,
+                epsilon: self.epsilon,
+                weight_decay: self.weight_decay()?,
+                decoupled_weight_decay,
+                amsgrad: self.amsgrad,
+            },
+        })
+    }
+}
+
+impl FusedAdam {
+    /// The fused optimizer with the hyper-parameters of Burn's `config` (ε included: Burn's
+    /// default 1e-5 stays 1e-5). On paths without a fused implementation it steps with
+    /// `config.build()` itself, so results equal Burn's within `f32` rounding everywhere.
+    ///
+    /// Like `config.build()`, the result does not clip gradients; see
+    /// [`FusedAdam::clips_gradients`].
+    pub fn from_burn_adam(config: &AdamConfig) -> Self {
+        let fields = BurnAdamFields::read(config);
+        let fused = fields.as_ref().and_then(|f| f.config(false));
+        Self::from_burn(fused, fields, Fallback::Adam(config.build()))
+    }
+
+    /// As [`FusedAdam::from_burn_adam`], for AdamW. Cautious weight decay (Burn's
+    /// `cautious_weight_decay`) has no fused implementation: such a config always steps with
+    /// Burn's `AdamW`.
+    pub fn from_burn_adamw(config: &AdamWConfig) -> Self {
+        let fields = BurnAdamFields::read(config);
+        let fused = fields
+            .as_ref()
+            .filter(|f| !f.cautious_weight_decay)
+            .and_then(|f| f.config(true));
+        Self::from_burn(fused, fields, Fallback::AdamW(config.build()))
+    }
+
+    fn from_burn(fused: Option<FusedAdamConfig>, fields: Option<BurnAdamFields>, fallback: Fallback) -> Self {
+        let clips_gradients = fields.is_some_and(|f| !f.grad_clipping.is_null());
+        match fused {
+            Some(config) => FusedAdam {
+                hyper: config.hyper,
+                fallback,
+                fused: true,
+                clips_gradients,
+            },
+            // Fields Burn may rename or options without a fused form: Burn's optimizer alone.
+            None => FusedAdam {
+                hyper: FusedAdamConfig::adam().hyper,
+                fallback,
+                fused: false,
+                clips_gradients,
+            },
+        }
+    }
+
+    /// Whether the Burn config this was built from asked for gradient clipping, which a bare
+    /// optimizer does not apply (Burn's `ModuleOptimizer` does; so does not `config.build()`).
+    pub fn clips_gradients(&self) -> bool {
+        self.clips_gradients
     }
 }
 
@@ -142,6 +242,9 @@ enum Fallback {
 pub struct FusedAdam {
     hyper: AdamHyper,
     fallback: Fallback,
+    /// `false` when the configuration has no fused form: every step is Burn's.
+    fused: bool,
+    clips_gradients: bool,
 }
 
 impl FusedAdam {
@@ -159,13 +262,147 @@ impl FusedAdam {
         }
     }
 
-    /// The hyper-parameters.
-    pub fn hyper(&self) -> AdamHyper {
-        self.hyper
+    /// The hyper-parameters of the fused update; `None` when this optimizer always steps with
+    /// Burn's (see [`FusedAdam::from_burn_adamw`]).
+    pub fn hyper(&self) -> Option<AdamHyper> {
+        self.fused.then_some(self.hyper)
+    }
+
+    /// One mixed-precision step: updates the `f32` master copy `master` (shape `S`) and the state
+    /// from `grad` (shape `S`, `f32`, `bf16` or `f16`), and returns `(master, param, state)` where
+    /// `param` (shape `S`, the dtype of the `param` given: `bf16`, `f16` or `f32`) is the new
+    /// master rounded to that dtype. `param`'s values are not read; its buffer is reused when
+    /// this step holds the only reference.
+    ///
+    /// On `Flex` tensors this is one fused pass ([`cpu::adam_step_master`]), on the CubeCL
+    /// backend one kernel (feature `cube`; the device must support the dtype: wgpu has no
+    /// `bf16`); elsewhere it is [`Optimizer::step`] on the master followed by a cast. Updates equal those of
+    /// `step(lr, master, grad.cast(F32), state)` within `f32` rounding.
+    pub fn step_with_master<const D: usize>(
+        &self,
+        lr: LearningRate,
+        master: Tensor<D>,
+        param: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<AdamState<D>>,
+    ) -> (Tensor<D>, Tensor<D>, Option<AdamState<D>>) {
+        match self.master_path_for(&master, &param, &grad) {
+            StepPath::FusedCpu => return self.fused_cpu_master(lr, master, param, grad, state),
+            #[cfg(feature = "cube")]
+            StepPath::CubeKernel => return self.fused_cube_master(lr, master, param, grad, state),
+            _ => {}
+        }
+        let dtype = param.dtype();
+        drop(param);
+        let (master, state) = self.step(lr, master, grad.cast(DType::F32), state);
+        let param = master.clone().cast(dtype);
+        (master, param, state)
+    }
+
+    /// Which implementation [`FusedAdam::step_with_master`] uses for these tensors.
+    pub fn master_path_for<const D: usize>(&self, master: &Tensor<D>, param: &Tensor<D>, grad: &Tensor<D>) -> StepPath {
+        let shapes_match = param.shape() == master.shape() && grad.shape() == master.shape();
+        let path = self.path_for(master);
+        let low = [DType::BF16, DType::F16, DType::F32];
+        let on_flex = |t: &Tensor<D>| !t.is_autodiff() && t.device() == Device::flex() && low.contains(&t.dtype());
+        if shapes_match && path == StepPath::FusedCpu && on_flex(param) && on_flex(grad) {
+            return StepPath::FusedCpu;
+        }
+        #[cfg(feature = "cube")]
+        if shapes_match
+            && path == StepPath::CubeKernel
+            && crate::cube::applies_with_master(param, &master.device())
+            && crate::cube::applies_with_master(grad, &master.device())
+        {
+            return StepPath::CubeKernel;
+        }
+        StepPath::BurnFallback
+    }
+
+    fn fused_cpu_master<const D: usize>(
+        &self,
+        lr: LearningRate,
+        master: Tensor<D>,
+        param: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<AdamState<D>>,
+    ) -> (Tensor<D>, Tensor<D>, Option<AdamState<D>>) {
+        let shape = master.shape();
+        let (time, mut m, mut v, mut vmax) = self.moments(&shape, state);
+        let time = time + 1;
+        let (mut w, mut p, g) = (flex_owned(master), flex_owned(param), flex_readable(grad));
+        let scalars = self.hyper.scalars(lr, time);
+        let w_slice = owned_slice(&mut w);
+        let (m_slice, v_slice) = (owned_slice(&mut m), owned_slice(&mut v));
+        let vmax_slice = vmax.as_mut().map(owned_slice);
+        // One monomorphised loop per (param, grad) dtype pair.
+        macro_rules! run {
+            ($p:ty, $g:ty) => {
+                cpu::adam_step_master::<$p, $g>(
+                    &scalars,
+                    w_slice,
+                    p.try_storage_mut::<$p>()
+                        .expect("flex_owned returns a uniquely held buffer"),
+                    g.as_slice::<$g>().expect("made contiguous by flex_readable"),
+                    m_slice,
+                    v_slice,
+                    vmax_slice,
+                )
+            };
+        }
+        use half::{bf16, f16};
+        let result = match (p.dtype(), g.dtype()) {
+            (DType::BF16, DType::BF16) => run!(bf16, bf16),
+            (DType::BF16, DType::F32) => run!(bf16, f32),
+            (DType::F16, DType::F16) => run!(f16, f16),
+            (DType::F16, DType::F32) => run!(f16, f32),
+            (DType::F32, DType::F32) => run!(f32, f32),
+            (DType::BF16, DType::F16) => run!(bf16, f16),
+            (DType::F16, DType::BF16) => run!(f16, bf16),
+            (DType::F32, DType::BF16) => run!(f32, bf16),
+            (DType::F32, DType::F16) => run!(f32, f16),
+            (pd, gd) => unreachable!("step_with_master checked the dtypes, got {pd:?} / {gd:?}"),
+        };
+        result.expect("buffers of one parameter have one shape");
+        let back = |t: FlexTensor| Tensor::<D>::from_primitive::<Flex>(t);
+        let momentum = AdaptiveMomentumState {
+            time,
+            moment_1: back(m),
+            moment_2: back(v),
+            max_moment_2: vmax.map(back),
+        };
+        (back(w), back(p), Some(AdamState { momentum }))
+    }
+
+    /// This step's `(time, m, v, vmax)` Flex buffers: the state's, or zeros on the first step.
+    fn moments<const D: usize>(
+        &self,
+        shape: &burn::tensor::Shape,
+        state: Option<AdamState<D>>,
+    ) -> (usize, FlexTensor, FlexTensor, Option<FlexTensor>) {
+        let zeros = || FlexTensor::zeros(shape.clone(), DType::F32);
+        let (time, m, v, vmax) = match state {
+            Some(s) => (
+                s.momentum.time,
+                flex_owned(s.momentum.moment_1),
+                flex_owned(s.momentum.moment_2),
+                s.momentum.max_moment_2.map(flex_owned),
+            ),
+            None => (0, zeros(), zeros(), None),
+        };
+        let vmax = match (self.hyper.amsgrad, vmax) {
+            (true, Some(t)) => Some(t),
+            (true, None) => Some(zeros()),
+            (false, _) => None,
+        };
+        (time, m, v, vmax)
     }
 
     /// Which implementation [`Optimizer::step`] uses for `tensor`.
     pub fn path_for<const D: usize>(&self, tensor: &Tensor<D>) -> StepPath {
+        if !self.fused {
+            return StepPath::BurnFallback;
+        }
         if Self::fused_cpu_applies(tensor) {
             return StepPath::FusedCpu;
         }
@@ -190,23 +427,9 @@ impl FusedAdam {
     ) -> (Tensor<D>, Option<AdamState<D>>) {
         let shape = tensor.shape();
         let numel = shape.num_elements();
-        let zeros = || FlexTensor::zeros(shape.clone(), DType::F32);
         // Work on the Flex buffers themselves: the parameter and the moments are updated in
         // place when this step owns them, and the gradient is only read (it may stay shared).
-        let (time, m, v, vmax) = match state {
-            Some(s) => (
-                s.momentum.time,
-                flex_owned(s.momentum.moment_1),
-                flex_owned(s.momentum.moment_2),
-                s.momentum.max_moment_2.map(flex_owned),
-            ),
-            None => (0, zeros(), zeros(), None),
-        };
-        let vmax = match (self.hyper.amsgrad, vmax) {
-            (true, Some(t)) => Some(t),
-            (true, None) => Some(zeros()),
-            (false, _) => None,
-        };
+        let (time, m, v, vmax) = self.moments(&shape, state);
         let time = time + 1;
         let (mut p, mut m, mut v, mut vmax) = (flex_owned(tensor), m, v, vmax);
         let g = flex_readable(grad);
@@ -234,6 +457,32 @@ impl FusedAdam {
 
 #[cfg(feature = "cube")]
 impl FusedAdam {
+    /// This step's `(time, m, v, vmax)` as flat `[n]` tensors like `like`: the state's, or zeros
+    /// on the first step.
+    fn cube_moments<const D: usize>(
+        &self,
+        like: &Tensor<1>,
+        state: Option<AdamState<D>>,
+    ) -> (usize, Tensor<1>, Tensor<1>, Option<Tensor<1>>) {
+        let n = like.dims()[0];
+        let flat = |t: Tensor<D>| t.reshape([n]);
+        let (time, m, v, vmax) = match state {
+            Some(s) => (
+                s.momentum.time,
+                flat(s.momentum.moment_1),
+                flat(s.momentum.moment_2),
+                s.momentum.max_moment_2.map(flat),
+            ),
+            None => (0, crate::cube::zeros_like(like), crate::cube::zeros_like(like), None),
+        };
+        let vmax = match (self.hyper.amsgrad, vmax) {
+            (true, Some(t)) => Some(t),
+            (true, None) => Some(crate::cube::zeros_like(like)),
+            (false, _) => None,
+        };
+        (time, m, v, vmax)
+    }
+
     fn fused_cube<const D: usize>(
         &self,
         lr: LearningRate,
@@ -243,25 +492,11 @@ impl FusedAdam {
     ) -> (Tensor<D>, Option<AdamState<D>>) {
         let shape = tensor.shape();
         let n = shape.num_elements();
-        let flat = |t: Tensor<D>| t.reshape([n]);
-        let p = flat(tensor);
-        let (time, m, v, vmax) = match state {
-            Some(s) => (
-                s.momentum.time,
-                flat(s.momentum.moment_1),
-                flat(s.momentum.moment_2),
-                s.momentum.max_moment_2.map(flat),
-            ),
-            None => (0, crate::cube::zeros_like(&p), crate::cube::zeros_like(&p), None),
-        };
-        let vmax = match (self.hyper.amsgrad, vmax) {
-            (true, Some(t)) => Some(t),
-            (true, None) => Some(crate::cube::zeros_like(&p)),
-            (false, _) => None,
-        };
+        let p = tensor.reshape([n]);
+        let (time, m, v, vmax) = self.cube_moments(&p, state);
         let time = time + 1;
         let scalars = self.hyper.scalars(lr, time);
-        let (p, m, v, vmax) = crate::cube::adam_step(&scalars, p, flat(grad), m, v, vmax);
+        let (p, m, v, vmax) = crate::cube::adam_step(&scalars, p, grad.reshape([n]), m, v, vmax);
         let back = |t: Tensor<1>| -> Tensor<D> { t.reshape(shape.clone()) };
         let momentum = AdaptiveMomentumState {
             time,
@@ -270,6 +505,35 @@ impl FusedAdam {
             max_moment_2: vmax.map(back),
         };
         (back(p), Some(AdamState { momentum }))
+    }
+}
+
+#[cfg(feature = "cube")]
+impl FusedAdam {
+    fn fused_cube_master<const D: usize>(
+        &self,
+        lr: LearningRate,
+        master: Tensor<D>,
+        param: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<AdamState<D>>,
+    ) -> (Tensor<D>, Tensor<D>, Option<AdamState<D>>) {
+        let shape = master.shape();
+        let n = shape.num_elements();
+        let flat = |t: Tensor<D>| t.reshape([n]);
+        let w = flat(master);
+        let (time, m, v, vmax) = self.cube_moments(&w, state);
+        let time = time + 1;
+        let scalars = self.hyper.scalars(lr, time);
+        let (w, p, m, v, vmax) = crate::cube::adam_step_master(&scalars, w, flat(param), flat(grad), m, v, vmax);
+        let back = |t: Tensor<1>| -> Tensor<D> { t.reshape(shape.clone()) };
+        let momentum = AdaptiveMomentumState {
+            time,
+            moment_1: back(m),
+            moment_2: back(v),
+            max_moment_2: vmax.map(back),
+        };
+        (back(w), back(p), Some(AdamState { momentum }))
     }
 }
 
@@ -305,25 +569,26 @@ impl Optimizer for FusedAdam {
     }
 }
 
-/// The Flex buffer of an `f32` tensor, owned by this step: a uniquely held, contiguous buffer
+/// The Flex buffer of a float tensor, owned by this step: a uniquely held, contiguous buffer
 /// that starts at offset 0 is taken as is (no copy); anything else is copied once.
 fn flex_owned<const D: usize>(t: Tensor<D>) -> FlexTensor {
     let t = t.try_into_primitive::<Flex>().expect("checked by fused_cpu_applies");
     let exact = t.is_unique()
         && t.is_contiguous()
         && t.layout().start_offset() == 0
-        && t.bytes().len() == t.layout().num_elements() * DType::F32.size();
+        && t.bytes().len() == t.layout().num_elements() * t.dtype().size();
     if exact { t } else { FlexTensor::from_data(t.into_data()) }
 }
 
-/// The Flex buffer of an `f32` tensor to read: shared buffers are read in place.
+/// The Flex buffer of a float tensor to read: shared buffers are read in place.
 fn flex_readable<const D: usize>(t: Tensor<D>) -> FlexTensor {
     let t = t.try_into_primitive::<Flex>().expect("checked by fused_cpu_applies");
-    if t.as_slice::<f32>().is_some() {
-        t
-    } else {
-        t.to_contiguous()
-    }
+    let contiguous = match t.dtype() {
+        DType::BF16 => t.as_slice::<half::bf16>().is_some(),
+        DType::F16 => t.as_slice::<half::f16>().is_some(),
+        _ => t.as_slice::<f32>().is_some(),
+    };
+    if contiguous { t } else { t.to_contiguous() }
 }
 
 fn owned_slice(t: &mut FlexTensor) -> &mut [f32] {

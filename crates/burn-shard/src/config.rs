@@ -11,7 +11,7 @@ use crate::flat;
 use crate::fsdp::context::FsdpContext;
 use crate::fsdp::sharded_param::Sharder;
 use crate::layout::FlatLayout;
-use crate::{ShardError, ShardedOptimizer, Stage};
+use crate::{IntoOptimizer, ShardError, ShardedOptimizer, Stage};
 
 /// Default bucket size: 25 Mi elements (100 MiB of f32), the order of PyTorch DDP's 25 MB
 /// buckets; one bucket for models below that size.
@@ -21,7 +21,8 @@ pub const DEFAULT_BUCKET_NUMEL: usize = 25 * 1024 * 1024;
 ///
 /// ```ignore
 /// let comm = /* this rank's Collective, e.g. from InProcessGroup */;
-/// let (model, mut optim) = ShardConfig::new(Stage::Two).init(model, AdamWConfig::new().build(), comm)?;
+/// // Burn's AdamWConfig: the fused Adam step where the backend has one, Burn's AdamW elsewhere.
+/// let (model, mut optim) = ShardConfig::new(Stage::Two).init(model, AdamWConfig::new(), comm)?;
 /// // each step, on each rank, with that rank's part of the batch:
 /// let grads = GradientsParams::from_grads(loss.backward(), &model);
 /// model = optim.step(lr, model, grads)?;
@@ -65,17 +66,23 @@ impl ShardConfig {
     /// built the same one, and broadcasts rank 0's parameters so all ranks start identical
     /// (as PyTorch DDP does at construction). Every rank must call it.
     ///
+    /// `optim` is anything [`IntoOptimizer`] accepts; Burn's `AdamConfig` / `AdamWConfig` select
+    /// the fused Adam step ([`burn_shard_kernels::FusedAdam`]) where the backend has one.
+    ///
     /// # Errors
-    /// [`ShardError::NoTrainableParams`], [`ShardError::InvalidConfig`] (zero bucket size),
+    /// [`ShardError::NoTrainableParams`], [`ShardError::InvalidConfig`] (zero bucket size,
+    /// gradient clipping in a Burn config),
     /// [`ShardError::LayoutMismatch`] (ranks built different models), [`ShardError::Comm`].
-    pub fn init<M: Module, O: Optimizer, C: Collective + 'static>(
+    pub fn init<M: Module, O: IntoOptimizer, C: Collective + 'static>(
         &self,
         model: M,
         optim: O,
         comm: C,
-    ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
+    ) -> Result<(M, ShardedOptimizer<O::Optimizer>), ShardError> {
         let comm: Arc<dyn Collective> = Arc::new(comm);
-        let result = self.init_with(model, optim, comm.clone());
+        let result = optim
+            .into_optimizer()
+            .and_then(|optim| self.init_with(model, optim, comm.clone()));
         if let Err(e) = &result {
             // A rank that fails alone (bad model) must not leave the others waiting.
             comm.abort(&format!("rank {} failed in ShardConfig::init: {e}", comm.rank()));

@@ -34,7 +34,7 @@ pub(crate) fn take_grads<M: Module>(
 }
 
 /// Elements `range` of bucket `bucket` assembled from per-slot values: shape `[range.len()]`,
-/// zeros for absent values and for the padding tail.
+/// dtype `bucket.dtype`, zeros for absent values and for the padding tail.
 pub(crate) fn assemble(
     layout: &FlatLayout,
     bucket: &Bucket,
@@ -53,16 +53,16 @@ pub(crate) fn assemble(
         let piece = match &values[index] {
             Some(t) if len == slot.numel => t.clone(),
             Some(t) => t.clone().narrow(0, lo - slot.offset, len),
-            None => Tensor::zeros([len], device),
+            None => Tensor::zeros([len], (device, bucket.dtype)),
         };
         pieces.push(piece);
     }
     let pad_start = range.start.max(bucket.numel);
     if range.end > pad_start {
-        pieces.push(Tensor::zeros([range.end - pad_start], device));
+        pieces.push(Tensor::zeros([range.end - pad_start], (device, bucket.dtype)));
     }
     match pieces.len() {
-        0 => Tensor::zeros([0], device),
+        0 => Tensor::zeros([0], (device, bucket.dtype)),
         1 => pieces.pop().expect("one piece"),
         _ => Tensor::cat(pieces, 0),
     }
@@ -181,7 +181,7 @@ impl ModuleMapper for ScatterMapper<'_> {
         let shape = Shape::from(slot.shape.clone());
         let mut value: Tensor<D> = if slot.numel == 0 {
             // Burn's narrow rejects empty ranges; an empty parameter stays empty.
-            Tensor::zeros(shape, &self.full_buckets[slot.bucket].device())
+            Tensor::zeros(shape, (&self.full_buckets[slot.bucket].device(), slot.dtype))
         } else {
             self.full_buckets[slot.bucket]
                 .clone()

@@ -5,7 +5,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::ops::Range;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
 use crate::ShardError;
 
@@ -20,6 +20,8 @@ pub struct ParamSlot {
     pub shape: Vec<usize>,
     /// Number of elements (product of `shape`; 0 for an empty parameter, 1 for a scalar).
     pub numel: usize,
+    /// Element type (`F32`, `BF16`, `F16`, ...).
+    pub dtype: DType,
     /// Index of the bucket that holds it.
     pub bucket: usize,
     /// Offset of its first element inside that bucket (elements).
@@ -37,6 +39,9 @@ pub struct Bucket {
     pub padded_numel: usize,
     /// `padded_numel / world_size`: the elements each rank owns.
     pub shard_numel: usize,
+    /// Element type of every parameter in the bucket (a bucket never mixes dtypes). Buckets of
+    /// `bf16`/`f16` parameters get an `f32` master copy in the optimizer.
+    pub dtype: DType,
 }
 
 impl Bucket {
@@ -52,7 +57,7 @@ impl Bucket {
 /// `Vec` index order), which is the same on every rank for the same model type, and never
 /// depends on `ParamId` values or hashing. Frozen parameters are left out: they get no gradient
 /// and no optimizer state. A parameter never straddles two buckets; a bucket closes when the
-/// next parameter would push it over `bucket_numel` elements.
+/// next parameter would push it over `bucket_numel` elements or has another dtype.
 #[derive(Clone, Debug)]
 pub struct FlatLayout {
     slots: Vec<ParamSlot>,
@@ -106,8 +111,8 @@ impl FlatLayout {
         let mut start = 0;
         let mut numel = 0;
         for i in 0..slots.len() {
-            if i > start && numel + slots[i].numel > bucket_numel {
-                buckets.push(Bucket::new(start..i, numel, world_size));
+            if i > start && (numel + slots[i].numel > bucket_numel || slots[i].dtype != slots[start].dtype) {
+                buckets.push(Bucket::new(start..i, numel, world_size, slots[start].dtype));
                 start = i;
                 numel = 0;
             }
@@ -115,7 +120,7 @@ impl FlatLayout {
             slots[i].offset = numel;
             numel += slots[i].numel;
         }
-        buckets.push(Bucket::new(start..slots.len(), numel, world_size));
+        buckets.push(Bucket::new(start..slots.len(), numel, world_size, slots[start].dtype));
         let mut index = HashMap::with_capacity(slots.len());
         for (i, slot) in slots.iter().enumerate() {
             if let Some(first) = index.insert(slot.id, i) {
@@ -168,7 +173,7 @@ impl FlatLayout {
         self.index.get(id).copied()
     }
 
-    /// A 64-bit digest of paths, shapes, buckets and world size; equal layouts give equal values
+    /// A 64-bit digest of paths, shapes, dtypes, buckets and world size; equal layouts give equal values
     /// on every rank of the same build.
     pub fn fingerprint(&self) -> u64 {
         let mut h = DefaultHasher::new();
@@ -176,6 +181,7 @@ impl FlatLayout {
         for s in &self.slots {
             s.path.hash(&mut h);
             s.shape.hash(&mut h);
+            format!("{:?}", s.dtype).hash(&mut h);
             s.bucket.hash(&mut h);
         }
         h.finish()
@@ -183,13 +189,14 @@ impl FlatLayout {
 }
 
 impl Bucket {
-    fn new(slots: Range<usize>, numel: usize, world_size: usize) -> Self {
+    fn new(slots: Range<usize>, numel: usize, world_size: usize, dtype: DType) -> Self {
         let padded_numel = numel.div_ceil(world_size) * world_size;
         Bucket {
             slots,
             numel,
             padded_numel,
             shard_numel: padded_numel / world_size,
+            dtype,
         }
     }
 }
@@ -220,6 +227,7 @@ impl ModuleVisitor for SlotCollector {
             path: self.path.join("."),
             id: param.id,
             numel: shape.iter().product(),
+            dtype: param.val().dtype(),
             shape,
             bucket: 0,
             offset: 0,

@@ -1,7 +1,8 @@
 //! ZeRO sharded data-parallel training for Burn.
 //!
-//! One call turns it on: [`ShardConfig::init`] takes a Burn model, one of Burn's optimizers
-//! (`Adam`, `AdamW`, `Sgd`, ... anything implementing [`burn::optim::Optimizer`]) and this rank's
+//! One call turns it on: [`ShardConfig::init`] takes a Burn model, an optimizer (Burn's
+//! `AdamWConfig`/`AdamConfig` for the fused Adam step, or a built element-wise Burn optimizer
+//! such as `Sgd`; see [`IntoOptimizer`]) and this rank's
 //! [`Collective`](burn_shard_comm::Collective), and returns the model (parameters synchronised
 //! from rank 0) and a [`ShardedOptimizer`] whose `step` replaces `ModuleOptimizer::step`.
 //!
@@ -21,16 +22,20 @@ mod config;
 mod error;
 mod flat;
 pub mod fsdp;
+mod into_optimizer;
 mod layout;
+mod master;
 mod memory;
 mod optimizer;
 mod stage;
 
 pub use config::ShardConfig;
 pub use error::ShardError;
+pub use into_optimizer::{ElementWise, IntoOptimizer};
 pub use layout::{Bucket, FlatLayout, ParamSlot};
 pub use memory::MemoryReport;
 pub use optimizer::ShardedOptimizer;
 pub use stage::Stage;
 
 pub use burn_shard_comm as comm;
+pub use burn_shard_kernels as kernels;

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::{GradientsParams, LearningRate, Optimizer, RecordState, StateSink};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, ReduceOp};
 
 use crate::flat::{self, tensor_bytes};
@@ -19,7 +19,9 @@ use crate::{ShardError, Stage};
 ///
 /// Each bucket of the [`FlatLayout`] is stepped as one flat `[shard_numel]` tensor (stages 1-2),
 /// `[padded_numel]` tensor (stage 0) or tensor of this rank's parameter shards (stage 3, where
-/// the layout covers the local shards) by Burn's own `O::step`, so the update math is Burn's.
+/// the layout covers the local shards) by `O::step`: Burn's own optimizer, so the update math is
+/// Burn's, or [`FusedAdam`](burn_shard_kernels::FusedAdam) when Burn's Adam/AdamW config was
+/// passed (see [`IntoOptimizer`](crate::IntoOptimizer)).
 ///
 /// A parameter that received a gradient on no rank keeps its value, as with Burn's
 /// `ModuleOptimizer`; its slice of the bucket's optimizer state still advances with the bucket
@@ -36,6 +38,9 @@ pub struct ShardedOptimizer<O: Optimizer> {
     layout: Arc<FlatLayout>,
     stage: Stage,
     states: Vec<Option<O::State<1>>>,
+    /// `f32` master copy of this rank's range of each `bf16`/`f16` bucket (`None` for `f32`
+    /// buckets and before the first step).
+    masters: Vec<Option<Tensor<1>>>,
     gradients_bytes: usize,
     temporary_peak_bytes: usize,
     /// Stage 3: what the model's gather ops share (their first error, transient probes).
@@ -51,12 +56,14 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         fsdp: Option<FsdpContext>,
     ) -> Self {
         let states = vec![None; layout.buckets().len()];
+        let masters = vec![None; layout.buckets().len()];
         Self {
             optim,
             comm,
             layout,
             stage,
             states,
+            masters,
             gradients_bytes: 0,
             temporary_peak_bytes: 0,
             fsdp,
@@ -134,7 +141,8 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         // 2. Burn's optimizer on the owned range, then all-gather the updated shards.
         let (param_parts, _) = flat::param_values(&model, &layout)?;
         let mut full = Vec::with_capacity(layout.buckets().len());
-        for ((bucket, grad), state) in layout.buckets().iter().zip(reduced).zip(self.states.iter_mut()) {
+        let shards = layout.buckets().iter().zip(reduced).zip(self.states.iter_mut());
+        for (((bucket, grad), state), master) in shards.zip(self.masters.iter_mut()) {
             let range = match self.stage {
                 Stage::One | Stage::Two => bucket.shard_range(rank),
                 Stage::Zero | Stage::Three => 0..bucket.padded_numel,
@@ -146,7 +154,16 @@ impl<O: Optimizer> ShardedOptimizer<O> {
             let param = flat::assemble(&layout, bucket, &param_parts, range, &device);
             let param_bytes = tensor_bytes(&param);
             temp.alloc(param_bytes);
-            let (param, new_state) = self.optim.step(lr, param, grad, state.take());
+            let (param, new_state) = if bucket.dtype == DType::F32 {
+                self.optim.step(lr, param, grad, state.take())
+            } else {
+                // bf16/f16: the optimizer updates the f32 master; the model gets it rounded.
+                let weights = master.take().unwrap_or_else(|| param.clone().cast(DType::F32));
+                let (weights, param, new_state) =
+                    crate::master::step_with_master(&self.optim, lr, weights, param, grad, state.take());
+                *master = Some(weights);
+                (param, new_state)
+            };
             *state = new_state;
             let updated = match self.stage {
                 Stage::One | Stage::Two => self.comm.all_gather(param)?,
@@ -197,11 +214,13 @@ impl<O: Optimizer> ShardedOptimizer<O> {
                 state.state_flatten(&format!("bucket{b}"), &mut sink);
             }
         }
-        let optimizer_state_bytes = sink
-            .tensors
-            .iter()
-            .map(|(_, d)| d.num_elements() * d.dtype().size())
-            .sum();
+        let master_bytes: usize = self.masters.iter().flatten().map(tensor_bytes).sum();
+        let optimizer_state_bytes = master_bytes
+            + sink
+                .tensors
+                .iter()
+                .map(|(_, d)| d.num_elements() * d.dtype().size())
+                .sum::<usize>();
         MemoryReport {
             rank: self.comm.rank(),
             world_size: self.comm.world_size(),
@@ -223,9 +242,23 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         &self.layout
     }
 
+    /// The optimizer each flat shard is stepped with (e.g. to ask a
+    /// [`FusedAdam`](burn_shard_kernels::FusedAdam) which path it takes).
+    pub fn optimizer(&self) -> &O {
+        &self.optim
+    }
+
     /// The ZeRO stage.
     pub fn stage(&self) -> Stage {
         self.stage
+    }
+
+    /// The `f32` master weights of this rank's range of each `bf16`/`f16` bucket (same shapes
+    /// as [`ShardedOptimizer::bucket_states`]' tensors); `None` for `f32` buckets and before
+    /// the first step. They are initialised from the parameters at the first step, so load
+    /// checkpoints into the model before it.
+    pub fn master_weights(&self) -> &[Option<Tensor<1>>] {
+        &self.masters
     }
 
     /// Burn's optimizer state for each bucket's flat range owned by this rank (`None` before the

@@ -8,26 +8,26 @@ use super::context::FsdpContext;
 /// This rank's `[chunk]` shard -> the full `[numel]` parameter (padding dropped).
 /// On a collective error the error is recorded and zeros are returned (the step then fails).
 pub(crate) fn all_gather_full(ctx: &FsdpContext, shard: Tensor<1>, numel: usize, tag: u64) -> Tensor<1> {
-    let device = shard.device();
+    let (device, dtype) = (shard.device(), shard.dtype());
     match ctx.comm().all_gather_tagged(shard, tag) {
         Ok(full) if full.dims()[0] == numel => full,
         Ok(full) => full.narrow(0, 0, numel),
         Err(e) => {
             ctx.record_error(e);
-            Tensor::zeros([numel], &device)
+            Tensor::zeros([numel], (&device, dtype))
         }
     }
 }
 
 /// The full `[numel]` gradient -> this rank's `[chunk]` shard of its mean over ranks.
 pub(crate) fn reduce_scatter_grad(ctx: &FsdpContext, full: Tensor<1>, chunk: usize, tag: u64) -> Tensor<1> {
-    let device = full.device();
+    let (device, dtype) = (full.device(), full.dtype());
     let n = ctx.comm().world_size();
     let numel = full.dims()[0];
     let padded = if numel == chunk * n {
         full
     } else {
-        Tensor::cat(vec![full, Tensor::zeros([chunk * n - numel], &device)], 0)
+        Tensor::cat(vec![full, Tensor::zeros([chunk * n - numel], (&device, dtype))], 0)
     };
     match ctx
         .comm()
@@ -36,7 +36,7 @@ pub(crate) fn reduce_scatter_grad(ctx: &FsdpContext, full: Tensor<1>, chunk: usi
         Ok(shard) => shard,
         Err(e) => {
             ctx.record_error(e);
-            Tensor::zeros([chunk], &device)
+            Tensor::zeros([chunk], (&device, dtype))
         }
     }
 }

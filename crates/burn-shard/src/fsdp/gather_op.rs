@@ -61,9 +61,10 @@ pub struct GatherSpec {
     pub(crate) tag: u64,
 }
 
-/// The stage-3 collectives as backend operations (CPU `Flex` backend; the autodiff decorator
-/// adds the backward pass).
-#[backend_extension(Autodiff, Flex)]
+/// The stage-3 collectives as backend operations (CPU `Flex` backend, and the CubeCL backend
+/// (CUDA, wgpu, CubeCL's CPU runtime) with the `cube` feature; the autodiff decorator adds the
+/// backward pass).
+#[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cube"))]
 pub trait FsdpOps: Backend {
     /// `shard` (`spec.shard_shape`) -> the full parameter (`spec.full_shape`).
     fn fsdp_all_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
@@ -99,6 +100,42 @@ impl FsdpOps for Flex {
         let shard = reduce_scatter_grad(&spec.ctx, flat, spec.chunk, spec.tag);
         let shard = shard.try_into_primitive::<Flex>().expect("a Flex tensor stays on Flex");
         Flex::float_reshape(shard, spec.shard_shape.clone())
+    }
+}
+
+/// The same operations on the CubeCL backend. The collectives take and return Burn tensors, so
+/// only the reshapes are backend calls; the transient-memory probes watch host buffers and are
+/// CPU-only (GPU memory is the allocator's to report).
+#[cfg(feature = "cube")]
+impl FsdpOps for burn_cubecl::CubeBackend {
+    fn fsdp_all_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+        use burn_cubecl::CubeBackend;
+        let flat =
+            Tensor::<1>::from_primitive::<CubeBackend>(CubeBackend::float_reshape(shard, Shape::new([spec.chunk])));
+        let full = all_gather_full(&spec.ctx, flat, spec.numel, spec.tag);
+        let full = full
+            .try_into_primitive::<CubeBackend>()
+            .expect("a CubeCL tensor stays on CubeCL");
+        CubeBackend::float_reshape(full, spec.full_shape.clone())
+    }
+
+    fn fsdp_all_gather_in_unit(
+        shard: FloatTensor<Self>,
+        _unit_input: FloatTensor<Self>,
+        spec: GatherSpec,
+    ) -> FloatTensor<Self> {
+        Self::fsdp_all_gather(shard, spec)
+    }
+
+    fn fsdp_reduce_scatter(full: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+        use burn_cubecl::CubeBackend;
+        let flat =
+            Tensor::<1>::from_primitive::<CubeBackend>(CubeBackend::float_reshape(full, Shape::new([spec.numel])));
+        let shard = reduce_scatter_grad(&spec.ctx, flat, spec.chunk, spec.tag);
+        let shard = shard
+            .try_into_primitive::<CubeBackend>()
+            .expect("a CubeCL tensor stays on CubeCL");
+        CubeBackend::float_reshape(shard, spec.shard_shape.clone())
     }
 }
 

@@ -1,0 +1,137 @@
+//! The rendezvous: how the processes of a multi-node job find each other before any collective
+//! exists (to share the NCCL id, for instance).
+//!
+//! Rank 0 hosts a small TCP key-value store ([`StoreServer`], like PyTorch's `TCPStore`) at
+//! `MASTER_ADDR:MASTER_PORT`; every rank, rank 0 included, connects to it as a [`StoreClient`]
+//! and sets, waits for and counts keys. [`RendezvousEnv`] reads the launcher's variables and
+//! [`Rendezvous`] does both steps for this process. Standard library only: no serde, no async.
+
+mod client;
+mod env;
+mod server;
+mod wire;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+pub use client::StoreClient;
+pub use env::RendezvousEnv;
+pub use server::StoreServer;
+pub use wire::{MAX_KEY_BYTES, MAX_VALUE_BYTES};
+
+use crate::CommError;
+
+/// Default time to wait for the rendezvous and for keys (60 s): long enough for the last
+/// process of a job to start, short enough that a missing rank is reported soon.
+pub const RENDEZVOUS_DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// This process's membership in the job's rendezvous: the store client, and on rank 0 the
+/// store itself.
+///
+/// Dropping it disconnects. Dropping rank 0's also closes the store, but first waits (up to the
+/// timeout given to [`Rendezvous::new`]) until every other rank has dropped its own, so that no
+/// rank loses the store in the middle of a request: drop it on every rank once done with it.
+#[derive(Debug)]
+pub struct Rendezvous {
+    env: RendezvousEnv,
+    client: StoreClient,
+    server: Option<StoreServer>,
+    timeout: Duration,
+}
+
+impl Drop for Rendezvous {
+    fn drop(&mut self) {
+        if let Some(server) = &self.server {
+            self.client.close();
+            if !server.wait_for_clients_to_leave(self.timeout) {
+                tracing::warn!(
+                    clients = server.clients(),
+                    "closing the rendezvous store while ranks are still connected to it"
+                );
+            }
+        }
+    }
+}
+
+impl Rendezvous {
+    /// On rank 0, starts the store on port `MASTER_PORT` of every interface of this machine;
+    /// then, on every rank, connects to `MASTER_ADDR:MASTER_PORT`, waiting up to `timeout` for
+    /// rank 0 to be listening.
+    ///
+    /// # Errors
+    /// [`CommError::Rendezvous`] when rank 0 cannot bind the port or resolve `MASTER_ADDR`, or
+    /// when a rank finds no store within `timeout`.
+    pub fn new(env: RendezvousEnv, timeout: Duration) -> Result<Self, CommError> {
+        let server = if env.rank == 0 {
+            Some(StoreServer::bind(listen_addr(&env)?)?)
+        } else {
+            None
+        };
+        let client = StoreClient::connect(&env.master(), timeout)?;
+        Ok(Self {
+            env,
+            client,
+            server,
+            timeout,
+        })
+    }
+
+    /// Reads the launcher's variables ([`RendezvousEnv::from_env`]) and joins the rendezvous with
+    /// [`RENDEZVOUS_DEFAULT_TIMEOUT`].
+    ///
+    /// # Errors
+    /// [`CommError::Env`] for missing or malformed variables, else as [`Rendezvous::new`].
+    pub fn from_env() -> Result<Self, CommError> {
+        Self::new(RendezvousEnv::from_env()?, RENDEZVOUS_DEFAULT_TIMEOUT)
+    }
+
+    /// This process's rank, world size and rendezvous address.
+    pub fn env(&self) -> &RendezvousEnv {
+        &self.env
+    }
+
+    /// The connection to the store, to set and get keys.
+    pub fn store(&self) -> &StoreClient {
+        &self.client
+    }
+
+    /// Where the store listens, on rank 0 (`None` on the other ranks).
+    pub fn server_addr(&self) -> Option<SocketAddr> {
+        self.server.as_ref().map(StoreServer::local_addr)
+    }
+
+    /// Returns once all `world_size` ranks have called their `n`-th barrier. (Dropping the
+    /// rendezvous right after is safe: rank 0's waits for the others to leave.)
+    ///
+    /// # Errors
+    /// As [`StoreClient::barrier`]: the message says how many ranks arrived within `timeout`.
+    pub fn barrier(&self, timeout: Duration) -> Result<(), CommError> {
+        self.client.barrier(self.env.world_size, timeout)
+    }
+}
+
+/// The address rank 0 listens on: every interface, in the family of `MASTER_ADDR` (binding to
+/// `MASTER_ADDR` itself would fail where a host name resolves to a loopback alias, as Debian's
+/// `127.0.1.1`, and other nodes could not reach it).
+fn listen_addr(env: &RendezvousEnv) -> Result<SocketAddr, CommError> {
+    let resolved: Vec<SocketAddr> = (env.master_addr.as_str(), env.master_port)
+        .to_socket_addrs()
+        .map_err(|e| {
+            CommError::Rendezvous(format!(
+                "rank 0 cannot resolve MASTER_ADDR {:?}: {e}; set it to this machine's host name or IP address",
+                env.master_addr
+            ))
+        })?
+        .collect();
+    let ip: std::net::IpAddr = if !resolved.is_empty() && resolved.iter().all(SocketAddr::is_ipv6) {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    };
+    Ok(SocketAddr::new(ip, env.master_port))
+}
+
+/// A duration for messages, in seconds (`60 s`, `0.25 s`).
+fn seconds(d: Duration) -> String {
+    format!("{} s", d.as_secs_f64())
+}

@@ -1,0 +1,312 @@
+//! [`StoreClient`]: one rank's connection to the rendezvous store.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::seconds;
+use super::wire::{self, Request};
+use crate::CommError;
+
+/// Longest single connection attempt; attempts repeat until the caller's timeout.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause between connection attempts (rank 0 may not be listening yet).
+const RETRY_PAUSE: Duration = Duration::from_millis(100);
+/// Extra time a `get` waits for the server's reply beyond the server-side wait (network delay).
+const REPLY_SLACK: Duration = Duration::from_secs(5);
+
+/// One rank's connection to a [`StoreServer`](super::StoreServer) (like PyTorch's `TCPStore`
+/// client). Requests from one client are sent one at a time (a `get` that waits blocks the
+/// client's other calls); use one client per thread for concurrent waits.
+///
+/// After an I/O error the connection is unusable and every later call returns that error:
+/// connect again.
+#[derive(Debug)]
+pub struct StoreClient {
+    addr: String,
+    timeout: Duration,
+    connection: Mutex<Connection>,
+    barriers: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Connection {
+    stream: TcpStream,
+    /// Why the connection is no longer usable.
+    broken: Option<String>,
+}
+
+impl StoreClient {
+    /// Connects to the store at `addr` (`"host:port"`, `"[v6]:port"`), retrying until `timeout`
+    /// (seconds granularity is enough: the rank hosting the store may start later than this one).
+    /// `timeout` also bounds every later `set` and `add`.
+    ///
+    /// # Errors
+    /// [`CommError::Rendezvous`] when nothing answered at `addr` within `timeout`, or when
+    /// another program, not a rendezvous store, answered there.
+    pub fn connect(addr: &str, timeout: Duration) -> Result<Self, CommError> {
+        let deadline = Instant::now() + timeout;
+        let mut last_error = String::from("no address to try");
+        loop {
+            match addr.to_socket_addrs() {
+                Ok(candidates) => {
+                    for candidate in candidates {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        let attempt = left.min(ATTEMPT_TIMEOUT).max(Duration::from_millis(1));
+                        match TcpStream::connect_timeout(&candidate, attempt).and_then(|s| hello(s, attempt)) {
+                            Ok(Ok(stream)) => {
+                                return Ok(Self {
+                                    addr: addr.to_string(),
+                                    timeout,
+                                    connection: Mutex::new(Connection { stream, broken: None }),
+                                    barriers: AtomicU64::new(0),
+                                });
+                            }
+                            Ok(Err(stranger)) => {
+                                return Err(CommError::Rendezvous(format!(
+                                    "{candidate} ({addr}) answered, but not as a burn-shard rendezvous ({stranger}): \
+                                     another program (or another burn-shard version) holds that port; choose a free \
+                                     MASTER_PORT, the same on every rank"
+                                )));
+                            }
+                            Err(e) => last_error = format!("{candidate}: {e}"),
+                        }
+                    }
+                }
+                Err(e) => last_error = format!("cannot resolve {addr}: {e}"),
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(CommError::Rendezvous(format!(
+                    "no rendezvous at {addr} after {} (last error: {last_error}): is rank 0 running, \
+                     and are MASTER_ADDR and MASTER_PORT the same on every rank?",
+                    seconds(timeout)
+                )));
+            }
+            thread::sleep(left.min(RETRY_PAUSE));
+        }
+    }
+
+    /// The address this client connected to, as given to [`StoreClient::connect`].
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Closes the connection; later calls return an error.
+    pub(crate) fn close(&self) {
+        let mut connection = self.connection.lock().unwrap_or_else(PoisonError::into_inner);
+        let _ = connection.stream.shutdown(std::net::Shutdown::Both);
+        connection.broken = Some(format!("the connection to the rendezvous at {} was closed", self.addr));
+    }
+
+    /// Sets `key` to `value` (replacing any value) and wakes every rank waiting for it.
+    ///
+    /// # Errors
+    /// [`CommError::Rendezvous`] when the key is over [`MAX_KEY_BYTES`](super::MAX_KEY_BYTES)
+    /// or the value over [`MAX_VALUE_BYTES`](super::MAX_VALUE_BYTES) bytes, or the store is
+    /// gone or silent for the connect timeout.
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
+        check_key(key)?;
+        if value.len() > wire::MAX_VALUE_BYTES {
+            return Err(CommError::Rendezvous(format!(
+                "the value for '{key}' has {} bytes, over the store's limit of {} bytes",
+                value.len(),
+                wire::MAX_VALUE_BYTES
+            )));
+        }
+        let request = Request::Set {
+            key: key.to_string(),
+            value: value.to_vec(),
+        };
+        let status = self.exchange("set", key, &request, self.timeout, |_, _| Ok(()))?;
+        self.expect_ok(status, "set", key)
+    }
+
+    /// The value of `key`, waiting up to `timeout` for some rank to set it.
+    ///
+    /// # Errors
+    /// [`CommError::Rendezvous`] when the key is still unset after `timeout` (the message names
+    /// the key and the wait), or the store is gone.
+    pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, CommError> {
+        self.try_get(key, timeout)?.ok_or_else(|| {
+            CommError::Rendezvous(format!(
+                "key '{key}' was not set within {}: the rank that publishes it (usually rank 0) \
+                 has not got that far; see its output for an error",
+                seconds(timeout)
+            ))
+        })
+    }
+
+    /// Like [`StoreClient::get`], with `None` instead of an error when the key stays unset.
+    fn try_get(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, CommError> {
+        check_key(key)?;
+        let request = Request::Get {
+            key: key.to_string(),
+            wait: timeout,
+        };
+        let mut value = None;
+        let status = self.exchange(
+            "get",
+            key,
+            &request,
+            timeout.saturating_add(REPLY_SLACK),
+            |r, status| {
+                if status == wire::OK {
+                    value = Some(wire::read_bytes(r, wire::MAX_VALUE_BYTES)?);
+                }
+                Ok(())
+            },
+        )?;
+        match status {
+            wire::NOT_FOUND => Ok(None),
+            status => self.expect_ok(status, "get", key).map(|()| value),
+        }
+    }
+
+    /// Adds `delta` to the counter `key` (created at 0) and returns its new value; `delta` 0
+    /// reads it. Counters are stored as 8 little-endian bytes.
+    ///
+    /// # Errors
+    /// [`CommError::Rendezvous`] when `key` holds a value set by [`StoreClient::set`] that is not
+    /// 8 bytes long, or the store is gone.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64, CommError> {
+        check_key(key)?;
+        let request = Request::Add {
+            key: key.to_string(),
+            delta,
+        };
+        let mut sum = 0;
+        let status = self.exchange("add", key, &request, self.timeout, |r, status| {
+            if status == wire::OK {
+                sum = wire::read_u64(r)? as i64;
+            }
+            Ok(())
+        })?;
+        match status {
+            wire::NOT_COUNTER => Err(CommError::Rendezvous(format!(
+                "key '{key}' holds a value that is not a counter; use another key for add"
+            ))),
+            status => self.expect_ok(status, "add", key).map(|()| sum),
+        }
+    }
+
+    /// Returns once `world_size` ranks have entered this barrier (their `n`-th call of
+    /// `barrier` on their own client meets the others' `n`-th call).
+    ///
+    /// # Errors
+    /// [`CommError::InvalidWorldSize`] when `world_size == 0`; [`CommError::Rendezvous`] when not
+    /// every rank arrived within `timeout` (the message says how many did) or more than
+    /// `world_size` ranks arrived (ranks disagree on `WORLD_SIZE`, or two jobs share the store).
+    pub fn barrier(&self, world_size: usize, timeout: Duration) -> Result<(), CommError> {
+        if world_size == 0 {
+            return Err(CommError::InvalidWorldSize(world_size));
+        }
+        let n = self.barriers.fetch_add(1, Ordering::Relaxed);
+        let count_key = format!("burn-shard/barrier/{n}/count");
+        let done_key = format!("burn-shard/barrier/{n}/done");
+        let arrived = self.add(&count_key, 1)?;
+        let world = world_size as i64;
+        if arrived > world {
+            return Err(CommError::Rendezvous(format!(
+                "{arrived} ranks entered barrier #{n} but world_size is {world_size}: WORLD_SIZE differs \
+                 between ranks, or two jobs use the same MASTER_ADDR:MASTER_PORT"
+            )));
+        }
+        // The last rank to arrive releases the others.
+        if arrived == world {
+            self.set(&done_key, &[])?;
+        }
+        if self.try_get(&done_key, timeout)?.is_some() {
+            return Ok(());
+        }
+        let arrived = self.add(&count_key, 0).unwrap_or(arrived);
+        Err(CommError::Rendezvous(format!(
+            "only {arrived} of {world_size} ranks reached barrier #{n} within {}: a rank failed or is \
+             stuck before it (see the output of the missing ranks)",
+            seconds(timeout)
+        )))
+    }
+
+    /// Sends `request` and reads the status byte, then lets `read_rest` read the rest of the
+    /// reply. An I/O error breaks the connection (the reply stream is no longer in step).
+    fn exchange(
+        &self,
+        op: &str,
+        key: &str,
+        request: &Request,
+        reply_timeout: Duration,
+        read_rest: impl FnOnce(&mut TcpStream, u8) -> io::Result<()>,
+    ) -> Result<u8, CommError> {
+        let mut connection = self.connection.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(why) = &connection.broken {
+            return Err(CommError::Rendezvous(why.clone()));
+        }
+        let stream = &mut connection.stream;
+        // Both directions bounded: a store that stopped reading would otherwise block the send.
+        let bound = Some(reply_timeout.max(Duration::from_millis(1)));
+        let result = stream
+            .set_read_timeout(bound)
+            .and_then(|()| stream.set_write_timeout(bound))
+            .and_then(|()| request.write(stream))
+            .and_then(|()| {
+                let status = wire::read_u8(stream)?;
+                read_rest(stream, status)?;
+                Ok(status)
+            });
+        result.map_err(|e| {
+            let why = match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
+                    "the rendezvous at {} did not answer {op} '{key}' within {}: is rank 0's process alive?",
+                    self.addr,
+                    seconds(reply_timeout)
+                ),
+                _ => format!(
+                    "lost the connection to the rendezvous at {} during {op} '{key}' ({e}): rank 0, which \
+                     hosts it, has exited or failed; see its output",
+                    self.addr
+                ),
+            };
+            connection.broken = Some(why.clone());
+            CommError::Rendezvous(why)
+        })
+    }
+
+    fn expect_ok(&self, status: u8, op: &str, key: &str) -> Result<(), CommError> {
+        if status == wire::OK {
+            Ok(())
+        } else {
+            Err(CommError::Rendezvous(format!(
+                "the rendezvous at {} answered {op} '{key}' with unknown status {status}: \
+                 all ranks must run the same burn-shard version",
+                self.addr
+            )))
+        }
+    }
+}
+
+/// Sends the hello and checks the echo. `Ok(Err(..))`: something answered that is not a store.
+fn hello(mut stream: TcpStream, timeout: Duration) -> io::Result<Result<TcpStream, String>> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.write_all(&wire::HELLO)?;
+    let mut echo = [0u8; wire::HELLO.len()];
+    stream.read_exact(&mut echo)?;
+    if echo != wire::HELLO {
+        return Ok(Err(format!("it sent {:?}", String::from_utf8_lossy(&echo))));
+    }
+    Ok(Ok(stream))
+}
+
+fn check_key(key: &str) -> Result<(), CommError> {
+    if key.len() > wire::MAX_KEY_BYTES {
+        return Err(CommError::Rendezvous(format!(
+            "a key of {} bytes is over the store's limit of {} bytes",
+            key.len(),
+            wire::MAX_KEY_BYTES
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,103 @@
+//! The command line of `burn-shard-run`, in torchrun's spelling (`--nproc-per-node` and
+//! `--nproc_per_node` both work).
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser};
+
+use crate::{DEFAULT_MASTER_PORT, LaunchConfig};
+
+/// Starts one process per rank with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+/// MASTER_ADDR and MASTER_PORT set, prefixes their output with `[rank R]`, and stops them all
+/// as soon as one fails.
+#[derive(Parser, Debug)]
+#[command(
+    name = "burn-shard-run",
+    version,
+    after_help = "Examples:\n  \
+        burn-shard-run --nproc-per-node 8 -- ./train --steps 1000\n  \
+        # two nodes, on each (K = 0, 1):\n  \
+        burn-shard-run --nnodes 2 --node-rank K --nproc-per-node 8 --master-addr 10.0.0.1 -- ./train\n\n\
+        Exit status: 0 when every rank exits 0; else the failed rank's exit code (128+N for signal N), \
+        127 when the program cannot be started, 2 for bad options."
+)]
+pub struct Cli {
+    /// Processes (ranks) to start on this node, usually one per GPU.
+    #[arg(long, alias = "nproc_per_node", value_name = "N")]
+    pub nproc_per_node: usize,
+    /// Nodes in the job; start one burn-shard-run on each.
+    #[arg(long, default_value_t = 1, value_name = "M")]
+    pub nnodes: usize,
+    /// This node's index in 0..nnodes: its ranks are node_rank·N .. node_rank·N+N-1.
+    #[arg(long, alias = "node_rank", default_value_t = 0, value_name = "K")]
+    pub node_rank: usize,
+    /// Host name or IP address of node 0, where rank 0 hosts the rendezvous; it must be
+    /// reachable from every node. Default 127.0.0.1, required with --nnodes > 1.
+    #[arg(long, alias = "master_addr", value_name = "ADDR")]
+    pub master_addr: Option<String>,
+    /// TCP port of the rendezvous on node 0, the same on every node.
+    #[arg(long, alias = "master_port", default_value_t = DEFAULT_MASTER_PORT, value_name = "PORT")]
+    pub master_port: u16,
+    /// Seconds between SIGTERM and SIGKILL when stopping the ranks after a failure.
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    pub stop_grace: f64,
+    /// The program to run and its arguments (after `--` when they start with `-`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "PROGRAM [ARGS]"
+    )]
+    pub command: Vec<OsString>,
+}
+
+impl Cli {
+    /// The launch this command line asks for.
+    ///
+    /// # Errors
+    /// A clap error (printable as usage) naming the option: `--nnodes > 1` without
+    /// `--master-addr`, a negative or non-finite `--stop-grace`, or anything
+    /// [`LaunchConfig::validate`] rejects.
+    pub fn into_config(self) -> Result<LaunchConfig, clap::Error> {
+        let invalid = |msg: String| Cli::command().error(ErrorKind::InvalidValue, msg);
+        let master_addr = match (self.master_addr, self.nnodes) {
+            (Some(addr), _) => addr,
+            (None, 1) => "127.0.0.1".to_string(),
+            (None, n) => {
+                return Err(invalid(format!(
+                    "--nnodes {n} needs --master-addr: the address of node 0, reachable from every node"
+                )));
+            }
+        };
+        let stop_grace = Duration::try_from_secs_f64(self.stop_grace).map_err(|_| {
+            invalid(format!(
+                "--stop-grace {} is not a number of seconds >= 0",
+                self.stop_grace
+            ))
+        })?;
+        let mut command = self.command.into_iter();
+        let program = command.next().unwrap_or_default();
+        let config = LaunchConfig::new(program, self.nproc_per_node)
+            .with_args(command)
+            .with_nodes(self.nnodes, self.node_rank)
+            .with_master(master_addr, self.master_port)
+            .with_stop_grace(stop_grace);
+        config.validate().map_err(|e| invalid(e.to_string()))?;
+        Ok(config)
+    }
+}
+
+/// Parses `burn-shard-run`'s command line (`args[0]` is the program name).
+///
+/// # Errors
+/// A clap error for unknown or missing options (its `exit()` prints usage and exits 2, or the
+/// help text and exits 0 for `--help`), or as [`Cli::into_config`].
+pub fn parse_args<I, T>(args: I) -> Result<LaunchConfig, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    Cli::try_parse_from(args)?.into_config()
+}

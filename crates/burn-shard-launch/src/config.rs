@@ -1,0 +1,158 @@
+//! [`LaunchConfig`]: what to start, how many times, and where each process sits in the job.
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use crate::LaunchError;
+
+/// Default port of the rendezvous on node 0 (torchrun's default too).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+/// Default time between SIGTERM and SIGKILL when stopping ranks (5 s).
+pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Where the ranks' output goes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OutputMode {
+    /// Each line is written to this process's stdout (or stderr, for the rank's stderr) as it
+    /// arrives, prefixed with `[rank R] `.
+    #[default]
+    Prefix,
+    /// Lines are kept and returned in [`LaunchOutcome::output`](crate::LaunchOutcome::output)
+    /// (for tests and tools); nothing is printed.
+    Capture,
+}
+
+/// One node's share of a job: `nproc_per_node` copies of `program args...`, global ranks
+/// `node_rank·nproc_per_node .. (node_rank+1)·nproc_per_node`, world size
+/// `nnodes·nproc_per_node`.
+///
+/// Each process gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
+/// `MASTER_PORT` (the names `torchrun` uses) on top of this process's environment, which is
+/// otherwise passed unchanged (`CUDA_VISIBLE_DEVICES` included). Stdin is closed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaunchConfig {
+    /// The program (a path, or a name looked up on `PATH`).
+    pub program: OsString,
+    /// Its arguments, identical for every rank.
+    pub args: Vec<OsString>,
+    /// Processes on this node, usually one per GPU (at least 1).
+    pub nproc_per_node: usize,
+    /// Nodes in the job, each running its own launcher (at least 1; default 1).
+    pub nnodes: usize,
+    /// This node's index in `0..nnodes` (default 0).
+    pub node_rank: usize,
+    /// Host name or IP address of node 0, where rank 0 hosts the rendezvous (default `127.0.0.1`).
+    pub master_addr: String,
+    /// TCP port of the rendezvous (default [`DEFAULT_MASTER_PORT`]).
+    pub master_port: u16,
+    /// Where the ranks' output goes (default [`OutputMode::Prefix`]).
+    pub output: OutputMode,
+    /// When stopping ranks, how long to wait after SIGTERM before SIGKILL (default
+    /// [`DEFAULT_STOP_GRACE`]).
+    pub stop_grace: Duration,
+}
+
+impl LaunchConfig {
+    /// `nproc_per_node` copies of `program` on one node, with the defaults above.
+    pub fn new(program: impl Into<OsString>, nproc_per_node: usize) -> Self {
+        Self {
+            program: program.into(),
+            args: Vec::new(),
+            nproc_per_node,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: DEFAULT_MASTER_PORT,
+            output: OutputMode::default(),
+            stop_grace: DEFAULT_STOP_GRACE,
+        }
+    }
+
+    /// Sets the program's arguments.
+    pub fn with_args<A: Into<OsString>>(mut self, args: impl IntoIterator<Item = A>) -> Self {
+        self.args = args.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Sets the number of nodes and this node's index.
+    pub fn with_nodes(mut self, nnodes: usize, node_rank: usize) -> Self {
+        self.nnodes = nnodes;
+        self.node_rank = node_rank;
+        self
+    }
+
+    /// Sets where rank 0 hosts the rendezvous.
+    pub fn with_master(mut self, addr: impl Into<String>, port: u16) -> Self {
+        self.master_addr = addr.into();
+        self.master_port = port;
+        self
+    }
+
+    /// Sets where the ranks' output goes.
+    pub fn with_output(mut self, output: OutputMode) -> Self {
+        self.output = output;
+        self
+    }
+
+    /// Sets the time between SIGTERM and SIGKILL when stopping ranks.
+    pub fn with_stop_grace(mut self, grace: Duration) -> Self {
+        self.stop_grace = grace;
+        self
+    }
+
+    /// Ranks in the job over all nodes: `nnodes·nproc_per_node`.
+    pub fn world_size(&self) -> usize {
+        self.nnodes.saturating_mul(self.nproc_per_node)
+    }
+
+    /// The global rank of this node's `local_rank`.
+    pub fn rank(&self, local_rank: usize) -> usize {
+        self.node_rank * self.nproc_per_node + local_rank
+    }
+
+    /// Checks that the configuration describes a job.
+    ///
+    /// # Errors
+    /// [`LaunchError::Config`] naming the field: zero processes or nodes, `node_rank >= nnodes`,
+    /// an empty program or `master_addr`, port 0, or a world size that overflows.
+    pub fn validate(&self) -> Result<(), LaunchError> {
+        let fail = |msg: String| Err(LaunchError::Config(msg));
+        if self.program.is_empty() {
+            return fail("no program to run: pass it after the options, e.g. `-- python train.py`".into());
+        }
+        if self.nproc_per_node == 0 {
+            return fail("nproc_per_node is 0; start at least one process per node".into());
+        }
+        if self.nnodes == 0 {
+            return fail("nnodes is 0; a job has at least one node".into());
+        }
+        if self.node_rank >= self.nnodes {
+            return fail(format!(
+                "node_rank {} is out of range for nnodes {} (valid: 0..{})",
+                self.node_rank, self.nnodes, self.nnodes
+            ));
+        }
+        if self.nnodes.checked_mul(self.nproc_per_node).is_none() {
+            return fail("nnodes × nproc_per_node overflows".into());
+        }
+        if self.master_addr.trim().is_empty() {
+            return fail("master_addr is empty; give node 0's host name or IP address".into());
+        }
+        if self.master_port == 0 {
+            return fail("master_port is 0; give a fixed TCP port (the same on every node)".into());
+        }
+        Ok(())
+    }
+
+    /// The variables set for `local_rank`'s process.
+    pub fn rank_env(&self, local_rank: usize) -> Vec<(&'static str, String)> {
+        vec![
+            ("RANK", self.rank(local_rank).to_string()),
+            ("WORLD_SIZE", self.world_size().to_string()),
+            ("LOCAL_RANK", local_rank.to_string()),
+            ("LOCAL_WORLD_SIZE", self.nproc_per_node.to_string()),
+            ("MASTER_ADDR", self.master_addr.clone()),
+            ("MASTER_PORT", self.master_port.to_string()),
+        ]
+    }
+}

@@ -1,0 +1,83 @@
+//! Why a launch failed.
+
+use std::process::ExitStatus;
+
+/// Why [`launch`](crate::launch) failed. Every message names the rank involved and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The configuration cannot describe a job (e.g. `node_rank >= nnodes`).
+    #[error("invalid launch configuration: {0}")]
+    Config(String),
+    /// The program could not be started; the ranks already started were stopped.
+    #[error(
+        "cannot start {program:?} for rank {rank}: {error}; check the program's path (or that it is on PATH) \
+         and that it is executable"
+    )]
+    Spawn {
+        /// The program as given.
+        program: String,
+        /// The rank it was started for.
+        rank: usize,
+        /// The operating system's error.
+        error: String,
+    },
+    /// A rank exited non-zero or was killed; the other ranks of this node were stopped.
+    #[error(
+        "rank {rank} (local rank {local_rank}) failed: {status}; stopped {stopped} other running rank(s) of this node \
+         (see rank {rank}'s output above for the cause)"
+    )]
+    RankFailed {
+        /// The global rank that failed first.
+        rank: usize,
+        /// Its index on this node.
+        local_rank: usize,
+        /// How it ended (exit code or signal).
+        status: ExitStatus,
+        /// How many other ranks were still running and were stopped.
+        stopped: usize,
+    },
+    /// The launcher received SIGINT, SIGTERM or SIGHUP and passed it on to every rank.
+    #[error("interrupted by signal {signal}; stopped every rank of this node")]
+    Interrupted {
+        /// The signal number.
+        signal: i32,
+    },
+    /// Watching a rank's process failed (an operating-system error); every rank was stopped.
+    #[error("cannot watch rank {rank}'s process: {error}; stopped every rank of this node")]
+    Watch {
+        /// The rank whose process could not be watched.
+        rank: usize,
+        /// The operating system's error.
+        error: String,
+    },
+    /// This operating system is not supported.
+    #[error("burn-shard-run runs on Linux only (it uses process groups and waitid)")]
+    Unsupported,
+}
+
+impl LaunchError {
+    /// The exit code `burn-shard-run` ends with: the failed rank's exit code, `128 + signal`
+    /// for a rank killed by a signal or an interrupted launcher (as shells report it), 127 when
+    /// the program cannot be started, 2 for a bad configuration, 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            LaunchError::Config(_) => 2,
+            LaunchError::Spawn { .. } => 127,
+            LaunchError::RankFailed { status, .. } => status_code(status),
+            LaunchError::Interrupted { signal } => (128 + signal).clamp(1, 255) as u8,
+            LaunchError::Watch { .. } | LaunchError::Unsupported => 1,
+        }
+    }
+}
+
+fn status_code(status: &ExitStatus) -> u8 {
+    #[cfg(unix)]
+    if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(status) {
+        return (128 + signal).clamp(1, 255) as u8;
+    }
+    match status.code() {
+        // Exit codes are 0..=255 on Unix; a failure must not map to 0.
+        Some(code) if code & 0xff != 0 => (code & 0xff) as u8,
+        _ => 1,
+    }
+}

@@ -1,0 +1,26 @@
+//! `burn-shard-run`: a launcher for multi-process (multi-GPU, multi-node) jobs, like PyTorch's
+//! `torchrun`.
+//!
+//! On each node, [`launch`] starts `nproc_per_node` copies of a program with `RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` set — what
+//! `burn_shard_comm::NcclComm::from_env` and `RendezvousEnv::from_env` read — prefixes their
+//! output with `[rank R]`, and stops every rank of the node as soon as one fails, so a crash is
+//! an error with the rank's name instead of a job that hangs in its next collective.
+//!
+//! This crate does not depend on Burn: the launcher builds in seconds and starts any program.
+//! Linux only (process groups, `waitid`).
+
+mod cli;
+mod config;
+mod error;
+mod launch;
+mod output;
+mod process_group;
+mod signals;
+
+pub use cli::{Cli, parse_args};
+pub use config::{DEFAULT_MASTER_PORT, DEFAULT_STOP_GRACE, LaunchConfig, OutputMode};
+pub use error::LaunchError;
+pub use launch::{LaunchOutcome, RankExit, launch};
+pub use output::{OutputLine, OutputStream};
+pub use signals::forward_termination_signals;

@@ -1,0 +1,97 @@
+//! [`IntoOptimizer`]: what [`ShardConfig::init`](crate::ShardConfig::init) accepts as the
+//! optimizer, and which implementation it steps the flat shards with.
+
+use burn::optim::{AdaGrad, Adam, AdamConfig, AdamW, AdamWConfig, Adan, Lion, Optimizer, RmsProp, Sgd};
+use burn_shard_kernels::{FusedAdam, FusedAdamConfig};
+
+use crate::ShardError;
+
+/// An optimizer for the flat shards of a [`ShardedOptimizer`](crate::ShardedOptimizer).
+///
+/// - Burn's **configs** `AdamConfig` and `AdamWConfig` give [`FusedAdam`] with the same
+///   hyper-parameters: the fused step where the backend has it (Burn's `Flex` CPU backend; the
+///   CubeCL backends when `burn-shard-kernels` is built with `cube`), Burn's own Adam/AdamW
+///   everywhere else. This is the recommended way to pass Adam.
+/// - Burn's **built** element-wise optimizers (`Adam`, `AdamW`, `Sgd`, `AdaGrad`, `RmsProp`,
+///   `Adan`, `Lion`) and [`FusedAdam`] / [`FusedAdamConfig`] are used as they are.
+/// - Any other optimizer goes through [`ElementWise`], which states the contract the flat step
+///   relies on: the update of each element depends on that element alone.
+///
+/// Optimizers that mix the elements of a tensor (LAMB's trust ratio, Muon, Adafactor's
+/// factored moments, norm-based clipping) would see buckets of many parameters instead of one
+/// parameter, so none of them implements this trait.
+pub trait IntoOptimizer {
+    /// The optimizer each flat shard is stepped with.
+    type Optimizer: Optimizer;
+
+    /// Builds it.
+    ///
+    /// # Errors
+    /// [`ShardError::InvalidConfig`] for options the sharded step cannot honour (gradient
+    /// clipping in a Burn config).
+    fn into_optimizer(self) -> Result<Self::Optimizer, ShardError>;
+}
+
+/// Wraps an optimizer whose update is element-wise (each element's new value and state depend
+/// on that element alone), so it can step flat buckets that hold many parameters.
+#[derive(Clone, Debug)]
+pub struct ElementWise<O>(pub O);
+
+impl<O: Optimizer> IntoOptimizer for ElementWise<O> {
+    type Optimizer = O;
+
+    fn into_optimizer(self) -> Result<O, ShardError> {
+        Ok(self.0)
+    }
+}
+
+/// Burn's configs may ask for gradient clipping, which Burn applies per parameter in
+/// `ModuleOptimizer`; on flat shards that norm would be taken over the wrong elements.
+fn reject_clipping(fused: FusedAdam, name: &str) -> Result<FusedAdam, ShardError> {
+    if fused.clips_gradients() {
+        return Err(ShardError::InvalidConfig(format!(
+            "{name} has grad_clipping set, which the sharded step does not apply; \
+             remove it (with_grad_clipping(None)) or clip the gradients before ShardedOptimizer::step"
+        )));
+    }
+    Ok(fused)
+}
+
+impl IntoOptimizer for AdamConfig {
+    type Optimizer = FusedAdam;
+
+    fn into_optimizer(self) -> Result<FusedAdam, ShardError> {
+        reject_clipping(FusedAdam::from_burn_adam(&self), "AdamConfig")
+    }
+}
+
+impl IntoOptimizer for AdamWConfig {
+    type Optimizer = FusedAdam;
+
+    fn into_optimizer(self) -> Result<FusedAdam, ShardError> {
+        reject_clipping(FusedAdam::from_burn_adamw(&self), "AdamWConfig")
+    }
+}
+
+impl IntoOptimizer for FusedAdamConfig {
+    type Optimizer = FusedAdam;
+
+    fn into_optimizer(self) -> Result<FusedAdam, ShardError> {
+        Ok(self.init())
+    }
+}
+
+/// Optimizers used as they are.
+macro_rules! as_is {
+    ($($t:ty),*) => {$(
+        impl IntoOptimizer for $t {
+            type Optimizer = $t;
+
+            fn into_optimizer(self) -> Result<$t, ShardError> {
+                Ok(self)
+            }
+        }
+    )*};
+}
+
+as_is!(FusedAdam, Adam, AdamW, Sgd, AdaGrad, RmsProp, Adan, Lion);
