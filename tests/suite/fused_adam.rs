@@ -267,6 +267,11 @@ fn step_with_master_takes_the_fused_path_and_equals_the_cast_fallback() {
         let (mut w2, mut s2) = (master0.clone(), None);
         for step in 0..4 {
             let g = tensor(Rng::new(300 + step).vec(35), [5, 7]).cast(dtype);
+            assert_eq!(
+                fused.master_path_for(&w1, &p1, &g),
+                burn_shard_kernels::StepPath::FusedCpu,
+                "{dtype:?}: the one-pass loop must run"
+            );
             let (w, p, s) = fused.step_with_master(1e-2, w1, p1, g.clone(), s1);
             (w1, p1, s1) = (w, p, s);
             let (w, s) = fused.step(1e-2, w2, g.cast(DType::F32), s2);
@@ -410,4 +415,34 @@ pub(crate) fn check_master_kernel(device: &Device, dtypes: &[DType], lengths: &[
             }
         }
     }
+}
+
+#[test]
+fn mismatched_operand_dtypes_are_cast_instead_of_misread() {
+    use burn_shard_kernels::StepPath;
+    // A bf16 gradient for an f32 parameter: the fused loop would misread it as f32; it is cast
+    // to the parameter's dtype first.
+    let fused = FusedAdamConfig::adamw().init();
+    let p0 = tensor(Rng::new(31).vec(35), [5, 7]);
+    let g = tensor(Rng::new(32).vec(35), [5, 7]);
+    assert_eq!(fused.path_for(&p0), StepPath::FusedCpu);
+    let (ours, _) = fused.step(1e-2, p0.clone(), g.clone().cast(DType::BF16), None);
+    let (theirs, _) = AdamWConfig::new()
+        .build()
+        .step(1e-2, p0.clone(), g.cast(DType::BF16).cast(DType::F32), None);
+    assert!(max_abs_diff(&host(&ours), &host(&theirs)) <= 1e-6);
+    // A state whose moments are bf16 (a checkpoint of another precision): cast back, and the
+    // fused step equals Burn's from the same cast state.
+    let (_, state) = fused.step(1e-2, p0.clone(), tensor(Rng::new(33).vec(35), [5, 7]), None);
+    let mut state = state.unwrap();
+    state.momentum.moment_1 = state.momentum.moment_1.cast(DType::BF16);
+    let g = tensor(Rng::new(34).vec(35), [5, 7]);
+    let mut reference_state = state.clone();
+    reference_state.momentum.moment_1 = reference_state.momentum.moment_1.cast(DType::F32);
+    let (ours, _) = fused.step(1e-2, p0.clone(), g.clone(), Some(state));
+    let (theirs, _) =
+        AdamWConfig::new()
+            .build()
+            .step(1e-2, p0.clone(), g, Some(FusedAdam::to_adamw_state(reference_state)));
+    assert!(max_abs_diff(&host(&ours), &host(&theirs)) <= 1e-6);
 }

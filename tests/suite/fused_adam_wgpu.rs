@@ -25,8 +25,9 @@ fn device() -> Option<Device> {
 #[test]
 fn cubecl_kernel_on_wgpu_matches_a_float64_reference() {
     let Some(device) = device() else { return };
-    // Lengths divisible by 4 (vectorised), odd ones (scalar tail) and zero.
-    for n in [0usize, 1, 7, 1000, 4099, 65_539, 1_000_003] {
+    // Lengths divisible by 4 (vectorised body only), tails of 1, 2 and 3 (5, 6, 7), a tail with
+    // no body (1) and zero.
+    for n in [0usize, 1, 5, 6, 7, 1000, 4099, 65_539, 1_000_003] {
         for (name, cfg) in variants() {
             let h = cfg.hyper();
             let optim = cfg.init();
@@ -83,5 +84,5 @@ fn cubecl_kernel_on_wgpu_matches_a_float64_reference() {
 fn cubecl_master_weight_kernel_on_wgpu_matches_a_float64_reference() {
     let Some(device) = device() else { return };
     // wgpu has no bf16; f16 needs the adapter's SHADER_F16 (lavapipe has it).
-    check_master_kernel(&device, &[DType::F32, DType::F16], &[0, 1, 7, 4099, 65_539]);
+    check_master_kernel(&device, &[DType::F32, DType::F16], &[0, 1, 5, 6, 7, 4099, 65_539]);
 }

@@ -13,7 +13,7 @@ use crate::common::*;
 use crate::fused_adam::reference_step;
 
 /// GPUs to use: `BURN_SHARD_GPUS` (set by the xtask) or all that CUDA reports.
-fn gpus() -> usize {
+pub(crate) fn gpus() -> usize {
     let n = std::env::var("BURN_SHARD_GPUS").ok().and_then(|v| v.parse().ok());
     match n.map(Ok).unwrap_or_else(cuda_device_count) {
         Ok(0) | Err(_) => {
@@ -38,7 +38,7 @@ fn on_all_gpus<T: Send>(n: usize, f: impl Fn(NcclComm) -> T + Sync) -> Vec<T> {
     })
 }
 
-fn host(t: Tensor<1>) -> Vec<f32> {
+pub(crate) fn host(t: Tensor<1>) -> Vec<f32> {
     t.into_data().convert::<f32>().iter::<f32>().collect()
 }
 

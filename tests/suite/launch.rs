@@ -727,22 +727,9 @@ fn the_command_line_reads_like_torchrun() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use burn_shard_comm::{NcclComm, cuda_device_count};
+    use burn_shard_comm::NcclComm;
 
-    fn gpus() -> usize {
-        let n = std::env::var("BURN_SHARD_GPUS").ok().and_then(|v| v.parse().ok());
-        match n.map(Ok).unwrap_or_else(cuda_device_count) {
-            Ok(0) | Err(_) => {
-                eprintln!("skipped: no CUDA device (or no libcuda/libnccl) on this machine");
-                0
-            }
-            Ok(n) => n,
-        }
-    }
-
-    fn values(t: Tensor<1>) -> Vec<f32> {
-        t.into_data().convert::<f32>().iter::<f32>().collect()
-    }
+    use crate::gpu::{gpus, host as values};
 
     #[test]
     fn gpu_ranks_join_from_their_environment_and_grouped_calls_match_single_ones() {

@@ -105,7 +105,7 @@ fn bf16_training_with_master_weights_matches_the_f32_master_reference() {
 
     let base16 = cast(base, DType::BF16);
     for world_size in [1, 2, 4] {
-        for stage in [Stage::Zero, Stage::Two, Stage::Three] {
+        for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
             let ctx = format!("N={world_size} stage {}", stage.number());
             let runs = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
                 let rank = comm.rank();
@@ -175,17 +175,115 @@ fn bf16_training_with_master_weights_matches_the_f32_master_reference() {
 }
 
 #[test]
-fn buckets_never_mix_dtypes() {
+fn buckets_group_dtypes_without_fragmenting() {
     let device = Device::flex().autodiff();
     let mut model = cast(TinyMlp::new(&device), DType::BF16);
-    // An f32 scale between bf16 weights would force a bf16 bucket to hold f32 values.
-    model.scale = Param::from_tensor(Tensor::from_floats([1.5], &device).require_grad());
+    // An f32 layer between bf16 ones: one bf16 bucket (l1, scale) and one f32 bucket (l2), not
+    // three, and no bucket holds two dtypes.
+    model.l2 = cast(model.l2, DType::F32);
     let layout = FlatLayout::from_module(&model, 2, 1 << 20).unwrap();
     let dtypes: Vec<DType> = layout.buckets().iter().map(|b| b.dtype).collect();
     assert_eq!(dtypes, [DType::BF16, DType::F32]);
+    let paths: Vec<&str> = layout.slots().iter().map(|s| s.path.as_str()).collect();
+    assert_eq!(paths, ["l1.weight", "l1.bias", "scale", "l2.weight", "l2.bias"]);
     for bucket in layout.buckets() {
         for slot in &layout.slots()[bucket.slots.clone()] {
             assert_eq!(slot.dtype, bucket.dtype, "{}", slot.path);
         }
     }
+}
+
+/// TinyMlp plus a bf16 parameter that only some steps use.
+#[derive(Module, Debug)]
+struct WithOptional {
+    mlp: TinyMlp,
+    optional: Param<Tensor<1>>,
+}
+
+#[test]
+fn a_parameter_without_gradient_keeps_its_value_and_its_master() {
+    // AdamW's decay (lr 0.1 · wd 0.1 = 1% a step) would move a stepped master visibly.
+    let device = Device::flex().autodiff();
+    device.seed(3);
+    let optional = Tensor::from_floats([0.75, -1.25, 1.5], &device).require_grad();
+    let base = cast(
+        WithOptional {
+            mlp: TinyMlp::new(&device),
+            optional: Param::from_tensor(optional),
+        },
+        DType::BF16,
+    );
+    let start: Vec<f32> = base.optional.val().into_data().convert::<f32>().iter::<f32>().collect();
+    for (world_size, stage) in [(1, Stage::Zero), (2, Stage::One), (2, Stage::Two), (2, Stage::Three)] {
+        let ctx = format!("N={world_size} stage {}", stage.number());
+        run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+            let device = Device::flex().autodiff();
+            let (mut model, mut optim) = ShardConfig::new(stage)
+                .init(base.clone().fork(&device), adamw(), comm)
+                .expect("init");
+            for step in 0..4 {
+                let (x, y) = batch(step, 4);
+                let mut loss = mse(
+                    &model.mlp,
+                    bf16_rows(&x, IN, 0, 4, &device),
+                    bf16_rows(&y, OUT, 0, 4, &device),
+                );
+                if step == 3 {
+                    // Only now does the parameter get a gradient.
+                    loss = loss + model.optional.val().sum() * 0.0;
+                }
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                model = optim.step(0.1, model, grads).expect("step");
+                let now = params_of(&model.optional.clone().materialize());
+                if step < 3 {
+                    assert_eq!(
+                        now, start,
+                        "{ctx} step {step}: a parameter without gradient must not move"
+                    );
+                } else {
+                    // Its first real update starts from its own value: a zero gradient leaves
+                    // Adam's moments at 0, so only the 1% decay acts (bf16 rounding aside).
+                    for (a, b) in now.iter().zip(&start) {
+                        assert!((a - b * 0.99).abs() <= 2.0 * ulp(*b), "{ctx}: {a} vs {}", b * 0.99);
+                    }
+                }
+            }
+        })
+        .expect("no rank panics");
+    }
+}
+
+#[test]
+fn reset_master_weights_takes_newly_loaded_values() {
+    let device = Device::flex().autodiff();
+    device.seed(5);
+    let base16 = cast(TinyMlp::new(&device), DType::BF16);
+    let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+    let (mut model, mut optim) = ShardConfig::new(Stage::Two)
+        .init(base16.clone().fork(&device), adamw(), comm)
+        .unwrap();
+    let step = |optim: &mut burn_shard::ShardedOptimizer<_>, model: TinyMlp, lr: f64| {
+        let (x, y) = batch(0, 4);
+        let loss = mse(
+            &model,
+            bf16_rows(&x, IN, 0, 4, &device),
+            bf16_rows(&y, OUT, 0, 4, &device),
+        );
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        optim.step(lr, model, grads).unwrap()
+    };
+    model = step(&mut optim, model, 1e-1);
+    let trained = params_of(&model);
+    assert_ne!(trained, params_of(&base16));
+    // "Load a checkpoint": the initial values. A step at lr 0 without a reset brings back the
+    // masters' values; after a reset it keeps the loaded ones.
+    let stale = step(&mut optim, base16.clone().fork(&device), 0.0);
+    assert_eq!(params_of(&stale), trained, "the old masters overwrite loaded values");
+    optim.reset_master_weights();
+    let loaded = step(&mut optim, base16.clone().fork(&device), 0.0);
+    assert_eq!(
+        params_of(&loaded),
+        params_of(&base16),
+        "after a reset the loaded values stay"
+    );
 }

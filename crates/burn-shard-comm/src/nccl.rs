@@ -364,8 +364,11 @@ impl NcclComm {
         }
         let mut pointers = Vec::with_capacity(buffers.len());
         let mut guards = Vec::with_capacity(2 * buffers.len());
-        for (src, dst, _, _) in &buffers {
+        // One wait for the device's queued work covers every buffer (one device, one client).
+        if let Some((src, _, _, _)) = buffers.first() {
             cubecl::future::block_on(src.client.sync()).map_err(|e| CommError::Backend(format!("{e:?}")))?;
+        }
+        for (src, dst, _, _) in &buffers {
             let (src_ptr, src_guard) = device_ptr(src)?;
             let (dst_ptr, dst_guard) = device_ptr(dst)?;
             pointers.push((src_ptr, dst_ptr));

@@ -2,11 +2,11 @@
 //! CubeCL backend (CUDA, wgpu, CubeCL's CPU runtime: one kernel source for all).
 //!
 //! Hyper-parameters and the step's bias corrections are runtime scalars, so one compiled kernel
-//! serves every step. Loads are vectorised 4 elements wide over the largest multiple of 4
-//! elements; the remaining 0-3 elements (the tail) are a second, scalar launch of the same
-//! kernel at an element offset.
+//! serves every step (per dtype pair and AMSGrad flag). Loads are vectorised 4 elements wide over
+//! the largest multiple of 4 elements; the remaining 0-3 elements (the tail) are a second,
+//! scalar launch of the same kernel at an element offset.
 
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
@@ -34,38 +34,10 @@ fn updated_param<F: Float, N: Size>(
     p * Vector::new(F::cast_from(decay)) - Vector::new(F::cast_from(step_size)) * m / denom
 }
 
+/// The `f32` step in place: `param`, moments and, with `amsgrad`, their running maximum (a
+/// placeholder that is not touched without it; one compiled kernel per value of the flag).
 #[cube(launch)]
 fn fused_adam<F: Float, N: Size>(
-    param: &mut [Vector<F, N>],
-    grad: &[Vector<F, N>],
-    exp_avg: &mut [Vector<F, N>],
-    exp_avg_sq: &mut [Vector<F, N>],
-    beta_1: f32,
-    one_minus_beta_1: f32,
-    beta_2: f32,
-    one_minus_beta_2: f32,
-    epsilon: f32,
-    l2: f32,
-    decay: f32,
-    step_size: f32,
-    inv_sqrt_bc2: f32,
-    offset: usize,
-) {
-    let i = ABSOLUTE_POS + offset;
-    if i < param.len() {
-        let p = param[i];
-        let g = grad[i] + p * Vector::new(F::cast_from(l2));
-        let m = next_moment(exp_avg[i], g, beta_1, one_minus_beta_1);
-        let v = next_moment(exp_avg_sq[i], g * g, beta_2, one_minus_beta_2);
-        exp_avg[i] = m;
-        exp_avg_sq[i] = v;
-        param[i] = updated_param(p, m, v, epsilon, decay, step_size, inv_sqrt_bc2);
-    }
-}
-
-/// [`fused_adam`] with AMSGrad: the update uses the running maximum of the second moment.
-#[cube(launch)]
-fn fused_amsgrad<F: Float, N: Size>(
     param: &mut [Vector<F, N>],
     grad: &[Vector<F, N>],
     exp_avg: &mut [Vector<F, N>],
@@ -81,6 +53,7 @@ fn fused_amsgrad<F: Float, N: Size>(
     step_size: f32,
     inv_sqrt_bc2: f32,
     offset: usize,
+    #[comptime] amsgrad: bool,
 ) {
     let i = ABSOLUTE_POS + offset;
     if i < param.len() {
@@ -88,11 +61,14 @@ fn fused_amsgrad<F: Float, N: Size>(
         let g = grad[i] + p * Vector::new(F::cast_from(l2));
         let m = next_moment(exp_avg[i], g, beta_1, one_minus_beta_1);
         let v = next_moment(exp_avg_sq[i], g * g, beta_2, one_minus_beta_2);
-        let vm = <Vector<F, N> as FloatOps>::max(max_exp_avg_sq[i], v);
         exp_avg[i] = m;
         exp_avg_sq[i] = v;
-        max_exp_avg_sq[i] = vm;
-        param[i] = updated_param(p, m, vm, epsilon, decay, step_size, inv_sqrt_bc2);
+        let mut v_used = v;
+        if amsgrad {
+            v_used = <Vector<F, N> as FloatOps>::max(max_exp_avg_sq[i], v);
+            max_exp_avg_sq[i] = v_used;
+        }
+        param[i] = updated_param(p, m, v_used, epsilon, decay, step_size, inv_sqrt_bc2);
     }
 }
 
@@ -140,28 +116,76 @@ fn fused_adam_master<P: Float, G: Float, N: Size>(
 
 /// Whether `tensor` lives on Burn's CubeCL backend (so the kernel can run on it).
 pub(crate) fn applies<const D: usize>(tensor: &Tensor<D>) -> bool {
-    !tensor.is_autodiff()
-        && tensor.dtype() == burn::tensor::DType::F32
-        && matches!(tensor.device().as_dispatch(), burn::backend::DispatchDevice::Cube(_))
+    !tensor.is_autodiff() && tensor.dtype() == DType::F32 && is_cube_tensor(tensor)
 }
 
-/// A uniquely owned, contiguous flat `f32` buffer on the CubeCL backend.
-fn writable(t: Tensor<1>) -> CubeTensor {
-    let cube = t.try_into_primitive::<CubeBackend>().expect("checked by `applies`");
-    if cube.handle.can_mut() {
-        return cube;
+/// Whether `tensor` is a plain CubeCL tensor. A CubeCL device also serves tensors wrapped by
+/// Burn's `fusion` feature, which the kernels cannot take: those fall back to Burn's optimizer.
+fn is_cube_tensor<const D: usize>(tensor: &Tensor<D>) -> bool {
+    matches!(tensor.device().as_dispatch(), burn::backend::DispatchDevice::Cube(_))
+        && tensor.clone().try_into_primitive::<CubeBackend>().is_ok()
+}
+
+/// `t` (shape `[n]`, dtype `dtype`) as a CubeCL buffer the kernels may index as `n` contiguous
+/// elements from its handle's start, and write to when `write` is set. Strided or offset
+/// views are made contiguous, and a buffer another tensor still shares is copied before
+/// writing; the checks here are what the `unsafe` launches rely on.
+///
+/// # Panics
+/// When `t` is not `[n]` of `dtype` on the CubeCL backend (the callers check this first).
+fn buffer(t: Tensor<1>, n: usize, dtype: DType, write: bool) -> CubeTensor {
+    assert_eq!(
+        (t.dims()[0], t.dtype()),
+        (n, dtype),
+        "fused Adam: buffer of the wrong length or dtype"
+    );
+    let mut cube = t.try_into_primitive::<CubeBackend>().expect("checked by `applies`");
+    // The allocator may round a buffer up, so "holds n elements" is a lower bound.
+    let holds_n = |c: &CubeTensor| c.is_contiguous() && c.handle.size() as usize >= n * dtype.size();
+    if !holds_n(&cube) {
+        cube = burn_cubecl::kernel::into_contiguous(cube);
     }
-    // Shared (e.g. still held by the caller): write into a copy instead.
-    let copy = Tensor::<1>::from_primitive::<CubeBackend>(cube).add_scalar(0.0);
-    copy.try_into_primitive::<CubeBackend>().expect("same backend")
-}
-
-fn readable(t: Tensor<1>) -> CubeTensor {
-    t.try_into_primitive::<CubeBackend>().expect("checked by `applies`")
+    if write && !cube.can_mut() {
+        // Shared (e.g. still held by the caller): write into a copy instead.
+        let copy = Tensor::<1>::from_primitive::<CubeBackend>(cube).add_scalar(0.0);
+        cube = copy.try_into_primitive::<CubeBackend>().expect("same backend");
+    }
+    assert!(
+        holds_n(&cube) && cube.meta.num_elements() == n,
+        "fused Adam: could not get a contiguous buffer of {n} elements"
+    );
+    cube
 }
 
 /// Elements per vector in the kernel's body.
 const VECTOR: usize = 4;
+
+/// Runs `launch(width, len, threads, offset)` over `n` elements: the body as `n / VECTOR`
+/// vectors of `VECTOR` elements (slots `0..n/VECTOR`), then the 0-3 element tail as scalars
+/// (slots `n - n % VECTOR..n` of the same buffers seen as `n` scalars).
+fn body_and_tail(n: usize, mut launch: impl FnMut(usize, usize, usize, usize)) {
+    let body = n / VECTOR;
+    if body > 0 {
+        launch(VECTOR, body, body, 0);
+    }
+    if !n.is_multiple_of(VECTOR) {
+        launch(1, n, n - body * VECTOR, body * VECTOR);
+    }
+}
+
+/// The AMSGrad buffer the kernels bind when AMSGrad is off: one vector of zeros, never indexed.
+fn placeholder(like: &Tensor<1>) -> Tensor<1> {
+    Tensor::from_data(TensorData::new(vec![0.0f32; VECTOR], [VECTOR]), &like.device())
+}
+
+/// Cube count and dimension for `threads` threads on `client`.
+fn grid(client: &Client, threads: usize) -> (CubeCount, CubeDim) {
+    let cube_dim = CubeDim::new(client, threads);
+    (
+        cubecl::calculate_cube_count_elemwise(client, threads, cube_dim),
+        cube_dim,
+    )
+}
 
 /// One fused step in place on flat `[n]` tensors of the CubeCL backend; returns the updated
 /// `(param, exp_avg, exp_avg_sq, max_exp_avg_sq)`.
@@ -177,97 +201,55 @@ pub(crate) fn adam_step(
     if n == 0 {
         return (param, exp_avg, exp_avg_sq, max_exp_avg_sq);
     }
-    let (p, g, m, v) = (writable(param), readable(grad), writable(exp_avg), writable(exp_avg_sq));
-    let vmax = max_exp_avg_sq.map(writable);
-    let body = n / VECTOR;
-    if body > 0 {
-        // Vectors 0..body, each VECTOR elements.
-        launch(s, [&p, &g, &m, &v], vmax.as_ref(), VECTOR, body, body, 0);
-    }
-    if !n.is_multiple_of(VECTOR) {
-        // Elements body·VECTOR..n, one per thread, in the same buffers.
-        launch(
-            s,
-            [&p, &g, &m, &v],
-            vmax.as_ref(),
-            1,
-            n,
-            n - body * VECTOR,
-            body * VECTOR,
-        );
-    }
+    let amsgrad = max_exp_avg_sq.is_some();
+    let vmax = max_exp_avg_sq.unwrap_or_else(|| placeholder(&param));
+    let vmax_len = if amsgrad { n } else { VECTOR };
+    let (p, g) = (buffer(param, n, DType::F32, true), buffer(grad, n, DType::F32, false));
+    let (m, v) = (
+        buffer(exp_avg, n, DType::F32, true),
+        buffer(exp_avg_sq, n, DType::F32, true),
+    );
+    let vm = buffer(vmax, vmax_len, DType::F32, true);
+    body_and_tail(n, |width, len, threads, offset| {
+        let (cube_count, cube_dim) = grid(&p.client, threads);
+        // SAFETY: `buffer` checked that every data buffer is `n ≥ len·width` contiguous f32
+        // elements, and the placeholder `VECTOR` elements (`VECTOR / width` slots).
+        let arg = |t: &CubeTensor, len: usize| unsafe { BufferArg::from_raw_parts(t.handle.clone(), len) };
+        let vm_len = if amsgrad { len } else { VECTOR / width };
+        fused_adam::launch::<f32>(
+            &p.client,
+            cube_count,
+            cube_dim,
+            width,
+            arg(&p, len),
+            arg(&g, len),
+            arg(&m, len),
+            arg(&v, len),
+            arg(&vm, vm_len),
+            s.beta_1,
+            s.one_minus_beta_1,
+            s.beta_2,
+            s.one_minus_beta_2,
+            s.epsilon,
+            s.l2,
+            s.decay,
+            s.step_size,
+            s.inv_sqrt_bc2,
+            offset,
+            amsgrad,
+        )
+    });
     let back = |t: CubeTensor| Tensor::<1>::from_primitive::<CubeBackend>(t);
-    (back(p), back(m), back(v), vmax.map(back))
-}
-
-/// Launches the kernel on `threads` consecutive slots starting at slot `offset` of buffers
-/// seen as `len` slots of `width` elements each.
-fn launch(
-    s: &AdamScalars,
-    [p, g, m, v]: [&CubeTensor; 4],
-    vmax: Option<&CubeTensor>,
-    width: usize,
-    len: usize,
-    threads: usize,
-    offset: usize,
-) {
-    let client = p.client.clone();
-    let cube_dim = CubeDim::new(&client, threads);
-    let cube_count = cubecl::calculate_cube_count_elemwise(&client, threads, cube_dim);
-    // SAFETY: every buffer holds at least `len·width` f32 elements (one flat parameter).
-    let arg = |t: &CubeTensor| unsafe { BufferArg::from_raw_parts(t.handle.clone(), len) };
-    match vmax {
-        None => fused_adam::launch::<f32>(
-            &client,
-            cube_count,
-            cube_dim,
-            width,
-            arg(p),
-            arg(g),
-            arg(m),
-            arg(v),
-            s.beta_1,
-            s.one_minus_beta_1,
-            s.beta_2,
-            s.one_minus_beta_2,
-            s.epsilon,
-            s.l2,
-            s.decay,
-            s.step_size,
-            s.inv_sqrt_bc2,
-            offset,
-        ),
-        Some(vm) => fused_amsgrad::launch::<f32>(
-            &client,
-            cube_count,
-            cube_dim,
-            width,
-            arg(p),
-            arg(g),
-            arg(m),
-            arg(v),
-            arg(vm),
-            s.beta_1,
-            s.one_minus_beta_1,
-            s.beta_2,
-            s.one_minus_beta_2,
-            s.epsilon,
-            s.l2,
-            s.decay,
-            s.step_size,
-            s.inv_sqrt_bc2,
-            offset,
-        ),
-    }
+    (back(p), back(m), back(v), amsgrad.then(|| back(vm)))
 }
 
 /// Whether the mixed-precision kernel takes `tensor` as the parameter or gradient of a master
 /// on `device`: same device, not tracked, `f32`, `bf16` or `f16`.
 pub(crate) fn applies_with_master<const D: usize>(tensor: &Tensor<D>, device: &burn::tensor::Device) -> bool {
-    use burn::tensor::DType;
     !tensor.is_autodiff()
         && matches!(tensor.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && tensor.device() == *device
+        && is_cube_tensor(tensor)
 }
 
 /// One mixed-precision step in place on flat `[n]` tensors of the CubeCL backend: `master`,
@@ -288,32 +270,39 @@ pub(crate) fn adam_step_master(
         return (master, param, exp_avg, exp_avg_sq, max_exp_avg_sq);
     }
     let amsgrad = max_exp_avg_sq.is_some();
-    // Without AMSGrad the kernel still binds a maximum buffer: one vector of placeholder zeros.
-    let placeholder = || Tensor::from_data(TensorData::new(vec![0.0f32; VECTOR], [VECTOR]), &master.device());
-    let vmax = max_exp_avg_sq.unwrap_or_else(placeholder);
-    let (w, p, g) = (writable(master), writable(param), readable(grad));
-    let (m, v, vm) = (writable(exp_avg), writable(exp_avg_sq), writable(vmax));
-    let body = n / VECTOR;
-    let run = |width: usize, len: usize, threads: usize, offset: usize| {
-        let client = w.client.clone();
-        let cube_dim = CubeDim::new(&client, threads);
-        let cube_count = cubecl::calculate_cube_count_elemwise(&client, threads, cube_dim);
-        // SAFETY: the data buffers hold `len·width` elements; the placeholder maximum buffer is
-        // never indexed when `amsgrad` is false.
-        let arg = |t: &CubeTensor| unsafe { BufferArg::from_raw_parts(t.handle.clone(), len) };
+    let vmax = max_exp_avg_sq.unwrap_or_else(|| placeholder(&master));
+    let vmax_len = if amsgrad { n } else { VECTOR };
+    let (p_dtype, g_dtype) = (param.dtype(), grad.dtype());
+    let (w, p, g) = (
+        buffer(master, n, DType::F32, true),
+        buffer(param, n, p_dtype, true),
+        buffer(grad, n, g_dtype, false),
+    );
+    let (m, v) = (
+        buffer(exp_avg, n, DType::F32, true),
+        buffer(exp_avg_sq, n, DType::F32, true),
+    );
+    let vm = buffer(vmax, vmax_len, DType::F32, true);
+    body_and_tail(n, |width, len, threads, offset| {
+        let (cube_count, cube_dim) = grid(&w.client, threads);
+        let client = &w.client;
+        // SAFETY: `buffer` checked that every data buffer is `n ≥ len·width` contiguous elements
+        // of its dtype, and the placeholder `VECTOR` elements (`VECTOR / width` slots).
+        let arg = |t: &CubeTensor, len: usize| unsafe { BufferArg::from_raw_parts(t.handle.clone(), len) };
+        let vm_len = if amsgrad { len } else { VECTOR / width };
         macro_rules! launch_as {
             ($p:ty, $g:ty) => {
                 fused_adam_master::launch::<$p, $g>(
-                    &client,
+                    client,
                     cube_count,
                     cube_dim,
                     width,
-                    arg(&w),
-                    arg(&p),
-                    arg(&g),
-                    arg(&m),
-                    arg(&v),
-                    arg(&vm),
+                    arg(&w, len),
+                    arg(&p, len),
+                    arg(&g, len),
+                    arg(&m, len),
+                    arg(&v, len),
+                    arg(&vm, vm_len),
                     s.beta_1,
                     s.one_minus_beta_1,
                     s.beta_2,
@@ -342,13 +331,7 @@ pub(crate) fn adam_step_master(
             (F32, F16) => launch_as!(f32, f16),
             (pd, gd) => unreachable!("checked by applies_with_master: {pd:?} / {gd:?}"),
         }
-    };
-    if body > 0 {
-        run(VECTOR, body, body, 0);
-    }
-    if !n.is_multiple_of(VECTOR) {
-        run(1, n, n - body * VECTOR, body * VECTOR);
-    }
+    });
     let back = |t: CubeTensor| Tensor::<1>::from_primitive::<CubeBackend>(t);
     (back(w), back(p), back(m), back(v), amsgrad.then(|| back(vm)))
 }

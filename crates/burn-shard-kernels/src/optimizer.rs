@@ -131,8 +131,6 @@ struct BurnAdamFields {
     weight_decay: serde_json::Value,
     #[serde(default)]
     cautious_weight_decay: bool,
-    #[serde(default)]
-    grad_clipping: serde_json::Value,
 }
 
 impl BurnAdamFields {
@@ -171,25 +169,26 @@ impl FusedAdam {
     /// Like `config.build()`, the result does not clip gradients; see
     /// [`FusedAdam::clips_gradients`].
     pub fn from_burn_adam(config: &AdamConfig) -> Self {
-        let fields = BurnAdamFields::read(config);
-        let fused = fields.as_ref().and_then(|f| f.config(false));
-        Self::from_burn(fused, fields, Fallback::Adam(config.build()))
+        let fused = BurnAdamFields::read(config).and_then(|f| f.config(false));
+        Self::from_burn(config, fused, Fallback::Adam(config.build()))
     }
 
     /// As [`FusedAdam::from_burn_adam`], for AdamW. Cautious weight decay (Burn's
     /// `cautious_weight_decay`) has no fused implementation: such a config always steps with
     /// Burn's `AdamW`.
     pub fn from_burn_adamw(config: &AdamWConfig) -> Self {
-        let fields = BurnAdamFields::read(config);
-        let fused = fields
-            .as_ref()
+        let fused = BurnAdamFields::read(config)
             .filter(|f| !f.cautious_weight_decay)
             .and_then(|f| f.config(true));
-        Self::from_burn(fused, fields, Fallback::AdamW(config.build()))
+        Self::from_burn(config, fused, Fallback::AdamW(config.build()))
     }
 
-    fn from_burn(fused: Option<FusedAdamConfig>, fields: Option<BurnAdamFields>, fallback: Fallback) -> Self {
-        let clips_gradients = fields.is_some_and(|f| !f.grad_clipping.is_null());
+    fn from_burn(config: &impl serde::Serialize, fused: Option<FusedAdamConfig>, fallback: Fallback) -> Self {
+        // Read on its own, so a renamed field elsewhere cannot hide a clipping request.
+        let clips_gradients = serde_json::to_value(config)
+            .ok()
+            .and_then(|v| v.get("grad_clipping").map(|g| !g.is_null()))
+            .unwrap_or(false);
         match fused {
             Some(config) => FusedAdam {
                 hyper: config.hyper,
@@ -286,7 +285,12 @@ impl FusedAdam {
         grad: Tensor<D>,
         state: Option<AdamState<D>>,
     ) -> (Tensor<D>, Tensor<D>, Option<AdamState<D>>) {
-        match self.master_path_for(&master, &param, &grad) {
+        let state = state.map(|s| conform_state(s, &master));
+        let path = match state_fits(state.as_ref(), &master) {
+            true => self.master_path_for(&master, &param, &grad),
+            false => StepPath::BurnFallback,
+        };
+        match path {
             StepPath::FusedCpu => return self.fused_cpu_master(lr, master, param, grad, state),
             #[cfg(feature = "cube")]
             StepPath::CubeKernel => return self.fused_cube_master(lr, master, param, grad, state),
@@ -365,13 +369,8 @@ impl FusedAdam {
         };
         result.expect("buffers of one parameter have one shape");
         let back = |t: FlexTensor| Tensor::<D>::from_primitive::<Flex>(t);
-        let momentum = AdaptiveMomentumState {
-            time,
-            moment_1: back(m),
-            moment_2: back(v),
-            max_moment_2: vmax.map(back),
-        };
-        (back(w), back(p), Some(AdamState { momentum }))
+        let state = adam_state(time, back(m), back(v), vmax.map(back));
+        (back(w), back(p), Some(state))
     }
 
     /// This step's `(time, m, v, vmax)` Flex buffers: the state's, or zeros on the first step.
@@ -445,13 +444,8 @@ impl FusedAdam {
         .expect("buffers of one parameter have one shape");
         debug_assert_eq!(p.layout().num_elements(), numel);
         let back = |t: FlexTensor| Tensor::<D>::from_primitive::<Flex>(t);
-        let momentum = AdaptiveMomentumState {
-            time,
-            moment_1: back(m),
-            moment_2: back(v),
-            max_moment_2: vmax.map(back),
-        };
-        (back(p), Some(AdamState { momentum }))
+        let state = adam_state(time, back(m), back(v), vmax.map(back));
+        (back(p), Some(state))
     }
 }
 
@@ -498,13 +492,8 @@ impl FusedAdam {
         let scalars = self.hyper.scalars(lr, time);
         let (p, m, v, vmax) = crate::cube::adam_step(&scalars, p, grad.reshape([n]), m, v, vmax);
         let back = |t: Tensor<1>| -> Tensor<D> { t.reshape(shape.clone()) };
-        let momentum = AdaptiveMomentumState {
-            time,
-            moment_1: back(m),
-            moment_2: back(v),
-            max_moment_2: vmax.map(back),
-        };
-        (back(p), Some(AdamState { momentum }))
+        let state = adam_state(time, back(m), back(v), vmax.map(back));
+        (back(p), Some(state))
     }
 }
 
@@ -527,13 +516,8 @@ impl FusedAdam {
         let scalars = self.hyper.scalars(lr, time);
         let (w, p, m, v, vmax) = crate::cube::adam_step_master(&scalars, w, flat(param), flat(grad), m, v, vmax);
         let back = |t: Tensor<1>| -> Tensor<D> { t.reshape(shape.clone()) };
-        let momentum = AdaptiveMomentumState {
-            time,
-            moment_1: back(m),
-            moment_2: back(v),
-            max_moment_2: vmax.map(back),
-        };
-        (back(w), back(p), Some(AdamState { momentum }))
+        let state = adam_state(time, back(m), back(v), vmax.map(back));
+        (back(w), back(p), Some(state))
     }
 }
 
@@ -547,7 +531,14 @@ impl Optimizer for FusedAdam {
         grad: Tensor<D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<D>, Option<Self::State<D>>) {
-        if grad.shape() == tensor.shape() {
+        // A gradient of another float dtype is cast to the parameter's, as the update needs.
+        let grad = if grad.dtype() != tensor.dtype() {
+            grad.cast(tensor.dtype())
+        } else {
+            grad
+        };
+        let state = state.map(|s| conform_state(s, &tensor));
+        if same_layout(&tensor, &grad) && state_fits(state.as_ref(), &tensor) {
             match self.path_for(&tensor) {
                 StepPath::FusedCpu => return self.fused_cpu(lr, tensor, grad, state),
                 #[cfg(feature = "cube")]
@@ -567,6 +558,52 @@ impl Optimizer for FusedAdam {
     fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
         <Adam as Optimizer>::to_device(state, device)
     }
+}
+
+/// Whether `b` can be read alongside `a` by a fused path: same shape, dtype and device, and not
+/// tracked by autodiff.
+fn same_layout<const D: usize>(a: &Tensor<D>, b: &Tensor<D>) -> bool {
+    a.shape() == b.shape() && a.dtype() == b.dtype() && a.device() == b.device() && !b.is_autodiff()
+}
+
+/// Whether `state`'s moments are `f32` tensors shaped and placed like `like` (a state loaded from
+/// elsewhere may not be; Burn's own step then handles it).
+fn state_fits<const D: usize>(state: Option<&AdamState<D>>, like: &Tensor<D>) -> bool {
+    let Some(state) = state else { return true };
+    let fits = |t: &Tensor<D>| {
+        t.dtype() == DType::F32 && t.shape() == like.shape() && t.device() == like.device() && !t.is_autodiff()
+    };
+    let m = &state.momentum;
+    fits(&m.moment_1) && fits(&m.moment_2) && m.max_moment_2.as_ref().is_none_or(fits)
+}
+
+/// `state` with its moments in `like`'s dtype and on its device (a state loaded from a
+/// checkpoint of another precision or device); unchanged when they already are.
+fn conform_state<const D: usize>(state: AdamState<D>, like: &Tensor<D>) -> AdamState<D> {
+    let (dtype, device) = (like.dtype(), like.device());
+    let conform = |t: Tensor<D>| {
+        let t = if t.device() != device { t.to_device(&device) } else { t };
+        if t.dtype() != dtype { t.cast(dtype) } else { t }
+    };
+    let m = state.momentum;
+    adam_state(
+        m.time,
+        conform(m.moment_1),
+        conform(m.moment_2),
+        m.max_moment_2.map(conform),
+    )
+}
+
+/// Burn's Adam state after step `time` (1-based) with moments `m`, `v` and, with AMSGrad, the
+/// running maximum `vmax` of `v`.
+fn adam_state<const D: usize>(time: usize, m: Tensor<D>, v: Tensor<D>, vmax: Option<Tensor<D>>) -> AdamState<D> {
+    let momentum = AdaptiveMomentumState {
+        time,
+        moment_1: m,
+        moment_2: v,
+        max_moment_2: vmax,
+    };
+    AdamState { momentum }
 }
 
 /// The Flex buffer of a float tensor, owned by this step: a uniquely held, contiguous buffer

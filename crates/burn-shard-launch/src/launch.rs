@@ -68,6 +68,8 @@ enum Failure {
 ///   [`forward_termination_signals`](crate::forward_termination_signals));
 /// - [`LaunchError::Watch`] if the operating system cannot report a rank's state.
 pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
+    // Counted from here, so a signal that arrives while the ranks are being started still stops them.
+    let signals_before = signals::count();
     config.validate()?;
     let (events, event_rx) = mpsc::channel();
     let mut ranks: Vec<Rank> = Vec::with_capacity(config.nproc_per_node);
@@ -105,7 +107,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     }
     drop(events); // the readers hold the remaining senders
 
-    let failure = watch(&mut ranks);
+    let failure = watch(&mut ranks, signals_before);
     let still_running = ranks.iter().filter(|r| !r.exited).count();
     let statuses = match &failure {
         None => stop(&mut ranks, SIGTERM, Duration::ZERO), // only leftovers of finished ranks
@@ -141,9 +143,9 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     }
 }
 
-/// Polls the ranks until all have exited with status 0 (`None`) or something fails.
-fn watch(ranks: &mut [Rank]) -> Option<Failure> {
-    let signals_before = signals::count();
+/// Polls the ranks until all have exited with status 0 (`None`) or something fails (a
+/// termination signal counted after `signals_before` included).
+fn watch(ranks: &mut [Rank], signals_before: usize) -> Option<Failure> {
     loop {
         if let Some(signal) = signals::received_since(signals_before) {
             return Some(Failure::Signal(signal));

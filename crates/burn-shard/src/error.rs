@@ -61,6 +61,28 @@ pub enum ShardError {
         /// Path of the second field.
         second: String,
     },
+    /// A parameter has a dtype the sharded optimizer cannot train.
+    #[error(
+        "parameter `{path}` has dtype {dtype}; sharded training supports f32, f64 (stepped directly) and bf16, f16 (with f32 master weights): cast the model first"
+    )]
+    UnsupportedDtype {
+        /// The parameter's module path.
+        path: String,
+        /// Its dtype, as Burn prints it.
+        dtype: String,
+    },
+    /// A parameter changed dtype since the layout was built.
+    #[error(
+        "parameter `{path}` has dtype {found}, the layout expects {expected}; cast the model before ShardConfig::init, not after"
+    )]
+    DTypeChanged {
+        /// The parameter's module path.
+        path: String,
+        /// Dtype recorded in the layout.
+        expected: String,
+        /// Dtype found now.
+        found: String,
+    },
     /// A configuration value is out of range.
     #[error("invalid sharding configuration: {0}")]
     InvalidConfig(String),

@@ -150,6 +150,14 @@ impl ModuleVisitor for SlotVisitor<'_> {
             });
             return;
         }
+        if value.dtype() != slot.dtype {
+            self.error = Some(ShardError::DTypeChanged {
+                path: slot.path.clone(),
+                expected: format!("{:?}", slot.dtype),
+                found: format!("{:?}", value.dtype()),
+            });
+            return;
+        }
         if self.device.is_none() {
             self.device = Some(value.device());
         }

@@ -20,6 +20,10 @@ use crate::ShardError;
 /// Optimizers that mix the elements of a tensor (LAMB's trust ratio, Muon, Adafactor's
 /// factored moments, norm-based clipping) would see buckets of many parameters instead of one
 /// parameter, so none of them implements this trait.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot step flat shards",
+    note = "pass Burn's optimizer config itself (`AdamWConfig::new()`), a built element-wise optimizer (`SgdConfig::new().build()`), or wrap your own in `burn_shard::ElementWise`; `config.init()` returns a whole-module optimizer, which is not one"
+)]
 pub trait IntoOptimizer {
     /// The optimizer each flat shard is stepped with.
     type Optimizer: Optimizer;
@@ -94,4 +98,12 @@ macro_rules! as_is {
     )*};
 }
 
-as_is!(FusedAdam, Adam, AdamW, Sgd, AdaGrad, RmsProp, Adan, Lion);
+as_is!(Adam, AdamW, Sgd, AdaGrad, RmsProp, Adan, Lion);
+
+impl IntoOptimizer for FusedAdam {
+    type Optimizer = FusedAdam;
+
+    fn into_optimizer(self) -> Result<FusedAdam, ShardError> {
+        reject_clipping(self, "the FusedAdam's Burn config")
+    }
+}

@@ -54,8 +54,8 @@ impl Bucket {
 /// The flat-parameter layout shared by all ranks.
 ///
 /// Parameters that require grad are taken in module traversal order (field declaration order,
-/// `Vec` index order), which is the same on every rank for the same model type, and never
-/// depends on `ParamId` values or hashing. Frozen parameters are left out: they get no gradient
+/// `Vec` index order), grouped by dtype (in order of first appearance), which is the same on
+/// every rank for the same model type, and never depends on `ParamId` values or hashing. Frozen parameters are left out: they get no gradient
 /// and no optimizer state. A parameter never straddles two buckets; a bucket closes when the
 /// next parameter would push it over `bucket_numel` elements or has another dtype.
 #[derive(Clone, Debug)]
@@ -72,7 +72,8 @@ impl FlatLayout {
     ///
     /// # Errors
     /// [`ShardError::NoTrainableParams`] when no float parameter requires grad;
-    /// [`ShardError::InvalidConfig`] when `world_size` or `bucket_numel` is 0.
+    /// [`ShardError::InvalidConfig`] when `world_size` or `bucket_numel` is 0;
+    /// [`ShardError::UnsupportedDtype`] for a parameter that is not `f32`, `f64`, `bf16` or `f16`.
     pub fn from_module<M: Module>(module: &M, world_size: usize, bucket_numel: usize) -> Result<Self, ShardError> {
         Self::build(module, world_size, bucket_numel, false)
     }
@@ -107,6 +108,23 @@ impl FlatLayout {
         if slots.is_empty() {
             return Err(ShardError::NoTrainableParams);
         }
+        let supported = [DType::F32, DType::F64, DType::Flex32, DType::BF16, DType::F16];
+        if let Some(slot) = slots.iter().find(|s| !supported.contains(&s.dtype)) {
+            return Err(ShardError::UnsupportedDtype {
+                path: slot.path.clone(),
+                dtype: format!("{:?}", slot.dtype),
+            });
+        }
+        // One dtype per bucket, without fragmenting: group the slots by dtype (in order of first
+        // appearance; a stable sort keeps traversal order inside each group), so a bf16 model with
+        // f32 norms gets full bf16 buckets and full f32 ones, not two buckets per block.
+        let mut dtype_order: Vec<DType> = Vec::new();
+        for slot in &slots {
+            if !dtype_order.contains(&slot.dtype) {
+                dtype_order.push(slot.dtype);
+            }
+        }
+        slots.sort_by_key(|slot| dtype_order.iter().position(|d| *d == slot.dtype));
         let mut buckets: Vec<Bucket> = Vec::new();
         let mut start = 0;
         let mut numel = 0;

@@ -151,17 +151,24 @@ impl<O: Optimizer> ShardedOptimizer<O> {
                 Stage::One => grad.narrow(0, range.start, range.len()),
                 Stage::Zero | Stage::Two | Stage::Three => grad,
             };
-            let param = flat::assemble(&layout, bucket, &param_parts, range, &device);
+            let param = flat::assemble(&layout, bucket, &param_parts, range.clone(), &device);
             let param_bytes = tensor_bytes(&param);
             temp.alloc(param_bytes);
-            let (param, new_state) = if bucket.dtype == DType::F32 {
+            let (param, new_state) = if !crate::master::needs_master(bucket.dtype) {
                 self.optim.step(lr, param, grad, state.take())
             } else {
                 // bf16/f16: the optimizer updates the f32 master; the model gets it rounded.
                 let weights = master.take().unwrap_or_else(|| param.clone().cast(DType::F32));
+                // Parameters without a gradient keep their value (`keep`): their master must too,
+                // or it would drift (weight decay) and the model would jump to it later.
+                let kept = crate::master::kept_mask(&layout, bucket, &keep, range.clone(), &device);
+                let before = kept.as_ref().map(|_| weights.clone());
                 let (weights, param, new_state) =
                     crate::master::step_with_master(&self.optim, lr, weights, param, grad, state.take());
-                *master = Some(weights);
+                *master = Some(match (kept, before) {
+                    (Some(mask), Some(before)) => weights.mask_where(mask, before),
+                    _ => weights,
+                });
                 (param, new_state)
             };
             *state = new_state;
@@ -255,10 +262,17 @@ impl<O: Optimizer> ShardedOptimizer<O> {
 
     /// The `f32` master weights of this rank's range of each `bf16`/`f16` bucket (same shapes
     /// as [`ShardedOptimizer::bucket_states`]' tensors); `None` for `f32` buckets and before
-    /// the first step. They are initialised from the parameters at the first step, so load
-    /// checkpoints into the model before it.
+    /// the first step. They are initialised from the parameters at the first step; after
+    /// loading new parameter values later, call [`ShardedOptimizer::reset_master_weights`].
     pub fn master_weights(&self) -> &[Option<Tensor<1>>] {
         &self.masters
+    }
+
+    /// Drops the `f32` master weights, so the next step takes them from the model's parameters
+    /// again. Call it after loading new values into a `bf16`/`f16` model (a checkpoint, an
+    /// edit); the step otherwise keeps updating the old masters and overwrites the new values.
+    pub fn reset_master_weights(&mut self) {
+        self.masters.iter_mut().for_each(|m| *m = None);
     }
 
     /// Burn's optimizer state for each bucket's flat range owned by this rank (`None` before the
