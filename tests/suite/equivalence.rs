@@ -147,20 +147,25 @@ fn burn_adamw_config_runs_the_fused_step_and_matches_single_device() {
     // Passing Burn's config (not its built optimizer) selects the fused step.
     let cfg = AdamWConfig::new().with_weight_decay(0.1).with_amsgrad(true);
     check_all("AdamWConfig", cfg.init(), cfg.clone(), None, false);
-    // The state's moments are shaped and placed like the shard that was stepped.
-    let paths = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
-        let device = Device::flex().autodiff();
-        let (model, mut optim) = ShardConfig::new(Stage::Two)
-            .init(TinyMlp::new(&device), cfg.clone(), comm)
+    let device = Device::flex().autodiff();
+    let paths = step_paths(&device, &TinyMlp::new(&device), cfg, Stage::Two);
+    assert_eq!(paths, [burn_shard_kernels::StepPath::FusedCpu; 2]);
+}
+
+/// Which path each of 2 ranks' fused optimizer took in one sharded step of `base` on `device`:
+/// asked of the state's moments, which are shaped and placed like the shard that was stepped.
+fn step_paths(device: &Device, base: &TinyMlp, cfg: AdamWConfig, stage: Stage) -> Vec<burn_shard_kernels::StepPath> {
+    run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let (model, mut optim) = ShardConfig::new(stage)
+            .init(base.clone().fork(device), cfg.clone(), comm)
             .unwrap();
         let (x, y) = batch(0, 4);
-        let loss = mse(&model, rows(&x, IN, 0, 4, &device), rows(&y, OUT, 0, 4, &device));
+        let loss = mse(&model, rows(&x, IN, 0, 2, device), rows(&y, OUT, 0, 2, device));
         sharded_step(&mut optim, model, loss, LR);
         let state = optim.bucket_states()[0].clone().expect("stepped");
         optim.optimizer().path_for(&state.momentum.moment_1)
     })
-    .unwrap();
-    assert_eq!(paths, [burn_shard_kernels::StepPath::FusedCpu; 2]);
+    .unwrap()
 }
 
 #[test]
@@ -309,17 +314,7 @@ fn sharded_training_on_wgpu_matches_single_device_on_the_cpu() {
     let wgpu = wgpu.autodiff();
     // Stage 3 steps its local shards with the CubeCL kernel (the gather op would panic on a
     // backend it is not implemented for).
-    let paths = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
-        let (model, mut optim) = ShardConfig::new(Stage::Three)
-            .init(base.clone().fork(&wgpu), cfg.clone(), comm)
-            .unwrap();
-        let (x, y) = batch(0, 4);
-        let loss = mse(&model, rows(&x, IN, 0, 2, &wgpu), rows(&y, OUT, 0, 2, &wgpu));
-        sharded_step(&mut optim, model, loss, LR);
-        let state = optim.bucket_states()[0].clone().expect("stepped");
-        optim.optimizer().path_for(&state.momentum.moment_1)
-    })
-    .unwrap();
+    let paths = step_paths(&wgpu, &base, cfg.clone(), Stage::Three);
     assert_eq!(paths, [burn_shard_kernels::StepPath::CubeKernel; 2]);
     for stage in [Stage::Zero, Stage::Two, Stage::Three] {
         let (losses, params) = sharded_run_on(&wgpu, &base, cfg.clone(), 2, ShardConfig::new(stage));

@@ -19,19 +19,48 @@ fn next_moment<F: Float, N: Size>(old: Vector<F, N>, x: Vector<F, N>, beta: f32,
     old * Vector::new(F::cast_from(beta)) + x * Vector::new(F::cast_from(one_minus_beta))
 }
 
-/// `p·decay - step_size·m / (sqrt(v)·inv_sqrt_bc2 + ε)`: the parameter update.
-#[cube]
-fn updated_param<F: Float, N: Size>(
-    p: Vector<F, N>,
-    m: Vector<F, N>,
-    v: Vector<F, N>,
+/// [`AdamScalars`] as the kernels receive them, plus the launch's first slot (`offset`).
+#[derive(CubeLaunch, CubeType)]
+struct KernelScalars {
+    beta_1: f32,
+    one_minus_beta_1: f32,
+    beta_2: f32,
+    one_minus_beta_2: f32,
     epsilon: f32,
+    l2: f32,
     decay: f32,
     step_size: f32,
     inv_sqrt_bc2: f32,
+    offset: usize,
+}
+
+/// Slot `i` of one Adam step, shared by both kernels: updates the moments (and, with
+/// `amsgrad`, their running maximum) in place from the gradient `g` and returns the new value
+/// of the parameter `p`: `p·decay - step_size·m / (sqrt(v)·inv_sqrt_bc2 + ε)` (see
+/// [`AdamScalars`] for the formula's source).
+#[cube]
+fn adam_slot<F: Float, N: Size>(
+    p: Vector<F, N>,
+    g: Vector<F, N>,
+    exp_avg: &mut [Vector<F, N>],
+    exp_avg_sq: &mut [Vector<F, N>],
+    max_exp_avg_sq: &mut [Vector<F, N>],
+    i: usize,
+    s: &KernelScalars,
+    #[comptime] amsgrad: bool,
 ) -> Vector<F, N> {
-    let denom = Vector::sqrt(v) * Vector::new(F::cast_from(inv_sqrt_bc2)) + Vector::new(F::cast_from(epsilon));
-    p * Vector::new(F::cast_from(decay)) - Vector::new(F::cast_from(step_size)) * m / denom
+    let g = g + p * Vector::new(F::cast_from(s.l2));
+    let m = next_moment(exp_avg[i], g, s.beta_1, s.one_minus_beta_1);
+    let v = next_moment(exp_avg_sq[i], g * g, s.beta_2, s.one_minus_beta_2);
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    let mut v_used = v;
+    if amsgrad {
+        v_used = <Vector<F, N> as FloatOps>::max(max_exp_avg_sq[i], v);
+        max_exp_avg_sq[i] = v_used;
+    }
+    let denom = Vector::sqrt(v_used) * Vector::new(F::cast_from(s.inv_sqrt_bc2)) + Vector::new(F::cast_from(s.epsilon));
+    p * Vector::new(F::cast_from(s.decay)) - Vector::new(F::cast_from(s.step_size)) * m / denom
 }
 
 /// The `f32` step in place: `param`, moments and, with `amsgrad`, their running maximum (a
@@ -43,32 +72,12 @@ fn fused_adam<F: Float, N: Size>(
     exp_avg: &mut [Vector<F, N>],
     exp_avg_sq: &mut [Vector<F, N>],
     max_exp_avg_sq: &mut [Vector<F, N>],
-    beta_1: f32,
-    one_minus_beta_1: f32,
-    beta_2: f32,
-    one_minus_beta_2: f32,
-    epsilon: f32,
-    l2: f32,
-    decay: f32,
-    step_size: f32,
-    inv_sqrt_bc2: f32,
-    offset: usize,
+    s: KernelScalars,
     #[comptime] amsgrad: bool,
 ) {
-    let i = ABSOLUTE_POS + offset;
+    let i = ABSOLUTE_POS + s.offset;
     if i < param.len() {
-        let p = param[i];
-        let g = grad[i] + p * Vector::new(F::cast_from(l2));
-        let m = next_moment(exp_avg[i], g, beta_1, one_minus_beta_1);
-        let v = next_moment(exp_avg_sq[i], g * g, beta_2, one_minus_beta_2);
-        exp_avg[i] = m;
-        exp_avg_sq[i] = v;
-        let mut v_used = v;
-        if amsgrad {
-            v_used = <Vector<F, N> as FloatOps>::max(max_exp_avg_sq[i], v);
-            max_exp_avg_sq[i] = v_used;
-        }
-        param[i] = updated_param(p, m, v_used, epsilon, decay, step_size, inv_sqrt_bc2);
+        param[i] = adam_slot(param[i], grad[i], exp_avg, exp_avg_sq, max_exp_avg_sq, i, &s, amsgrad);
     }
 }
 
@@ -83,35 +92,32 @@ fn fused_adam_master<P: Float, G: Float, N: Size>(
     exp_avg: &mut [Vector<f32, N>],
     exp_avg_sq: &mut [Vector<f32, N>],
     max_exp_avg_sq: &mut [Vector<f32, N>],
-    beta_1: f32,
-    one_minus_beta_1: f32,
-    beta_2: f32,
-    one_minus_beta_2: f32,
-    epsilon: f32,
-    l2: f32,
-    decay: f32,
-    step_size: f32,
-    inv_sqrt_bc2: f32,
-    offset: usize,
+    s: KernelScalars,
     #[comptime] amsgrad: bool,
 ) {
-    let i = ABSOLUTE_POS + offset;
+    let i = ABSOLUTE_POS + s.offset;
     if i < master.len() {
-        let w = master[i];
-        let g = Vector::<f32, N>::cast_from(grad[i]) + w * Vector::new(l2);
-        let m = next_moment::<f32, N>(exp_avg[i], g, beta_1, one_minus_beta_1);
-        let v = next_moment::<f32, N>(exp_avg_sq[i], g * g, beta_2, one_minus_beta_2);
-        exp_avg[i] = m;
-        exp_avg_sq[i] = v;
-        let mut v_used = v;
-        if amsgrad {
-            v_used = <Vector<f32, N> as FloatOps>::max(max_exp_avg_sq[i], v);
-            max_exp_avg_sq[i] = v_used;
-        }
-        let w = updated_param::<f32, N>(w, m, v_used, epsilon, decay, step_size, inv_sqrt_bc2);
+        let g = Vector::<f32, N>::cast_from(grad[i]);
+        let w = adam_slot::<f32, N>(master[i], g, exp_avg, exp_avg_sq, max_exp_avg_sq, i, &s, amsgrad);
         master[i] = w;
         param[i] = Vector::<P, N>::cast_from(w);
     }
+}
+
+/// The launch argument of [`KernelScalars`] for `s`, starting at slot `offset`.
+fn kernel_scalars(s: &AdamScalars, offset: usize) -> KernelScalarsLaunch {
+    KernelScalarsLaunch::new(
+        s.beta_1,
+        s.one_minus_beta_1,
+        s.beta_2,
+        s.one_minus_beta_2,
+        s.epsilon,
+        s.l2,
+        s.decay,
+        s.step_size,
+        s.inv_sqrt_bc2,
+        offset,
+    )
 }
 
 /// Whether `tensor` lives on Burn's CubeCL backend (so the kernel can run on it).
@@ -187,6 +193,53 @@ fn grid(client: &Client, threads: usize) -> (CubeCount, CubeDim) {
     )
 }
 
+/// The optimizer-state buffers of one step on `n` elements: `exp_avg`, `exp_avg_sq` and the
+/// AMSGrad maximum, or without AMSGrad the placeholder of `VECTOR` elements, each checked by
+/// [`buffer`].
+struct StateBuffers {
+    m: CubeTensor,
+    v: CubeTensor,
+    vm: CubeTensor,
+    amsgrad: bool,
+}
+
+impl StateBuffers {
+    fn new(n: usize, exp_avg: Tensor<1>, exp_avg_sq: Tensor<1>, max_exp_avg_sq: Option<Tensor<1>>) -> Self {
+        let amsgrad = max_exp_avg_sq.is_some();
+        let vm = match max_exp_avg_sq {
+            Some(t) => buffer(t, n, DType::F32, true),
+            None => buffer(placeholder(&exp_avg), VECTOR, DType::F32, true),
+        };
+        let m = buffer(exp_avg, n, DType::F32, true);
+        let v = buffer(exp_avg_sq, n, DType::F32, true);
+        Self { m, v, vm, amsgrad }
+    }
+
+    /// Launch arguments of the three buffers for `len` slots of `width` elements.
+    fn args(&self, len: usize, width: usize) -> [BufferArg; 3] {
+        let vm_len = if self.amsgrad { len } else { VECTOR / width };
+        [arg(&self.m, len), arg(&self.v, len), arg(&self.vm, vm_len)]
+    }
+
+    /// `(exp_avg, exp_avg_sq, max_exp_avg_sq)` as tensors again.
+    fn into_tensors(self) -> (Tensor<1>, Tensor<1>, Option<Tensor<1>>) {
+        let amsgrad = self.amsgrad;
+        (tensor(self.m), tensor(self.v), amsgrad.then(|| tensor(self.vm)))
+    }
+}
+
+/// `t` as a launch argument of `len` slots.
+fn arg(t: &CubeTensor, len: usize) -> BufferArg {
+    // SAFETY: every buffer passed here went through `buffer`, which checked that it holds
+    // `n ≥ len·width` contiguous elements of its dtype (the placeholder: `VECTOR` elements for
+    // `VECTOR / width` slots).
+    unsafe { BufferArg::from_raw_parts(t.handle.clone(), len) }
+}
+
+fn tensor(t: CubeTensor) -> Tensor<1> {
+    Tensor::<1>::from_primitive::<CubeBackend>(t)
+}
+
 /// One fused step in place on flat `[n]` tensors of the CubeCL backend; returns the updated
 /// `(param, exp_avg, exp_avg_sq, max_exp_avg_sq)`.
 pub(crate) fn adam_step(
@@ -201,21 +254,11 @@ pub(crate) fn adam_step(
     if n == 0 {
         return (param, exp_avg, exp_avg_sq, max_exp_avg_sq);
     }
-    let amsgrad = max_exp_avg_sq.is_some();
-    let vmax = max_exp_avg_sq.unwrap_or_else(|| placeholder(&param));
-    let vmax_len = if amsgrad { n } else { VECTOR };
     let (p, g) = (buffer(param, n, DType::F32, true), buffer(grad, n, DType::F32, false));
-    let (m, v) = (
-        buffer(exp_avg, n, DType::F32, true),
-        buffer(exp_avg_sq, n, DType::F32, true),
-    );
-    let vm = buffer(vmax, vmax_len, DType::F32, true);
+    let state = StateBuffers::new(n, exp_avg, exp_avg_sq, max_exp_avg_sq);
     body_and_tail(n, |width, len, threads, offset| {
         let (cube_count, cube_dim) = grid(&p.client, threads);
-        // SAFETY: `buffer` checked that every data buffer is `n ≥ len·width` contiguous f32
-        // elements, and the placeholder `VECTOR` elements (`VECTOR / width` slots).
-        let arg = |t: &CubeTensor, len: usize| unsafe { BufferArg::from_raw_parts(t.handle.clone(), len) };
-        let vm_len = if amsgrad { len } else { VECTOR / width };
+        let [m, v, vm] = state.args(len, width);
         fused_adam::launch::<f32>(
             &p.client,
             cube_count,
@@ -223,24 +266,15 @@ pub(crate) fn adam_step(
             width,
             arg(&p, len),
             arg(&g, len),
-            arg(&m, len),
-            arg(&v, len),
-            arg(&vm, vm_len),
-            s.beta_1,
-            s.one_minus_beta_1,
-            s.beta_2,
-            s.one_minus_beta_2,
-            s.epsilon,
-            s.l2,
-            s.decay,
-            s.step_size,
-            s.inv_sqrt_bc2,
-            offset,
-            amsgrad,
+            m,
+            v,
+            vm,
+            kernel_scalars(s, offset),
+            state.amsgrad,
         )
     });
-    let back = |t: CubeTensor| Tensor::<1>::from_primitive::<CubeBackend>(t);
-    (back(p), back(m), back(v), amsgrad.then(|| back(vm)))
+    let (m, v, vm) = state.into_tensors();
+    (tensor(p), m, v, vm)
 }
 
 /// Whether the mixed-precision kernel takes `tensor` as the parameter or gradient of a master
@@ -269,29 +303,19 @@ pub(crate) fn adam_step_master(
     if n == 0 {
         return (master, param, exp_avg, exp_avg_sq, max_exp_avg_sq);
     }
-    let amsgrad = max_exp_avg_sq.is_some();
-    let vmax = max_exp_avg_sq.unwrap_or_else(|| placeholder(&master));
-    let vmax_len = if amsgrad { n } else { VECTOR };
     let (p_dtype, g_dtype) = (param.dtype(), grad.dtype());
     let (w, p, g) = (
         buffer(master, n, DType::F32, true),
         buffer(param, n, p_dtype, true),
         buffer(grad, n, g_dtype, false),
     );
-    let (m, v) = (
-        buffer(exp_avg, n, DType::F32, true),
-        buffer(exp_avg_sq, n, DType::F32, true),
-    );
-    let vm = buffer(vmax, vmax_len, DType::F32, true);
+    let state = StateBuffers::new(n, exp_avg, exp_avg_sq, max_exp_avg_sq);
     body_and_tail(n, |width, len, threads, offset| {
         let (cube_count, cube_dim) = grid(&w.client, threads);
         let client = &w.client;
-        // SAFETY: `buffer` checked that every data buffer is `n ≥ len·width` contiguous elements
-        // of its dtype, and the placeholder `VECTOR` elements (`VECTOR / width` slots).
-        let arg = |t: &CubeTensor, len: usize| unsafe { BufferArg::from_raw_parts(t.handle.clone(), len) };
-        let vm_len = if amsgrad { len } else { VECTOR / width };
         macro_rules! launch_as {
-            ($p:ty, $g:ty) => {
+            ($p:ty, $g:ty) => {{
+                let [m, v, vm] = state.args(len, width);
                 fused_adam_master::launch::<$p, $g>(
                     client,
                     cube_count,
@@ -300,22 +324,13 @@ pub(crate) fn adam_step_master(
                     arg(&w, len),
                     arg(&p, len),
                     arg(&g, len),
-                    arg(&m, len),
-                    arg(&v, len),
-                    arg(&vm, vm_len),
-                    s.beta_1,
-                    s.one_minus_beta_1,
-                    s.beta_2,
-                    s.one_minus_beta_2,
-                    s.epsilon,
-                    s.l2,
-                    s.decay,
-                    s.step_size,
-                    s.inv_sqrt_bc2,
-                    offset,
-                    amsgrad,
+                    m,
+                    v,
+                    vm,
+                    kernel_scalars(s, offset),
+                    state.amsgrad,
                 )
-            };
+            }};
         }
         use burn::tensor::DType::{BF16, F16, F32};
         use half::{bf16, f16};
@@ -332,18 +347,12 @@ pub(crate) fn adam_step_master(
             (pd, gd) => unreachable!("checked by applies_with_master: {pd:?} / {gd:?}"),
         }
     });
-    let back = |t: CubeTensor| Tensor::<1>::from_primitive::<CubeBackend>(t);
-    (back(w), back(p), back(m), back(v), amsgrad.then(|| back(vm)))
+    let (m, v, vm) = state.into_tensors();
+    (tensor(w), tensor(p), m, v, vm)
 }
 
 /// `(master, param, exp_avg, exp_avg_sq, max_exp_avg_sq)` after a mixed-precision step.
 pub(crate) type MasterStep = (Tensor<1>, Tensor<1>, Tensor<1>, Tensor<1>, Option<Tensor<1>>);
-
-/// Zeros `[n]` on the device of `like`.
-pub(crate) fn zeros_like(like: &Tensor<1>) -> Tensor<1> {
-    let n = like.dims()[0];
-    Tensor::from_data(TensorData::new(vec![0.0f32; n], [n]), &like.device())
-}
 
 /// Burn's wgpu device on a CPU adapter (Mesa's lavapipe), the device CI runs the kernel on.
 ///

@@ -331,8 +331,8 @@ impl FusedAdam {
         grad: Tensor<D>,
         state: Option<AdamState<D>>,
     ) -> (Tensor<D>, Tensor<D>, Option<AdamState<D>>) {
-        let shape = master.shape();
-        let (time, mut m, mut v, mut vmax) = self.moments(&shape, state);
+        let (time, m, v, vmax) = self.moments(&master, state);
+        let (mut m, mut v, mut vmax) = (flex_owned(m), flex_owned(v), vmax.map(flex_owned));
         let time = time + 1;
         let (mut w, mut p, g) = (flex_owned(master), flex_owned(param), flex_readable(grad));
         let scalars = self.hyper.scalars(lr, time);
@@ -373,19 +373,21 @@ impl FusedAdam {
         (back(w), back(p), Some(state))
     }
 
-    /// This step's `(time, m, v, vmax)` Flex buffers: the state's, or zeros on the first step.
+    /// This step's `(time, m, v, vmax)`: the state's moments, or `f32` zeros shaped and placed
+    /// like `like` on the first step; `vmax` only with AMSGrad. `time` is the step count before
+    /// this step.
     fn moments<const D: usize>(
         &self,
-        shape: &burn::tensor::Shape,
+        like: &Tensor<D>,
         state: Option<AdamState<D>>,
-    ) -> (usize, FlexTensor, FlexTensor, Option<FlexTensor>) {
-        let zeros = || FlexTensor::zeros(shape.clone(), DType::F32);
+    ) -> (usize, Tensor<D>, Tensor<D>, Option<Tensor<D>>) {
+        let zeros = || Tensor::<D>::zeros(like.shape(), (&like.device(), DType::F32));
         let (time, m, v, vmax) = match state {
             Some(s) => (
                 s.momentum.time,
-                flex_owned(s.momentum.moment_1),
-                flex_owned(s.momentum.moment_2),
-                s.momentum.max_moment_2.map(flex_owned),
+                s.momentum.moment_1,
+                s.momentum.moment_2,
+                s.momentum.max_moment_2,
             ),
             None => (0, zeros(), zeros(), None),
         };
@@ -424,13 +426,12 @@ impl FusedAdam {
         grad: Tensor<D>,
         state: Option<AdamState<D>>,
     ) -> (Tensor<D>, Option<AdamState<D>>) {
-        let shape = tensor.shape();
-        let numel = shape.num_elements();
+        let numel = tensor.shape().num_elements();
         // Work on the Flex buffers themselves: the parameter and the moments are updated in
         // place when this step owns them, and the gradient is only read (it may stay shared).
-        let (time, m, v, vmax) = self.moments(&shape, state);
+        let (time, m, v, vmax) = self.moments(&tensor, state);
         let time = time + 1;
-        let (mut p, mut m, mut v, mut vmax) = (flex_owned(tensor), m, v, vmax);
+        let (mut p, mut m, mut v, mut vmax) = (flex_owned(tensor), flex_owned(m), flex_owned(v), vmax.map(flex_owned));
         let g = flex_readable(grad);
         let scalars = self.hyper.scalars(lr, time);
         cpu::adam_step(
@@ -451,32 +452,6 @@ impl FusedAdam {
 
 #[cfg(feature = "cube")]
 impl FusedAdam {
-    /// This step's `(time, m, v, vmax)` as flat `[n]` tensors like `like`: the state's, or zeros
-    /// on the first step.
-    fn cube_moments<const D: usize>(
-        &self,
-        like: &Tensor<1>,
-        state: Option<AdamState<D>>,
-    ) -> (usize, Tensor<1>, Tensor<1>, Option<Tensor<1>>) {
-        let n = like.dims()[0];
-        let flat = |t: Tensor<D>| t.reshape([n]);
-        let (time, m, v, vmax) = match state {
-            Some(s) => (
-                s.momentum.time,
-                flat(s.momentum.moment_1),
-                flat(s.momentum.moment_2),
-                s.momentum.max_moment_2.map(flat),
-            ),
-            None => (0, crate::cube::zeros_like(like), crate::cube::zeros_like(like), None),
-        };
-        let vmax = match (self.hyper.amsgrad, vmax) {
-            (true, Some(t)) => Some(t),
-            (true, None) => Some(crate::cube::zeros_like(like)),
-            (false, _) => None,
-        };
-        (time, m, v, vmax)
-    }
-
     fn fused_cube<const D: usize>(
         &self,
         lr: LearningRate,
@@ -486,19 +461,17 @@ impl FusedAdam {
     ) -> (Tensor<D>, Option<AdamState<D>>) {
         let shape = tensor.shape();
         let n = shape.num_elements();
-        let p = tensor.reshape([n]);
-        let (time, m, v, vmax) = self.cube_moments(&p, state);
+        let flat = |t: Tensor<D>| t.reshape([n]);
+        let (time, m, v, vmax) = self.moments(&tensor, state);
         let time = time + 1;
         let scalars = self.hyper.scalars(lr, time);
-        let (p, m, v, vmax) = crate::cube::adam_step(&scalars, p, grad.reshape([n]), m, v, vmax);
+        let (p, m, v, vmax) =
+            crate::cube::adam_step(&scalars, flat(tensor), flat(grad), flat(m), flat(v), vmax.map(flat));
         let back = |t: Tensor<1>| -> Tensor<D> { t.reshape(shape.clone()) };
         let state = adam_state(time, back(m), back(v), vmax.map(back));
         (back(p), Some(state))
     }
-}
 
-#[cfg(feature = "cube")]
-impl FusedAdam {
     fn fused_cube_master<const D: usize>(
         &self,
         lr: LearningRate,
@@ -510,11 +483,18 @@ impl FusedAdam {
         let shape = master.shape();
         let n = shape.num_elements();
         let flat = |t: Tensor<D>| t.reshape([n]);
-        let w = flat(master);
-        let (time, m, v, vmax) = self.cube_moments(&w, state);
+        let (time, m, v, vmax) = self.moments(&master, state);
         let time = time + 1;
         let scalars = self.hyper.scalars(lr, time);
-        let (w, p, m, v, vmax) = crate::cube::adam_step_master(&scalars, w, flat(param), flat(grad), m, v, vmax);
+        let (w, p, m, v, vmax) = crate::cube::adam_step_master(
+            &scalars,
+            flat(master),
+            flat(param),
+            flat(grad),
+            flat(m),
+            flat(v),
+            vmax.map(flat),
+        );
         let back = |t: Tensor<1>| -> Tensor<D> { t.reshape(shape.clone()) };
         let state = adam_state(time, back(m), back(v), vmax.map(back));
         (back(w), back(p), Some(state))
