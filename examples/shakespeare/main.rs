@@ -23,39 +23,40 @@ use rand::rngs::StdRng;
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Char-level GPT on tiny shakespeare, trained with ZeRO sharding (ranks as threads)")]
 struct Args {
-    /// Number of ranks (threads); the global batch is split evenly between them.
-    #[arg(long, default_value_t = 2)]
+    /// Number of ranks (threads), 1-1024; the global batch is split evenly between them.
+    #[arg(long, default_value_t = 2, value_parser = at_least(1, 1024))]
     world_size: usize,
     /// ZeRO stage: 0 (data parallel), 1 (optimizer state sharded), 2 (+ gradients sharded),
     /// 3 (+ parameters sharded, FSDP).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=3))]
     stage: u8,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, value_parser = at_least(1, usize::MAX as u64))]
     steps: usize,
     /// Global batch size (sequences per step, over all ranks); must divide by world size.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = at_least(1, 1 << 20))]
     batch_size: usize,
-    /// Context length in characters.
-    #[arg(long, default_value_t = 64)]
+    /// Context length in characters, 1-65536 (and shorter than the validation split).
+    #[arg(long, default_value_t = 64, value_parser = at_least(1, 1 << 16))]
     block_size: usize,
-    /// Embedding width.
-    #[arg(long, default_value_t = 128)]
+    /// Embedding width, 1-65536; a multiple of --n-head.
+    #[arg(long, default_value_t = 128, value_parser = at_least(1, 1 << 16))]
     n_embd: usize,
-    /// Attention heads.
-    #[arg(long, default_value_t = 4)]
+    /// Attention heads, 1-1024.
+    #[arg(long, default_value_t = 4, value_parser = at_least(1, 1024))]
     n_head: usize,
-    /// Transformer blocks.
-    #[arg(long, default_value_t = 4)]
+    /// Transformer blocks, 1-1024.
+    #[arg(long, default_value_t = 4, value_parser = at_least(1, 1024))]
     n_layer: usize,
-    /// Peak learning rate (linear warm-up over 5% of the steps, cosine decay to 10%).
-    #[arg(long, default_value_t = 3e-3)]
+    /// Peak learning rate, a finite number above 0 (linear warm-up over 5% of the steps, cosine
+    /// decay to 10%).
+    #[arg(long, default_value_t = 3e-3, value_parser = positive_f64)]
     lr: f64,
-    /// Steps between validation estimates.
-    #[arg(long, default_value_t = 250)]
+    /// Steps between validation estimates (at least 1).
+    #[arg(long, default_value_t = 250, value_parser = at_least(1, usize::MAX as u64))]
     eval_interval: usize,
-    /// Validation batches per rank per estimate.
-    #[arg(long, default_value_t = 8)]
+    /// Validation batches per rank per estimate (at least 1).
+    #[arg(long, default_value_t = 8, value_parser = at_least(1, usize::MAX as u64))]
     eval_batches: usize,
     /// Random seed (model init, batch sampling, generation).
     #[arg(long, default_value_t = 1337)]
@@ -74,6 +75,19 @@ struct RankOutcome {
     sample: Option<String>,
 }
 
+/// A `usize` option in `min..=max`; clap names the option and the range in its error.
+fn at_least(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(min..=max)
+}
+
+fn positive_f64(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(v) => Err(format!("{v} is not a finite number above 0")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn main() {
     let args = Args::parse();
     if let Err(e) = run(args) {
@@ -84,10 +98,13 @@ fn main() {
 
 fn run(args: Args) -> Result<(), String> {
     let stage = Stage::try_from(args.stage).map_err(|e| e.to_string())?;
-    if args.eval_interval == 0 || args.eval_batches == 0 || args.steps == 0 {
-        return Err("--steps, --eval-interval and --eval-batches must be at least 1".into());
+    if args.n_embd % args.n_head != 0 {
+        return Err(format!(
+            "--n-embd {} must be a multiple of --n-head {}",
+            args.n_embd, args.n_head
+        ));
     }
-    if args.world_size == 0 || args.batch_size % args.world_size != 0 {
+    if args.batch_size % args.world_size != 0 {
         return Err(format!(
             "--batch-size {} must be a positive multiple of --world-size {}",
             args.batch_size, args.world_size
@@ -118,7 +135,8 @@ fn run(args: Args) -> Result<(), String> {
     device.seed(args.seed);
     let base = Gpt::new(&config, &device);
     println!(
-        "tiny shakespeare: {} train / {} val chars, vocab {}; GPT {} params; world_size {}, stage {}, {} steps of {}x{} chars",
+        "{}: {} train / {} val chars, vocab {}; GPT {} params; world_size {}, stage {}, {} steps of {}x{} chars",
+        path.display(),
         corpus.train.len(),
         corpus.val.len(),
         corpus.vocab_size(),

@@ -12,4 +12,6 @@ mod launch;
 mod layout;
 mod memory;
 mod mixed_precision;
+mod modules;
+mod param_kinds;
 mod stage3;

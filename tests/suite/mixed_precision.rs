@@ -131,10 +131,8 @@ fn bf16_training_with_master_weights_matches_the_f32_master_reference() {
                 let report = optim.memory_report(&model);
                 // Stage 0 steps whole buckets; stages 1-3 this rank's shard (stage 3's layout
                 // is built over the local shards at world size 1).
-                let owned = match stage {
-                    Stage::Zero => optim.layout().shard_numel() * world_size,
-                    _ => optim.layout().shard_numel(),
-                };
+                // Padding is never stepped, so it holds no state.
+                let owned = optim.stepped_numel();
                 (losses, params_of(&model.materialize()), masters, report, owned)
             })
             .expect("no rank panics");

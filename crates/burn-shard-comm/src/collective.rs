@@ -109,3 +109,60 @@ pub trait Collective: Send + Sync {
     /// others do not wait for it until the timeout.
     fn abort(&self, reason: &str);
 }
+
+/// A shared handle is the same rank of the same group: one rank can hand its collective to
+/// several sharded models (a trained student and a frozen teacher), which then issue their
+/// collectives one after the other on every rank.
+impl<C: Collective + ?Sized> Collective for std::sync::Arc<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+
+    fn all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        (**self).all_reduce(tensor, op)
+    }
+
+    fn reduce_scatter(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        (**self).reduce_scatter(tensor, op)
+    }
+
+    fn all_gather(&self, tensor: Tensor<1>) -> Result<Tensor<1>, CommError> {
+        (**self).all_gather(tensor)
+    }
+
+    fn broadcast(&self, tensor: Tensor<1>, root: usize) -> Result<Tensor<1>, CommError> {
+        (**self).broadcast(tensor, root)
+    }
+
+    fn reduce_scatter_tagged(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Result<Tensor<1>, CommError> {
+        (**self).reduce_scatter_tagged(tensor, op, tag)
+    }
+
+    fn all_gather_tagged(&self, tensor: Tensor<1>, tag: u64) -> Result<Tensor<1>, CommError> {
+        (**self).all_gather_tagged(tensor, tag)
+    }
+
+    fn all_gather_many(&self, tensors: Vec<Tensor<1>>) -> Result<Vec<Tensor<1>>, CommError> {
+        (**self).all_gather_many(tensors)
+    }
+
+    fn reduce_scatter_many(&self, tensors: Vec<Tensor<1>>, op: ReduceOp) -> Result<Vec<Tensor<1>>, CommError> {
+        (**self).reduce_scatter_many(tensors, op)
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        (**self).barrier()
+    }
+
+    fn stats(&self) -> CommStats {
+        (**self).stats()
+    }
+
+    fn abort(&self, reason: &str) {
+        (**self).abort(reason)
+    }
+}

@@ -120,6 +120,25 @@ fn kernel_scalars(s: &AdamScalars, offset: usize) -> KernelScalarsLaunch {
     )
 }
 
+/// Whether the CubeCL runtime behind `device` can run kernels on `dtype`: a wgpu adapter
+/// without `SHADER_F16` (Mesa's OpenGL one, say) has no `f16`, and wgpu has no `bf16`. `false`
+/// for a device that is not a plain CubeCL device. Check it before relying on a dtype, never
+/// assume it from the device kind.
+pub fn cube_supports(device: &burn::tensor::Device, dtype: DType) -> bool {
+    use cubecl::ir::{ElemType, FloatKind};
+    let kind = match dtype {
+        DType::F64 => FloatKind::F64,
+        DType::F32 => FloatKind::F32,
+        DType::F16 => FloatKind::F16,
+        DType::BF16 => FloatKind::BF16,
+        _ => return false,
+    };
+    match Tensor::<1>::zeros([1], device).try_into_primitive::<CubeBackend>() {
+        Ok(probe) => probe.client.properties().supports_type(ElemType::Float(kind)),
+        Err(_) => false,
+    }
+}
+
 /// Whether `tensor` lives on Burn's CubeCL backend (so the kernel can run on it).
 pub(crate) fn applies<const D: usize>(tensor: &Tensor<D>) -> bool {
     !tensor.is_autodiff() && tensor.dtype() == DType::F32 && is_cube_tensor(tensor)

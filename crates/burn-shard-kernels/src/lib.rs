@@ -23,7 +23,7 @@ pub use hyper::{AdamHyper, AdamScalars};
 pub use optimizer::{FusedAdam, FusedAdamConfig, StepPath};
 
 #[cfg(feature = "wgpu")]
-pub use cube::wgpu_cpu_device;
+pub use cube::{cube_supports, wgpu_cpu_device};
 
 /// Errors of the fused kernels.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -7,6 +7,8 @@ use burn::optim::Optimizer;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_shard_comm::Collective;
 
+use crate::buffers::Buffers;
+use crate::census::{Census, EntryKind};
 use crate::flat;
 use crate::fsdp::context::FsdpContext;
 use crate::fsdp::sharded_param::Sharder;
@@ -63,16 +65,23 @@ impl ShardConfig {
     }
 
     /// Wraps `model` and `optim` for this rank: builds the flat layout, checks that every rank
-    /// built the same one, and broadcasts rank 0's parameters so all ranks start identical
-    /// (as PyTorch DDP does at construction). Every rank must call it.
+    /// built the same one, and broadcasts rank 0's parameters and buffers so all ranks start
+    /// identical (as PyTorch DDP does at construction). Every rank must call it.
     ///
     /// `optim` is anything [`IntoOptimizer`] accepts; Burn's `AdamConfig` / `AdamWConfig` select
     /// the fused Adam step ([`burn_shard_kernels::FusedAdam`]) where the backend has one.
     ///
+    /// A model with no trainable parameter (a frozen teacher, an evaluation-only model) is
+    /// accepted: it is sharded like any other, and its optimizer holds no state (its `step`
+    /// only keeps the buffers in sync). To shard two models on one rank, pass each an
+    /// `Arc` of the same collective (`Arc<C>` is a `Collective`).
+    ///
     /// # Errors
-    /// [`ShardError::NoTrainableParams`], [`ShardError::InvalidConfig`] (zero bucket size,
-    /// gradient clipping in a Burn config),
-    /// [`ShardError::LayoutMismatch`] (ranks built different models), [`ShardError::Comm`].
+    /// [`ShardError::InvalidConfig`] (zero bucket size, gradient clipping in a Burn config, a
+    /// model with no tensor), [`ShardError::UnsupportedParam`] (stage 3: a trainable parameter
+    /// that carries a reparameterization of its own), [`ShardError::UnsupportedDtype`],
+    /// [`ShardError::DuplicateParam`], [`ShardError::LayoutMismatch`] (ranks built different
+    /// models), [`ShardError::Comm`].
     pub fn init<M: Module, O: IntoOptimizer, C: Collective + 'static>(
         &self,
         model: M,
@@ -96,10 +105,26 @@ impl ShardConfig {
         optim: O,
         comm: Arc<dyn Collective>,
     ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
+        let census = Census::of(&model);
+        if self.stage == Stage::Three {
+            refuse_stage3_misfits(&census)?;
+        }
         let layout = FlatLayout::from_module(&model, comm.world_size(), self.bucket_numel)?;
-        // Frozen parameters are not trained but must be identical too: broadcast everything.
+        if layout.slots().is_empty() {
+            tracing::info!(
+                rank = comm.rank(),
+                "no trainable parameter: the sharded optimizer holds no state (frozen or evaluation-only model; \
+                 build the model on an autodiff device to train it)"
+            );
+        }
+        // Frozen parameters and buffers are not trained but must be identical too: broadcast
+        // everything.
         let everything = FlatLayout::with_frozen(&model, comm.world_size(), self.bucket_numel)?;
         let (values, device) = flat::param_values(&model, &everything)?;
+        let device = match device {
+            Some(device) => device,
+            None => plain_device(&model)?,
+        };
         let fingerprint = layout.fingerprint() ^ everything.fingerprint().rotate_left(1);
         check_same_layout(comm.as_ref(), fingerprint, &device)?;
         let mut full = Vec::with_capacity(everything.buckets().len());
@@ -109,17 +134,60 @@ impl ShardConfig {
         }
         drop(values);
         let model = flat::scatter_into(model, &everything, &full, &[]);
+        let buffers = Buffers::of(&census);
         if self.stage != Stage::Three {
             let layout = Arc::new(layout);
-            return Ok((model, ShardedOptimizer::new(optim, comm, layout, self.stage, None)));
+            return Ok((
+                model,
+                ShardedOptimizer::new(optim, comm, layout, self.stage, buffers, None),
+            ));
         }
         // Stage 3: keep only this rank's shard of every parameter; `val()` gathers on demand.
         // The optimizer then works on the local shards alone (their gradients arrive reduced).
         let ctx = FsdpContext::new(comm.clone(), self.reshard_after_forward);
-        let model = model.apply_reparameterization(Sharder { ctx: ctx.clone() });
-        let local = Arc::new(FlatLayout::from_module(&model, 1, self.bucket_numel)?);
-        Ok((model, ShardedOptimizer::new(optim, comm, local, self.stage, Some(ctx))))
+        let mut sharder = Sharder {
+            ctx: ctx.clone(),
+            census,
+            slots: Vec::new(),
+        };
+        let model = model.apply_reparameterization(&mut sharder);
+        let local = Arc::new(FlatLayout::from_slots(sharder.slots, 1, self.bucket_numel)?);
+        Ok((
+            model,
+            ShardedOptimizer::new(optim, comm, local, self.stage, buffers, Some(ctx)),
+        ))
     }
+}
+
+/// Stage 3 shards a parameter by attaching a reparameterization, and a parameter holds one:
+/// a trainable parameter that carries its own cannot be sharded, and its full gradient would
+/// never be reduced. (LoRA freezes the bases it reparameterizes, so LoRA models pass; their
+/// adapters are sharded.)
+fn refuse_stage3_misfits(census: &Census) -> Result<(), ShardError> {
+    match census
+        .entries()
+        .find(|(_, e)| e.kind == EntryKind::Reparameterized && e.require_grad)
+    {
+        Some((_, e)) => Err(ShardError::UnsupportedParam {
+            path: e.path.clone(),
+            stage: 3,
+            reason: "it is trainable and carries a reparameterization of its own, and stage 3 shards a parameter \
+                     through a reparameterization (a parameter holds one); freeze it (as LoRA does with its bases), \
+                     or train this model at stage 2"
+                .to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The plain (non-autodiff) device of a model that has no float entry to read it from.
+fn plain_device<M: Module>(model: &M) -> Result<Device, ShardError> {
+    model
+        .devices()
+        .into_iter()
+        .next()
+        .map(Device::without_autodiff)
+        .ok_or_else(|| ShardError::InvalidConfig("the model holds no tensor, so there is nothing to shard".into()))
 }
 
 /// All-gathers every rank's layout fingerprint (as four exact 16-bit pieces in f32) and fails

@@ -8,11 +8,16 @@ pub enum ShardError {
     /// A collective failed (mismatch, dead peer, timeout): see the inner error.
     #[error(transparent)]
     Comm(#[from] CommError),
-    /// The module has no parameter that requires grad, so there is nothing to shard.
-    #[error(
-        "the module has no trainable float parameter; build it on an autodiff device (Device::flex().autodiff()) and do not freeze every parameter"
-    )]
-    NoTrainableParams,
+    /// A parameter the stage cannot train, named with the reason and the fix.
+    #[error("parameter `{path}` cannot be trained at stage {stage}: {reason}")]
+    UnsupportedParam {
+        /// The parameter's module path.
+        path: String,
+        /// The stage asked for.
+        stage: u8,
+        /// Why, and what to do instead.
+        reason: String,
+    },
     /// Ranks hold modules with different parameter layouts.
     #[error(
         "rank {rank} has a different parameter layout than rank {peer} (fingerprints {ours:#018x} vs {theirs:#018x}); \

@@ -15,19 +15,25 @@ use crate::layout::{Bucket, FlatLayout};
 /// that received no gradient this step), which reads as zeros.
 pub(crate) type SlotValues = Vec<Option<Tensor<1>>>;
 
-/// Flat views of the trainable parameters' current values, in layout order.
-pub(crate) fn param_values<M: Module>(module: &M, layout: &FlatLayout) -> Result<(SlotValues, Device), ShardError> {
+/// Flat views of the trainable parameters' current values, in layout order, and their (plain)
+/// device; `None` for an empty layout.
+pub(crate) fn param_values<M: Module>(
+    module: &M,
+    layout: &FlatLayout,
+) -> Result<(SlotValues, Option<Device>), ShardError> {
     let mut v = SlotVisitor::new(layout, None);
     module.visit(&mut v);
     v.finish()
 }
 
-/// Takes (removes) every trainable parameter's gradient out of `grads`, flattened, in layout order.
+/// Takes (removes) every trainable parameter's gradient out of `grads`, flattened, in layout
+/// order. A gradient only has to have the slot's element count: at stage 3 the parameter is a
+/// full-shape placeholder and its gradient this rank's `[1, .., 1, chunk]` shard.
 pub(crate) fn take_grads<M: Module>(
     module: &M,
     layout: &FlatLayout,
     grads: &mut GradientsParams,
-) -> Result<(SlotValues, Device), ShardError> {
+) -> Result<(SlotValues, Option<Device>), ShardError> {
     let mut v = SlotVisitor::new(layout, Some(grads));
     module.visit(&mut v);
     v.finish()
@@ -107,12 +113,11 @@ impl<'a> SlotVisitor<'a> {
         }
     }
 
-    fn finish(self) -> Result<(SlotValues, Device), ShardError> {
-        if let Some(e) = self.error {
-            return Err(e);
+    fn finish(self) -> Result<(SlotValues, Option<Device>), ShardError> {
+        match self.error {
+            Some(e) => Err(e),
+            None => Ok((self.out, self.device)),
         }
-        let device = self.device.ok_or(ShardError::NoTrainableParams)?;
-        Ok((self.out, device))
     }
 }
 
@@ -130,8 +135,9 @@ impl ModuleVisitor for SlotVisitor<'_> {
             return;
         }
         let Some(i) = self.layout.slot_of(&param.id) else {
-            // Frozen parameters are outside the training layout; a trainable one must be in it.
-            if param.is_require_grad() {
+            // Frozen and empty parameters are outside the training layout; a trainable one
+            // must be in it.
+            if param.is_require_grad() && param.lazy_shape().num_elements() > 0 {
                 self.error = Some(ShardError::UnknownParam {
                     path: self.path.join("."),
                     id: param.id.to_string(),
@@ -142,7 +148,7 @@ impl ModuleVisitor for SlotVisitor<'_> {
         let slot = &self.layout.slots()[i];
         let value = param.val().inner();
         let dims = value.shape().to_vec();
-        if dims != slot.shape {
+        if self.grads.is_none() && dims != slot.shape {
             self.error = Some(ShardError::ShapeChanged {
                 path: slot.path.clone(),
                 expected: slot.shape.clone(),
@@ -165,7 +171,17 @@ impl ModuleVisitor for SlotVisitor<'_> {
             Some(grads) => grads.remove::<D>(param.id),
             None => Some(value),
         };
-        self.out[i] = flat.map(|t| t.reshape([slot.numel]));
+        if let Some(t) = &flat
+            && t.shape().num_elements() != slot.numel
+        {
+            self.error = Some(ShardError::ShapeChanged {
+                path: slot.path.clone(),
+                expected: slot.shape.clone(),
+                found: t.shape().to_vec(),
+            });
+            return;
+        }
+        self.out[i] = flat.map(|t| t.inner().reshape([slot.numel]));
     }
 }
 

@@ -55,8 +55,9 @@ impl Bucket {
 ///
 /// Parameters that require grad are taken in module traversal order (field declaration order,
 /// `Vec` index order), grouped by dtype (in order of first appearance), which is the same on
-/// every rank for the same model type, and never depends on `ParamId` values or hashing. Frozen parameters are left out: they get no gradient
-/// and no optimizer state. A parameter never straddles two buckets; a bucket closes when the
+/// every rank for the same model type, and never depends on `ParamId` values or hashing.
+/// Frozen parameters, running-state buffers and empty parameters are left out: they get no
+/// gradient and no optimizer state. A parameter never straddles two buckets; a bucket closes when the
 /// next parameter would push it over `bucket_numel` elements or has another dtype.
 #[derive(Clone, Debug)]
 pub struct FlatLayout {
@@ -67,49 +68,55 @@ pub struct FlatLayout {
 }
 
 impl FlatLayout {
-    /// Builds the layout of `module` for `world_size` ranks and buckets of at most
-    /// `bucket_numel` elements (a larger parameter gets a bucket of its own).
+    /// Builds the layout of `module`'s trainable parameters (those that require grad and have
+    /// at least one element) for `world_size` ranks and buckets of at most `bucket_numel`
+    /// elements (a larger parameter gets a bucket of its own). A module with no trainable
+    /// parameter (a frozen teacher, an evaluation-only model) gets an empty layout.
     ///
     /// # Errors
-    /// [`ShardError::NoTrainableParams`] when no float parameter requires grad;
     /// [`ShardError::InvalidConfig`] when `world_size` or `bucket_numel` is 0;
-    /// [`ShardError::UnsupportedDtype`] for a parameter that is not `f32`, `f64`, `bf16` or `f16`.
+    /// [`ShardError::UnsupportedDtype`] for a trainable parameter that is not `f32`, `f64`,
+    /// `bf16` or `f16`; [`ShardError::DuplicateParam`] when two fields hold one `ParamId`.
     pub fn from_module<M: Module>(module: &M, world_size: usize, bucket_numel: usize) -> Result<Self, ShardError> {
-        Self::build(module, world_size, bucket_numel, false)
+        let slots = collect(module)
+            .into_iter()
+            .filter(|s| s.require_grad)
+            .map(|s| s.slot)
+            .collect();
+        Self::from_slots(slots, world_size, bucket_numel)
     }
 
-    /// As [`FlatLayout::from_module`], with frozen parameters included: the layout of
-    /// everything `ShardConfig::init` broadcasts from rank 0.
+    /// Every float entry of `module` with at least one element and a float dtype the
+    /// collectives move (frozen parameters and running-state buffers included): what
+    /// `ShardConfig::init` broadcasts from rank 0. Entries of other dtypes (a quantized frozen
+    /// base) are left out: ranks built from one clone already hold them identically.
     pub(crate) fn with_frozen<M: Module>(
         module: &M,
         world_size: usize,
         bucket_numel: usize,
     ) -> Result<Self, ShardError> {
-        Self::build(module, world_size, bucket_numel, true)
+        let slots = collect(module)
+            .into_iter()
+            .map(|s| s.slot)
+            .filter(|s| SUPPORTED.contains(&s.dtype))
+            .collect();
+        Self::from_slots(slots, world_size, bucket_numel)
     }
 
-    fn build<M: Module>(
-        module: &M,
+    /// The layout of `slots` (in the order given; `bucket` and `offset` are assigned here).
+    /// Empty slots (`numel == 0`) are dropped: they have nothing to reduce or update.
+    pub(crate) fn from_slots(
+        slots: Vec<ParamSlot>,
         world_size: usize,
         bucket_numel: usize,
-        include_frozen: bool,
     ) -> Result<Self, ShardError> {
         if world_size == 0 || bucket_numel == 0 {
             return Err(ShardError::InvalidConfig(format!(
                 "world_size ({world_size}) and bucket_numel ({bucket_numel}) must be at least 1"
             )));
         }
-        let mut collector = SlotCollector {
-            include_frozen,
-            ..Default::default()
-        };
-        module.visit(&mut collector);
-        let mut slots = collector.slots;
-        if slots.is_empty() {
-            return Err(ShardError::NoTrainableParams);
-        }
-        let supported = [DType::F32, DType::F64, DType::Flex32, DType::BF16, DType::F16];
-        if let Some(slot) = slots.iter().find(|s| !supported.contains(&s.dtype)) {
+        let mut slots: Vec<ParamSlot> = slots.into_iter().filter(|s| s.numel > 0).collect();
+        if let Some(slot) = slots.iter().find(|s| !SUPPORTED.contains(&s.dtype)) {
             return Err(ShardError::UnsupportedDtype {
                 path: slot.path.clone(),
                 dtype: format!("{:?}", slot.dtype),
@@ -138,7 +145,9 @@ impl FlatLayout {
             slots[i].offset = numel;
             numel += slots[i].numel;
         }
-        buckets.push(Bucket::new(start..slots.len(), numel, world_size, slots[start].dtype));
+        if !slots.is_empty() {
+            buckets.push(Bucket::new(start..slots.len(), numel, world_size, slots[start].dtype));
+        }
         let mut index = HashMap::with_capacity(slots.len());
         for (i, slot) in slots.iter().enumerate() {
             if let Some(first) = index.insert(slot.id, i) {
@@ -219,12 +228,26 @@ impl Bucket {
     }
 }
 
-/// Collects trainable parameters with their module paths.
+/// Float dtypes the flat buffers and collectives carry.
+const SUPPORTED: [DType; 5] = [DType::F32, DType::F64, DType::Flex32, DType::BF16, DType::F16];
+
+/// A float entry of a module with whether it requires grad.
+struct Collected {
+    slot: ParamSlot,
+    require_grad: bool,
+}
+
+/// Every float entry of `module`, in traversal order, with its module path.
+fn collect<M: Module>(module: &M) -> Vec<Collected> {
+    let mut collector = SlotCollector::default();
+    module.visit(&mut collector);
+    collector.slots
+}
+
 #[derive(Default)]
 struct SlotCollector {
     path: Vec<String>,
-    slots: Vec<ParamSlot>,
-    include_frozen: bool,
+    slots: Vec<Collected>,
 }
 
 impl ModuleVisitor for SlotCollector {
@@ -237,18 +260,18 @@ impl ModuleVisitor for SlotCollector {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if !self.include_frozen && !param.is_require_grad() {
-            return;
-        }
         let shape = param.lazy_shape().to_vec();
-        self.slots.push(ParamSlot {
-            path: self.path.join("."),
-            id: param.id,
-            numel: shape.iter().product(),
-            dtype: param.val().dtype(),
-            shape,
-            bucket: 0,
-            offset: 0,
+        self.slots.push(Collected {
+            require_grad: param.is_require_grad(),
+            slot: ParamSlot {
+                path: self.path.join("."),
+                id: param.id,
+                numel: shape.iter().product(),
+                dtype: param.val().dtype(),
+                shape,
+                bucket: 0,
+                offset: 0,
+            },
         });
     }
 }

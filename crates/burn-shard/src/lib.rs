@@ -17,7 +17,19 @@
 //! buckets ([`FlatLayout`]); rank `r` owns elements `[r·L/N, (r+1)·L/N)` of each padded bucket
 //! of length `L`. Burn's own optimizer runs on each flat shard, so its update math is reused.
 //! Stage 3: see [`fsdp`].
+//!
+//! What each kind of float entry gets, at every stage:
+//! - a parameter has its own optimizer state (Adam's step count and moments, the `f32` master
+//!   of a `bf16`/`f16` parameter), so a parameter that receives no gradient in a step keeps its
+//!   value and its state, exactly as with Burn's `ModuleOptimizer`;
+//! - running-state buffers (BatchNorm's running mean and variance) are never sharded and, at
+//!   the end of every step, become their mean over the ranks (see `buffers.rs`);
+//! - a parameter that already carries a reparameterization (LoRA's frozen base) is trained at
+//!   stages 0-2 and kept whole at stage 3, where its adapters are sharded;
+//! - empty parameters are left as they are.
 
+mod buffers;
+mod census;
 mod config;
 mod error;
 mod flat;

@@ -7,39 +7,15 @@
 //! mixed-precision Adam: master, momentum, variance).
 
 use std::any::Any;
-use std::ops::Range;
 
 use burn::optim::{AdamState, LearningRate, Optimizer};
-use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 use burn_shard_kernels::FusedAdam;
-
-use crate::layout::{Bucket, FlatLayout};
 
 /// Whether parameters of `dtype` are trained through an `f32` master copy (`bf16`, `f16`);
 /// `f32` and `f64` parameters are stepped directly.
 pub(crate) fn needs_master(dtype: DType) -> bool {
     matches!(dtype, DType::BF16 | DType::F16)
-}
-
-/// `[range.len()]` mask of the elements of `bucket`'s `range` that belong to slots with
-/// `keep[slot]` set (parameters that got no gradient this step), or `None` when there are none.
-pub(crate) fn kept_mask(
-    layout: &FlatLayout,
-    bucket: &Bucket,
-    keep: &[bool],
-    range: Range<usize>,
-    device: &Device,
-) -> Option<Tensor<1, Bool>> {
-    let mut mask: Option<Vec<bool>> = None;
-    for (index, slot) in bucket.slots.clone().zip(&layout.slots()[bucket.slots.clone()]) {
-        let (lo, hi) = (range.start.max(slot.offset), range.end.min(slot.offset + slot.numel));
-        if keep.get(index).copied().unwrap_or(false) && lo < hi {
-            let mask = mask.get_or_insert_with(|| vec![false; range.len()]);
-            mask[lo - range.start..hi - range.start].fill(true);
-        }
-    }
-    let len = range.len();
-    mask.map(|m| Tensor::from_data(TensorData::new(m, [len]), device))
 }
 
 /// One step of `optim` on this rank's `f32` `master` shard (`[len]`) from `grad` (`[len]`, the

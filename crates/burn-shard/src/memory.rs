@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 
 use crate::flat::tensor_bytes;
@@ -62,15 +62,18 @@ impl fmt::Display for MemoryReport {
     }
 }
 
-/// Bytes of every float parameter of `module`.
-pub(crate) fn module_param_bytes<M: Module>(module: &M) -> usize {
-    struct Bytes(usize);
-    impl ModuleVisitor for Bytes {
+/// Bytes of every float parameter of `module` except those `skip` names (stage 3's
+/// placeholders, whose shards are counted instead).
+pub(crate) fn module_param_bytes<M: Module>(module: &M, skip: impl Fn(&ParamId) -> bool) -> usize {
+    struct Bytes<F>(usize, F);
+    impl<F: Fn(&ParamId) -> bool> ModuleVisitor for Bytes<F> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0 += tensor_bytes(&param.val());
+            if !(self.1)(&param.id) {
+                self.0 += tensor_bytes(&param.val());
+            }
         }
     }
-    let mut b = Bytes(0);
+    let mut b = Bytes(0, skip);
     module.visit(&mut b);
     b.0
 }

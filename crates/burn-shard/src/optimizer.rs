@@ -1,15 +1,19 @@
 //! [`ShardedOptimizer`]: one ZeRO step around one of Burn's optimizers.
 
+use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::optim::{GradientsParams, LearningRate, Optimizer, RecordState, StateSink};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, ReduceOp};
 
+use crate::buffers::Buffers;
 use crate::flat::{self, tensor_bytes};
 use crate::fsdp::context::FsdpContext;
-use crate::layout::FlatLayout;
+use crate::fsdp::exchange;
+use crate::layout::{Bucket, FlatLayout};
 use crate::memory::{MemoryReport, PeakTracker, module_param_bytes};
 use crate::{ShardError, Stage};
 
@@ -37,10 +41,14 @@ pub struct ShardedOptimizer<O: Optimizer> {
     comm: Arc<dyn Collective>,
     layout: Arc<FlatLayout>,
     stage: Stage,
+    /// Burn's optimizer state of each layout slot's piece owned by this rank (`None` before
+    /// the slot's first gradient, and for slots outside this rank's range).
     states: Vec<Option<O::State<1>>>,
-    /// `f32` master copy of this rank's range of each `bf16`/`f16` bucket (`None` for `f32`
-    /// buckets and before the first step).
+    /// `f32` master copy of each `bf16`/`f16` slot's piece owned by this rank (`None` for
+    /// `f32` slots and before the slot's first gradient).
     masters: Vec<Option<Tensor<1>>>,
+    /// Running-state buffers, averaged over the ranks at every step.
+    buffers: Buffers,
     gradients_bytes: usize,
     temporary_peak_bytes: usize,
     /// Stage 3: what the model's gather ops share (their first error, transient probes).
@@ -53,10 +61,11 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         comm: Arc<dyn Collective>,
         layout: Arc<FlatLayout>,
         stage: Stage,
+        buffers: Buffers,
         fsdp: Option<FsdpContext>,
     ) -> Self {
-        let states = vec![None; layout.buckets().len()];
-        let masters = vec![None; layout.buckets().len()];
+        let states = vec![None; layout.slots().len()];
+        let masters = vec![None; layout.slots().len()];
         Self {
             optim,
             comm,
@@ -64,6 +73,7 @@ impl<O: Optimizer> ShardedOptimizer<O> {
             stage,
             states,
             masters,
+            buffers,
             gradients_bytes: 0,
             temporary_peak_bytes: 0,
             fsdp,
@@ -71,12 +81,18 @@ impl<O: Optimizer> ShardedOptimizer<O> {
     }
 
     /// Averages `grads` over the ranks, updates this rank's shard with Burn's optimizer and
-    /// all-gathers the result, returning `model` with every rank holding identical parameters.
+    /// all-gathers the result, returning `model` with every rank holding identical parameters
+    /// (stages 0-2) or its updated shards (stage 3), and identical running-state buffers (their
+    /// mean over ranks, see the crate docs).
     ///
     /// `grads` are this rank's gradients (`GradientsParams::from_grads(loss.backward(), &model)`)
     /// for its part of the global batch; with equal local batch sizes and a mean loss, their
     /// average is the gradient of the global batch. A trainable parameter that received no
-    /// gradient on a rank counts as a zero gradient there.
+    /// gradient on a rank counts as a zero gradient there; one that received a gradient on no
+    /// rank is left as it is, optimizer state included, exactly as Burn's `ModuleOptimizer`
+    /// leaves it: its step count, moments and master do not move, so a parameter first used at
+    /// a later step (a conditional branch, an expert, a parameter unfrozen mid-run) takes the
+    /// first Adam step of its own when it is.
     ///
     /// # Errors
     /// [`ShardError::Comm`] when a collective fails (the group is then aborted: stop training);
@@ -111,16 +127,20 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         mut grads: GradientsParams,
     ) -> Result<M, ShardError> {
         let layout = self.layout.clone();
-        let rank = self.comm.rank();
         let mut temp = PeakTracker::default();
         // Stage 3: the gradients were reduce-scattered inside backward; a collective that failed
         // there left its error behind.
         self.check_collectives()?;
 
-        // 1. Reduce the gradients bucket by bucket; keep what this stage holds.
         let (mut grad_parts, device) = flat::take_grads(&model, &layout, &mut grads)?;
         drop(grads);
-        let keep = self.without_gradient(&grad_parts, &device)?;
+        let Some(device) = device else {
+            // No trainable parameter (a frozen teacher): only the buffers move.
+            return self.buffers.sync(self.comm.as_ref(), model);
+        };
+        let has_grad = self.with_gradient(&grad_parts, &device)?;
+
+        // 1. Reduce the gradients bucket by bucket; keep what this stage holds.
         let mut reduced = Vec::with_capacity(layout.buckets().len());
         for bucket in layout.buckets() {
             let flat = flat::assemble(&layout, bucket, &grad_parts, 0..bucket.padded_numel, &device);
@@ -138,40 +158,21 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         }
         self.gradients_bytes = reduced.iter().map(tensor_bytes).sum();
 
-        // 2. Burn's optimizer on the owned range, then all-gather the updated shards.
-        let (param_parts, _) = flat::param_values(&model, &layout)?;
+        // 2. Burn's optimizer on each parameter's piece of the owned range, then all-gather.
+        let values = match &self.fsdp {
+            Some(_) => shard_values(&model, &layout),
+            None => flat::param_values(&model, &layout)?.0,
+        };
         let mut full = Vec::with_capacity(layout.buckets().len());
-        let shards = layout.buckets().iter().zip(reduced).zip(self.states.iter_mut());
-        for (((bucket, grad), state), master) in shards.zip(self.masters.iter_mut()) {
-            let range = match self.stage {
-                Stage::One | Stage::Two => bucket.shard_range(rank),
-                Stage::Zero | Stage::Three => 0..bucket.padded_numel,
-            };
+        for (bucket, grad) in layout.buckets().iter().zip(reduced) {
+            let range = self.owned_range(bucket);
             let grad = match self.stage {
                 Stage::One => grad.narrow(0, range.start, range.len()),
                 Stage::Zero | Stage::Two | Stage::Three => grad,
             };
-            let param = flat::assemble(&layout, bucket, &param_parts, range.clone(), &device);
+            let param = self.update_range(lr, &layout, bucket, range, &values, grad, &has_grad, &device);
             let param_bytes = tensor_bytes(&param);
             temp.alloc(param_bytes);
-            let (param, new_state) = if !crate::master::needs_master(bucket.dtype) {
-                self.optim.step(lr, param, grad, state.take())
-            } else {
-                // bf16/f16: the optimizer updates the f32 master; the model gets it rounded.
-                let weights = master.take().unwrap_or_else(|| param.clone().cast(DType::F32));
-                // Parameters without a gradient keep their value (`keep`): their master must too,
-                // or it would drift (weight decay) and the model would jump to it later.
-                let kept = crate::master::kept_mask(&layout, bucket, &keep, range.clone(), &device);
-                let before = kept.as_ref().map(|_| weights.clone());
-                let (weights, param, new_state) =
-                    crate::master::step_with_master(&self.optim, lr, weights, param, grad, state.take());
-                *master = Some(match (kept, before) {
-                    (Some(mask), Some(before)) => weights.mask_where(mask, before),
-                    _ => weights,
-                });
-                (param, new_state)
-            };
-            *state = new_state;
             let updated = match self.stage {
                 Stage::One | Stage::Two => self.comm.all_gather(param)?,
                 Stage::Zero | Stage::Three => param,
@@ -180,7 +181,7 @@ impl<O: Optimizer> ShardedOptimizer<O> {
             temp.alloc(tensor_bytes(&updated));
             full.push(updated);
         }
-        drop(param_parts);
+        drop(values);
         self.temporary_peak_bytes = match &self.fsdp {
             // Stage 3: the gathered parameters and full gradients of the forward and backward
             // that produced `grads` dominate; the step itself holds only shards.
@@ -191,34 +192,110 @@ impl<O: Optimizer> ShardedOptimizer<O> {
             }
             None => temp.peak(),
         };
-        Ok(flat::scatter_into(model, &layout, &full, &keep))
+        let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
+        let model = match &self.fsdp {
+            Some(_) => exchange::replace_shards(model, updated_shards(&layout, &full, &keep)),
+            None => flat::scatter_into(model, &layout, &full, &keep),
+        };
+        self.buffers.sync(self.comm.as_ref(), model)
     }
 
-    /// Which slots received a gradient on no rank this step: like Burn's `ModuleOptimizer`,
-    /// the step leaves those parameters unchanged (weight decay included). At stages 0-2 a
-    /// rank cannot know alone, so the per-slot flags are all-reduced (one small collective of
-    /// `slots` elements); at stage 3 a gradient exists on every rank or on none.
-    fn without_gradient(&self, grads: &flat::SlotValues, device: &Device) -> Result<Vec<bool>, ShardError> {
-        let local: Vec<bool> = grads.iter().map(Option::is_none).collect();
+    /// The elements of `bucket` this rank steps: its shard at stages 1-2, the whole bucket at
+    /// stage 0 (replicated) and stage 3 (whose layout covers the local shards).
+    fn owned_range(&self, bucket: &Bucket) -> Range<usize> {
+        match self.stage {
+            Stage::One | Stage::Two => bucket.shard_range(self.comm.rank()),
+            Stage::Zero | Stage::Three => 0..bucket.padded_numel,
+        }
+    }
+
+    /// Steps each parameter's piece of `range` of `bucket` with its own optimizer state (so
+    /// per-parameter state, such as Adam's step count, follows Burn's per-parameter semantics)
+    /// and returns the updated `[range.len()]` range. `grad` covers `range`. Pieces of
+    /// parameters without a gradient on any rank are returned as they are, their state and
+    /// master untouched; padding stays zero.
+    #[allow(clippy::too_many_arguments)]
+    fn update_range(
+        &mut self,
+        lr: LearningRate,
+        layout: &FlatLayout,
+        bucket: &Bucket,
+        range: Range<usize>,
+        values: &flat::SlotValues,
+        grad: Tensor<1>,
+        has_grad: &[bool],
+        device: &Device,
+    ) -> Tensor<1> {
+        let mut pieces = Vec::new();
+        for index in bucket.slots.clone() {
+            let slot = &layout.slots()[index];
+            let (lo, hi) = (range.start.max(slot.offset), range.end.min(slot.offset + slot.numel));
+            if lo >= hi {
+                continue;
+            }
+            let len = hi - lo;
+            let param = match &values[index] {
+                Some(v) if len == slot.numel => v.clone(),
+                Some(v) => v.clone().narrow(0, lo - slot.offset, len),
+                None => Tensor::zeros([len], (device, bucket.dtype)),
+            };
+            if !has_grad[index] {
+                pieces.push(param);
+                continue;
+            }
+            let grad = grad.clone().narrow(0, lo - range.start, len);
+            let state = self.states[index].take();
+            let (param, state) = if crate::master::needs_master(bucket.dtype) {
+                // bf16/f16: the optimizer updates the f32 master; the model gets it rounded.
+                let master = self.masters[index]
+                    .take()
+                    .unwrap_or_else(|| param.clone().cast(DType::F32));
+                let (master, param, state) =
+                    crate::master::step_with_master(&self.optim, lr, master, param, grad, state);
+                self.masters[index] = Some(master);
+                (param, state)
+            } else {
+                self.optim.step(lr, param, grad, state)
+            };
+            self.states[index] = state;
+            pieces.push(param);
+        }
+        let pad_start = range.start.max(bucket.numel);
+        if range.end > pad_start {
+            pieces.push(Tensor::zeros([range.end - pad_start], (device, bucket.dtype)));
+        }
+        match pieces.len() {
+            0 => Tensor::zeros([0], (device, bucket.dtype)),
+            1 => pieces.pop().expect("one piece"),
+            _ => Tensor::cat(pieces, 0),
+        }
+    }
+
+    /// Which slots received a gradient on some rank this step. Like Burn's `ModuleOptimizer`,
+    /// the step leaves the others unchanged (value, state, master). At stages 0-2 a rank cannot
+    /// know alone, so the per-slot flags are all-reduced (one small collective of `slots`
+    /// elements); at stage 3 a gradient exists on every rank or on none.
+    fn with_gradient(&self, grads: &flat::SlotValues, device: &Device) -> Result<Vec<bool>, ShardError> {
+        let local: Vec<bool> = grads.iter().map(Option::is_some).collect();
         if self.stage == Stage::Three || self.comm.world_size() == 1 {
             return Ok(local);
         }
-        let flags: Vec<f32> = grads.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }).collect();
+        let flags: Vec<f32> = local.iter().map(|&g| if g { 1.0 } else { 0.0 }).collect();
         let n = flags.len();
         let summed = self
             .comm
             .all_reduce(Tensor::from_data(TensorData::new(flags, [n]), device), ReduceOp::Sum)?;
         let summed: Vec<f32> = summed.into_data().convert::<f32>().iter::<f32>().collect();
-        Ok(summed.iter().map(|&c| c == 0.0).collect())
+        Ok(summed.iter().map(|&c| c > 0.0).collect())
     }
 
     /// This rank's memory, measured from the tensors held now (`model`'s parameters and the
     /// optimizer state) and during the last step (gradients, transient buffers).
     pub fn memory_report<M: Module>(&self, model: &M) -> MemoryReport {
         let mut sink = StateSink::default();
-        for (b, state) in self.states.iter().enumerate() {
+        for (i, state) in self.states.iter().enumerate() {
             if let Some(state) = state {
-                state.state_flatten(&format!("bucket{b}"), &mut sink);
+                state.state_flatten(&format!("slot{i}"), &mut sink);
             }
         }
         let master_bytes: usize = self.masters.iter().flatten().map(tensor_bytes).sum();
@@ -232,7 +309,14 @@ impl<O: Optimizer> ShardedOptimizer<O> {
             rank: self.comm.rank(),
             world_size: self.comm.world_size(),
             stage: self.stage.number(),
-            parameters_bytes: module_param_bytes(model),
+            parameters_bytes: match &self.fsdp {
+                Some(_) => {
+                    let shards = exchange::collect_shards(model);
+                    let sharded: usize = shards.values().map(tensor_bytes).sum();
+                    sharded + module_param_bytes(model, |id| shards.contains_key(id))
+                }
+                None => module_param_bytes(model, |_| false),
+            },
             gradients_bytes: self.gradients_bytes,
             optimizer_state_bytes,
             temporary_peak_bytes: self.temporary_peak_bytes,
@@ -255,15 +339,30 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         &self.optim
     }
 
+    /// Elements of the parameters this rank steps (and keeps optimizer state for): every
+    /// trainable element at stage 0, this rank's range of each bucket without its padding at
+    /// stages 1-2, its shards at stage 3.
+    pub fn stepped_numel(&self) -> usize {
+        self.layout
+            .buckets()
+            .iter()
+            .map(|bucket| {
+                let range = self.owned_range(bucket);
+                range.end.min(bucket.numel).saturating_sub(range.start)
+            })
+            .sum()
+    }
+
     /// The ZeRO stage.
     pub fn stage(&self) -> Stage {
         self.stage
     }
 
-    /// The `f32` master weights of this rank's range of each `bf16`/`f16` bucket (same shapes
-    /// as [`ShardedOptimizer::bucket_states`]' tensors); `None` for `f32` buckets and before
-    /// the first step. They are initialised from the parameters at the first step; after
-    /// loading new parameter values later, call [`ShardedOptimizer::reset_master_weights`].
+    /// The `f32` master weights of this rank's piece of each `bf16`/`f16` parameter of the
+    /// layout (same shapes as [`ShardedOptimizer::slot_states`]' tensors); `None` for `f32`
+    /// parameters and before a parameter's first gradient. They are initialised from the
+    /// parameters then; after loading new parameter values later, call
+    /// [`ShardedOptimizer::reset_master_weights`].
     pub fn master_weights(&self) -> &[Option<Tensor<1>>] {
         &self.masters
     }
@@ -275,10 +374,28 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         self.masters.iter_mut().for_each(|m| *m = None);
     }
 
-    /// Burn's optimizer state for each bucket's flat range owned by this rank (`None` before the
-    /// first step). Tensors are `[shard_numel]` (stages 1-2), `[padded_numel]` (stage 0) or the
-    /// bucket of local shards (stage 3).
-    pub fn bucket_states(&self) -> &[Option<O::State<1>>] {
+    /// Burn's optimizer state of each parameter of the layout ([`FlatLayout::slots`] order), for
+    /// the piece of it this rank steps: the whole parameter (stage 0), its part of this rank's
+    /// range of the bucket (stages 1-2; `None` when the range holds none of it) or this rank's
+    /// shard (stage 3). `None` before the parameter's first gradient. Tensors are 1-D.
+    pub fn slot_states(&self) -> &[Option<O::State<1>>] {
         &self.states
     }
+}
+
+/// Stage 3: this rank's shard of each layout slot, read from the model's sharded parameters.
+fn shard_values<M: Module>(model: &M, layout: &FlatLayout) -> flat::SlotValues {
+    let mut shards = exchange::collect_shards(model);
+    layout.slots().iter().map(|slot| shards.remove(&slot.id)).collect()
+}
+
+/// Stage 3: the updated shard of each slot that was stepped, cut from the updated buckets.
+fn updated_shards(layout: &FlatLayout, buckets: &[Tensor<1>], keep: &[bool]) -> HashMap<ParamId, Tensor<1>> {
+    layout
+        .slots()
+        .iter()
+        .zip(keep)
+        .filter(|(_, keep)| !**keep)
+        .map(|(slot, _)| (slot.id, buckets[slot.bucket].clone().narrow(0, slot.offset, slot.numel)))
+        .collect()
 }

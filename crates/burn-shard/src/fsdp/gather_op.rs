@@ -39,18 +39,26 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Flex, backend_extension};
+use burn::module::ParamId;
 use burn::tensor::{Shape, Tensor};
 
 use super::collectives::{all_gather_full, reduce_scatter_grad};
 use super::context::FsdpContext;
 
-/// What one gather needs: the shared context and the parameter's shapes.
+/// What one gather needs: the shared context, this rank's shard and the parameter's shapes.
 #[derive(Clone, Debug)]
 pub struct GatherSpec {
     pub(crate) ctx: FsdpContext,
+    /// The parameter's id.
+    pub(crate) id: ParamId,
+    /// This rank's shard: `[chunk]`, the parameter's dtype, plain (not tracked by autodiff).
+    /// Ops keep the clone they were given, so a re-gather in backward uses the values of the
+    /// forward even if the optimizer has replaced the shard since.
+    pub(crate) shard: Tensor<1>,
     /// Shape of the full parameter.
     pub(crate) full_shape: Shape,
-    /// Shape of this rank's shard: `[1, .., 1, chunk]` (same rank as the parameter).
+    /// Shape of the shard's gradient, registered on the placeholder: `[1, .., 1, chunk]`
+    /// (same rank as the parameter).
     pub(crate) shard_shape: Shape,
     /// Elements of the full parameter.
     pub(crate) numel: usize,
@@ -66,11 +74,13 @@ pub struct GatherSpec {
 /// backward pass).
 #[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cube"))]
 pub trait FsdpOps: Backend {
-    /// `shard` (`spec.shard_shape`) -> the full parameter (`spec.full_shape`).
-    fn fsdp_all_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
+    /// `spec.shard` -> the full parameter (`spec.full_shape`). `placeholder` is the parameter's
+    /// stored value (full shape, no data): only the autodiff graph reads it, as the leaf that
+    /// receives the shard's gradient.
+    fn fsdp_all_gather(placeholder: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
     /// As [`FsdpOps::fsdp_all_gather`], ordered after `unit_input` in the autodiff graph.
     fn fsdp_all_gather_in_unit(
-        shard: FloatTensor<Self>,
+        placeholder: FloatTensor<Self>,
         unit_input: FloatTensor<Self>,
         spec: GatherSpec,
     ) -> FloatTensor<Self>;
@@ -79,9 +89,8 @@ pub trait FsdpOps: Backend {
 }
 
 impl FsdpOps for Flex {
-    fn fsdp_all_gather(shard: FlexTensor, spec: GatherSpec) -> FlexTensor {
-        let flat = Tensor::<1>::from_primitive::<Flex>(Flex::float_reshape(shard, Shape::new([spec.chunk])));
-        let full = all_gather_full(&spec.ctx, flat, spec.numel, spec.tag);
+    fn fsdp_all_gather(_placeholder: FlexTensor, spec: GatherSpec) -> FlexTensor {
+        let full = all_gather_full(&spec.ctx, spec.shard.clone(), spec.numel, spec.tag);
         let full = full.try_into_primitive::<Flex>().expect("a Flex tensor stays on Flex");
         let full = Flex::float_reshape(full, spec.full_shape.clone());
         spec.ctx
@@ -89,8 +98,8 @@ impl FsdpOps for Flex {
         full
     }
 
-    fn fsdp_all_gather_in_unit(shard: FlexTensor, _unit_input: FlexTensor, spec: GatherSpec) -> FlexTensor {
-        Self::fsdp_all_gather(shard, spec)
+    fn fsdp_all_gather_in_unit(placeholder: FlexTensor, _unit_input: FlexTensor, spec: GatherSpec) -> FlexTensor {
+        Self::fsdp_all_gather(placeholder, spec)
     }
 
     fn fsdp_reduce_scatter(full: FlexTensor, spec: GatherSpec) -> FlexTensor {
@@ -108,11 +117,9 @@ impl FsdpOps for Flex {
 /// CPU-only (GPU memory is the allocator's to report).
 #[cfg(feature = "cube")]
 impl FsdpOps for burn_cubecl::CubeBackend {
-    fn fsdp_all_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+    fn fsdp_all_gather(_placeholder: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
         use burn_cubecl::CubeBackend;
-        let flat =
-            Tensor::<1>::from_primitive::<CubeBackend>(CubeBackend::float_reshape(shard, Shape::new([spec.chunk])));
-        let full = all_gather_full(&spec.ctx, flat, spec.numel, spec.tag);
+        let full = all_gather_full(&spec.ctx, spec.shard.clone(), spec.numel, spec.tag);
         let full = full
             .try_into_primitive::<CubeBackend>()
             .expect("a CubeCL tensor stays on CubeCL");
@@ -120,11 +127,11 @@ impl FsdpOps for burn_cubecl::CubeBackend {
     }
 
     fn fsdp_all_gather_in_unit(
-        shard: FloatTensor<Self>,
+        placeholder: FloatTensor<Self>,
         _unit_input: FloatTensor<Self>,
         spec: GatherSpec,
     ) -> FloatTensor<Self> {
-        Self::fsdp_all_gather(shard, spec)
+        Self::fsdp_all_gather(placeholder, spec)
     }
 
     fn fsdp_reduce_scatter(full: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
@@ -140,24 +147,24 @@ impl FsdpOps for burn_cubecl::CubeBackend {
 }
 
 impl<B: Backend + FsdpOps, C: CheckpointStrategy> FsdpOps for Autodiff<B, C> {
-    fn fsdp_all_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+    fn fsdp_all_gather(placeholder: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
         if spec.ctx.reshard_after_forward() {
-            gather::<B, BalancedCheckpointing>(shard, spec)
+            gather::<B, BalancedCheckpointing>(placeholder, spec)
         } else {
-            gather_kept::<B, C>(shard, spec)
+            gather_kept::<B, C>(placeholder, spec)
         }
     }
 
     fn fsdp_all_gather_in_unit(
-        shard: FloatTensor<Self>,
+        placeholder: FloatTensor<Self>,
         unit_input: FloatTensor<Self>,
         spec: GatherSpec,
     ) -> FloatTensor<Self> {
         if spec.ctx.reshard_after_forward() {
-            gather_in_unit::<B, BalancedCheckpointing>(shard, unit_input, spec)
+            gather_in_unit::<B, BalancedCheckpointing>(placeholder, unit_input, spec)
         } else {
             drop(unit_input);
-            gather_kept::<B, C>(shard, spec)
+            gather_kept::<B, C>(placeholder, spec)
         }
     }
 
@@ -189,18 +196,19 @@ impl<B: Backend + FsdpOps> Backward<B, 2> for GatherInUnitBackward {
     type State = GatherSpec;
 
     fn backward(self, ops: Ops<GatherSpec, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let [shard, _unit_input] = ops.parents;
+        let [placeholder, _unit_input] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        if let Some(shard) = shard {
-            grads.register::<B>(shard.id, B::fsdp_reduce_scatter(grad, ops.state));
+        if let Some(placeholder) = placeholder {
+            grads.register::<B>(placeholder.id, B::fsdp_reduce_scatter(grad, ops.state));
         }
     }
 }
 
-/// Re-gathers the full parameter from the saved shard when backward needs it.
+/// Re-gathers the full parameter from the shard when backward needs it (the placeholder is
+/// the saved parent state that keeps the checkpointer's counts right).
 #[derive(Debug)]
 struct Regather<B> {
-    shard: NodeId,
+    placeholder: NodeId,
     /// The unit input, when it is a checkpointed parent: its state was counted for this node
     /// and must be consumed once to keep the checkpointer's counts balanced.
     unit_input: Option<NodeId>,
@@ -213,8 +221,8 @@ impl<B: Backend + FsdpOps> RetroForward for Regather<B> {
         if let Some(input) = self.unit_input {
             let _ = states.get_state::<B::FloatTensorPrimitive>(&input);
         }
-        let shard = states.get_state::<B::FloatTensorPrimitive>(&self.shard);
-        states.save(out_node, B::fsdp_all_gather(shard, self.spec.clone()));
+        let placeholder = states.get_state::<B::FloatTensorPrimitive>(&self.placeholder);
+        states.save(out_node, B::fsdp_all_gather(placeholder, self.spec.clone()));
     }
 }
 
@@ -222,7 +230,7 @@ impl<B: Backend + FsdpOps> RetroForward for Regather<B> {
 /// backward state when tracked).
 fn run_gather<B, BO, C, const N: usize>(
     prep: OpsKind<BO, B, GatherSpec, C, N>,
-    shard: FloatTensor<B>,
+    placeholder: FloatTensor<B>,
     spec: GatherSpec,
 ) -> FloatTensor<Autodiff<B, C>>
 where
@@ -230,7 +238,7 @@ where
     BO: Backward<B, N, State = GatherSpec>,
     C: CheckpointStrategy,
 {
-    let out = B::fsdp_all_gather(shard, spec.clone());
+    let out = B::fsdp_all_gather(placeholder, spec.clone());
     match prep {
         OpsKind::Tracked(prep) => prep.finish(spec, out),
         OpsKind::UnTracked(prep) => prep.finish(out),
@@ -239,59 +247,61 @@ where
 
 /// Memory-bound gather with no unit.
 fn gather<B: Backend + FsdpOps, C: CheckpointStrategy>(
-    shard: FloatTensor<Autodiff<B, C>>,
+    placeholder: FloatTensor<Autodiff<B, C>>,
     spec: GatherSpec,
 ) -> FloatTensor<Autodiff<B, C>> {
     let retro = Regather::<B> {
-        shard: shard.id(),
+        placeholder: placeholder.id(),
         unit_input: None,
         spec: spec.clone(),
         _backend: PhantomData,
     };
-    let prep = <GatherBackward as Backward<B, 1>>::prepare::<C>(GatherBackward, [shard.node()])
+    let prep = <GatherBackward as Backward<B, 1>>::prepare::<C>(GatherBackward, [placeholder.node()])
         .memory_bound()
         .retro_forward(retro)
-        .parents([&shard])
+        .parents([&placeholder])
         .stateful();
-    run_gather(prep, shard.into_primitive(), spec)
+    run_gather(prep, placeholder.into_primitive(), spec)
 }
 
 /// Memory-bound gather ordered after the unit input.
 fn gather_in_unit<B: Backend + FsdpOps, C: CheckpointStrategy>(
-    shard: FloatTensor<Autodiff<B, C>>,
+    placeholder: FloatTensor<Autodiff<B, C>>,
     unit_input: FloatTensor<Autodiff<B, C>>,
     spec: GatherSpec,
 ) -> FloatTensor<Autodiff<B, C>> {
     let input_tracked = unit_input.is_tracked();
     let retro = Regather::<B> {
-        shard: shard.id(),
+        placeholder: placeholder.id(),
         unit_input: input_tracked.then(|| unit_input.id()),
         spec: spec.clone(),
         _backend: PhantomData,
     };
-    let prep =
-        <GatherInUnitBackward as Backward<B, 2>>::prepare::<C>(GatherInUnitBackward, [shard.node(), unit_input.node()])
-            .memory_bound()
-            .retro_forward(retro)
-            // An untracked parent here would make the checkpointer give up and save the full
-            // weight: list the unit input only when it is tracked.
-            .parents(if input_tracked {
-                vec![&shard, &unit_input]
-            } else {
-                vec![&shard]
-            })
-            .stateful();
+    let prep = <GatherInUnitBackward as Backward<B, 2>>::prepare::<C>(
+        GatherInUnitBackward,
+        [placeholder.node(), unit_input.node()],
+    )
+    .memory_bound()
+    .retro_forward(retro)
+    // An untracked parent here would make the checkpointer give up and save the full
+    // weight: list the unit input only when it is tracked.
+    .parents(if input_tracked {
+        vec![&placeholder, &unit_input]
+    } else {
+        vec![&placeholder]
+    })
+    .stateful();
     drop(unit_input);
-    run_gather(prep, shard.into_primitive(), spec)
+    run_gather(prep, placeholder.into_primitive(), spec)
 }
 
 /// Compute-bound gather (`reshard_after_forward = false`): consumers keep the full weight.
 fn gather_kept<B: Backend + FsdpOps, C: CheckpointStrategy>(
-    shard: FloatTensor<Autodiff<B, C>>,
+    placeholder: FloatTensor<Autodiff<B, C>>,
     spec: GatherSpec,
 ) -> FloatTensor<Autodiff<B, C>> {
-    let prep = <GatherBackward as Backward<B, 1>>::prepare::<C>(GatherBackward, [shard.node()])
+    let prep = <GatherBackward as Backward<B, 1>>::prepare::<C>(GatherBackward, [placeholder.node()])
         .compute_bound()
         .stateful();
-    run_gather(prep, shard.into_primitive(), spec)
+    run_gather(prep, placeholder.into_primitive(), spec)
 }

@@ -1,9 +1,11 @@
 //! Stage 3 (FSDP): parameters sharded too, all-gathered per use and freed after it.
 //!
 //! The decomposition follows PyTorch FSDP2's:
-//! - [`sharded_param`]: one parameter's sharded state (its shard leaf, full shape, how to
-//!   unshard it), attached to Burn's `Param` as a `Reparameterization`, so `param.val()`
-//!   all-gathers just in time and model code stays unchanged;
+//! - [`sharded_param`]: one parameter's sharded state (its shard, full shape, how to unshard
+//!   it), attached to Burn's `Param` as a `Reparameterization` over a full-shape placeholder,
+//!   so `param.val()` all-gathers just in time, `param.shape()` is the full shape, and model
+//!   code stays unchanged;
+//! - [`exchange`]: how the sharded optimizer reads and replaces the shards a model holds;
 //! - [`gather_op`]: the autodiff op that hooks the collectives into forward and backward
 //!   (all-gather forward, re-gather in backward instead of keeping the full weight,
 //!   reduce-scatter of the gradient as soon as it is complete);
@@ -15,8 +17,10 @@
 
 pub(crate) mod collectives;
 pub(crate) mod context;
+pub(crate) mod exchange;
 pub(crate) mod gather_op;
 pub(crate) mod sharded_param;
 pub mod unit;
 
+pub use sharded_param::ShardedParam;
 pub use unit::unit;

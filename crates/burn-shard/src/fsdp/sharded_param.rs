@@ -1,45 +1,135 @@
 //! One parameter's sharded state, attached to Burn's `Param` as a reparameterization.
+//!
+//! The `Param`'s stored value is a *placeholder*: a tensor of the parameter's full (logical)
+//! shape and dtype that holds one element, expanded (stride 0) to that shape, so it costs no
+//! memory. Stock layers that ask a parameter for its shape, element count or dtype
+//! (`RmsNorm`, `BatchNorm`, the transformer layers), `num_params()` and the model's `Display`
+//! therefore see the full parameter, as on one device. The placeholder is the autodiff leaf that
+//! the stage-3 gather op hangs its reduce-scattered gradient on (`[1, .., 1, chunk]`, this rank's
+//! shard of the mean gradient), keyed by the parameter's `ParamId` as usual.
+//!
+//! The shard itself (`[chunk]` elements, plain, not tracked by autodiff) lives in the attached
+//! [`ShardedParam`]. Its `Module` impl is written by hand: module traversal does not see the
+//! shard as a parameter (it would count twice), and the sharded optimizer reads and replaces
+//! shards through [`super::exchange`].
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use burn::backend::Dispatch;
-use burn::module::{Module, Param, Reparameterization, Reparameterizer};
-use burn::tensor::{Shape, Tensor};
+use burn::module::{
+    Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor, Param,
+    Reparameterization, Reparameterizer,
+};
+use burn::tensor::{Device, Shape, Tensor};
 
 use super::context::FsdpContext;
+use super::exchange;
 use super::gather_op::{FsdpOps, GatherSpec};
 use super::unit::current_unit_input;
+use crate::census::{Census, EntryKind};
+use crate::layout::ParamSlot;
 
-/// The reparameterization of a stage-3 parameter: the `Param`'s stored value is this rank's
-/// shard (`[1, .., 1, chunk]`), and `param.val()` all-gathers the full value on demand.
-/// It holds no tensor of its own (the field is skipped by module traversal).
-#[derive(Module, Debug)]
+/// The reparameterization of a stage-3 parameter: it holds this rank's shard, and `param.val()`
+/// all-gathers the full value on demand (see the module docs).
+#[derive(Clone, Debug)]
 pub struct ShardedParam {
-    #[module(skip)]
     spec: GatherSpec,
+}
+
+impl ShardedParam {
+    /// This rank's shard: `[chunk]` elements, `chunk = ceil(numel / world_size)`, the last
+    /// rank's tail zero-padded; the parameter's dtype; not tracked by autodiff.
+    pub fn shard(&self) -> &Tensor<1> {
+        &self.spec.shard
+    }
+
+    /// The full (logical) shape of the parameter.
+    pub fn full_shape(&self) -> &Shape {
+        &self.spec.full_shape
+    }
 }
 
 impl Reparameterization for ShardedParam {
     const NAME: &'static str = "fsdp_shard";
 
-    fn apply<const D: usize>(&self, shard: Tensor<D>) -> Tensor<D> {
+    fn apply<const D: usize>(&self, placeholder: Tensor<D>) -> Tensor<D> {
         let out = match current_unit_input() {
             Some(input) => {
-                <Dispatch as FsdpOps>::fsdp_all_gather_in_unit(shard.into_dispatch(), input, self.spec.clone())
+                <Dispatch as FsdpOps>::fsdp_all_gather_in_unit(placeholder.into_dispatch(), input, self.spec.clone())
             }
-            None => <Dispatch as FsdpOps>::fsdp_all_gather(shard.into_dispatch(), self.spec.clone()),
+            None => <Dispatch as FsdpOps>::fsdp_all_gather(placeholder.into_dispatch(), self.spec.clone()),
         };
         Tensor::from_dispatch(out)
     }
 }
 
-/// Replaces every float parameter by this rank's shard of it (a fresh leaf with the same
-/// `ParamId` and require-grad setting) and attaches [`ShardedParam`].
-pub(crate) struct Sharder {
-    pub(crate) ctx: FsdpContext,
+impl Module for ShardedParam {
+    fn collect_devices(&self, mut devices: Devices) -> Devices {
+        let device = self.spec.shard.device();
+        if !devices.contains(&device) {
+            devices.push(device);
+        }
+        devices
+    }
+
+    fn fork(self, device: &Device) -> Self {
+        self.to_device(device)
+    }
+
+    fn to_device(mut self, device: &Device) -> Self {
+        // The shard stays plain: autodiff tracks the placeholder, never the shard.
+        let device = device.clone().without_autodiff();
+        if self.spec.shard.device() != device {
+            self.spec.shard = self.spec.shard.to_device(&device);
+        }
+        self
+    }
+
+    fn train(self) -> Self {
+        self
+    }
+
+    fn valid(&self) -> Self {
+        self.clone()
+    }
+
+    fn materialize(self) -> Self {
+        self
+    }
+
+    fn visit<V: ModuleVisitor>(&self, _visitor: &mut V) {
+        exchange::on_visit(&self.spec);
+    }
+
+    fn map<M: ModuleMapper>(mut self, _mapper: &mut M) -> Self {
+        exchange::on_map(&mut self.spec);
+        self
+    }
 }
 
-impl Reparameterizer for Sharder {
+impl ModuleDisplayDefault for ShardedParam {
+    fn content(&self, content: Content) -> Option<Content> {
+        content
+            .add_formatted(&format!("ShardedParam {{shard: {:?}}}", self.spec.shard.dims()))
+            .optional()
+    }
+}
+
+impl ModuleDisplay for ShardedParam {}
+
+/// Replaces every parameter that the [`Census`] calls a plain parameter by a full-shape
+/// placeholder carrying [`ShardedParam`] with this rank's shard. Running-state buffers,
+/// parameters that already carry a reparameterization (LoRA's frozen base) and empty
+/// parameters are left whole. Records the trainable shards, in traversal order, as the slots
+/// of the optimizer's local layout.
+pub(crate) struct Sharder {
+    pub(crate) ctx: FsdpContext,
+    pub(crate) census: Census,
+    /// `[chunk]` slots of the trainable shards, for `FlatLayout::from_slots`.
+    pub(crate) slots: Vec<ParamSlot>,
+}
+
+impl Reparameterizer for &mut Sharder {
     type Reparam = ShardedParam;
 
     fn reparameterize<const D: usize>(
@@ -47,55 +137,81 @@ impl Reparameterizer for Sharder {
         path: &str,
         param: Param<Tensor<D>>,
     ) -> (Param<Tensor<D>>, Option<ShardedParam>) {
+        let shardable = self
+            .census
+            .get(&param.id)
+            .is_some_and(|e| e.kind == EntryKind::Param && e.shape.iter().product::<usize>() > 0);
+        if !shardable {
+            return (param, None);
+        }
         let (n, r) = (self.ctx.comm().world_size(), self.ctx.comm().rank());
         let (id, full, mapper) = param.consume();
         let require_grad = full.is_require_grad();
         let strategy = full.gradient_checkpointing_strategy();
-        let (device, dtype) = (full.device(), full.dtype());
+        let is_autodiff = full.is_autodiff();
+        let dtype = full.dtype();
         let full_shape = full.shape();
+        let dims: [usize; D] = full.dims();
         let numel = full_shape.num_elements();
         let chunk = numel.div_ceil(n);
+        let full = full.inner();
+        let device = full.device();
         // Pad the flat parameter to `n·chunk` once, then every rank's slice exists, also for
-        // parameters smaller than the group (a scalar on 4 ranks) and empty ones.
-        let mut flat = full.inner().reshape([numel]);
+        // parameters smaller than the group (a scalar on 4 ranks).
+        let mut flat = full.reshape([numel]);
         if numel < n * chunk {
-            let inner_device = flat.device();
-            flat = Tensor::cat(
-                vec![flat, Tensor::zeros([n * chunk - numel], (&inner_device, dtype))],
-                0,
-            );
+            flat = Tensor::cat(vec![flat, Tensor::zeros([n * chunk - numel], (&device, dtype))], 0);
         }
-        let mine = if chunk == 0 {
-            flat
-        } else {
-            flat.narrow(0, r * chunk, chunk)
-        };
-        // A new leaf from data: a view of the full tensor would keep the full weight alive.
-        let mut shard_dims = [1usize; D];
-        shard_dims[D - 1] = chunk;
-        let shard_shape = Shape::new(shard_dims);
-        let mut shard: Tensor<D> = Tensor::<1>::from_data(mine.into_data(), (&device, dtype)).reshape(shard_dims);
-        // The device does not carry the checkpointing strategy: copy it, or tensors of one op
-        // would disagree (Burn panics on a mix).
-        if let Some(strategy) = strategy {
-            shard = shard.with_gradient_checkpointing_strategy(strategy);
+        // A new buffer from data: a view of the full tensor would keep the full weight alive.
+        let shard = Tensor::<1>::from_data(flat.narrow(0, r * chunk, chunk).into_data(), (&device, dtype));
+        let mut placeholder: Tensor<D> = Tensor::<1>::zeros([1], (&device, dtype))
+            .reshape([1usize; D])
+            .expand(dims);
+        if is_autodiff {
+            placeholder = placeholder.autodiff();
+            // The device does not carry the checkpointing strategy: copy it, or tensors of one
+            // op would disagree (Burn panics on a mix).
+            if let Some(strategy) = strategy {
+                placeholder = placeholder.with_gradient_checkpointing_strategy(strategy);
+            }
+            if require_grad {
+                placeholder = placeholder.require_grad();
+            }
         }
         if require_grad {
-            shard = shard.require_grad();
+            self.slots.push(ParamSlot {
+                path: path.to_string(),
+                id,
+                shape: vec![chunk],
+                numel: chunk,
+                dtype,
+                bucket: 0,
+                offset: 0,
+            });
         }
-        let tag = {
-            let mut h = DefaultHasher::new();
-            path.hash(&mut h);
-            h.finish() | 1 // never 0, which means "untagged"
-        };
+        let mut shard_dims = [1usize; D];
+        shard_dims[D - 1] = chunk;
         let spec = GatherSpec {
             ctx: self.ctx.clone(),
+            id,
+            shard,
             full_shape,
-            shard_shape,
+            shard_shape: Shape::new(shard_dims),
             numel,
             chunk,
-            tag,
+            tag: path_tag(path),
         };
-        (Param::from_mapped_value(id, shard, mapper), Some(ShardedParam { spec }))
+        (
+            Param::from_mapped_value(id, placeholder, mapper),
+            Some(ShardedParam { spec }),
+        )
     }
+}
+
+/// Names a parameter in its collectives: a hash of its module path, equal on every rank and
+/// never 0 (which means "untagged").
+fn path_tag(path: &str) -> u64 {
+    let mut h = DefaultHasher::new();
+    path.hash(&mut h);
+    h.finish() | 1
 }

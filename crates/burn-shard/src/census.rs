@@ -1,0 +1,154 @@
+//! What each float entry of a module is, as far as sharding is concerned: a parameter, a
+//! parameter that already carries a reparameterization (LoRA's frozen base), or a running-state
+//! buffer (BatchNorm's running mean and variance).
+//!
+//! Burn's visitors see all three as `Param<Tensor<D>>`. They differ in what `Module::map` keeps:
+//! a plain parameter keeps a reparameterization a mapper attaches, a parameter that has one
+//! keeps its own (Burn re-attaches it after the mapper), and a `RunningState` keeps only the
+//! value. So the census attaches a no-op probe to every entry of a clone and reads, in a visit,
+//! which entries kept it. That needs no list of module types, so users' own modules with
+//! `RunningState` buffers or reparameterizations are classified like Burn's.
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId, Reparameterization, Reparameterizer};
+use burn::tensor::Tensor;
+
+/// What a float entry of a module is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EntryKind {
+    /// A parameter with no reparameterization of its own (stage 3 shards it).
+    Param,
+    /// A parameter whose value passes through a reparameterization it already carries (LoRA's
+    /// frozen base); stage 3 keeps it whole, since a parameter holds one reparameterization.
+    Reparameterized,
+    /// A running-state buffer (`RunningState`): never trained, never sharded, averaged over the
+    /// ranks at every step (see `buffers.rs`).
+    Buffer,
+}
+
+/// One float entry: its kind, module path, shape and whether it requires grad.
+#[derive(Clone, Debug)]
+pub(crate) struct Entry {
+    pub(crate) kind: EntryKind,
+    pub(crate) path: String,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) require_grad: bool,
+}
+
+/// The float entries of a module, in traversal order, by id.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Census {
+    order: Vec<ParamId>,
+    entries: HashMap<ParamId, Entry>,
+}
+
+impl Census {
+    /// Classifies every float entry of `module` (one clone, mapped and visited; no tensor data
+    /// is read or copied).
+    pub(crate) fn of<M: Module>(module: &M) -> Self {
+        let probed = module.clone().apply_reparameterization(AttachProbe);
+        let mut visitor = CensusVisitor::default();
+        probed.visit(&mut visitor);
+        visitor.close_pending();
+        visitor.census
+    }
+
+    /// The entry of `id`, if it is a float entry of the module.
+    pub(crate) fn get(&self, id: &ParamId) -> Option<&Entry> {
+        self.entries.get(id)
+    }
+
+    /// Every entry, in traversal order.
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (ParamId, &Entry)> {
+        self.order.iter().map(|id| (*id, &self.entries[id]))
+    }
+
+    /// The running-state buffers, in traversal order.
+    pub(crate) fn buffers(&self) -> impl Iterator<Item = (ParamId, &Entry)> {
+        self.entries().filter(|(_, e)| e.kind == EntryKind::Buffer)
+    }
+}
+
+/// The no-op reparameterization the census attaches.
+#[derive(Module, Debug)]
+struct Probe;
+
+const PROBE_NAME: &str = "burn_shard_census_probe";
+
+impl Reparameterization for Probe {
+    const NAME: &'static str = PROBE_NAME;
+
+    fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
+        base
+    }
+}
+
+struct AttachProbe;
+
+impl Reparameterizer for AttachProbe {
+    type Reparam = Probe;
+
+    fn reparameterize<const D: usize>(
+        &mut self,
+        _path: &str,
+        param: Param<Tensor<D>>,
+    ) -> (Param<Tensor<D>>, Option<Probe>) {
+        (param, Some(Probe))
+    }
+}
+
+/// Burn visits a parameter with a reparameterization as `visit_float(base)` followed by
+/// `enter_module(NAME, "Reparameterization")`; an entry followed by anything else kept none.
+#[derive(Default)]
+struct CensusVisitor {
+    path: Vec<String>,
+    pending: Option<(ParamId, Entry)>,
+    census: Census,
+}
+
+impl CensusVisitor {
+    fn settle(&mut self, kind: EntryKind) {
+        if let Some((id, mut entry)) = self.pending.take() {
+            entry.kind = kind;
+            self.census.order.push(id);
+            self.census.entries.insert(id, entry);
+        }
+    }
+
+    fn close_pending(&mut self) {
+        self.settle(EntryKind::Buffer);
+    }
+}
+
+impl ModuleVisitor for CensusVisitor {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        if container_type == "Reparameterization" {
+            let kind = if name == PROBE_NAME {
+                EntryKind::Param
+            } else {
+                EntryKind::Reparameterized
+            };
+            self.settle(kind);
+        } else {
+            self.close_pending();
+        }
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.close_pending();
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.close_pending();
+        let entry = Entry {
+            kind: EntryKind::Buffer,
+            path: self.path.join("."),
+            shape: param.lazy_shape().to_vec(),
+            require_grad: param.is_require_grad(),
+        };
+        self.pending = Some((param.id, entry));
+    }
+}
