@@ -98,13 +98,13 @@ fn main() {
 
 fn run(args: Args) -> Result<(), String> {
     let stage = Stage::try_from(args.stage).map_err(|e| e.to_string())?;
-    if args.n_embd % args.n_head != 0 {
+    if !args.n_embd.is_multiple_of(args.n_head) {
         return Err(format!(
             "--n-embd {} must be a multiple of --n-head {}",
             args.n_embd, args.n_head
         ));
     }
-    if args.batch_size % args.world_size != 0 {
+    if !args.batch_size.is_multiple_of(args.world_size) {
         return Err(format!(
             "--batch-size {} must be a positive multiple of --world-size {}",
             args.batch_size, args.world_size

@@ -130,7 +130,7 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// One sharded training step on this rank's `loss`: returns the model after
 /// [`ShardedOptimizer::step`](burn_shard::ShardedOptimizer::step) and the loss averaged over
 /// ranks (the loss of the global batch when every rank holds an equal share of it).
-pub fn sharded_step<M: Module, O: burn::optim::Optimizer>(
+pub fn sharded_step<M: Module, O: burn_shard::MasterWeightStep>(
     optim: &mut burn_shard::ShardedOptimizer<O>,
     model: M,
     loss: Tensor<1>,

@@ -10,6 +10,7 @@ use crate::common::{Rng, max_abs_diff};
 
 /// Float64 Adam/AdamW, written from the papers' formulas (Kingma & Ba 2015, Algorithm 1;
 /// Loshchilov & Hutter 2019, Algorithm 2; Reddi et al. 2018 for AMSGrad).
+#[allow(clippy::too_many_arguments)] // the float64 reference takes each Adam buffer on its own
 pub(crate) fn reference_step(
     h: &AdamHyper,
     lr: f64,
@@ -132,7 +133,8 @@ fn run<O: Optimizer>(
 #[test]
 fn fused_optimizer_matches_burn_adam_and_adamw() {
     let p0 = tensor(Rng::new(1).vec(35), [5, 7]);
-    let pairs: Vec<(FusedAdam, Box<dyn Fn(Tensor<2>) -> Tensor<2>>)> = vec![
+    type Burn = Box<dyn Fn(Tensor<2>) -> Tensor<2>>;
+    let pairs: Vec<(FusedAdam, Burn)> = vec![
         (FusedAdamConfig::adam().with_weight_decay(0.05).init(), {
             let burn = AdamConfig::new()
                 .with_weight_decay(Some(burn::optim::decay::WeightDecayConfig::new(0.05)))

@@ -1,5 +1,6 @@
 //! The burn-shard test suite: one binary, one module per area.
 
+mod checkpoint;
 mod comm;
 mod common;
 mod equivalence;

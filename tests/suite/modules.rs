@@ -39,9 +39,14 @@ const F: usize = 24;
 const GLOBAL_BATCH: usize = 12;
 const STEPS: usize = 3;
 const LR: f64 = 1e-2;
+/// BatchNorm's running mean and running variance.
+type Stats = (Vec<f32>, Vec<f32>);
+
 const STAGES: [Stage; 4] = [Stage::Zero, Stage::One, Stage::Two, Stage::Three];
 
 /// One stock layer of each kind (dropout off: it would draw different masks on each rank).
+/// The variants differ in size; a test builds a handful of them, so boxing buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum Layer {
     Linear(Linear),
@@ -202,7 +207,7 @@ impl Layer {
     }
 
     /// The running statistics of a BatchNorm layer, settled (`valid` applies pending updates).
-    fn running_stats(&self) -> Option<(Vec<f32>, Vec<f32>)> {
+    fn running_stats(&self) -> Option<Stats> {
         match self.valid() {
             Layer::BatchNorm(bn) => Some((to_vec(bn.running_mean.value()), to_vec(bn.running_var.value()))),
             _ => None,
@@ -260,7 +265,7 @@ fn own_copy(base: &Layer, device: &Device) -> Layer {
 
 /// Single-device Burn: the mean of the `world_size` ranks' losses, AdamW. Returns the final
 /// parameters and, for BatchNorm, the running statistics the buffer rule gives.
-fn reference(base: &Layer, world_size: usize) -> (Vec<f32>, Option<(Vec<f32>, Vec<f32>)>) {
+fn reference(base: &Layer, world_size: usize) -> (Vec<f32>, Option<Stats>) {
     let device = Device::flex().autodiff();
     let mut model = own_copy(base, &device);
     let mut optim = AdamWConfig::new().with_weight_decay(0.05).init();
@@ -300,7 +305,7 @@ fn reference(base: &Layer, world_size: usize) -> (Vec<f32>, Option<(Vec<f32>, Ve
 
 struct RankResult {
     params: Vec<f32>,
-    stats: Option<(Vec<f32>, Vec<f32>)>,
+    stats: Option<Stats>,
     num_params: usize,
 }
 

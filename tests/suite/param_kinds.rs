@@ -40,7 +40,7 @@ impl Branches {
         if step >= 2 {
             y = y + self.late.forward(x.clone());
         }
-        if step % 2 == 0 {
+        if step.is_multiple_of(2) {
             y = y + self.alternate.forward(x);
         }
         y

@@ -99,6 +99,8 @@ fn time_optimizer<S>(
         let start = Instant::now();
         let (p, s) = step(param, g, state);
         device.sync().expect("the step ran"); // wait for queued kernels (wgpu runs asynchronously)
+        // One element per dimension: Burn's slice takes an array of ranges, not a Vec.
+        #[allow(clippy::single_range_in_vec_init)]
         let _ = black_box(p.clone().slice([0..1.min(n)]).into_data());
         if i > 0 {
             times.push(start.elapsed().as_secs_f64() * 1e3);

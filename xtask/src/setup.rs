@@ -120,10 +120,10 @@ fn bundler_version() -> Result<String, String> {
         .map_err(|e| format!("cannot read Cargo.lock: {e}"))?;
     let mut lines = lock.lines();
     while let Some(line) = lines.next() {
-        if line.trim() == "name = \"tracel-llvm-bundler\"" {
-            if let Some(v) = lines.next().and_then(|l| l.trim().strip_prefix("version = \"")) {
-                return Ok(v.trim_end_matches('"').to_string());
-            }
+        if line.trim() == "name = \"tracel-llvm-bundler\""
+            && let Some(v) = lines.next().and_then(|l| l.trim().strip_prefix("version = \""))
+        {
+            return Ok(v.trim_end_matches('"').to_string());
         }
     }
     Err("Cargo.lock has no tracel-llvm-bundler: nothing to set up for this CubeCL version".into())

@@ -53,7 +53,8 @@ pub enum CommError {
         /// The collective in progress.
         op: String,
     },
-    /// No message arrived within the group's timeout.
+    /// In-process backend: no message arrived from the neighbouring rank within the group's
+    /// timeout.
     #[error(
         "rank {rank} waited {waited:?} in {op} without hearing from rank {peer}; a rank is stuck or \
          skipped this collective (raise the timeout with InProcessGroup::with_timeout if the work is legitimately slow)"
@@ -63,6 +64,20 @@ pub enum CommError {
         rank: usize,
         /// The rank it waited for.
         peer: usize,
+        /// The collective in progress.
+        op: String,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// NCCL backend: a collective did not complete within the communicator's timeout (NCCL does
+    /// not say which peer is missing); the communicator was aborted.
+    #[error(
+        "rank {rank}: NCCL {op} did not complete within {waited:?}, so the communicator was aborted; a rank is stuck, \
+         died or skipped this collective (raise the timeout with NcclComm::with_timeout if the work is legitimately slow)"
+    )]
+    NcclTimeout {
+        /// The waiting rank.
+        rank: usize,
         /// The collective in progress.
         op: String,
         /// How long it waited.

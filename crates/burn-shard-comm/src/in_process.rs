@@ -203,9 +203,13 @@ impl RingLink for Call<'_> {
             sig: self.sig.clone(),
             payload,
         };
-        self.comm.next.send(msg).map_err(|_| CommError::PeerGone {
-            peer: (self.comm.rank + 1) % self.comm.world_size,
-            op: self.sig.to_string(),
+        // A peer that left after aborting the group left its reason: report that.
+        self.comm.next.send(msg).map_err(|_| match self.comm.shared.check() {
+            Err(aborted) => aborted,
+            Ok(()) => CommError::PeerGone {
+                peer: (self.comm.rank + 1) % self.comm.world_size,
+                op: self.sig.to_string(),
+            },
         })
     }
 
@@ -227,6 +231,7 @@ impl RingLink for Call<'_> {
                     return Ok(msg.payload);
                 }
                 Err(RecvTimeoutError::Disconnected) => {
+                    self.comm.shared.check()?;
                     return Err(CommError::PeerGone {
                         peer,
                         op: self.sig.to_string(),

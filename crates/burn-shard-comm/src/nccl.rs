@@ -5,7 +5,7 @@
 //! Ordering: CubeCL does not expose its CUDA stream, so each collective first waits for the
 //! device's queued work (`client.sync()`), then runs NCCL on this communicator's own stream in
 //! the same primary context and waits for it, with a timeout: a peer that never joins makes
-//! the call abort the communicator (`ncclCommAbort`) and return [`CommError::Timeout`].
+//! the call abort the communicator (`ncclCommAbort`) and return [`CommError::NcclTimeout`].
 
 use std::ffi::c_void;
 use std::fmt;
@@ -294,9 +294,8 @@ impl NcclComm {
             }
             if start.elapsed() > self.timeout {
                 self.abort(&format!("{op} timed out"));
-                return Err(CommError::Timeout {
+                return Err(CommError::NcclTimeout {
                     rank: self.rank,
-                    peer: usize::MAX,
                     op: op.to_string(),
                     waited: start.elapsed(),
                 });

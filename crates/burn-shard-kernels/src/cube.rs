@@ -4,14 +4,17 @@
 //! Hyper-parameters and the step's bias corrections are runtime scalars, so one compiled kernel
 //! serves every step (per dtype pair and AMSGrad flag). Loads are vectorised 4 elements wide over
 //! the largest multiple of 4 elements; the remaining 0-3 elements (the tail) are a second,
-//! scalar launch of the same kernel at an element offset.
+//! scalar launch of the same kernel at an element offset. The end of the file is `FusedAdam`'s
+//! host side of this path (moments in, kernel launch, state out).
 
+use burn::optim::{AdamState, LearningRate};
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use crate::AdamScalars;
+use crate::optimizer::adam_state;
 
 /// `β·old + (1-β)·x`: one moment update.
 #[cube]
@@ -384,4 +387,54 @@ pub fn wgpu_cpu_device() -> Result<burn::tensor::Device, String> {
         format!("no wgpu CPU adapter ({e:?}); install Mesa's lavapipe: apt-get install mesa-vulkan-drivers libvulkan1")
     })?;
     Ok(burn::tensor::Device::wgpu(burn::tensor::DeviceKind::Cpu))
+}
+
+impl crate::optimizer::FusedAdam {
+    pub(crate) fn fused_cube<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<AdamState<D>>,
+    ) -> (Tensor<D>, Option<AdamState<D>>) {
+        let shape = tensor.shape();
+        let n = shape.num_elements();
+        let flat = |t: Tensor<D>| t.reshape([n]);
+        let (time, m, v, vmax) = self.moments(&tensor, state);
+        let time = time + 1;
+        let scalars = self.hyper.scalars(lr, time);
+        let (p, m, v, vmax) =
+            crate::cube::adam_step(&scalars, flat(tensor), flat(grad), flat(m), flat(v), vmax.map(flat));
+        let back = |t: Tensor<1>| -> Tensor<D> { t.reshape(shape.clone()) };
+        let state = adam_state(time, back(m), back(v), vmax.map(back));
+        (back(p), Some(state))
+    }
+
+    pub(crate) fn fused_cube_master<const D: usize>(
+        &self,
+        lr: LearningRate,
+        master: Tensor<D>,
+        param: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<AdamState<D>>,
+    ) -> (Tensor<D>, Tensor<D>, Option<AdamState<D>>) {
+        let shape = master.shape();
+        let n = shape.num_elements();
+        let flat = |t: Tensor<D>| t.reshape([n]);
+        let (time, m, v, vmax) = self.moments(&master, state);
+        let time = time + 1;
+        let scalars = self.hyper.scalars(lr, time);
+        let (w, p, m, v, vmax) = crate::cube::adam_step_master(
+            &scalars,
+            flat(master),
+            flat(param),
+            flat(grad),
+            flat(m),
+            flat(v),
+            vmax.map(flat),
+        );
+        let back = |t: Tensor<1>| -> Tensor<D> { t.reshape(shape.clone()) };
+        let state = adam_state(time, back(m), back(v), vmax.map(back));
+        (back(w), back(p), Some(state))
+    }
 }

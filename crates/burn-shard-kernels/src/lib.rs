@@ -8,22 +8,30 @@
 //! - [`cpu`]: the fused update on slices, multi-threaded with rayon, auto-vectorised.
 //! - `cube` (feature `cube`, or `wgpu`): the same update as a CubeCL kernel, run in place on
 //!   Burn tensors of the CubeCL backend (CUDA, wgpu, CubeCL's CPU runtime).
-//! - [`FusedAdam`]: a `burn::optim::Optimizer` that runs the fused CPU path on Burn's pure-Rust
+//! - [`FusedAdam`] (`optimizer.rs`; its configuration in `config.rs`, the choice of path in
+//!   `path.rs`, the CPU path's `Flex` buffers in `flex.rs`): a `burn::optim::Optimizer` that runs the fused CPU path on Burn's pure-Rust
 //!   `Flex` backend, the CubeCL kernel on the CubeCL backend (when built with it), and Burn's
 //!   own Adam/AdamW elsewhere. Its state is Burn's
 //!   [`AdamState`](burn::optim::AdamState), so checkpoints move between the two.
 
+mod config;
 pub mod cpu;
 #[cfg(feature = "cube")]
 mod cube;
+mod flex;
 mod hyper;
 mod optimizer;
+mod path;
 
+pub use config::FusedAdamConfig;
 pub use hyper::{AdamHyper, AdamScalars};
-pub use optimizer::{FusedAdam, FusedAdamConfig, StepPath};
+pub use optimizer::FusedAdam;
+pub use path::StepPath;
 
+#[cfg(feature = "cube")]
+pub use cube::cube_supports;
 #[cfg(feature = "wgpu")]
-pub use cube::{cube_supports, wgpu_cpu_device};
+pub use cube::wgpu_cpu_device;
 
 /// Errors of the fused kernels.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -21,12 +21,13 @@
 
 use std::collections::HashMap;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ParamId};
 use burn::tensor::{DType, Tensor};
 use burn_shard_comm::{Collective, ReduceOp};
 
 use crate::ShardError;
 use crate::census::Census;
+use crate::flat;
 
 /// The buffers of one model: ids in traversal order with their element counts.
 #[derive(Clone, Debug, Default)]
@@ -56,68 +57,24 @@ impl Buffers {
         // Every rank's forward has updated its buffers before any rank settles them.
         comm.barrier()?;
         drop(model.valid());
-        let mut read = Read {
-            wanted: self.order.iter().map(|(id, _)| *id).collect(),
-            values: HashMap::new(),
-        };
-        model.visit(&mut read);
+        let wanted = self.order.iter().map(|(id, _)| *id).collect();
+        let mut values = flat::values_by_id(&model, &wanted);
         let mut pieces = Vec::with_capacity(self.order.len());
-        for (id, numel) in &self.order {
-            let value = read.values.remove(id).ok_or_else(|| {
+        for (id, _) in &self.order {
+            let value = values.remove(id).ok_or_else(|| {
                 ShardError::InvalidConfig(format!(
                     "running-state buffer {id} is missing from the module passed to step; pass the model that init returned"
                 ))
             })?;
-            pieces.push(value.reshape([*numel]).cast(DType::F32));
+            pieces.push(value.cast(DType::F32));
         }
         let mean = comm.all_reduce(Tensor::cat(pieces, 0), ReduceOp::Avg)?;
-        let mut offsets = HashMap::with_capacity(self.order.len());
+        let mut values = HashMap::with_capacity(self.order.len());
         let mut offset = 0;
         for (id, numel) in &self.order {
-            offsets.insert(*id, (offset, *numel));
+            values.insert(*id, mean.clone().narrow(0, offset, *numel));
             offset += numel;
         }
-        Ok(model.map(&mut Write { mean, offsets }))
-    }
-}
-
-/// Reads the current (settled) value of each wanted buffer.
-struct Read {
-    wanted: std::collections::HashSet<ParamId>,
-    values: HashMap<ParamId, Tensor<1>>,
-}
-
-impl ModuleVisitor for Read {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if self.wanted.contains(&param.id) {
-            let value = param.val().inner();
-            let numel = value.shape().num_elements();
-            self.values.insert(param.id, value.reshape([numel]));
-        }
-    }
-}
-
-/// Writes each buffer's slice of the mean back, in the buffer's shape, dtype and autodiff mode.
-struct Write {
-    mean: Tensor<1>,
-    offsets: HashMap<ParamId, (usize, usize)>,
-}
-
-impl ModuleMapper for Write {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some(&(offset, numel)) = self.offsets.get(&param.id) else {
-            return param;
-        };
-        let (id, old, mapper) = param.consume();
-        let mut value: Tensor<D> = self
-            .mean
-            .clone()
-            .narrow(0, offset, numel)
-            .cast(old.dtype())
-            .reshape(old.shape());
-        if old.is_autodiff() {
-            value = value.autodiff();
-        }
-        Param::from_mapped_value(id, value, mapper)
+        Ok(flat::replace_values(model, values))
     }
 }

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId, Reparameterization, Reparameterizer};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
 /// What a float entry of a module is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,12 +27,13 @@ pub(crate) enum EntryKind {
     Buffer,
 }
 
-/// One float entry: its kind, module path, shape and whether it requires grad.
+/// One float entry: its kind, module path, shape, dtype and whether it requires grad.
 #[derive(Clone, Debug)]
 pub(crate) struct Entry {
     pub(crate) kind: EntryKind,
     pub(crate) path: String,
     pub(crate) shape: Vec<usize>,
+    pub(crate) dtype: DType,
     pub(crate) require_grad: bool,
 }
 
@@ -41,6 +42,13 @@ pub(crate) struct Entry {
 pub(crate) struct Census {
     order: Vec<ParamId>,
     entries: HashMap<ParamId, Entry>,
+}
+
+impl Entry {
+    /// Elements of the full entry.
+    pub(crate) fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
 }
 
 impl Census {
@@ -147,6 +155,7 @@ impl ModuleVisitor for CensusVisitor {
             kind: EntryKind::Buffer,
             path: self.path.join("."),
             shape: param.lazy_shape().to_vec(),
+            dtype: param.val().dtype(),
             require_grad: param.is_require_grad(),
         };
         self.pending = Some((param.id, entry));

@@ -3,7 +3,6 @@
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn::optim::Optimizer;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_shard_comm::Collective;
 
@@ -13,6 +12,8 @@ use crate::flat;
 use crate::fsdp::context::FsdpContext;
 use crate::fsdp::sharded_param::Sharder;
 use crate::layout::FlatLayout;
+use crate::master::MasterWeightStep;
+use crate::stage_plan::StagePlan;
 use crate::{IntoOptimizer, ShardError, ShardedOptimizer, Stage};
 
 /// Default bucket size: 25 Mi elements (100 MiB of f32), the order of PyTorch DDP's 25 MB
@@ -99,7 +100,7 @@ impl ShardConfig {
         result
     }
 
-    fn init_with<M: Module, O: Optimizer>(
+    fn init_with<M: Module, O: MasterWeightStep>(
         &self,
         model: M,
         optim: O,
@@ -123,7 +124,7 @@ impl ShardConfig {
         let (values, device) = flat::param_values(&model, &everything)?;
         let device = match device {
             Some(device) => device,
-            None => plain_device(&model)?,
+            None => flat::plain_device(&model)?,
         };
         let fingerprint = layout.fingerprint() ^ everything.fingerprint().rotate_left(1);
         check_same_layout(comm.as_ref(), fingerprint, &device)?;
@@ -135,27 +136,38 @@ impl ShardConfig {
         drop(values);
         let model = flat::scatter_into(model, &everything, &full, &[]);
         let buffers = Buffers::of(&census);
-        if self.stage != Stage::Three {
-            let layout = Arc::new(layout);
-            return Ok((
-                model,
-                ShardedOptimizer::new(optim, comm, layout, self.stage, buffers, None),
-            ));
-        }
-        // Stage 3: keep only this rank's shard of every parameter; `val()` gathers on demand.
-        // The optimizer then works on the local shards alone (their gradients arrive reduced).
+        let plan = match self.stage {
+            Stage::Zero => StagePlan::Zero,
+            Stage::One => StagePlan::One,
+            Stage::Two => StagePlan::Two,
+            Stage::Three => return self.shard_parameters(model, optim, comm, census, buffers),
+        };
+        Ok((
+            model,
+            ShardedOptimizer::new(optim, comm, Arc::new(layout), plan, census, buffers),
+        ))
+    }
+
+    /// Stage 3: keeps only this rank's shard of every parameter; `val()` gathers on demand. The
+    /// optimizer then works on the local shards alone (their gradients arrive reduced).
+    fn shard_parameters<M: Module, O: MasterWeightStep>(
+        &self,
+        model: M,
+        optim: O,
+        comm: Arc<dyn Collective>,
+        census: Census,
+        buffers: Buffers,
+    ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
         let ctx = FsdpContext::new(comm.clone(), self.reshard_after_forward);
         let mut sharder = Sharder {
             ctx: ctx.clone(),
-            census,
+            census: census.clone(),
             slots: Vec::new(),
         };
         let model = model.apply_reparameterization(&mut sharder);
         let local = Arc::new(FlatLayout::from_slots(sharder.slots, 1, self.bucket_numel)?);
-        Ok((
-            model,
-            ShardedOptimizer::new(optim, comm, local, self.stage, buffers, Some(ctx)),
-        ))
+        let plan = StagePlan::Three(ctx);
+        Ok((model, ShardedOptimizer::new(optim, comm, local, plan, census, buffers)))
     }
 }
 
@@ -178,16 +190,6 @@ fn refuse_stage3_misfits(census: &Census) -> Result<(), ShardError> {
         }),
         None => Ok(()),
     }
-}
-
-/// The plain (non-autodiff) device of a model that has no float entry to read it from.
-fn plain_device<M: Module>(model: &M) -> Result<Device, ShardError> {
-    model
-        .devices()
-        .into_iter()
-        .next()
-        .map(Device::without_autodiff)
-        .ok_or_else(|| ShardError::InvalidConfig("the model holds no tensor, so there is nothing to shard".into()))
 }
 
 /// All-gathers every rank's layout fingerprint (as four exact 16-bit pieces in f32) and fails

@@ -88,6 +88,9 @@ pub enum ShardError {
         /// Dtype found now.
         found: String,
     },
+    /// A checkpoint could not be saved, read or applied: see the inner error.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
     /// A configuration value is out of range.
     #[error("invalid sharding configuration: {0}")]
     InvalidConfig(String),

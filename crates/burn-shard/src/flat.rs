@@ -2,11 +2,12 @@
 //!
 //! All buffers here are plain (non-autodiff) 1-D tensors on the parameters' inner device.
 
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Shape, Tensor};
+use burn::tensor::{Device, Tensor};
 
 use crate::ShardError;
 use crate::layout::{Bucket, FlatLayout};
@@ -79,12 +80,60 @@ pub(crate) fn assemble(
 /// checkpointing settings. Each new value is a fresh autodiff leaf. Slots with `keep[i]` set
 /// keep their current value.
 pub(crate) fn scatter_into<M: Module>(module: M, layout: &FlatLayout, full_buckets: &[Tensor<1>], keep: &[bool]) -> M {
-    let mut mapper = ScatterMapper {
-        layout,
-        full_buckets,
-        keep,
+    let values = layout
+        .slots()
+        .iter()
+        .enumerate()
+        .filter(|(i, slot)| !keep.get(*i).copied().unwrap_or(false) && slot.numel > 0)
+        .map(|(_, slot)| {
+            let value = full_buckets[slot.bucket].clone().narrow(0, slot.offset, slot.numel);
+            (slot.id, value)
+        })
+        .collect();
+    replace_values(module, values)
+}
+
+/// Replaces the value of every float entry of `module` named in `values` (flat `[numel]`
+/// tensors, reshaped and cast to the entry's shape and dtype) by a fresh leaf that keeps the
+/// entry's id, autodiff, require-grad and checkpointing settings. Running-state buffers take the
+/// value too (Burn's `RunningState` writes it into its cell).
+pub(crate) fn replace_values<M: Module>(module: M, values: HashMap<ParamId, Tensor<1>>) -> M {
+    module.map(&mut ReplaceMapper { values })
+}
+
+/// The current value of every float entry of `module` named in `ids`, flattened to `[numel]`
+/// and plain (no autodiff). At stage 3 a sharded parameter's value here is its placeholder:
+/// read shards through `fsdp::exchange`.
+pub(crate) fn values_by_id<M: Module>(module: &M, ids: &HashSet<ParamId>) -> HashMap<ParamId, Tensor<1>> {
+    struct Read<'a> {
+        ids: &'a HashSet<ParamId>,
+        values: HashMap<ParamId, Tensor<1>>,
+    }
+    impl ModuleVisitor for Read<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.ids.contains(&param.id) {
+                let value = param.val().inner();
+                let numel = value.shape().num_elements();
+                self.values.insert(param.id, value.reshape([numel]));
+            }
+        }
+    }
+    let mut read = Read {
+        ids,
+        values: HashMap::new(),
     };
-    module.map(&mut mapper)
+    module.visit(&mut read);
+    read.values
+}
+
+/// The plain (non-autodiff) device of a module's first tensor.
+pub(crate) fn plain_device<M: Module>(model: &M) -> Result<Device, ShardError> {
+    model
+        .devices()
+        .into_iter()
+        .next()
+        .map(Device::without_autodiff)
+        .ok_or_else(|| ShardError::InvalidConfig("the model holds no tensor, so there is nothing to shard".into()))
 }
 
 /// Byte size of a tensor: elements × dtype size.
@@ -185,33 +234,17 @@ impl ModuleVisitor for SlotVisitor<'_> {
     }
 }
 
-struct ScatterMapper<'a> {
-    layout: &'a FlatLayout,
-    full_buckets: &'a [Tensor<1>],
-    keep: &'a [bool],
+struct ReplaceMapper {
+    values: HashMap<ParamId, Tensor<1>>,
 }
 
-impl ModuleMapper for ScatterMapper<'_> {
+impl ModuleMapper for ReplaceMapper {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some(i) = self
-            .layout
-            .slot_of(&param.id)
-            .filter(|&i| !self.keep.get(i).copied().unwrap_or(false))
-        else {
+        let Some(flat) = self.values.remove(&param.id) else {
             return param;
         };
-        let slot = &self.layout.slots()[i];
         let (id, old, mapper) = param.consume();
-        let shape = Shape::from(slot.shape.clone());
-        let mut value: Tensor<D> = if slot.numel == 0 {
-            // Burn's narrow rejects empty ranges; an empty parameter stays empty.
-            Tensor::zeros(shape, (&self.full_buckets[slot.bucket].device(), slot.dtype))
-        } else {
-            self.full_buckets[slot.bucket]
-                .clone()
-                .narrow(0, slot.offset, slot.numel)
-                .reshape(shape)
-        };
+        let mut value: Tensor<D> = flat.cast(old.dtype()).reshape(old.shape());
         if old.is_autodiff() {
             let strategy = old.gradient_checkpointing_strategy();
             value = value.autodiff();

@@ -1,10 +1,12 @@
 //! [`IntoOptimizer`]: what [`ShardConfig::init`](crate::ShardConfig::init) accepts as the
 //! optimizer, and which implementation it steps the flat shards with.
 
-use burn::optim::{AdaGrad, Adam, AdamConfig, AdamW, AdamWConfig, Adan, Lion, Optimizer, RmsProp, Sgd};
+use burn::optim::{AdaGrad, Adam, AdamConfig, AdamW, AdamWConfig, Adan, LearningRate, Lion, Optimizer, RmsProp, Sgd};
+use burn::tensor::{Device, Tensor};
 use burn_shard_kernels::{FusedAdam, FusedAdamConfig};
 
 use crate::ShardError;
+use crate::master::MasterWeightStep;
 
 /// An optimizer for the flat shards of a [`ShardedOptimizer`](crate::ShardedOptimizer).
 ///
@@ -26,7 +28,7 @@ use crate::ShardError;
 )]
 pub trait IntoOptimizer {
     /// The optimizer each flat shard is stepped with.
-    type Optimizer: Optimizer;
+    type Optimizer: MasterWeightStep;
 
     /// Builds it.
     ///
@@ -37,15 +39,36 @@ pub trait IntoOptimizer {
 }
 
 /// Wraps an optimizer whose update is element-wise (each element's new value and state depend
-/// on that element alone), so it can step flat buckets that hold many parameters.
+/// on that element alone), so it can step flat buckets that hold many parameters. It steps as
+/// the wrapped optimizer does; `bf16`/`f16` masters use [`MasterWeightStep`]'s provided method.
 #[derive(Clone, Debug)]
 pub struct ElementWise<O>(pub O);
 
-impl<O: Optimizer> IntoOptimizer for ElementWise<O> {
-    type Optimizer = O;
+impl<O: Optimizer> Optimizer for ElementWise<O> {
+    type State<const D: usize> = O::State<D>;
 
-    fn into_optimizer(self) -> Result<O, ShardError> {
-        Ok(self.0)
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<D>, Option<Self::State<D>>) {
+        self.0.step(lr, tensor, grad, state)
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
+        O::to_device(state, device)
+    }
+}
+
+impl<O: Optimizer> MasterWeightStep for ElementWise<O> {}
+
+impl<O: Optimizer> IntoOptimizer for ElementWise<O> {
+    type Optimizer = ElementWise<O>;
+
+    fn into_optimizer(self) -> Result<ElementWise<O>, ShardError> {
+        Ok(self)
     }
 }
 

@@ -229,7 +229,7 @@ impl Bucket {
 }
 
 /// Float dtypes the flat buffers and collectives carry.
-const SUPPORTED: [DType; 5] = [DType::F32, DType::F64, DType::Flex32, DType::BF16, DType::F16];
+pub(crate) const SUPPORTED: [DType; 5] = [DType::F32, DType::F64, DType::Flex32, DType::BF16, DType::F16];
 
 /// A float entry of a module with whether it requires grad.
 struct Collected {

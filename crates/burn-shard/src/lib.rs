@@ -30,6 +30,7 @@
 
 mod buffers;
 mod census;
+pub mod checkpoint;
 mod config;
 mod error;
 mod flat;
@@ -40,11 +41,13 @@ mod master;
 mod memory;
 mod optimizer;
 mod stage;
+mod stage_plan;
 
 pub use config::ShardConfig;
 pub use error::ShardError;
 pub use into_optimizer::{ElementWise, IntoOptimizer};
 pub use layout::{Bucket, FlatLayout, ParamSlot};
+pub use master::MasterWeightStep;
 pub use memory::MemoryReport;
 pub use optimizer::ShardedOptimizer;
 pub use stage::Stage;

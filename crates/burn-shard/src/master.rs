@@ -6,9 +6,7 @@
 //! with the optimizer state (Rajbhandari et al., 2020, §3: `K = 12` bytes per parameter for
 //! mixed-precision Adam: master, momentum, variance).
 
-use std::any::Any;
-
-use burn::optim::{AdamState, LearningRate, Optimizer};
+use burn::optim::{AdaGrad, Adam, AdamState, AdamW, Adan, LearningRate, Lion, Optimizer, RmsProp, Sgd};
 use burn::tensor::{DType, Tensor};
 use burn_shard_kernels::FusedAdam;
 
@@ -18,33 +16,48 @@ pub(crate) fn needs_master(dtype: DType) -> bool {
     matches!(dtype, DType::BF16 | DType::F16)
 }
 
-/// One step of `optim` on this rank's `f32` `master` shard (`[len]`) from `grad` (`[len]`, the
-/// parameters' dtype); returns `(master, param, state)` with `param` the new master rounded to
-/// `param`'s dtype. [`FusedAdam`] does it in one pass; any other optimizer steps the master and
-/// the result is cast.
-pub(crate) fn step_with_master<O: Optimizer>(
-    optim: &O,
-    lr: LearningRate,
-    master: Tensor<1>,
-    param: Tensor<1>,
-    grad: Tensor<1>,
-    state: Option<O::State<1>>,
-) -> (Tensor<1>, Tensor<1>, Option<O::State<1>>) {
-    if let Some(fused) = (optim as &dyn Any).downcast_ref::<FusedAdam>() {
-        // O is FusedAdam, so O::State<1> is AdamState<1>: the casts below cannot fail.
-        let state = state.map(|s| *cast_box::<_, AdamState<1>>(s));
-        let (master, param, state) = fused.step_with_master(lr, master, param, grad, state);
-        return (master, param, state.map(|s| *cast_box::<_, O::State<1>>(s)));
+/// How an optimizer steps the `f32` master weights of `bf16`/`f16` parameters: what the sharded
+/// step needs of an optimizer beyond Burn's [`Optimizer`].
+///
+/// The provided method steps the master with [`Optimizer::step`] and rounds the result to the
+/// parameter's dtype (two passes). [`FusedAdam`] overrides it with its one-pass kernel (CPU and
+/// CubeCL) that updates the master and writes the rounded parameter together. Burn's built
+/// element-wise optimizers and [`ElementWise`](crate::ElementWise) use the provided method.
+pub trait MasterWeightStep: Optimizer {
+    /// One step on this rank's `f32` `master` (`[len]`) from `grad` (`[len]`, the parameters'
+    /// dtype); returns `(master, param, state)` with `param` the new master rounded to
+    /// `param`'s dtype (`bf16` or `f16`).
+    fn step_with_master(
+        &self,
+        lr: LearningRate,
+        master: Tensor<1>,
+        param: Tensor<1>,
+        grad: Tensor<1>,
+        state: Option<Self::State<1>>,
+    ) -> (Tensor<1>, Tensor<1>, Option<Self::State<1>>) {
+        let dtype = param.dtype();
+        drop(param);
+        let (master, state) = self.step(lr, master, grad.cast(DType::F32), state);
+        let param = master.clone().cast(dtype);
+        (master, param, state)
     }
-    let dtype = param.dtype();
-    drop(param);
-    let (master, state) = optim.step(lr, master, grad.cast(DType::F32), state);
-    let param = master.clone().cast(dtype);
-    (master, param, state)
 }
 
-fn cast_box<A: 'static, B: 'static>(value: A) -> Box<B> {
-    (Box::new(value) as Box<dyn Any>)
-        .downcast::<B>()
-        .expect("the optimizer's state type was checked through its TypeId")
+impl MasterWeightStep for FusedAdam {
+    fn step_with_master(
+        &self,
+        lr: LearningRate,
+        master: Tensor<1>,
+        param: Tensor<1>,
+        grad: Tensor<1>,
+        state: Option<AdamState<1>>,
+    ) -> (Tensor<1>, Tensor<1>, Option<AdamState<1>>) {
+        FusedAdam::step_with_master(self, lr, master, param, grad, state)
+    }
 }
+
+macro_rules! provided {
+    ($($t:ty),*) => {$(impl MasterWeightStep for $t {})*};
+}
+
+provided!(Adam, AdamW, Sgd, AdaGrad, RmsProp, Adan, Lion);

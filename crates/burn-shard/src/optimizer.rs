@@ -1,20 +1,22 @@
 //! [`ShardedOptimizer`]: one ZeRO step around one of Burn's optimizers.
 
-use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
-use burn::module::{Module, ParamId};
-use burn::optim::{GradientsParams, LearningRate, Optimizer, RecordState, StateSink};
+use burn::module::Module;
+use burn::optim::{GradientsParams, LearningRate, RecordState, StateSink};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, ReduceOp};
 
 use crate::buffers::Buffers;
+use crate::census::Census;
 use crate::flat::{self, tensor_bytes};
 use crate::fsdp::context::FsdpContext;
 use crate::fsdp::exchange;
 use crate::layout::{Bucket, FlatLayout};
+use crate::master::MasterWeightStep;
 use crate::memory::{MemoryReport, PeakTracker, module_param_bytes};
+use crate::stage_plan::StagePlan;
 use crate::{ShardError, Stage};
 
 /// A Burn optimizer whose state (stages 1-3), gradients (stages 2-3) and parameters (stage 3)
@@ -36,33 +38,33 @@ use crate::{ShardError, Stage};
 /// Burn's per-parameter step element for element. Optimizers that mix elements of a tensor
 /// (per-tensor norms: LAMB, Muon, Adafactor, or Burn's per-parameter norm clipping) would see
 /// buckets instead of parameters and must not be used here.
-pub struct ShardedOptimizer<O: Optimizer> {
-    optim: O,
-    comm: Arc<dyn Collective>,
-    layout: Arc<FlatLayout>,
-    stage: Stage,
+pub struct ShardedOptimizer<O: MasterWeightStep> {
+    pub(crate) optim: O,
+    pub(crate) comm: Arc<dyn Collective>,
+    pub(crate) layout: Arc<FlatLayout>,
+    pub(crate) plan: StagePlan,
+    /// The model's float entries as `init` found them (paths, full shapes, kinds).
+    pub(crate) census: Census,
     /// Burn's optimizer state of each layout slot's piece owned by this rank (`None` before
     /// the slot's first gradient, and for slots outside this rank's range).
-    states: Vec<Option<O::State<1>>>,
+    pub(crate) states: Vec<Option<O::State<1>>>,
     /// `f32` master copy of each `bf16`/`f16` slot's piece owned by this rank (`None` for
     /// `f32` slots and before the slot's first gradient).
-    masters: Vec<Option<Tensor<1>>>,
+    pub(crate) masters: Vec<Option<Tensor<1>>>,
     /// Running-state buffers, averaged over the ranks at every step.
     buffers: Buffers,
     gradients_bytes: usize,
     temporary_peak_bytes: usize,
-    /// Stage 3: what the model's gather ops share (their first error, transient probes).
-    fsdp: Option<FsdpContext>,
 }
 
-impl<O: Optimizer> ShardedOptimizer<O> {
+impl<O: MasterWeightStep> ShardedOptimizer<O> {
     pub(crate) fn new(
         optim: O,
         comm: Arc<dyn Collective>,
         layout: Arc<FlatLayout>,
-        stage: Stage,
+        plan: StagePlan,
+        census: Census,
         buffers: Buffers,
-        fsdp: Option<FsdpContext>,
     ) -> Self {
         let states = vec![None; layout.slots().len()];
         let masters = vec![None; layout.slots().len()];
@@ -70,13 +72,13 @@ impl<O: Optimizer> ShardedOptimizer<O> {
             optim,
             comm,
             layout,
-            stage,
+            plan,
+            census,
             states,
             masters,
             buffers,
             gradients_bytes: 0,
             temporary_peak_bytes: 0,
-            fsdp,
         }
     }
 
@@ -114,7 +116,7 @@ impl<O: Optimizer> ShardedOptimizer<O> {
     /// and reduce-scatters cannot return errors through Burn's autodiff; they record them and
     /// use zeros). `step` checks this itself; call it after an evaluation pass run outside it.
     pub fn check_collectives(&self) -> Result<(), ShardError> {
-        match self.fsdp.as_ref().and_then(FsdpContext::take_error) {
+        match self.plan.fsdp().and_then(FsdpContext::take_error) {
             Some(err) => Err(err.into()),
             None => Ok(()),
         }
@@ -147,42 +149,28 @@ impl<O: Optimizer> ShardedOptimizer<O> {
             grad_parts[bucket.slots.clone()].iter_mut().for_each(|g| *g = None);
             let flat_bytes = tensor_bytes(&flat);
             temp.alloc(flat_bytes);
-            let grad = match self.stage {
-                Stage::Zero | Stage::One => self.comm.all_reduce(flat, ReduceOp::Avg)?,
-                Stage::Two => self.comm.reduce_scatter(flat, ReduceOp::Avg)?,
-                // The layout covers this rank's parameter shards, whose gradients are reduced.
-                Stage::Three => flat,
-            };
+            let grad = self.plan.reduce(self.comm.as_ref(), flat)?;
             temp.free(flat_bytes);
             reduced.push(grad);
         }
         self.gradients_bytes = reduced.iter().map(tensor_bytes).sum();
 
         // 2. Burn's optimizer on each parameter's piece of the owned range, then all-gather.
-        let values = match &self.fsdp {
-            Some(_) => shard_values(&model, &layout),
-            None => flat::param_values(&model, &layout)?.0,
-        };
+        let values = self.plan.read_values(&model, &layout)?;
         let mut full = Vec::with_capacity(layout.buckets().len());
         for (bucket, grad) in layout.buckets().iter().zip(reduced) {
-            let range = self.owned_range(bucket);
-            let grad = match self.stage {
-                Stage::One => grad.narrow(0, range.start, range.len()),
-                Stage::Zero | Stage::Two | Stage::Three => grad,
-            };
+            let range = self.plan.owned_range(bucket, self.comm.rank());
+            let grad = self.plan.gradient_of_range(grad, range.clone());
             let param = self.update_range(lr, &layout, bucket, range, &values, grad, &has_grad, &device);
             let param_bytes = tensor_bytes(&param);
             temp.alloc(param_bytes);
-            let updated = match self.stage {
-                Stage::One | Stage::Two => self.comm.all_gather(param)?,
-                Stage::Zero | Stage::Three => param,
-            };
+            let updated = self.plan.publish(self.comm.as_ref(), param)?;
             temp.free(param_bytes);
             temp.alloc(tensor_bytes(&updated));
             full.push(updated);
         }
         drop(values);
-        self.temporary_peak_bytes = match &self.fsdp {
+        self.temporary_peak_bytes = match self.plan.fsdp() {
             // Stage 3: the gathered parameters and full gradients of the forward and backward
             // that produced `grads` dominate; the step itself holds only shards.
             Some(fsdp) => {
@@ -193,20 +181,8 @@ impl<O: Optimizer> ShardedOptimizer<O> {
             None => temp.peak(),
         };
         let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
-        let model = match &self.fsdp {
-            Some(_) => exchange::replace_shards(model, updated_shards(&layout, &full, &keep)),
-            None => flat::scatter_into(model, &layout, &full, &keep),
-        };
+        let model = self.plan.write_values(model, &layout, &full, &keep);
         self.buffers.sync(self.comm.as_ref(), model)
-    }
-
-    /// The elements of `bucket` this rank steps: its shard at stages 1-2, the whole bucket at
-    /// stage 0 (replicated) and stage 3 (whose layout covers the local shards).
-    fn owned_range(&self, bucket: &Bucket) -> Range<usize> {
-        match self.stage {
-            Stage::One | Stage::Two => bucket.shard_range(self.comm.rank()),
-            Stage::Zero | Stage::Three => 0..bucket.padded_numel,
-        }
     }
 
     /// Steps each parameter's piece of `range` of `bucket` with its own optimizer state (so
@@ -250,8 +226,7 @@ impl<O: Optimizer> ShardedOptimizer<O> {
                 let master = self.masters[index]
                     .take()
                     .unwrap_or_else(|| param.clone().cast(DType::F32));
-                let (master, param, state) =
-                    crate::master::step_with_master(&self.optim, lr, master, param, grad, state);
+                let (master, param, state) = self.optim.step_with_master(lr, master, param, grad, state);
                 self.masters[index] = Some(master);
                 (param, state)
             } else {
@@ -277,7 +252,7 @@ impl<O: Optimizer> ShardedOptimizer<O> {
     /// elements); at stage 3 a gradient exists on every rank or on none.
     fn with_gradient(&self, grads: &flat::SlotValues, device: &Device) -> Result<Vec<bool>, ShardError> {
         let local: Vec<bool> = grads.iter().map(Option::is_some).collect();
-        if self.stage == Stage::Three || self.comm.world_size() == 1 {
+        if self.plan.gradient_presence_is_local() || self.comm.world_size() == 1 {
             return Ok(local);
         }
         let flags: Vec<f32> = local.iter().map(|&g| if g { 1.0 } else { 0.0 }).collect();
@@ -308,8 +283,8 @@ impl<O: Optimizer> ShardedOptimizer<O> {
         MemoryReport {
             rank: self.comm.rank(),
             world_size: self.comm.world_size(),
-            stage: self.stage.number(),
-            parameters_bytes: match &self.fsdp {
+            stage: self.stage().number(),
+            parameters_bytes: match self.plan.fsdp() {
                 Some(_) => {
                     let shards = exchange::collect_shards(model);
                     let sharded: usize = shards.values().map(tensor_bytes).sum();
@@ -347,7 +322,7 @@ impl<O: Optimizer> ShardedOptimizer<O> {
             .buckets()
             .iter()
             .map(|bucket| {
-                let range = self.owned_range(bucket);
+                let range = self.plan.owned_range(bucket, self.comm.rank());
                 range.end.min(bucket.numel).saturating_sub(range.start)
             })
             .sum()
@@ -355,7 +330,7 @@ impl<O: Optimizer> ShardedOptimizer<O> {
 
     /// The ZeRO stage.
     pub fn stage(&self) -> Stage {
-        self.stage
+        self.plan.stage()
     }
 
     /// The `f32` master weights of this rank's piece of each `bf16`/`f16` parameter of the
@@ -381,21 +356,4 @@ impl<O: Optimizer> ShardedOptimizer<O> {
     pub fn slot_states(&self) -> &[Option<O::State<1>>] {
         &self.states
     }
-}
-
-/// Stage 3: this rank's shard of each layout slot, read from the model's sharded parameters.
-fn shard_values<M: Module>(model: &M, layout: &FlatLayout) -> flat::SlotValues {
-    let mut shards = exchange::collect_shards(model);
-    layout.slots().iter().map(|slot| shards.remove(&slot.id)).collect()
-}
-
-/// Stage 3: the updated shard of each slot that was stepped, cut from the updated buckets.
-fn updated_shards(layout: &FlatLayout, buckets: &[Tensor<1>], keep: &[bool]) -> HashMap<ParamId, Tensor<1>> {
-    layout
-        .slots()
-        .iter()
-        .zip(keep)
-        .filter(|(_, keep)| !**keep)
-        .map(|(slot, _)| (slot.id, buckets[slot.bucket].clone().narrow(0, slot.offset, slot.numel)))
-        .collect()
 }

@@ -1,0 +1,248 @@
+//! The rank files: writing one (burnpack, then its digest), and reading verified pieces.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{DType, TensorData};
+use burn_pack::{Reader, Scalar, Writer};
+use sha2::{Digest, Sha256};
+
+use super::CheckpointError;
+use super::meta::{CheckpointMeta, EntryMeta, FileMeta};
+
+/// `rank-R.bpk`.
+pub(crate) fn rank_file(rank: usize) -> String {
+    format!("rank-{rank}.bpk")
+}
+
+/// `rank-R.sha256`: `HEX BYTES`, written after the rank file.
+pub(crate) fn digest_file(rank: usize) -> String {
+    format!("rank-{rank}.sha256")
+}
+
+/// The tensors and scalars of one rank file, written by [`RankFile::write`].
+#[derive(Default)]
+pub(crate) struct RankFile {
+    tensors: Vec<burn_pack::Tensor>,
+    scalars: Vec<(String, Scalar)>,
+}
+
+impl RankFile {
+    pub(crate) fn push(&mut self, name: String, data: TensorData) {
+        let (shape, dtype) = (data.shape().clone(), data.dtype());
+        self.tensors
+            .push(burn_pack::Tensor::new(name, dtype, shape, None, data.into_bytes()));
+    }
+
+    pub(crate) fn push_scalar(&mut self, name: String, value: Scalar) {
+        self.scalars.push((name, value));
+    }
+
+    /// Writes `dir/rank-R.bpk` (atomically: a temporary file renamed into place) and then its
+    /// digest file.
+    pub(crate) fn write(self, dir: &Path, rank: usize) -> Result<(), CheckpointError> {
+        let path = dir.join(rank_file(rank));
+        let mut writer = Writer::new(self.tensors).auto_extension(false);
+        for (name, value) in self.scalars {
+            writer = writer.with_scalar(&name, value);
+        }
+        writer.write_to_file(&path).map_err(|e| CheckpointError::io(&path, e))?;
+        let (bytes, sha256) = digest(&path)?;
+        let digest_path = dir.join(digest_file(rank));
+        let mut f = std::fs::File::create(&digest_path).map_err(|e| CheckpointError::io(&digest_path, e))?;
+        writeln!(f, "{sha256} {bytes}")
+            .and_then(|_| f.sync_all())
+            .map_err(|e| CheckpointError::io(&digest_path, e))
+    }
+}
+
+/// Size and SHA-256 (lowercase hex) of a file, read in a stream.
+pub(crate) fn digest(path: &Path) -> Result<(u64, String), CheckpointError> {
+    let mut file = std::fs::File::open(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => CheckpointError::Missing {
+            file: path.to_path_buf(),
+        },
+        _ => CheckpointError::io(path, e),
+    })?;
+    let mut hasher = Sha256::new();
+    let bytes = std::io::copy(&mut file, &mut hasher).map_err(|e| CheckpointError::io(path, e))?;
+    Ok((bytes, format!("{:x}", hasher.finalize())))
+}
+
+/// What rank `rank` recorded about its file in `dir`.
+pub(crate) fn read_digest(dir: &Path, rank: usize) -> Result<FileMeta, CheckpointError> {
+    let path = dir.join(digest_file(rank));
+    let text = std::fs::read_to_string(&path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => CheckpointError::Missing { file: path.clone() },
+        _ => CheckpointError::io(&path, e),
+    })?;
+    let mut parts = text.split_whitespace();
+    let (Some(sha256), Some(bytes)) = (parts.next(), parts.next().and_then(|b| b.parse().ok())) else {
+        return Err(CheckpointError::Corrupt {
+            file: path,
+            reason: "not `SHA256 BYTES`".into(),
+        });
+    };
+    Ok(FileMeta {
+        name: rank_file(rank),
+        bytes,
+        sha256: sha256.to_string(),
+    })
+}
+
+/// One opened rank file: its tensors (bytes read lazily) and scalars.
+struct Opened {
+    tensors: HashMap<String, burn_pack::Tensor>,
+    scalars: BTreeMap<String, Scalar>,
+}
+
+/// The rank files of a checkpoint, each verified against its digest before its first read.
+pub(crate) struct RankFiles<'a> {
+    dir: PathBuf,
+    meta: &'a CheckpointMeta,
+    open: HashMap<usize, Opened>,
+}
+
+impl<'a> RankFiles<'a> {
+    pub(crate) fn new(dir: &Path, meta: &'a CheckpointMeta) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            meta,
+            open: HashMap::new(),
+        }
+    }
+
+    fn opened(&mut self, rank: usize) -> Result<&Opened, CheckpointError> {
+        if !self.open.contains_key(&rank) {
+            let name = rank_file(rank);
+            let path = self.dir.join(&name);
+            let expected = self
+                .meta
+                .files
+                .iter()
+                .find(|f| f.name == name)
+                .ok_or_else(|| CheckpointError::Corrupt {
+                    file: self.dir.join(super::META),
+                    reason: format!("lists no digest for {name}"),
+                })?;
+            let (bytes, sha256) = digest(&path)?;
+            if bytes != expected.bytes || sha256 != expected.sha256 {
+                return Err(CheckpointError::Corrupt {
+                    file: path,
+                    reason: format!(
+                        "{bytes} bytes with SHA-256 {sha256}, the checkpoint recorded {} bytes with SHA-256 {}",
+                        expected.bytes, expected.sha256
+                    ),
+                });
+            }
+            let corrupt = |e: burn_pack::Error| CheckpointError::Corrupt {
+                file: path.clone(),
+                reason: e.to_string(),
+            };
+            let reader = Reader::from_file_exact(&path).map_err(corrupt)?;
+            let scalars = reader.scalars().clone();
+            let tensors = reader
+                .into_tensors()
+                .map_err(corrupt)?
+                .into_iter()
+                .map(|t| (t.name.clone(), t))
+                .collect();
+            self.open.insert(rank, Opened { tensors, scalars });
+        }
+        Ok(&self.open[&rank])
+    }
+
+    /// Dtype and bytes of tensor `name` in `rank`'s file, `None` when the file has no such
+    /// tensor.
+    fn tensor(&mut self, rank: usize, name: &str) -> Result<Option<(DType, Vec<u8>)>, CheckpointError> {
+        let path = self.dir.join(rank_file(rank));
+        let Some(tensor) = self.opened(rank)?.tensors.get(name) else {
+            return Ok(None);
+        };
+        let bytes = tensor.to_bytes().map_err(|e| CheckpointError::Corrupt {
+            file: path,
+            reason: format!("tensor {name}: {e}"),
+        })?;
+        Ok(Some((tensor.dtype, bytes.to_vec())))
+    }
+
+    /// Names of the tensors of `rank`'s file that start with `prefix`, prefix removed.
+    pub(crate) fn tensors_under(&mut self, rank: usize, prefix: &str) -> Result<Vec<String>, CheckpointError> {
+        Ok(self
+            .opened(rank)?
+            .tensors
+            .keys()
+            .filter_map(|n| n.strip_prefix(prefix).map(str::to_string))
+            .collect())
+    }
+
+    /// Scalars of `rank`'s file whose names start with `prefix`, prefix removed.
+    pub(crate) fn scalars_under(
+        &mut self,
+        rank: usize,
+        prefix: &str,
+    ) -> Result<Vec<(String, Scalar)>, CheckpointError> {
+        Ok(self
+            .opened(rank)?
+            .scalars
+            .iter()
+            .filter_map(|(n, v)| n.strip_prefix(prefix).map(|n| (n.to_string(), *v)))
+            .collect())
+    }
+
+    /// Elements `range` of tensor `name` of `entry` (`param/PATH`, `state/PATH/FIELD` or
+    /// `master/PATH`), gathered from the pieces that hold them: `[range.len()]`, in the dtype
+    /// the writer stored.
+    pub(crate) fn read_range(
+        &mut self,
+        entry: &EntryMeta,
+        name: &str,
+        range: Range<usize>,
+    ) -> Result<TensorData, CheckpointError> {
+        let mut out = Vec::new();
+        let mut dtype = None;
+        let mut next = range.start;
+        for piece in &entry.pieces {
+            let (lo, hi) = (range.start.max(piece.start), range.end.min(piece.end));
+            if lo >= hi {
+                continue;
+            }
+            let file = self.dir.join(rank_file(piece.rank));
+            if lo != next {
+                return Err(CheckpointError::Corrupt {
+                    file: self.dir.join(super::META),
+                    reason: format!("the pieces of `{}` leave elements {next}..{lo} out", entry.path),
+                });
+            }
+            let (piece_dtype, bytes) = self.tensor(piece.rank, name)?.ok_or_else(|| CheckpointError::Corrupt {
+                file: file.clone(),
+                reason: format!("no tensor {name}, which the metadata places there"),
+            })?;
+            let elem = piece_dtype.size();
+            if bytes.len() != (piece.end - piece.start) * elem || dtype.is_some_and(|d| d != piece_dtype) {
+                return Err(CheckpointError::Corrupt {
+                    file,
+                    reason: format!(
+                        "tensor {name} has {} bytes of {piece_dtype:?}, its piece {}..{} needs {}",
+                        bytes.len(),
+                        piece.start,
+                        piece.end,
+                        (piece.end - piece.start) * elem
+                    ),
+                });
+            }
+            dtype = Some(piece_dtype);
+            out.extend_from_slice(&bytes[(lo - piece.start) * elem..(hi - piece.start) * elem]);
+            next = hi;
+        }
+        match dtype {
+            Some(dtype) if next == range.end => Ok(TensorData::from_bytes_vec(out, [range.len()], dtype)),
+            _ => Err(CheckpointError::Corrupt {
+                file: self.dir.join(super::META),
+                reason: format!("no piece of `{}` holds elements {next}..{}", entry.path, range.end),
+            }),
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! Loading: each rank takes the ranges its own layout needs from whichever files hold them, so
+//! a checkpoint of any world size and stage resumes at any other.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::path::Path;
+
+use burn::module::Module;
+use burn::optim::{RecordState, StateSource};
+use burn::tensor::{Device, Tensor, TensorData};
+
+use super::CheckpointError;
+use super::files::RankFiles;
+use super::meta::{CheckpointMeta, EntryMeta, dtype_name};
+use super::pieces::{Holding, piece, stepped};
+use crate::fsdp::exchange;
+use crate::master::MasterWeightStep;
+use crate::{ShardError, ShardedOptimizer, Stage, flat};
+
+impl<O: MasterWeightStep> ShardedOptimizer<O> {
+    /// Loads the checkpoint in `dir` into `model` (the one `init` returned) and this optimizer,
+    /// and returns the model and the payload given to
+    /// [`ShardedOptimizer::save_checkpoint`]. A collective: every rank calls it.
+    ///
+    /// The checkpoint may come from any world size and any stage: each rank reads the element
+    /// ranges its own layout needs (values, Burn's optimizer state of each parameter with its
+    /// step count, `f32` masters) from whichever rank files hold them. The same world size and
+    /// stage continue bitwise as if never interrupted. Entries are matched by module path, so a
+    /// rebuilt model (new `ParamId`s) loads too.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Incomplete`], [`CheckpointError::Missing`],
+    /// [`CheckpointError::Corrupt`] (a file that fails its digest, truncated or altered),
+    /// [`CheckpointError::ModelMismatch`] (another model: names the parameter and both shapes),
+    /// wrapped in [`ShardError::Checkpoint`]. A rank that fails makes every rank fail with its
+    /// message; the model and optimizer given are then unchanged.
+    pub fn load_checkpoint<M: Module>(
+        &mut self,
+        model: M,
+        dir: impl AsRef<Path>,
+    ) -> Result<(M, serde_json::Value), ShardError> {
+        let loaded = self.read_checkpoint(&model, dir.as_ref());
+        let (values, shards, states, masters, payload) = self.agree(loaded, "load_checkpoint")?;
+        self.states = states;
+        self.masters = masters;
+        let model = flat::replace_values(model, values);
+        let model = match self.stage() {
+            Stage::Three => exchange::replace_shards(model, shards),
+            _ => model,
+        };
+        Ok((model, payload))
+    }
+
+    /// Everything a load changes, read and checked before anything is changed.
+    #[allow(clippy::type_complexity)]
+    fn read_checkpoint<M: Module>(
+        &self,
+        model: &M,
+        dir: &Path,
+    ) -> Result<
+        (
+            HashMap<burn::module::ParamId, Tensor<1>>,
+            HashMap<burn::module::ParamId, Tensor<1>>,
+            Vec<Option<O::State<1>>>,
+            Vec<Option<Tensor<1>>>,
+            serde_json::Value,
+        ),
+        ShardError,
+    > {
+        let meta = CheckpointMeta::read(dir)?;
+        let entries = self.saved_entries();
+        check_same_model(&meta, &entries)?;
+        let by_path: HashMap<&str, &EntryMeta> = meta.entries.iter().map(|e| (e.path.as_str(), e)).collect();
+        let device = flat::plain_device(model)?;
+        let (rank, world_size, stage) = (self.comm.rank(), self.comm.world_size(), self.stage());
+        let mut files = RankFiles::new(dir, &meta);
+        let (mut values, mut shards) = (HashMap::new(), HashMap::new());
+        let mut states = vec![None; self.layout.slots().len()];
+        let mut masters = vec![None; self.layout.slots().len()];
+        for (id, entry, holding) in &entries {
+            let saved = by_path[entry.path.as_str()];
+            let name = format!("param/{}", entry.path);
+            let numel = entry.numel();
+            let own = piece(stage, *holding, numel, rank, world_size);
+            match holding {
+                Holding::Chunks => {
+                    let chunk = numel.div_ceil(world_size);
+                    let data = match &own {
+                        Some(range) => files.read_range(saved, &name, range.clone())?,
+                        None => TensorData::from_bytes_vec(Vec::new(), [0], entry.dtype),
+                    };
+                    shards.insert(*id, padded(data, chunk, &device));
+                }
+                _ => {
+                    let data = files.read_range(saved, &name, 0..numel)?;
+                    let dtype = data.dtype();
+                    values.insert(*id, Tensor::from_data(data, (&device, dtype)));
+                }
+            }
+            let range = stepped(stage, *holding, numel, rank, world_size);
+            let (Some(index), Some(range)) = (self.layout.slot_of(id), range) else {
+                continue;
+            };
+            // The optimizer steps the range, or at stage 3 the whole shard with its padding
+            // (zeros: their gradient is zero, so they stay zero).
+            let stepped = match stage {
+                Stage::Three => self.layout.slots()[index].numel,
+                _ => range.len(),
+            };
+            states[index] = read_state::<O>(&mut files, saved, range.clone(), stepped, &device)?;
+            let master = format!("master/{}", entry.path);
+            if has_tensor(&mut files, saved, &range, &master)? {
+                masters[index] = Some(padded(files.read_range(saved, &master, range)?, stepped, &device));
+            }
+        }
+        Ok((values, shards, states, masters, meta.payload.clone()))
+    }
+}
+
+/// The model's entries and the checkpoint's must be the same: paths, shapes and dtypes.
+fn check_same_model(
+    meta: &CheckpointMeta,
+    entries: &[(burn::module::ParamId, &crate::census::Entry, Holding)],
+) -> Result<(), ShardError> {
+    let by_path: HashMap<&str, &EntryMeta> = meta.entries.iter().map(|e| (e.path.as_str(), e)).collect();
+    for (_, entry, _) in entries {
+        let Some(saved) = by_path.get(entry.path.as_str()) else {
+            return Err(CheckpointError::ModelMismatch(format!(
+                "the model's `{}` (shape {:?}) is not in the checkpoint",
+                entry.path, entry.shape
+            ))
+            .into());
+        };
+        if saved.shape != entry.shape || saved.dtype != dtype_name(entry.dtype) {
+            return Err(CheckpointError::ModelMismatch(format!(
+                "`{}` is {:?} {} in the model and {:?} {} in the checkpoint",
+                entry.path,
+                entry.shape,
+                dtype_name(entry.dtype),
+                saved.shape,
+                saved.dtype
+            ))
+            .into());
+        }
+    }
+    if let Some(extra) = meta
+        .entries
+        .iter()
+        .find(|s| !entries.iter().any(|(_, e, _)| e.path == s.path))
+    {
+        return Err(CheckpointError::ModelMismatch(format!(
+            "the checkpoint's `{}` (shape {:?}) is not in the model",
+            extra.path, extra.shape
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// `data` (`[len]`) zero-padded to `[to]` elements, as a tensor on `device`.
+fn padded(data: TensorData, to: usize, device: &Device) -> Tensor<1> {
+    let (len, dtype) = (data.num_elements(), data.dtype());
+    let mut bytes = data.into_bytes().to_vec();
+    bytes.resize(to.max(len) * dtype.size(), 0);
+    Tensor::from_data(TensorData::from_bytes_vec(bytes, [to.max(len)], dtype), (device, dtype))
+}
+
+/// Whether the file holding the start of `range` of `entry` has tensor `name`.
+fn has_tensor(
+    files: &mut RankFiles,
+    entry: &EntryMeta,
+    range: &Range<usize>,
+    name: &str,
+) -> Result<bool, CheckpointError> {
+    match holder(entry, range) {
+        Some(rank) => Ok(files.tensors_under(rank, name)?.iter().any(|rest| rest.is_empty())),
+        None => Ok(false),
+    }
+}
+
+/// The rank whose piece holds the first element of `range`.
+fn holder(entry: &EntryMeta, range: &Range<usize>) -> Option<usize> {
+    entry
+        .pieces
+        .iter()
+        .find(|p| p.start <= range.start && range.start < p.end)
+        .map(|p| p.rank)
+}
+
+/// Burn's optimizer state of elements `range` of `entry`, padded to `stepped` elements, or
+/// `None` when the checkpoint has none (the parameter had not received a gradient yet).
+fn read_state<O: MasterWeightStep>(
+    files: &mut RankFiles,
+    entry: &EntryMeta,
+    range: Range<usize>,
+    stepped: usize,
+    device: &Device,
+) -> Result<Option<O::State<1>>, CheckpointError> {
+    let prefix = format!("state/{}/", entry.path);
+    let Some(rank) = holder(entry, &range) else {
+        return Ok(None);
+    };
+    let fields = files.tensors_under(rank, &prefix)?;
+    let scalars: BTreeMap<String, burn_pack::Scalar> = files.scalars_under(rank, &prefix)?.into_iter().collect();
+    if fields.is_empty() && scalars.is_empty() {
+        return Ok(None);
+    }
+    let mut source = StateSource::new(scalars);
+    for field in fields {
+        let data = files.read_range(entry, &format!("{prefix}{field}"), range.clone())?;
+        source.insert_tensor(field, padded(data, stepped, device).into_data());
+    }
+    let state = O::State::<1>::state_unflatten("", &mut source, device);
+    match state {
+        Some(state) => Ok(Some(state)),
+        None => Err(CheckpointError::ModelMismatch(format!(
+            "the optimizer state saved for `{}` is not this optimizer's (was it saved with another optimizer?)",
+            entry.path
+        ))),
+    }
+}

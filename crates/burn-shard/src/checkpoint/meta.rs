@@ -1,0 +1,117 @@
+//! `meta.json`: what a sharded checkpoint holds and where (serde JSON, written by rank 0).
+
+use std::path::Path;
+
+use burn::tensor::DType;
+use serde::{Deserialize, Serialize};
+
+use super::CheckpointError;
+
+/// Version of the layout described here; a reader refuses others.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// The metadata file of a checkpoint directory.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    /// [`FORMAT_VERSION`] of the writer.
+    pub format_version: u32,
+    /// Ranks that wrote the checkpoint.
+    pub world_size: usize,
+    /// ZeRO stage of the run that wrote it (0-3).
+    pub stage: u8,
+    /// Every float entry of the model (parameters and buffers), in traversal order.
+    pub entries: Vec<EntryMeta>,
+    /// The rank files, with their sizes and SHA-256 digests.
+    pub files: Vec<FileMeta>,
+    /// The caller's payload (step, data position, seed, scheduler state, ...).
+    pub payload: serde_json::Value,
+}
+
+/// One float entry of the model.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct EntryMeta {
+    /// Module path, e.g. `blocks.0.attn.query.weight` (the name in a Burn record).
+    pub path: String,
+    /// The `ParamId` of the writer's model (kept in a consolidated record).
+    pub id: u64,
+    /// Full (logical) shape.
+    pub shape: Vec<usize>,
+    /// Element type, as Burn names it (`F32`, `BF16`, `F16`, `F64`).
+    pub dtype: String,
+    /// `param`, `reparameterized` (a parameter with its own reparameterization) or `buffer`.
+    pub kind: String,
+    /// Whether the optimizer trained it (its pieces then carry optimizer state).
+    pub trainable: bool,
+    /// Where its elements are: disjoint element ranges of the flattened entry, in order,
+    /// covering `[0, numel)`.
+    pub pieces: Vec<Piece>,
+}
+
+impl EntryMeta {
+    /// Elements of the full entry.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Elements `[start, end)` of an entry, stored in rank `rank`'s file.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Piece {
+    /// The rank whose file holds it.
+    pub rank: usize,
+    /// First element (inclusive).
+    pub start: usize,
+    /// Last element (exclusive).
+    pub end: usize,
+}
+
+/// One rank file.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FileMeta {
+    /// File name inside the checkpoint directory (`rank-3.bpk`).
+    pub name: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// SHA-256 of the file's bytes, lowercase hex.
+    pub sha256: String,
+}
+
+impl CheckpointMeta {
+    /// Reads and checks `dir/meta.json`.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Incomplete`] without the completion marker,
+    /// [`CheckpointError::Io`], [`CheckpointError::Corrupt`] for unparsable JSON,
+    /// [`CheckpointError::Version`].
+    pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
+        if !dir.join(super::COMPLETE).exists() {
+            return Err(CheckpointError::Incomplete { dir: dir.to_path_buf() });
+        }
+        let path = dir.join(super::META);
+        let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::io(&path, e))?;
+        let meta: Self = serde_json::from_str(&text).map_err(|e| CheckpointError::Corrupt {
+            file: path.clone(),
+            reason: format!("not a checkpoint's metadata: {e}"),
+        })?;
+        if meta.format_version != FORMAT_VERSION {
+            return Err(CheckpointError::Version {
+                file: path,
+                found: meta.format_version,
+                supported: FORMAT_VERSION,
+            });
+        }
+        Ok(meta)
+    }
+}
+
+/// Burn's name of a float dtype the checkpoint stores.
+pub(crate) fn dtype_name(dtype: DType) -> String {
+    format!("{dtype:?}")
+}
+
+/// The dtype named by [`dtype_name`].
+pub(crate) fn parse_dtype(name: &str) -> Option<DType> {
+    [DType::F32, DType::F64, DType::BF16, DType::F16, DType::Flex32]
+        .into_iter()
+        .find(|d| dtype_name(*d) == name)
+}

@@ -1,0 +1,109 @@
+//! Sharded checkpoints: every rank saves its own shard; a checkpoint loads at any world size
+//! and stage, and consolidates into one ordinary Burn record.
+//!
+//! A checkpoint is a directory:
+//! - `rank-R.bpk` (one per rank, Burn's burnpack format): this rank's pieces of the entries,
+//!   named `param/PATH` (values), `state/PATH/FIELD` (the optimizer state of that piece, in
+//!   Burn's `RecordState` flattening: `momentum.moment_1`, ...; scalars such as
+//!   `momentum.time` as burnpack scalars) and `master/PATH` (the `f32` master of a `bf16`/`f16`
+//!   parameter);
+//! - `rank-R.sha256`: that file's SHA-256 and size, written by its rank after the file;
+//! - `meta.json` (rank 0): format version, world size, stage, for every entry its module path,
+//!   full shape, dtype and which rank holds which element range, the files' digests, and the
+//!   caller's payload (step, data position, seed, scheduler state);
+//! - `COMPLETE`: written last. A directory without it is not a checkpoint.
+//!
+//! Every piece is a range of the flattened entry, so a reader at another world size or stage
+//! takes the ranges it needs from whichever files hold them: no conversion step. Saving writes
+//! into `DIR.partial` and renames it to `DIR` once every rank is done, so a failed save leaves
+//! no half checkpoint and never touches an earlier one. Files are verified against their
+//! digests before they are read. Ranks must see one filesystem (the usual shared checkpoint
+//! directory).
+
+mod consolidate;
+mod files;
+mod load;
+mod meta;
+mod pieces;
+mod save;
+
+use std::path::{Path, PathBuf};
+
+pub use consolidate::{ConsolidateReport, consolidate};
+pub use meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Piece};
+
+/// The metadata file.
+pub(crate) const META: &str = "meta.json";
+/// The completion marker, written last.
+pub(crate) const COMPLETE: &str = "COMPLETE";
+
+/// Why a checkpoint could not be saved, read or applied. Every message names the file or the
+/// parameter, and what to do.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CheckpointError {
+    /// A file could not be read or written.
+    #[error("{path}: {message}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The operating system's message.
+        message: String,
+    },
+    /// The directory has no completion marker: a save that did not finish, or not a checkpoint.
+    #[error(
+        "{dir} is not a complete checkpoint (no COMPLETE marker): its save did not finish; use an earlier checkpoint"
+    )]
+    Incomplete {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// The target directory of a save exists already.
+    #[error("{dir} exists already; save each checkpoint into a new directory (e.g. one per step)")]
+    Exists {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// A file's contents do not match what the metadata says (truncated, altered, unreadable).
+    #[error("{file} is corrupt: {reason}; restore it or use an earlier checkpoint")]
+    Corrupt {
+        /// The file.
+        file: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A file the metadata lists is not there.
+    #[error("{file} is missing from the checkpoint; copy every rank's file into the directory")]
+    Missing {
+        /// The file.
+        file: PathBuf,
+    },
+    /// Written by another format version.
+    #[error("{file} has checkpoint format {found}, this build reads {supported}")]
+    Version {
+        /// The metadata file.
+        file: PathBuf,
+        /// Its version.
+        found: u32,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// The checkpoint is of another model.
+    #[error("the checkpoint does not fit the model: {0}; load it into the model it was saved from")]
+    ModelMismatch(String),
+}
+
+impl CheckpointError {
+    pub(crate) fn io(path: &Path, err: impl std::fmt::Display) -> Self {
+        CheckpointError::Io {
+            path: path.to_path_buf(),
+            message: err.to_string(),
+        }
+    }
+}
+
+/// `dir` with `.partial` appended: where a save writes before it is complete.
+pub(crate) fn partial_dir(dir: &Path) -> PathBuf {
+    let mut name = dir.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".partial");
+    dir.with_file_name(name)
+}

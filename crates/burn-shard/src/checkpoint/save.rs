@@ -1,0 +1,229 @@
+//! Saving: every rank writes its pieces, rank 0 the metadata, and the directory appears whole.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+use burn::module::{Module, ParamId};
+use burn::optim::{RecordState, StateSink};
+use burn::tensor::TensorData;
+
+use super::files::{RankFile, read_digest};
+use super::meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, Piece, dtype_name};
+use super::pieces::{Holding, piece};
+use super::{COMPLETE, CheckpointError, META, partial_dir};
+use crate::census::{Entry, EntryKind};
+use crate::fsdp::exchange;
+use crate::layout::SUPPORTED;
+use crate::master::MasterWeightStep;
+use crate::{ShardError, ShardedOptimizer, Stage, flat};
+
+impl<O: MasterWeightStep> ShardedOptimizer<O> {
+    /// Saves `model` (the one `step` returned) and this optimizer into the new directory `dir`,
+    /// with `payload` (the step, the data position, the seed, a scheduler's state: anything
+    /// JSON) for [`ShardedOptimizer::load_checkpoint`] to hand back. A collective: every rank
+    /// calls it with the same `dir`, on a filesystem every rank sees.
+    ///
+    /// Each rank writes only what it holds: its range of each trainable parameter's values,
+    /// optimizer state (Burn's state of that parameter, step count included) and `f32` master;
+    /// at stage 3 its shard of every sharded parameter; rank 0 the buffers and other whole
+    /// entries, and `meta.json`. See the [module docs](crate::checkpoint) for the layout.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Exists`] when `dir` exists, [`CheckpointError::Io`] when a file
+    /// cannot be written (then `dir` is not created, and no earlier checkpoint is touched),
+    /// wrapped in [`ShardError::Checkpoint`]; [`ShardError::Comm`]. A rank that fails makes
+    /// every rank fail with its message.
+    pub fn save_checkpoint<M: Module>(
+        &self,
+        model: &M,
+        dir: impl AsRef<Path>,
+        payload: &serde_json::Value,
+    ) -> Result<(), ShardError> {
+        let dir = dir.as_ref();
+        let result = self.save_with(model, dir, payload);
+        self.agree(result, "save_checkpoint")
+    }
+
+    /// Ends a collective file operation on every rank with the same outcome: a rank that
+    /// failed aborts the group with its message, which every other rank then returns.
+    pub(crate) fn agree<T>(&self, result: Result<T, ShardError>, op: &str) -> Result<T, ShardError> {
+        match result {
+            Ok(value) => {
+                self.comm.barrier()?;
+                Ok(value)
+            }
+            Err(e) => {
+                self.comm
+                    .abort(&format!("rank {} failed in {op}: {e}", self.comm.rank()));
+                Err(e)
+            }
+        }
+    }
+
+    fn save_with<M: Module>(&self, model: &M, dir: &Path, payload: &serde_json::Value) -> Result<(), ShardError> {
+        let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
+        let partial = partial_dir(dir);
+        if rank == 0 {
+            if dir.exists() {
+                return Err(CheckpointError::Exists { dir: dir.to_path_buf() }.into());
+            }
+            if partial.exists() {
+                // What a save that failed left behind.
+                std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
+            }
+            std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
+        }
+        self.comm.barrier()?;
+
+        let entries = self.saved_entries();
+        let stage = self.stage();
+        let mut file = RankFile::default();
+        let whole_ids: HashSet<ParamId> = entries
+            .iter()
+            .filter(|(_, _, h)| !matches!(h, Holding::Chunks))
+            .map(|(id, _, _)| *id)
+            .collect();
+        let mut values = flat::values_by_id(model, &whole_ids);
+        let mut shards = match stage {
+            Stage::Three => exchange::collect_shards(model),
+            _ => HashMap::new(),
+        };
+        for (id, entry, holding) in &entries {
+            let Some(range) = piece(stage, *holding, entry.numel(), rank, world_size) else {
+                continue;
+            };
+            let value = match holding {
+                Holding::Chunks => shards.remove(id),
+                _ => values.remove(id),
+            }
+            .ok_or_else(|| ShardError::UnknownParam {
+                path: entry.path.clone(),
+                id: id.to_string(),
+            })?;
+            let start = match holding {
+                Holding::Chunks => 0, // a shard starts at its own range
+                _ => range.start,
+            };
+            file.push(
+                format!("param/{}", entry.path),
+                value.narrow(0, start, range.len()).into_data(),
+            );
+            if let Some(index) = self.layout.slot_of(id) {
+                self.push_optimizer_piece(&mut file, index, &entry.path, range.len());
+            }
+        }
+        file.write(&partial, rank)?;
+        self.comm.barrier()?;
+
+        if rank == 0 {
+            let meta = CheckpointMeta {
+                format_version: FORMAT_VERSION,
+                world_size,
+                stage: stage.number(),
+                entries: entries
+                    .iter()
+                    .map(|(id, entry, holding)| entry_meta(*id, entry, *holding, stage, world_size, self))
+                    .collect(),
+                files: (0..world_size)
+                    .map(|r| read_digest(&partial, r))
+                    .collect::<Result<_, _>>()?,
+                payload: payload.clone(),
+            };
+            write_atomically(
+                &partial.join(META),
+                serde_json::to_string_pretty(&meta)
+                    .expect("metadata serialises")
+                    .as_bytes(),
+            )?;
+            write_atomically(&partial.join(COMPLETE), b"")?;
+            std::fs::rename(&partial, dir).map_err(|e| CheckpointError::io(dir, e))?;
+        }
+        Ok(())
+    }
+
+    /// The entries a checkpoint holds, in traversal order, with where their elements live.
+    pub(crate) fn saved_entries(&self) -> Vec<(ParamId, &Entry, Holding<'_>)> {
+        self.census
+            .entries()
+            .filter(|(_, e)| e.numel() > 0 && SUPPORTED.contains(&e.dtype))
+            .map(|(id, entry)| {
+                let holding = match (self.stage(), self.layout.slot_of(&id)) {
+                    (Stage::Three, _) if entry.kind == EntryKind::Param => Holding::Chunks,
+                    (Stage::Three, _) => Holding::Whole,
+                    (_, Some(index)) => Holding::Slot(&self.layout, index),
+                    (_, None) => Holding::Whole,
+                };
+                (id, entry, holding)
+            })
+            .collect()
+    }
+
+    /// This rank's optimizer state and master of slot `index`, trimmed to `len` elements (a
+    /// stage-3 shard's padding is not saved).
+    fn push_optimizer_piece(&self, file: &mut RankFile, index: usize, path: &str, len: usize) {
+        if let Some(state) = &self.states[index] {
+            let mut sink = StateSink::default();
+            state.state_flatten("", &mut sink);
+            for (field, data) in sink.tensors {
+                file.push(format!("state/{path}/{field}"), trim(data, len));
+            }
+            for (field, value) in sink.scalars {
+                file.push_scalar(format!("state/{path}/{field}"), value);
+            }
+        }
+        if let Some(master) = &self.masters[index] {
+            file.push(format!("master/{path}"), trim(master.clone().into_data(), len));
+        }
+    }
+}
+
+/// The first `len` elements of a 1-D `data`.
+fn trim(data: TensorData, len: usize) -> TensorData {
+    if data.num_elements() == len {
+        return data;
+    }
+    let size = data.dtype().size();
+    let dtype = data.dtype();
+    TensorData::from_bytes_vec(data.as_bytes()[..len * size].to_vec(), [len], dtype)
+}
+
+fn entry_meta<O: MasterWeightStep>(
+    id: ParamId,
+    entry: &Entry,
+    holding: Holding,
+    stage: Stage,
+    world_size: usize,
+    optim: &ShardedOptimizer<O>,
+) -> EntryMeta {
+    EntryMeta {
+        path: entry.path.clone(),
+        id: id.val(),
+        shape: entry.shape.clone(),
+        dtype: dtype_name(entry.dtype),
+        kind: match entry.kind {
+            EntryKind::Param => "param",
+            EntryKind::Reparameterized => "reparameterized",
+            EntryKind::Buffer => "buffer",
+        }
+        .to_string(),
+        trainable: optim.layout.slot_of(&id).is_some(),
+        pieces: (0..world_size)
+            .filter_map(|rank| {
+                piece(stage, holding, entry.numel(), rank, world_size).map(|r| Piece {
+                    rank,
+                    start: r.start,
+                    end: r.end,
+                })
+            })
+            .collect(),
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file renamed into place.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes)
+        .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| CheckpointError::io(path, e))
+}

@@ -1,0 +1,131 @@
+//! What each ZeRO stage does in one optimizer step, in one place: how a bucket's gradient is
+//! reduced, which range of it this rank updates, how the update reaches the other ranks, and
+//! where the parameters live. `ShardedOptimizer::step` runs the same sequence for every stage
+//! and asks the plan at each of these points, so a new stage feature touches this file.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use burn::module::{Module, ParamId};
+use burn::tensor::Tensor;
+use burn_shard_comm::{Collective, ReduceOp};
+
+use crate::flat::{self, SlotValues};
+use crate::fsdp::context::FsdpContext;
+use crate::fsdp::exchange;
+use crate::layout::{Bucket, FlatLayout};
+use crate::{ShardError, Stage};
+
+/// The stage, with what stage 3 needs (the context its gather ops share); the only record of
+/// which stage runs.
+#[derive(Clone, Debug)]
+pub(crate) enum StagePlan {
+    /// Stage 0: all-reduce, every rank updates every element.
+    Zero,
+    /// Stage 1: all-reduce, each rank updates its range, all-gather.
+    One,
+    /// Stage 2: reduce-scatter, each rank updates its range, all-gather.
+    Two,
+    /// Stage 3: gradients arrive reduce-scattered on the local shards (the layout covers only
+    /// them); each rank updates its shards, which stay local.
+    Three(FsdpContext),
+}
+
+impl StagePlan {
+    pub(crate) fn stage(&self) -> Stage {
+        match self {
+            StagePlan::Zero => Stage::Zero,
+            StagePlan::One => Stage::One,
+            StagePlan::Two => Stage::Two,
+            StagePlan::Three(_) => Stage::Three,
+        }
+    }
+
+    /// Stage 3's shared context.
+    pub(crate) fn fsdp(&self) -> Option<&FsdpContext> {
+        match self {
+            StagePlan::Three(ctx) => Some(ctx),
+            _ => None,
+        }
+    }
+
+    /// The `[padded_numel]` gradient of a bucket, averaged over ranks, as far as this rank
+    /// keeps it: whole (stages 0-1), this rank's shard (stage 2), or as it is (stage 3, where
+    /// backward already reduced it).
+    pub(crate) fn reduce(&self, comm: &dyn Collective, flat: Tensor<1>) -> Result<Tensor<1>, ShardError> {
+        Ok(match self {
+            StagePlan::Zero | StagePlan::One => comm.all_reduce(flat, ReduceOp::Avg)?,
+            StagePlan::Two => comm.reduce_scatter(flat, ReduceOp::Avg)?,
+            StagePlan::Three(_) => flat,
+        })
+    }
+
+    /// The elements of `bucket` this rank updates: its shard at stages 1-2, the whole bucket at
+    /// stage 0 (replicated) and stage 3 (whose layout covers the local shards).
+    pub(crate) fn owned_range(&self, bucket: &Bucket, rank: usize) -> Range<usize> {
+        match self {
+            StagePlan::One | StagePlan::Two => bucket.shard_range(rank),
+            StagePlan::Zero | StagePlan::Three(_) => 0..bucket.padded_numel,
+        }
+    }
+
+    /// The reduced gradient of `range` (what `reduce` kept, cut to the owned range).
+    pub(crate) fn gradient_of_range(&self, reduced: Tensor<1>, range: Range<usize>) -> Tensor<1> {
+        match self {
+            StagePlan::One => reduced.narrow(0, range.start, range.len()),
+            StagePlan::Zero | StagePlan::Two | StagePlan::Three(_) => reduced,
+        }
+    }
+
+    /// This rank's updated range -> what the model is rebuilt from: the whole bucket
+    /// (all-gathered at stages 1-2) or the range itself (stages 0 and 3).
+    pub(crate) fn publish(&self, comm: &dyn Collective, updated: Tensor<1>) -> Result<Tensor<1>, ShardError> {
+        Ok(match self {
+            StagePlan::One | StagePlan::Two => comm.all_gather(updated)?,
+            StagePlan::Zero | StagePlan::Three(_) => updated,
+        })
+    }
+
+    /// Whether "which parameters got a gradient" must be agreed on by the ranks: at stages 0-2
+    /// a rank cannot know alone; at stage 3 a gradient exists on every rank or on none.
+    pub(crate) fn gradient_presence_is_local(&self) -> bool {
+        matches!(self, StagePlan::Three(_))
+    }
+
+    /// The current values of the layout's slots: the parameters (stages 0-2) or this rank's
+    /// shards (stage 3).
+    pub(crate) fn read_values<M: Module>(&self, model: &M, layout: &FlatLayout) -> Result<SlotValues, ShardError> {
+        Ok(match self {
+            StagePlan::Three(_) => {
+                let mut shards = exchange::collect_shards(model);
+                layout.slots().iter().map(|slot| shards.remove(&slot.id)).collect()
+            }
+            _ => flat::param_values(model, layout)?.0,
+        })
+    }
+
+    /// `model` rebuilt from the published buckets, slots with `keep` set left as they are.
+    pub(crate) fn write_values<M: Module>(
+        &self,
+        model: M,
+        layout: &FlatLayout,
+        buckets: &[Tensor<1>],
+        keep: &[bool],
+    ) -> M {
+        match self {
+            StagePlan::Three(_) => exchange::replace_shards(model, updated_shards(layout, buckets, keep)),
+            _ => flat::scatter_into(model, layout, buckets, keep),
+        }
+    }
+}
+
+/// Stage 3: the updated shard of each slot that was stepped, cut from the updated buckets.
+fn updated_shards(layout: &FlatLayout, buckets: &[Tensor<1>], keep: &[bool]) -> HashMap<ParamId, Tensor<1>> {
+    layout
+        .slots()
+        .iter()
+        .zip(keep)
+        .filter(|(_, keep)| !**keep)
+        .map(|(slot, _)| (slot.id, buckets[slot.bucket].clone().narrow(0, slot.offset, slot.numel)))
+        .collect()
+}

@@ -1,0 +1,436 @@
+//! Sharded checkpoints: resume exactly at the same world size and stage, resume at other world
+//! sizes and stages, consolidate into a plain Burn record, and refuse bad checkpoints with an
+//! error naming the file or the parameter, on every rank.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, Param};
+use burn::nn::{BatchNorm, BatchNormConfig};
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, AdamWConfig, SgdConfig};
+use burn::prelude::*;
+use burn::tensor::DType;
+use burn_shard::checkpoint::consolidate;
+use burn_shard::{IntoOptimizer, ShardConfig, ShardError, Stage};
+use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
+
+use crate::common::{Rng, max_abs_diff, params_of, sharded_step};
+
+/// Parameters of uneven sizes ([7, 3], [5], [1]) and, optionally, a BatchNorm with running
+/// statistics (left out where world sizes are compared: BatchNorm normalises each rank's batch
+/// by itself, so its training depends on the world size by design).
+#[derive(Module, Debug)]
+pub struct Uneven {
+    w: Param<Tensor<2>>,
+    b: Param<Tensor<1>>,
+    s: Param<Tensor<1>>,
+    norm: Option<BatchNorm>,
+}
+
+impl Uneven {
+    fn new(device: &Device, with_norm: bool) -> Self {
+        let mut rng = Rng::new(77);
+        fn param<const D: usize>(rng: &mut Rng, shape: [usize; D], device: &Device) -> Param<Tensor<D>> {
+            let data = TensorData::new(rng.vec(shape.iter().product()), shape);
+            Param::from_tensor(Tensor::from_data(data, device).require_grad())
+        }
+        Self {
+            w: param(&mut rng, [7, 3], device),
+            b: param(&mut rng, [5], device),
+            s: param(&mut rng, [1], device),
+            norm: with_norm.then(|| BatchNormConfig::new(3).init(device)),
+        }
+    }
+
+    /// `x`: `[batch, 7]` -> `[batch]` loss terms.
+    fn forward(&self, x: Tensor<2>) -> Tensor<1> {
+        let h = x.clone().matmul(self.w.val());
+        let h = match &self.norm {
+            // The norm stays f32 in a bf16 model (its statistics need the range).
+            Some(norm) => norm.forward(h.clone().cast(DType::F32)).cast(h.dtype()),
+            None => h,
+        };
+        let y = h.sum_dim(1) * self.s.val().unsqueeze() + (x.narrow(1, 0, 5) * self.b.val().unsqueeze()).sum_dim(1);
+        y.squeeze_dim(1)
+    }
+}
+
+const GLOBAL_BATCH: usize = 24;
+const LR: f64 = 1e-2;
+
+fn loss(model: &Uneven, step: usize, rank: usize, world_size: usize, device: &Device) -> Tensor<1> {
+    let per_rank = GLOBAL_BATCH / world_size;
+    let x = Rng::new(300 + step as u64).vec(GLOBAL_BATCH * 7);
+    let x = &x[rank * per_rank * 7..(rank + 1) * per_rank * 7];
+    let x = Tensor::<2>::from_data(TensorData::new(x.to_vec(), [per_rank, 7]), device).cast(model.w.dtype());
+    model.forward(x).sub_scalar(0.5).powi_scalar(2).mean()
+}
+
+/// A fresh directory under the target dir, removed first if a previous run left it.
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("checkpoint-tests")
+        .join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// What one rank ends with: parameters and running statistics (full), per-step global losses.
+#[derive(Clone, Debug, PartialEq)]
+struct Outcome {
+    params: Vec<f32>,
+    losses: Vec<f32>,
+}
+
+/// Trains `steps` (global step numbers `first..first+steps`) at `world_size` and `stage`,
+/// loading `load` first and saving to `save` at the end when given. Returns every rank's
+/// outcome and the loaded payload.
+#[allow(clippy::too_many_arguments)]
+fn train<O: IntoOptimizer + Clone + Send + Sync>(
+    base: &Uneven,
+    optim: O,
+    dtype: DType,
+    world_size: usize,
+    stage: Stage,
+    first: usize,
+    steps: usize,
+    load: Option<&Path>,
+    save: Option<&Path>,
+) -> Vec<(Outcome, Option<serde_json::Value>)> {
+    run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+        let rank = comm.rank();
+        let device = Device::flex().autodiff();
+        // Each rank its own running states, as separate processes have.
+        let model = cast(base.valid().train().fork(&device), dtype);
+        let (mut model, mut optim) = ShardConfig::new(stage).init(model, optim.clone(), comm).expect("init");
+        let mut payload = None;
+        if let Some(dir) = load {
+            let (loaded, p) = optim.load_checkpoint(model, dir).expect("load");
+            model = loaded;
+            payload = Some(p);
+        }
+        let mut losses = Vec::new();
+        for step in first..first + steps {
+            let l = loss(&model, step, rank, world_size, &device);
+            let (next, global) = sharded_step(&mut optim, model, l, LR);
+            model = next;
+            losses.push(global);
+        }
+        if let Some(dir) = save {
+            optim
+                .save_checkpoint(&model, dir, &serde_json::json!({ "step": first + steps }))
+                .expect("save");
+        }
+        let full = model.valid().materialize();
+        (
+            Outcome {
+                params: params_of(&cast(full, DType::F32)),
+                losses,
+            },
+            payload,
+        )
+    })
+    .expect("no rank panics")
+}
+
+/// `module` with every float entry outside its `norm` cast to `dtype`.
+fn cast<M: Module>(module: M, dtype: DType) -> M {
+    struct Cast(DType, Vec<String>);
+    impl burn::module::ModuleMapper for Cast {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.1.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.1.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, value, mapper) = param.consume();
+            if value.dtype() == self.0 || self.1.first().is_some_and(|m| m == "norm") {
+                return Param::from_mapped_value(id, value, mapper);
+            }
+            let require_grad = value.is_require_grad();
+            let mut value = value.cast(self.0).detach();
+            if require_grad {
+                value = value.require_grad();
+            }
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    module.map(&mut Cast(dtype, Vec::new()))
+}
+
+fn check_exact_resume<O: IntoOptimizer + Clone + Send + Sync>(name: &str, optim: O, dtype: DType) {
+    let device = Device::flex().autodiff();
+    let base = Uneven::new(&device, true);
+    for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+        let dir = scratch(&format!("exact-{name}-{stage}")).join("step-3");
+        let whole = train(&base, optim.clone(), dtype, 2, stage, 0, 6, None, None);
+        train(&base, optim.clone(), dtype, 2, stage, 0, 3, None, Some(&dir));
+        let resumed = train(&base, optim.clone(), dtype, 2, stage, 3, 3, Some(&dir), None);
+        for (rank, ((w, _), (r, payload))) in whole.iter().zip(&resumed).enumerate() {
+            assert_eq!(payload.as_ref().unwrap()["step"], 3, "{name}: the payload comes back");
+            assert_eq!(
+                &w.losses[3..],
+                &r.losses[..],
+                "{name} stage {stage} rank {rank}: losses after resuming"
+            );
+            assert_eq!(
+                w.params, r.params,
+                "{name} stage {stage} rank {rank}: 3 + 3 steps must equal 6, bitwise"
+            );
+        }
+    }
+}
+
+#[test]
+fn adamw_resumes_bitwise_at_the_same_world_size_and_stage() {
+    check_exact_resume("AdamW", AdamWConfig::new().with_weight_decay(0.1), DType::F32);
+}
+
+#[test]
+fn adam_resumes_bitwise_at_the_same_world_size_and_stage() {
+    check_exact_resume("Adam", AdamConfig::new(), DType::F32);
+}
+
+#[test]
+fn sgd_momentum_resumes_bitwise_at_the_same_world_size_and_stage() {
+    let sgd = SgdConfig::new().with_momentum(Some(MomentumConfig::new())).build();
+    check_exact_resume("SGD", sgd, DType::F32);
+}
+
+#[test]
+fn bf16_with_f32_masters_resumes_bitwise() {
+    check_exact_resume("AdamW-bf16", AdamWConfig::new(), DType::BF16);
+}
+
+/// A checkpoint of world size 4 at stage 2 resumes at world sizes 1, 3 and 8 and at stage 3;
+/// one of stage 3 resumes at stage 2 on another world size. Continued training equals the
+/// uninterrupted run.
+#[test]
+fn a_checkpoint_resumes_at_any_world_size_and_stage() {
+    let device = Device::flex().autodiff();
+    let base = Uneven::new(&device, false);
+    let optim = AdamWConfig::new().with_weight_decay(0.1);
+    let root = scratch("elsewhere");
+    let whole = train(&base, optim.clone(), DType::F32, 4, Stage::Two, 0, 6, None, None);
+    let expected = &whole[0].0;
+    let from_stage_2 = root.join("w4-s2");
+    train(
+        &base,
+        optim.clone(),
+        DType::F32,
+        4,
+        Stage::Two,
+        0,
+        3,
+        None,
+        Some(&from_stage_2),
+    );
+    let from_stage_3 = root.join("w2-s3");
+    train(
+        &base,
+        optim.clone(),
+        DType::F32,
+        2,
+        Stage::Three,
+        0,
+        3,
+        None,
+        Some(&from_stage_3),
+    );
+    let cases = [
+        (&from_stage_2, 1, Stage::Two),
+        (&from_stage_2, 3, Stage::Two),
+        (&from_stage_2, 8, Stage::Two),
+        (&from_stage_2, 4, Stage::Three),
+        (&from_stage_2, 2, Stage::Zero),
+        (&from_stage_3, 3, Stage::Two),
+        (&from_stage_3, 4, Stage::One),
+    ];
+    for (dir, world_size, stage) in cases {
+        let resumed = train(
+            &base,
+            optim.clone(),
+            DType::F32,
+            world_size,
+            stage,
+            3,
+            3,
+            Some(dir),
+            None,
+        );
+        for (rank, (r, _)) in resumed.iter().enumerate() {
+            let diff = max_abs_diff(&r.params, &expected.params);
+            let scale = expected.params.iter().fold(0f32, |m, x| m.max(x.abs()));
+            assert!(
+                diff <= 1e-6 * scale,
+                "{} at world size {world_size}, stage {stage}, rank {rank}: off the uninterrupted run by {diff} (scale {scale})",
+                dir.display()
+            );
+        }
+    }
+}
+
+/// The consolidated record loads into the plain, unsharded model with Burn's own `load_file`,
+/// equal to the sharded model's values (buffers included).
+#[test]
+fn a_consolidated_checkpoint_loads_into_the_plain_model() {
+    let device = Device::flex().autodiff();
+    let base = Uneven::new(&device, true);
+    let root = scratch("consolidate");
+    for (stage, world_size) in [(Stage::Two, 3), (Stage::Three, 4), (Stage::Zero, 2)] {
+        let dir = root.join(format!("s{stage}-w{world_size}"));
+        let out = train(
+            &base,
+            AdamWConfig::new(),
+            DType::F32,
+            world_size,
+            stage,
+            0,
+            2,
+            None,
+            Some(&dir),
+        );
+        let file = root.join(format!("s{stage}-w{world_size}.bpk"));
+        let report = consolidate(&dir, &file).expect("consolidate");
+        assert_eq!(
+            report.entries,
+            3 + 4,
+            "w, b, s, the norm's gamma and beta, and its two running stats"
+        );
+        let plain = Uneven::new(&Device::flex().autodiff(), true).load_file(&file);
+        let got = params_of(&plain);
+        assert_eq!(
+            got, out[0].0.params,
+            "stage {stage}: the plain model holds the sharded values"
+        );
+    }
+}
+
+/// Runs `load` on every rank of a 2-rank group at `stage` and returns each rank's error.
+fn load_errors(base: &Uneven, dir: &Path, stage: Stage) -> Vec<ShardError> {
+    run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (model, mut optim) = ShardConfig::new(stage)
+            .init(base.valid().train().fork(&device), AdamWConfig::new(), comm)
+            .unwrap();
+        optim.comm().barrier().unwrap();
+        optim.load_checkpoint(model, dir).expect_err("the load must fail")
+    })
+    .unwrap()
+}
+
+#[test]
+fn bad_checkpoints_are_clear_errors_on_every_rank_and_change_nothing() {
+    let device = Device::flex().autodiff();
+    let base = Uneven::new(&device, true);
+    let root = scratch("bad");
+    let good = root.join("good");
+    train(
+        &base,
+        AdamWConfig::new(),
+        DType::F32,
+        2,
+        Stage::Two,
+        0,
+        1,
+        None,
+        Some(&good),
+    );
+    let copy = |name: &str| {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in std::fs::read_dir(&good).unwrap() {
+            let f = f.unwrap();
+            std::fs::copy(f.path(), dir.join(f.file_name())).unwrap();
+        }
+        dir
+    };
+    // A flipped byte in rank 1's file.
+    let flipped = copy("flipped");
+    let mut bytes = std::fs::read(flipped.join("rank-1.bpk")).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(flipped.join("rank-1.bpk"), &bytes).unwrap();
+    // A truncated file, a missing file, a save that did not finish.
+    let truncated = copy("truncated");
+    let bytes = std::fs::read(truncated.join("rank-0.bpk")).unwrap();
+    std::fs::write(truncated.join("rank-0.bpk"), &bytes[..bytes.len() - 7]).unwrap();
+    let missing = copy("missing");
+    std::fs::remove_file(missing.join("rank-1.bpk")).unwrap();
+    let unfinished = copy("unfinished");
+    std::fs::remove_file(unfinished.join("COMPLETE")).unwrap();
+    let cases: [(&Path, &str); 4] = [
+        (&flipped, "rank-1.bpk is corrupt"),
+        (&truncated, "rank-0.bpk is corrupt"),
+        (&missing, "rank-1.bpk is missing"),
+        (&unfinished, "not a complete checkpoint"),
+    ];
+    for (dir, expected) in cases {
+        let before: Vec<Vec<u8>> = files_of(dir);
+        let start = std::time::Instant::now();
+        for err in load_errors(&base, dir, Stage::Two) {
+            assert!(err.to_string().contains(expected), "{}: {err}", dir.display());
+        }
+        assert!(start.elapsed().as_secs() < 10, "errors within seconds");
+        assert_eq!(files_of(dir), before, "a failed load changes nothing on disk");
+    }
+    // Another model: a parameter of another shape is named, with both shapes.
+    #[derive(Module, Debug)]
+    struct Other {
+        w: Param<Tensor<2>>,
+        b: Param<Tensor<1>>,
+        s: Param<Tensor<1>>,
+        norm: BatchNorm,
+    }
+    let other = Other {
+        w: Param::from_tensor(Tensor::<2>::zeros([7, 4], &device).require_grad()),
+        b: Param::from_tensor(Tensor::<1>::zeros([5], &device).require_grad()),
+        s: Param::from_tensor(Tensor::<1>::zeros([1], &device).require_grad()),
+        norm: BatchNormConfig::new(4).init(&device),
+    };
+    let errors = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (model, mut optim) = ShardConfig::new(Stage::Two)
+            .init(other.valid().train().fork(&device), AdamWConfig::new(), comm)
+            .unwrap();
+        optim.comm().barrier().unwrap();
+        optim
+            .load_checkpoint(model, &good)
+            .expect_err("another model must be refused")
+    })
+    .unwrap();
+    for err in errors {
+        assert!(matches!(err, ShardError::Checkpoint(_) | ShardError::Comm(_)), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("`w`") && text.contains("[7, 4]") && text.contains("[7, 3]"),
+            "{text}"
+        );
+    }
+    // Saving over an existing checkpoint is refused and leaves it intact.
+    let before = files_of(&good);
+    let refused = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (model, optim) = ShardConfig::new(Stage::Two)
+            .init(base.valid().train().fork(&device), AdamWConfig::new(), comm)
+            .unwrap();
+        // Every rank is done with init before rank 0's refusal aborts the group.
+        optim.comm().barrier().unwrap();
+        optim.save_checkpoint(&model, &good, &serde_json::Value::Null).err()
+    })
+    .unwrap();
+    for err in refused {
+        let err = err.expect("refused");
+        assert!(err.to_string().contains("exists already"), "{err}");
+    }
+    assert_eq!(files_of(&good), before);
+}
+
+/// Every file of `dir`, sorted by name, as bytes.
+fn files_of(dir: &Path) -> Vec<Vec<u8>> {
+    let mut names: Vec<_> = std::fs::read_dir(dir).unwrap().map(|f| f.unwrap().path()).collect();
+    names.sort();
+    names.iter().map(|p| std::fs::read(p).unwrap()).collect()
+}
