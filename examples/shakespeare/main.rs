@@ -67,9 +67,25 @@ struct Args {
     /// Training text (default: the copy shipped with the examples).
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Save sharded checkpoints under this directory (`DIR/step-000500`, ...), every
+    /// --save-every steps and after the last step.
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
+    /// Steps between checkpoints when --save-dir is given (at least 1).
+    #[arg(long, default_value_t = 500, value_parser = at_least(1, usize::MAX as u64))]
+    save_every: usize,
+    /// Checkpoints kept under --save-dir (the newest ones; at least 1).
+    #[arg(long, default_value_t = 3, value_parser = at_least(1, 1 << 20))]
+    keep: usize,
+    /// Resume from this checkpoint (a `step-*` directory, or a --save-dir, whose newest
+    /// checkpoint is taken), at any --world-size and --stage.
+    #[arg(long)]
+    resume: Option<PathBuf>,
 }
 
 struct RankOutcome {
+    /// The step training started from (0, or the resumed checkpoint's).
+    start: usize,
     val_loss: f32,
     memory: MemoryReport,
     sample: Option<String>,
@@ -96,7 +112,14 @@ fn main() {
     }
 }
 
-fn run(args: Args) -> Result<(), String> {
+fn run(mut args: Args) -> Result<(), String> {
+    if let Some(dir) = &args.resume
+        && !dir.join("meta.json").exists()
+    {
+        // A --save-dir: its newest complete checkpoint.
+        let newest = burn_shard::checkpoint::list(dir).map_err(|e| e.to_string())?.pop();
+        args.resume = Some(newest.ok_or_else(|| format!("--resume {}: no complete checkpoint there", dir.display()))?);
+    }
     let stage = Stage::try_from(args.stage).map_err(|e| e.to_string())?;
     if !args.n_embd.is_multiple_of(args.n_head) {
         return Err(format!(
@@ -163,7 +186,7 @@ fn run(args: Args) -> Result<(), String> {
     for o in &outcomes {
         println!("{}", o.memory);
     }
-    let tokens = (args.steps * args.batch_size * args.block_size) as f64;
+    let tokens = ((args.steps - outcomes[0].start) * args.batch_size * args.block_size) as f64;
     let m = &outcomes[0].memory;
     println!(
         "final: val loss {:.4} nats/char | {:.0} tokens/s | {:.1} s | per-rank memory: params {:.2} MiB, grads {:.2} MiB, optim {:.2} MiB",
@@ -175,6 +198,14 @@ fn run(args: Args) -> Result<(), String> {
         m.optimizer_state_bytes as f64 / 1048576.0,
     );
     Ok(())
+}
+
+/// Prints a line above rank 0's progress bar (no-op on other ranks). `suspend` + `println`,
+/// not `bar.println`, so the line also reaches a log that is not a terminal.
+fn bar_println(bar: &Option<ProgressBar>, line: &str) {
+    if let Some(bar) = bar {
+        bar.suspend(|| println!("{line}"));
+    }
 }
 
 /// The autodiff device of every rank. At stage 3, Burn's balanced checkpointing lets the
@@ -235,6 +266,20 @@ fn train_rank(
     // The one call: shard the optimizer state (stage 1), gradients (stage 2) and parameters
     // (stage 3) over the ranks.
     let (mut model, mut optim) = ShardConfig::new(stage).init(base.clone().fork(&device), optimizer, comm)?;
+    let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(rank as u64 * 7919));
+    let mut start = 0;
+    if let Some(dir) = &args.resume {
+        let (loaded, payload) = optim.load_checkpoint(model, dir)?;
+        model = loaded;
+        start = payload["step"].as_u64().unwrap_or(0) as usize;
+        // The same batches as an uninterrupted run at the same world size: skip the ones seen.
+        for _ in 0..start {
+            sample_batch(&corpus.train, local_batch, args.block_size, &mut rng, &device);
+        }
+        if rank == 0 {
+            println!("resumed from {} at step {start}", dir.display());
+        }
+    }
 
     let bar = (rank == 0).then(|| {
         let bar = ProgressBar::new(args.steps as u64);
@@ -244,9 +289,11 @@ fn train_rank(
         );
         bar
     });
-    let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(rank as u64 * 7919));
+    if let Some(bar) = &bar {
+        bar.set_position(start as u64);
+    }
     let mut val_loss = f32::NAN;
-    for step in 0..args.steps {
+    for step in start..args.steps {
         let (x, y) = sample_batch(&corpus.train, local_batch, args.block_size, &mut rng, &device);
         let loss = model.loss(x, y);
         let train_loss = optim
@@ -259,14 +306,26 @@ fn train_rank(
         let last = step + 1 == args.steps;
         if (step + 1) % args.eval_interval == 0 || last {
             val_loss = estimate_val(&model, corpus, args, optim.comm(), local_batch)?;
-            if let Some(bar) = &bar {
-                // suspend + println (not bar.println) so the line also reaches a log that is not a terminal.
-                bar.suspend(|| {
-                    println!(
-                        "step {:>5}: train loss {train_loss:.4}, val loss {val_loss:.4}",
-                        step + 1
-                    )
-                });
+            bar_println(
+                &bar,
+                &format!(
+                    "step {:>5}: train loss {train_loss:.4}, val loss {val_loss:.4}",
+                    step + 1
+                ),
+            );
+        }
+        if let Some(root) = &args.save_dir
+            && ((step + 1) % args.save_every == 0 || last)
+        {
+            let dir = root.join(format!("step-{:06}", step + 1));
+            optim.save_checkpoint(
+                &model,
+                &dir,
+                &serde_json::json!({ "step": step + 1, "seed": args.seed }),
+            )?;
+            if rank == 0 {
+                burn_shard::checkpoint::keep_last(root, args.keep)?;
+                bar_println(&bar, &format!("saved {}", dir.display()));
             }
         }
         if let Some(bar) = &bar {
@@ -295,6 +354,7 @@ fn train_rank(
         corpus.decode(&out)
     });
     Ok(RankOutcome {
+        start,
         val_loss,
         memory,
         sample,

@@ -10,7 +10,7 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::DType;
-use burn_shard::checkpoint::consolidate;
+use burn_shard::checkpoint::{FileStatus, consolidate, inspect, reshard};
 use burn_shard::{IntoOptimizer, ShardConfig, ShardError, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 
@@ -239,7 +239,14 @@ fn a_checkpoint_resumes_at_any_world_size_and_stage() {
         None,
         Some(&from_stage_3),
     );
+    // The offline tool's rewrite for 3 ranks loads like the original.
+    let resharded = root.join("w4-s2-as-3");
+    let meta = reshard(&from_stage_2, 3, &resharded).expect("reshard");
+    assert_eq!((meta.world_size, meta.files.len()), (3, 3));
+    assert!(inspect(&resharded).unwrap().is_intact());
     let cases = [
+        (&resharded, 3, Stage::Three),
+        (&resharded, 2, Stage::Two),
         (&from_stage_2, 1, Stage::Two),
         (&from_stage_2, 3, Stage::Two),
         (&from_stage_2, 8, Stage::Two),
@@ -305,6 +312,20 @@ fn a_consolidated_checkpoint_loads_into_the_plain_model() {
             got, out[0].0.params,
             "stage {stage}: the plain model holds the sharded values"
         );
+        // And back: a plain record (pretrained weights) loaded before init starts a sharded run.
+        let restarted = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let device = Device::flex().autodiff();
+            let model = Uneven::new(&device, true).load_file(&file);
+            let (model, _) = ShardConfig::new(Stage::Three)
+                .init(model, AdamWConfig::new(), comm)
+                .unwrap();
+            params_of(&model.valid().materialize())
+        })
+        .unwrap();
+        assert!(
+            restarted.iter().all(|p| *p == got),
+            "a plain record starts a stage-3 run"
+        );
     }
 }
 
@@ -367,6 +388,14 @@ fn bad_checkpoints_are_clear_errors_on_every_rank_and_change_nothing() {
         (&missing, "rank-1.bpk is missing"),
         (&unfinished, "not a complete checkpoint"),
     ];
+    // `inspect` reports each file's state without failing.
+    let status = |dir: &Path| -> Vec<FileStatus> { inspect(dir).unwrap().files.into_iter().map(|(_, s)| s).collect() };
+    assert_eq!(status(&good), [FileStatus::Ok, FileStatus::Ok]);
+    assert!(matches!(
+        status(&flipped)[..],
+        [FileStatus::Ok, FileStatus::Mismatch { .. }]
+    ));
+    assert_eq!(status(&missing), [FileStatus::Ok, FileStatus::Missing]);
     for (dir, expected) in cases {
         let before: Vec<Vec<u8>> = files_of(dir);
         let start = std::time::Instant::now();

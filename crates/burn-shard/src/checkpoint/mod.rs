@@ -25,12 +25,14 @@ mod files;
 mod load;
 mod meta;
 mod pieces;
+mod reshard;
 mod save;
 
 use std::path::{Path, PathBuf};
 
 pub use consolidate::{ConsolidateReport, consolidate};
 pub use meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Piece};
+pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, reshard};
 
 /// The metadata file.
 pub(crate) const META: &str = "meta.json";

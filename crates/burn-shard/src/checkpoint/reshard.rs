@@ -1,0 +1,196 @@
+//! Offline tools on a checkpoint directory: inspect it, and rewrite it for another world size.
+
+use std::path::{Path, PathBuf};
+
+use super::files::{RankFile, RankFiles, digest, read_digest};
+use super::meta::{CheckpointMeta, Piece};
+use super::save::write_atomically;
+use super::{COMPLETE, CheckpointError, META, partial_dir};
+
+/// The state of one rank file, as [`inspect`] found it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FileStatus {
+    /// Size and SHA-256 match the metadata.
+    Ok,
+    /// The file is not there.
+    Missing,
+    /// Size or digest differ from the metadata.
+    Mismatch {
+        /// Bytes found.
+        bytes: u64,
+    },
+}
+
+/// What a checkpoint directory holds, and whether its files are intact.
+#[derive(Clone, Debug)]
+pub struct Inspection {
+    /// The metadata.
+    pub meta: CheckpointMeta,
+    /// Each rank file with its status, in rank order.
+    pub files: Vec<(PathBuf, FileStatus)>,
+}
+
+impl Inspection {
+    /// Whether every file is intact.
+    pub fn is_intact(&self) -> bool {
+        self.files.iter().all(|(_, s)| *s == FileStatus::Ok)
+    }
+
+    /// Bytes each rank's pieces take, by rank (values, state and masters counted through the
+    /// files' sizes).
+    pub fn bytes_per_rank(&self) -> Vec<u64> {
+        self.meta.files.iter().map(|f| f.bytes).collect()
+    }
+}
+
+/// Reads `dir`'s metadata and checks every rank file against its digest.
+///
+/// # Errors
+/// [`CheckpointError::Incomplete`], [`CheckpointError::Io`], [`CheckpointError::Corrupt`]
+/// (unreadable metadata), [`CheckpointError::Version`]. Bad rank files are reported in the
+/// result, not as errors.
+pub fn inspect(dir: impl AsRef<Path>) -> Result<Inspection, CheckpointError> {
+    let dir = dir.as_ref();
+    let meta = CheckpointMeta::read(dir)?;
+    let mut files = Vec::new();
+    for expected in &meta.files {
+        let path = dir.join(&expected.name);
+        let status = match digest(&path) {
+            Ok((bytes, sha)) if bytes == expected.bytes && sha == expected.sha256 => FileStatus::Ok,
+            Ok((bytes, _)) => FileStatus::Mismatch { bytes },
+            Err(CheckpointError::Missing { .. }) => FileStatus::Missing,
+            Err(e) => return Err(e),
+        };
+        files.push((path, status));
+    }
+    Ok(Inspection { meta, files })
+}
+
+/// Rewrites the checkpoint in `dir` for `world_size` ranks into the new directory `out`:
+/// every entry (values, optimizer state, masters) is cut into `world_size` chunks of
+/// `ceil(numel / world_size)` elements. [`ShardedOptimizer::load_checkpoint`] reads any
+/// layout, so this is never required; it spreads the files (and the reading) over the new
+/// ranks. Payload and stage are kept. Atomic like a save: `out` appears complete or not at all.
+///
+/// [`ShardedOptimizer::load_checkpoint`]: crate::ShardedOptimizer::load_checkpoint
+///
+/// # Errors
+/// As [`inspect`] for a bad checkpoint; [`CheckpointError::Exists`] when `out` exists;
+/// [`CheckpointError::Io`].
+pub fn reshard(
+    dir: impl AsRef<Path>,
+    world_size: usize,
+    out: impl AsRef<Path>,
+) -> Result<CheckpointMeta, CheckpointError> {
+    let (dir, out) = (dir.as_ref(), out.as_ref());
+    if world_size == 0 {
+        return Err(CheckpointError::ModelMismatch("--world-size must be at least 1".into()));
+    }
+    if out.exists() {
+        return Err(CheckpointError::Exists { dir: out.to_path_buf() });
+    }
+    let meta = CheckpointMeta::read(dir)?;
+    let partial = partial_dir(out);
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
+    }
+    std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
+    let mut files = RankFiles::new(dir, &meta);
+    let mut entries = meta.entries.clone();
+    for entry in &mut entries {
+        let chunk = entry.numel().div_ceil(world_size);
+        entry.pieces = (0..world_size)
+            .map(|rank| Piece {
+                rank,
+                start: (rank * chunk).min(entry.numel()),
+                end: ((rank + 1) * chunk).min(entry.numel()),
+            })
+            .filter(|p| p.start < p.end)
+            .collect();
+    }
+    for rank in 0..world_size {
+        let mut file = RankFile::default();
+        for (old, new) in meta.entries.iter().zip(&entries) {
+            let Some(piece) = new.pieces.iter().find(|p| p.rank == rank) else {
+                continue;
+            };
+            let range = piece.start..piece.end;
+            let first = old.pieces[0].rank;
+            let path = &old.path;
+            let mut names = vec![format!("param/{path}")];
+            let state = format!("state/{path}/");
+            names.extend(
+                files
+                    .tensors_under(first, &state)?
+                    .into_iter()
+                    .map(|f| format!("{state}{f}")),
+            );
+            if files
+                .tensors_under(first, &format!("master/{path}"))?
+                .iter()
+                .any(String::is_empty)
+            {
+                names.push(format!("master/{path}"));
+            }
+            for name in names {
+                let data = files.read_range(old, &name, range.clone())?;
+                file.push(name, data);
+            }
+            for (field, value) in files.scalars_under(first, &state)? {
+                file.push_scalar(format!("{state}{field}"), value);
+            }
+        }
+        file.write(&partial, rank)?;
+    }
+    let resharded = CheckpointMeta {
+        world_size,
+        entries,
+        files: (0..world_size)
+            .map(|r| read_digest(&partial, r))
+            .collect::<Result<_, _>>()?,
+        ..meta.clone()
+    };
+    write_atomically(
+        &partial.join(META),
+        serde_json::to_string_pretty(&resharded)
+            .expect("metadata serialises")
+            .as_bytes(),
+    )?;
+    write_atomically(&partial.join(COMPLETE), b"")?;
+    std::fs::rename(&partial, out).map_err(|e| CheckpointError::io(out, e))?;
+    Ok(resharded)
+}
+
+/// The complete checkpoints directly inside `root`, oldest first (by name: save them as
+/// `step-000123` and names order by step).
+///
+/// # Errors
+/// [`CheckpointError::Io`] when `root` cannot be listed.
+pub fn list(root: impl AsRef<Path>) -> Result<Vec<PathBuf>, CheckpointError> {
+    let root = root.as_ref();
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
+        .map_err(|e| CheckpointError::io(root, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join(COMPLETE).is_file())
+        .collect();
+    dirs.sort();
+    Ok(dirs)
+}
+
+/// Removes all but the `keep` newest complete checkpoints of `root` (see [`list`]); returns
+/// the removed ones. Incomplete directories (a save in progress or failed) are left alone. Call
+/// it on one rank, after a save has returned.
+///
+/// # Errors
+/// [`CheckpointError::Io`].
+pub fn keep_last(root: impl AsRef<Path>, keep: usize) -> Result<Vec<PathBuf>, CheckpointError> {
+    let dirs = list(root)?;
+    let old = dirs.len().saturating_sub(keep);
+    let removed: Vec<PathBuf> = dirs.into_iter().take(old).collect();
+    for dir in &removed {
+        // The marker first: a half-removed directory is then not mistaken for a checkpoint.
+        std::fs::remove_file(dir.join(COMPLETE)).map_err(|e| CheckpointError::io(dir, e))?;
+        std::fs::remove_dir_all(dir).map_err(|e| CheckpointError::io(dir, e))?;
+    }
+    Ok(removed)
+}
