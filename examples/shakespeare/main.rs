@@ -272,6 +272,13 @@ fn train_rank(
         let (loaded, payload) = optim.load_checkpoint(model, dir)?;
         model = loaded;
         start = payload["step"].as_u64().unwrap_or(0) as usize;
+        if start >= args.steps {
+            return Err(ShardError::InvalidConfig(format!(
+                "--resume {} is at step {start}, but --steps is {}: nothing is left to train; raise --steps",
+                dir.display(),
+                args.steps
+            )));
+        }
         // The same batches as an uninterrupted run at the same world size: skip the ones seen.
         for _ in 0..start {
             sample_batch(&corpus.train, local_batch, args.block_size, &mut rng, &device);

@@ -405,6 +405,53 @@ fn bad_checkpoints_are_clear_errors_on_every_rank_and_change_nothing() {
         assert!(start.elapsed().as_secs() < 10, "errors within seconds");
         assert_eq!(files_of(dir), before, "a failed load changes nothing on disk");
     }
+    // A stage-3 checkpoint read at stage 3 on as many ranks: rank 0 never reads rank 1's file.
+    // Rank 1 names the file, rank 0 names rank 1.
+    let good3 = root.join("good3");
+    train(
+        &base,
+        AdamWConfig::new(),
+        DType::F32,
+        2,
+        Stage::Three,
+        0,
+        1,
+        None,
+        Some(&good3),
+    );
+    let flipped3 = root.join("flipped3");
+    std::fs::create_dir_all(&flipped3).unwrap();
+    for f in std::fs::read_dir(&good3).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), flipped3.join(f.file_name())).unwrap();
+    }
+    let mut bytes = std::fs::read(flipped3.join("rank-1.bpk")).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    std::fs::write(flipped3.join("rank-1.bpk"), &bytes).unwrap();
+    let errors = load_errors(&base, &flipped3, Stage::Three);
+    assert!(errors[1].to_string().contains("rank-1.bpk is corrupt"), "{}", errors[1]);
+    assert!(
+        errors[0].to_string().contains("rank(s) [1] failed in load_checkpoint"),
+        "{}",
+        errors[0]
+    );
+    // The group is still usable after a failed load: the ranks train on.
+    let trained = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (model, mut optim) = ShardConfig::new(Stage::Two)
+            .init(base.valid().train().fork(&device), AdamWConfig::new(), comm)
+            .unwrap();
+        let rank = optim.comm().rank();
+        let model = match optim.load_checkpoint(model.clone(), &flipped) {
+            Ok(_) => panic!("a corrupt checkpoint must not load"),
+            Err(_) => model,
+        };
+        let l = loss(&model, 0, rank, 2, &device);
+        sharded_step(&mut optim, model, l, LR).1
+    })
+    .unwrap();
+    assert!(trained.iter().all(|l| l.is_finite()));
     // Another model: a parameter of another shape is named, with both shapes.
     #[derive(Module, Debug)]
     struct Other {

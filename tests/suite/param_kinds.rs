@@ -342,3 +342,61 @@ fn a_trainable_reparameterized_parameter_is_refused_at_stage_3_with_the_fix() {
         assert!(text.contains("`weight`") && text.contains("stage 2"), "{text}");
     }
 }
+
+/// Stages 0-2 allow rank-dependent branches: `late` is used by rank 0 only, so the other ranks
+/// have no gradient for it. The ranks must agree that it got one (its gradient then counts as
+/// zero on the other ranks), step it and its state on every rank, and match single-device
+/// training on the mean of the ranks' losses.
+#[test]
+fn a_parameter_used_on_one_rank_only_is_stepped_on_every_rank() {
+    let device = Device::flex().autodiff();
+    let base = Branches::new(&device);
+    let loss_of = |m: &Branches, step: usize, rank: usize, world_size: usize, device: &Device| {
+        let per_rank = GLOBAL_BATCH / world_size;
+        let x = Rng::new(90 + step as u64).vec(GLOBAL_BATCH * 2);
+        let x = &x[rank * per_rank * 2..(rank + 1) * per_rank * 2];
+        let x = Tensor::<2>::from_data(TensorData::new(x.to_vec(), [per_rank, 2]), device);
+        let mut y = m.always.forward(x.clone());
+        if rank == 0 {
+            y = y + m.late.forward(x.clone());
+        }
+        (y - x.sum_dim(1)).powi_scalar(2).mean()
+    };
+    let cfg = AdamWConfig::new().with_weight_decay(0.1);
+    for world_size in 2..=4 {
+        let mut reference = base.clone().fork(&device);
+        let mut optim = cfg.init();
+        for step in 0..4 {
+            let l = (0..world_size)
+                .map(|r| loss_of(&reference, step, r, world_size, &device))
+                .reduce(|a, b| a + b)
+                .unwrap()
+                .div_scalar(world_size as f32);
+            let grads = GradientsParams::from_grads(l.backward(), &reference);
+            reference = optim.step(LR, reference, grads);
+        }
+        let expected = params_of(&reference);
+        for stage in [Stage::Zero, Stage::One, Stage::Two] {
+            let results = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                let rank = comm.rank();
+                let device = Device::flex().autodiff();
+                let (mut model, mut optim) = ShardConfig::new(stage)
+                    .init(base.clone().fork(&device), cfg.clone(), comm)
+                    .expect("init");
+                for step in 0..4 {
+                    let l = loss_of(&model, step, rank, world_size, &device);
+                    model = sharded_step(&mut optim, model, l, LR).0;
+                }
+                params_of(&model)
+            })
+            .unwrap();
+            for (rank, got) in results.iter().enumerate() {
+                let diff = max_abs_diff(got, &expected);
+                assert!(
+                    diff < 1e-5,
+                    "stage {stage}, world size {world_size}, rank {rank}: off by {diff}"
+                );
+            }
+        }
+    }
+}

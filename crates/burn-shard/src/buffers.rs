@@ -18,6 +18,12 @@
 //! The sync settles them first (`Module::valid`), reads every rank's value, and writes the mean
 //! back after an all-reduce that no rank leaves before every rank has read: so shared or not,
 //! every rank ends the step with the same buffers.
+//!
+//! With several forward passes per step (gradient accumulation) on ranks that share one
+//! clone's `RunningState`s, Burn's own `update` averages whatever the ranks have pending at that
+//! moment, which depends on thread timing: ranks still end every step identical, but the value
+//! is no longer exactly the rule. Give each rank its own states (`model.valid().train()` before
+//! `fork`, as separate processes have anyway) when that matters.
 
 use std::collections::HashMap;
 

@@ -33,9 +33,10 @@ pub enum ShardError {
         /// The peer's fingerprint.
         theirs: u64,
     },
-    /// The module given to `step` is not the one the optimizer was built for.
+    /// The module given to `step`, `save_checkpoint` or `load_checkpoint` is not the one the
+    /// optimizer was built for.
     #[error(
-        "parameter `{path}` ({id}) of the module passed to step is not in the layout built by ShardConfig::init; pass the model that init returned"
+        "parameter `{path}` ({id}) is in only one of the module passed and the layout built by ShardConfig::init; pass the model that init (or the last step) returned"
     )]
     UnknownParam {
         /// The parameter's module path.

@@ -64,6 +64,18 @@ pub(crate) fn assemble(
         };
         pieces.push(piece);
     }
+    join_range(pieces, bucket, range, device)
+}
+
+/// `range` of `bucket` from the pieces of its parameters that lie in it, in order: the padding
+/// tail beyond `bucket.numel` (zeros) is appended, and the pieces become one `[range.len()]`
+/// tensor of the bucket's dtype.
+pub(crate) fn join_range(
+    mut pieces: Vec<Tensor<1>>,
+    bucket: &Bucket,
+    range: Range<usize>,
+    device: &Device,
+) -> Tensor<1> {
     let pad_start = range.start.max(bucket.numel);
     if range.end > pad_start {
         pieces.push(Tensor::zeros([range.end - pad_start], (device, bucket.dtype)));
@@ -124,6 +136,19 @@ pub(crate) fn values_by_id<M: Module>(module: &M, ids: &HashSet<ParamId>) -> Has
     };
     module.visit(&mut read);
     read.values
+}
+
+/// The ids of every float entry of `module`.
+pub(crate) fn ids_of<M: Module>(module: &M) -> HashSet<ParamId> {
+    struct Ids(HashSet<ParamId>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.insert(param.id);
+        }
+    }
+    let mut ids = Ids(HashSet::new());
+    module.visit(&mut ids);
+    ids.0
 }
 
 /// The plain (non-autodiff) device of a module's first tensor.

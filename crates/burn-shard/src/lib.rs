@@ -15,7 +15,8 @@
 //!
 //! Stages 0-2: the parameters that require grad are packed, in module traversal order, into flat
 //! buckets ([`FlatLayout`]); rank `r` owns elements `[r·L/N, (r+1)·L/N)` of each padded bucket
-//! of length `L`. Burn's own optimizer runs on each flat shard, so its update math is reused.
+//! of length `L`. Burn's own optimizer steps each parameter's piece of this rank's range with
+//! that parameter's state, so its update math is reused.
 //! Stage 3: see [`fsdp`].
 //!
 //! What each kind of float entry gets, at every stage:

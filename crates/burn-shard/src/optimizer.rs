@@ -23,17 +23,16 @@ use crate::{ShardError, Stage};
 /// are partitioned over the ranks of a [`Collective`]. Built by
 /// [`ShardConfig::init`](crate::ShardConfig::init).
 ///
-/// Each bucket of the [`FlatLayout`] is stepped as one flat `[shard_numel]` tensor (stages 1-2),
-/// `[padded_numel]` tensor (stage 0) or tensor of this rank's parameter shards (stage 3, where
-/// the layout covers the local shards) by `O::step`: Burn's own optimizer, so the update math is
-/// Burn's, or [`FusedAdam`](burn_shard_kernels::FusedAdam) when Burn's Adam/AdamW config was
-/// passed (see [`IntoOptimizer`](crate::IntoOptimizer)).
+/// Each bucket of the [`FlatLayout`] is reduced as one flat buffer; then the piece of each
+/// parameter in this rank's range of the bucket (its whole bucket at stage 0, its shard at
+/// stages 1-2, its local shards at stage 3) is stepped by `O::step` with that parameter's own
+/// state: Burn's own optimizer, so the update math is Burn's, or
+/// [`FusedAdam`](burn_shard_kernels::FusedAdam) when Burn's Adam/AdamW config was passed (see
+/// [`IntoOptimizer`](crate::IntoOptimizer)).
 ///
-/// A parameter that received a gradient on no rank keeps its value, as with Burn's
-/// `ModuleOptimizer`; its slice of the bucket's optimizer state still advances with the bucket
-/// (moments decay, the step count grows), as in DeepSpeed's flat buffers. Gradient clipping
-/// configured on a Burn optimizer config is not applied: Burn's `build()` leaves it out and its
-/// per-parameter norms would be wrong on shards.
+/// A parameter that received a gradient on no rank keeps its value and its state (step count,
+/// moments, master), as with Burn's `ModuleOptimizer`. Gradient clipping configured on a Burn
+/// optimizer config is refused: Burn's per-parameter norms would be wrong on shards.
 /// Adam, AdamW and SGD (with or without momentum) are element-wise, so the flat step equals
 /// Burn's per-parameter step element for element. Optimizers that mix elements of a tensor
 /// (per-tensor norms: LAMB, Muon, Adafactor, or Burn's per-parameter norm clipping) would see
@@ -235,15 +234,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             self.states[index] = state;
             pieces.push(param);
         }
-        let pad_start = range.start.max(bucket.numel);
-        if range.end > pad_start {
-            pieces.push(Tensor::zeros([range.end - pad_start], (device, bucket.dtype)));
-        }
-        match pieces.len() {
-            0 => Tensor::zeros([0], (device, bucket.dtype)),
-            1 => pieces.pop().expect("one piece"),
-            _ => Tensor::cat(pieces, 0),
-        }
+        flat::join_range(pieces, bucket, range, device)
     }
 
     /// Which slots received a gradient on some rank this step. Like Burn's `ModuleOptimizer`,

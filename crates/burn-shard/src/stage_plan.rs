@@ -98,7 +98,15 @@ impl StagePlan {
         Ok(match self {
             StagePlan::Three(_) => {
                 let mut shards = exchange::collect_shards(model);
-                layout.slots().iter().map(|slot| shards.remove(&slot.id)).collect()
+                let mut values = Vec::with_capacity(layout.slots().len());
+                for slot in layout.slots() {
+                    let shard = shards.remove(&slot.id).ok_or_else(|| ShardError::UnknownParam {
+                        path: slot.path.clone(),
+                        id: slot.id.to_string(),
+                    })?;
+                    values.push(Some(shard));
+                }
+                values
             }
             _ => flat::param_values(model, layout)?.0,
         })

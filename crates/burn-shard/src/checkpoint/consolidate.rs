@@ -2,10 +2,10 @@
 
 use std::path::Path;
 
-use burn_pack::{Reader, Writer};
+use burn_pack::Writer;
 
 use super::CheckpointError;
-use super::files::{RankFiles, rank_file};
+use super::files::RankFiles;
 use super::meta::{CheckpointMeta, EntryMeta, parse_dtype};
 
 /// What [`consolidate`] wrote.
@@ -38,21 +38,27 @@ pub fn consolidate(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<Conso
         files.tensors_under(rank, "")?;
     }
     drop(files);
+    let shared = std::sync::Arc::new(meta.clone());
     let mut tensors = Vec::with_capacity(meta.entries.len());
-    for entry in &meta.entries {
+    for (index, entry) in meta.entries.iter().enumerate() {
         let dtype = parse_dtype(&entry.dtype).ok_or_else(|| CheckpointError::Corrupt {
             file: dir.join(super::META),
             reason: format!("unknown dtype {} for `{}`", entry.dtype, entry.path),
         })?;
-        let byte_len = entry.numel() * dtype.size();
-        let (dir, entry_owned) = (dir.to_path_buf(), entry.clone());
+        let (dir, meta) = (dir.to_path_buf(), shared.clone());
         tensors.push(burn_pack::Tensor::deferred(
             entry.path.clone(),
             dtype,
             entry.shape.clone(),
             Some(entry.id),
-            byte_len,
-            move || read_whole(&dir, &entry_owned).map_err(|e| burn_pack::Error::ValidationError(e.to_string())),
+            entry.numel() * dtype.size(),
+            move || {
+                let entry = &meta.entries[index];
+                RankFiles::verified(&dir, &meta)
+                    .read_range(entry, &format!("param/{}", entry.path), 0..entry.numel())
+                    .map(|data| data.into_bytes())
+                    .map_err(|e| burn_pack::Error::ValidationError(e.to_string()))
+            },
         ));
     }
     Writer::new(tensors)
@@ -64,29 +70,4 @@ pub fn consolidate(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<Conso
         entries: meta.entries.len(),
         elements: meta.entries.iter().map(EntryMeta::numel).sum(),
     })
-}
-
-/// Every element of `entry`, from its pieces (files already verified).
-fn read_whole(dir: &Path, entry: &EntryMeta) -> Result<burn::tensor::Bytes, CheckpointError> {
-    let mut bytes = Vec::new();
-    for piece in &entry.pieces {
-        let path = dir.join(rank_file(piece.rank));
-        let corrupt = |e: burn_pack::Error| CheckpointError::Corrupt {
-            file: path.clone(),
-            reason: e.to_string(),
-        };
-        let name = format!("param/{}", entry.path);
-        let tensor = Reader::from_file_exact(&path)
-            .and_then(Reader::into_tensors)
-            .map_err(corrupt)?
-            .into_iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| CheckpointError::Corrupt {
-                file: path.clone(),
-                reason: format!("no tensor {name}"),
-            })?;
-        bytes.extend_from_slice(&tensor.to_bytes().map_err(corrupt)?);
-    }
-    let len = bytes.len();
-    Ok(burn::tensor::TensorData::from_bytes_vec(bytes, [len], burn::tensor::DType::U8).into_bytes())
 }

@@ -67,12 +67,30 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         ),
         ShardError,
     > {
+        let (rank, world_size, stage) = (self.comm.rank(), self.comm.world_size(), self.stage());
         let meta = CheckpointMeta::read(dir)?;
         let entries = self.saved_entries();
         check_same_model(&meta, &entries)?;
         let by_path: HashMap<&str, &EntryMeta> = meta.entries.iter().map(|e| (e.path.as_str(), e)).collect();
         let device = flat::plain_device(model)?;
-        let (rank, world_size, stage) = (self.comm.rank(), self.comm.world_size(), self.stage());
+        // Every value must land: the model must be the one `init` (or `step`) returned.
+        let present = flat::ids_of(model);
+        let shards_present = match stage {
+            Stage::Three => exchange::collect_shards(model).into_keys().collect(),
+            _ => std::collections::HashSet::new(),
+        };
+        for (id, entry, holding) in &entries {
+            let found = match holding {
+                Holding::Chunks => shards_present.contains(id),
+                _ => present.contains(id),
+            };
+            if !found {
+                return Err(ShardError::UnknownParam {
+                    path: entry.path.clone(),
+                    id: id.to_string(),
+                });
+            }
+        }
         let mut files = RankFiles::new(dir, &meta);
         let (mut values, mut shards) = (HashMap::new(), HashMap::new());
         let mut states = vec![None; self.layout.slots().len()];

@@ -80,10 +80,14 @@ impl CheckpointMeta {
     /// Reads and checks `dir/meta.json`.
     ///
     /// # Errors
-    /// [`CheckpointError::Incomplete`] without the completion marker,
+    /// [`CheckpointError::NotFound`], [`CheckpointError::Incomplete`] without the completion
+    /// marker,
     /// [`CheckpointError::Io`], [`CheckpointError::Corrupt`] for unparsable JSON,
     /// [`CheckpointError::Version`].
     pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
+        if !dir.is_dir() {
+            return Err(CheckpointError::NotFound { dir: dir.to_path_buf() });
+        }
         if !dir.join(super::COMPLETE).exists() {
             return Err(CheckpointError::Incomplete { dir: dir.to_path_buf() });
         }

@@ -51,6 +51,12 @@ pub enum CheckpointError {
         /// The operating system's message.
         message: String,
     },
+    /// The checkpoint directory does not exist.
+    #[error("{dir} does not exist; pass a checkpoint directory (one that has meta.json and COMPLETE)")]
+    NotFound {
+        /// The directory.
+        dir: PathBuf,
+    },
     /// The directory has no completion marker: a save that did not finish, or not a checkpoint.
     #[error(
         "{dir} is not a complete checkpoint (no COMPLETE marker): its save did not finish; use an earlier checkpoint"
@@ -89,6 +95,17 @@ pub enum CheckpointError {
         /// The version this build reads.
         supported: u32,
     },
+    /// Another rank failed in the same collective checkpoint operation (its own error says why).
+    #[error("rank(s) {ranks:?} failed in {op}: see that rank's error; nothing was changed here")]
+    PeerFailed {
+        /// The operation.
+        op: String,
+        /// The ranks that failed.
+        ranks: Vec<usize>,
+    },
+    /// An argument is out of range.
+    #[error("{0}")]
+    InvalidArgument(String),
     /// The checkpoint is of another model.
     #[error("the checkpoint does not fit the model: {0}; load it into the model it was saved from")]
     ModelMismatch(String),

@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 
 use super::files::{RankFile, RankFiles, digest, read_digest};
 use super::meta::{CheckpointMeta, Piece};
-use super::save::write_atomically;
-use super::{COMPLETE, CheckpointError, META, partial_dir};
+use super::save::{begin, finish};
+use super::{COMPLETE, CheckpointError};
 
 /// The state of one rank file, as [`inspect`] found it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -84,17 +84,12 @@ pub fn reshard(
 ) -> Result<CheckpointMeta, CheckpointError> {
     let (dir, out) = (dir.as_ref(), out.as_ref());
     if world_size == 0 {
-        return Err(CheckpointError::ModelMismatch("--world-size must be at least 1".into()));
-    }
-    if out.exists() {
-        return Err(CheckpointError::Exists { dir: out.to_path_buf() });
+        return Err(CheckpointError::InvalidArgument(
+            "the world size of a resharded checkpoint must be at least 1".into(),
+        ));
     }
     let meta = CheckpointMeta::read(dir)?;
-    let partial = partial_dir(out);
-    if partial.exists() {
-        std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
-    }
-    std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
+    let partial = begin(out)?;
     let mut files = RankFiles::new(dir, &meta);
     let mut entries = meta.entries.clone();
     for entry in &mut entries {
@@ -115,7 +110,14 @@ pub fn reshard(
                 continue;
             };
             let range = piece.start..piece.end;
-            let first = old.pieces[0].rank;
+            let first = old
+                .pieces
+                .first()
+                .map(|p| p.rank)
+                .ok_or_else(|| CheckpointError::Corrupt {
+                    file: dir.join(super::META),
+                    reason: format!("`{}` has no pieces", old.path),
+                })?;
             let path = &old.path;
             let mut names = vec![format!("param/{path}")];
             let state = format!("state/{path}/");
@@ -150,19 +152,12 @@ pub fn reshard(
             .collect::<Result<_, _>>()?,
         ..meta.clone()
     };
-    write_atomically(
-        &partial.join(META),
-        serde_json::to_string_pretty(&resharded)
-            .expect("metadata serialises")
-            .as_bytes(),
-    )?;
-    write_atomically(&partial.join(COMPLETE), b"")?;
-    std::fs::rename(&partial, out).map_err(|e| CheckpointError::io(out, e))?;
+    finish(out, &resharded)?;
     Ok(resharded)
 }
 
-/// The complete checkpoints directly inside `root`, oldest first (by name: save them as
-/// `step-000123` and names order by step).
+/// The complete checkpoints directly inside `root`, oldest first: by the number that ends the
+/// directory's name (`step-123` before `step-1000`), then by name.
 ///
 /// # Errors
 /// [`CheckpointError::Io`] when `root` cannot be listed.
@@ -173,7 +168,12 @@ pub fn list(root: impl AsRef<Path>) -> Result<Vec<PathBuf>, CheckpointError> {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.join(COMPLETE).is_file())
         .collect();
-    dirs.sort();
+    let step = |p: &PathBuf| -> Option<u64> {
+        let name = p.file_name()?.to_str()?;
+        let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+        name[name.len() - digits..].parse().ok()
+    };
+    dirs.sort_by(|a, b| step(a).cmp(&step(b)).then_with(|| a.cmp(b)));
     Ok(dirs)
 }
 

@@ -5,7 +5,8 @@ use std::path::Path;
 
 use burn::module::{Module, ParamId};
 use burn::optim::{RecordState, StateSink};
-use burn::tensor::TensorData;
+use burn::tensor::{Tensor, TensorData};
+use burn_shard_comm::ReduceOp;
 
 use super::files::{RankFile, read_digest};
 use super::meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, Piece, dtype_name};
@@ -31,8 +32,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// [`CheckpointError::Exists`] when `dir` exists, [`CheckpointError::Io`] when a file
     /// cannot be written (then `dir` is not created, and no earlier checkpoint is touched),
-    /// wrapped in [`ShardError::Checkpoint`]; [`ShardError::Comm`]. A rank that fails makes
-    /// every rank fail with its message.
+    /// [`CheckpointError::PeerFailed`] on the ranks that did not fail themselves, wrapped in
+    /// [`ShardError::Checkpoint`]; [`ShardError::Comm`]. Every rank returns an error when one
+    /// rank fails, and the group stays usable: training can go on.
     pub fn save_checkpoint<M: Module>(
         &self,
         model: &M,
@@ -40,41 +42,61 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         payload: &serde_json::Value,
     ) -> Result<(), ShardError> {
         let dir = dir.as_ref();
-        let result = self.save_with(model, dir, payload);
-        self.agree(result, "save_checkpoint")
-    }
-
-    /// Ends a collective file operation on every rank with the same outcome: a rank that
-    /// failed aborts the group with its message, which every other rank then returns.
-    pub(crate) fn agree<T>(&self, result: Result<T, ShardError>, op: &str) -> Result<T, ShardError> {
-        match result {
-            Ok(value) => {
-                self.comm.barrier()?;
-                Ok(value)
-            }
-            Err(e) => {
-                self.comm
-                    .abort(&format!("rank {} failed in {op}: {e}", self.comm.rank()));
-                Err(e)
-            }
-        }
-    }
-
-    fn save_with<M: Module>(&self, model: &M, dir: &Path, payload: &serde_json::Value) -> Result<(), ShardError> {
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         let partial = partial_dir(dir);
-        if rank == 0 {
-            if dir.exists() {
-                return Err(CheckpointError::Exists { dir: dir.to_path_buf() }.into());
-            }
-            if partial.exists() {
-                // What a save that failed left behind.
-                std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
-            }
-            std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
-        }
-        self.comm.barrier()?;
+        // 1. Every rank checks the target (one filesystem: they agree); rank 0 prepares it.
+        let prepared = match (dir.exists(), rank) {
+            (true, _) => Err(CheckpointError::Exists { dir: dir.to_path_buf() }.into()),
+            (false, 0) => begin(dir).map(drop).map_err(ShardError::from),
+            (false, _) => Ok(()),
+        };
+        self.agree(prepared, "save_checkpoint")?;
+        // 2. Every rank writes its file.
+        let written = self.write_rank_file(model, &partial);
+        self.agree(written, "save_checkpoint")?;
+        // 3. Rank 0 completes the directory.
+        let finished = match rank {
+            0 => self
+                .metadata(&partial, world_size, payload)
+                .and_then(|meta| Ok(finish(dir, &meta)?)),
+            _ => Ok(()),
+        };
+        self.agree(finished, "save_checkpoint")
+    }
 
+    /// Ends one step of a collective file operation on every rank with the same outcome: the
+    /// ranks all-reduce which of them failed; a rank that failed returns its own error, every
+    /// other rank [`CheckpointError::PeerFailed`] naming it. No rank is left waiting, and the
+    /// group stays usable.
+    pub(crate) fn agree<T>(&self, result: Result<T, ShardError>, op: &str) -> Result<T, ShardError> {
+        let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
+        let mut flags = vec![0f32; world_size];
+        flags[rank] = if result.is_err() { 1.0 } else { 0.0 };
+        let device = burn::tensor::Device::flex();
+        let flags = Tensor::<1>::from_data(TensorData::new(flags, [world_size]), &device);
+        let failed: Vec<usize> = self
+            .comm
+            .all_reduce(flags, ReduceOp::Sum)?
+            .into_data()
+            .convert::<f32>()
+            .iter::<f32>()
+            .enumerate()
+            .filter(|(_, f)| *f > 0.0)
+            .map(|(r, _)| r)
+            .collect();
+        match result {
+            Ok(_) if !failed.is_empty() => Err(CheckpointError::PeerFailed {
+                op: op.to_string(),
+                ranks: failed,
+            }
+            .into()),
+            result => result,
+        }
+    }
+
+    /// Writes this rank's file into `partial`.
+    fn write_rank_file<M: Module>(&self, model: &M, partial: &Path) -> Result<(), ShardError> {
+        let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         let entries = self.saved_entries();
         let stage = self.stage();
         let mut file = RankFile::default();
@@ -112,33 +134,31 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 self.push_optimizer_piece(&mut file, index, &entry.path, range.len());
             }
         }
-        file.write(&partial, rank)?;
-        self.comm.barrier()?;
+        Ok(file.write(partial, rank)?)
+    }
 
-        if rank == 0 {
-            let meta = CheckpointMeta {
-                format_version: FORMAT_VERSION,
-                world_size,
-                stage: stage.number(),
-                entries: entries
-                    .iter()
-                    .map(|(id, entry, holding)| entry_meta(*id, entry, *holding, stage, world_size, self))
-                    .collect(),
-                files: (0..world_size)
-                    .map(|r| read_digest(&partial, r))
-                    .collect::<Result<_, _>>()?,
-                payload: payload.clone(),
-            };
-            write_atomically(
-                &partial.join(META),
-                serde_json::to_string_pretty(&meta)
-                    .expect("metadata serialises")
-                    .as_bytes(),
-            )?;
-            write_atomically(&partial.join(COMPLETE), b"")?;
-            std::fs::rename(&partial, dir).map_err(|e| CheckpointError::io(dir, e))?;
-        }
-        Ok(())
+    /// Rank 0: the checkpoint's metadata, with every rank file's digest.
+    fn metadata(
+        &self,
+        partial: &Path,
+        world_size: usize,
+        payload: &serde_json::Value,
+    ) -> Result<CheckpointMeta, ShardError> {
+        let stage = self.stage();
+        Ok(CheckpointMeta {
+            format_version: FORMAT_VERSION,
+            world_size,
+            stage: stage.number(),
+            entries: self
+                .saved_entries()
+                .iter()
+                .map(|(id, entry, holding)| entry_meta(*id, entry, *holding, stage, world_size, self))
+                .collect(),
+            files: (0..world_size)
+                .map(|r| read_digest(partial, r))
+                .collect::<Result<_, _>>()?,
+            payload: payload.clone(),
+        })
     }
 
     /// The entries a checkpoint holds, in traversal order, with where their elements live.
@@ -217,6 +237,31 @@ fn entry_meta<O: MasterWeightStep>(
             })
             .collect(),
     }
+}
+
+/// Starts a checkpoint directory: refuses an existing `dir`, clears what a failed save left in
+/// `DIR.partial`, and creates that. Returns `DIR.partial`.
+pub(crate) fn begin(dir: &Path) -> Result<std::path::PathBuf, CheckpointError> {
+    if dir.exists() {
+        return Err(CheckpointError::Exists { dir: dir.to_path_buf() });
+    }
+    let partial = partial_dir(dir);
+    if partial.exists() {
+        // What a save that failed left behind.
+        std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
+    }
+    std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
+    Ok(partial)
+}
+
+/// Completes a checkpoint whose rank files are in `DIR.partial`: writes `meta.json`, then the
+/// `COMPLETE` marker, then renames the directory to `dir`.
+pub(crate) fn finish(dir: &Path, meta: &CheckpointMeta) -> Result<(), CheckpointError> {
+    let partial = partial_dir(dir);
+    let json = serde_json::to_string_pretty(meta).expect("metadata serialises");
+    write_atomically(&partial.join(META), json.as_bytes())?;
+    write_atomically(&partial.join(COMPLETE), b"")?;
+    std::fs::rename(&partial, dir).map_err(|e| CheckpointError::io(dir, e))
 }
 
 /// Writes `bytes` to `path` through a temporary file renamed into place.
