@@ -10,9 +10,10 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::DType;
-use burn_shard::checkpoint::{FileStatus, consolidate, inspect, reshard};
+use burn_shard::checkpoint::{FileStatus, consolidate, consolidate_safetensors, inspect, reshard};
 use burn_shard::{IntoOptimizer, ShardConfig, ShardError, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
+use burn_store::ModuleSnapshot;
 
 use crate::common::{Rng, max_abs_diff, params_of, sharded_step};
 
@@ -326,6 +327,18 @@ fn a_consolidated_checkpoint_loads_into_the_plain_model() {
             restarted.iter().all(|p| *p == got),
             "a plain record starts a stage-3 run"
         );
+        // The same through safetensors, read back with burn-store.
+        let tensors = root.join(format!("s{stage}-w{world_size}.safetensors"));
+        consolidate_safetensors(&dir, &tensors).expect("consolidate to safetensors");
+        let mut plain = Uneven::new(&Device::flex().autodiff(), true);
+        let mut store = burn_store::SafetensorsStore::from_file(&tensors);
+        let applied = plain.load_from(&mut store).expect("burn-store reads it");
+        assert!(applied.errors.is_empty() && applied.missing.is_empty(), "{applied:?}");
+        assert_eq!(
+            params_of(&plain),
+            got,
+            "stage {stage}: safetensors holds the sharded values"
+        );
     }
 }
 
@@ -509,4 +522,75 @@ fn files_of(dir: &Path) -> Vec<Vec<u8>> {
     let mut names: Vec<_> = std::fs::read_dir(dir).unwrap().map(|f| f.unwrap().path()).collect();
     names.sort();
     names.iter().map(|p| std::fs::read(p).unwrap()).collect()
+}
+
+/// A Burn scheduler's state travels with the checkpoint: 3 + 3 steps under a linear schedule
+/// equal 6, bitwise; a checkpoint saved without one says so.
+#[test]
+fn a_learning_rate_scheduler_resumes_with_the_checkpoint() {
+    use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
+    let device = Device::flex().autodiff();
+    let base = Uneven::new(&device, false);
+    let root = scratch("scheduler");
+    let run = |first: usize, steps: usize, load: Option<&Path>, save: Option<&Path>| {
+        run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let rank = comm.rank();
+            let device = Device::flex().autodiff();
+            let (mut model, mut optim) = ShardConfig::new(Stage::Two)
+                .init(base.valid().train().fork(&device), AdamWConfig::new(), comm)
+                .unwrap();
+            let mut scheduler = LinearLrSchedulerConfig::new(2e-2, 1e-3, 6).init().unwrap();
+            if let Some(dir) = load {
+                let (loaded, _, record) = optim.load_checkpoint_with_scheduler(model, dir).unwrap();
+                model = loaded;
+                scheduler = scheduler.load_record(record);
+            }
+            for step in first..first + steps {
+                let l = loss(&model, step, rank, 2, &device);
+                model = sharded_step(&mut optim, model, l, scheduler.step().base()).0;
+            }
+            if let Some(dir) = save {
+                optim
+                    .save_checkpoint_with_scheduler(&model, dir, &serde_json::Value::Null, scheduler.to_record())
+                    .unwrap();
+            }
+            params_of(&model)
+        })
+        .unwrap()
+    };
+    let whole = run(0, 6, None, None);
+    let dir = root.join("step-3");
+    run(0, 3, None, Some(&dir));
+    assert_eq!(
+        run(3, 3, Some(&dir), None),
+        whole,
+        "the schedule continues where it stopped"
+    );
+    // Without a scheduler in the checkpoint, asking for one is a clear error.
+    let plain = root.join("plain");
+    train(
+        &base,
+        AdamWConfig::new(),
+        DType::F32,
+        2,
+        Stage::Two,
+        0,
+        1,
+        None,
+        Some(&plain),
+    );
+    let errors = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (model, mut optim) = ShardConfig::new(Stage::Two)
+            .init(base.valid().train().fork(&device), AdamWConfig::new(), comm)
+            .unwrap();
+        optim
+            .load_checkpoint_with_scheduler(model, &plain)
+            .map(|_| ())
+            .unwrap_err()
+    })
+    .unwrap();
+    for err in errors {
+        assert!(err.to_string().contains("holds no scheduler state"), "{err}");
+    }
 }

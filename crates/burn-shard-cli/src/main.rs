@@ -35,13 +35,16 @@ enum Ckpt {
         dir: PathBuf,
     },
     /// Writes the full model as one ordinary Burn record (burnpack, as `Module::save_file`
-    /// writes it), which the unsharded model loads with `load_file`.
+    /// writes it, which the unsharded model loads with `load_file`), or as safetensors.
     Consolidate {
         /// The checkpoint directory.
         dir: PathBuf,
-        /// The record to write (e.g. model.bpk).
+        /// The file to write (e.g. model.bpk, model.safetensors).
         #[arg(long)]
         out: PathBuf,
+        /// `burnpack` (Burn's record) or `safetensors`; default: by the extension of --out.
+        #[arg(long, value_parser = ["burnpack", "safetensors"])]
+        format: Option<String>,
     },
     /// Rewrites a checkpoint for another number of ranks (loading works at any world size
     /// without it; this spreads the files over the new ranks).
@@ -115,8 +118,15 @@ fn run(cli: Cli) -> Result<ExitCode, checkpoint::CheckpointError> {
                 ExitCode::from(1)
             })
         }
-        Ckpt::Consolidate { dir, out } => {
-            let report = checkpoint::consolidate(&dir, &out)?;
+        Ckpt::Consolidate { dir, out, format } => {
+            let safetensors = match format.as_deref() {
+                Some(f) => f == "safetensors",
+                None => out.extension().is_some_and(|e| e == "safetensors"),
+            };
+            let report = match safetensors {
+                true => checkpoint::consolidate_safetensors(&dir, &out)?,
+                false => checkpoint::consolidate(&dir, &out)?,
+            };
             println!(
                 "{}: {} entries, {} elements, from {}",
                 out.display(),

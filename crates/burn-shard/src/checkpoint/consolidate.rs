@@ -71,3 +71,53 @@ pub fn consolidate(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<Conso
         elements: meta.entries.iter().map(EntryMeta::numel).sum(),
     })
 }
+
+/// As [`consolidate`], into a safetensors file (tensors named by module path, full shapes,
+/// the checkpoint's dtypes) for other tools, e.g. Python's `safetensors.torch.load_file`; Burn
+/// reads it with `burn-store`'s `SafetensorsStore`. Unlike [`consolidate`] it holds the whole
+/// model in memory while writing (the safetensors writer takes every tensor at once). Atomic.
+///
+/// # Errors
+/// As [`consolidate`].
+pub fn consolidate_safetensors(
+    dir: impl AsRef<Path>,
+    out: impl AsRef<Path>,
+) -> Result<ConsolidateReport, CheckpointError> {
+    let (dir, out) = (dir.as_ref(), out.as_ref());
+    let meta = CheckpointMeta::read(dir)?;
+    let mut files = RankFiles::new(dir, &meta);
+    let mut loaded = Vec::with_capacity(meta.entries.len());
+    for entry in &meta.entries {
+        let data = files.read_range(entry, &format!("param/{}", entry.path), 0..entry.numel())?;
+        let dtype = match data.dtype() {
+            burn::tensor::DType::F32 => safetensors::Dtype::F32,
+            burn::tensor::DType::F64 => safetensors::Dtype::F64,
+            burn::tensor::DType::BF16 => safetensors::Dtype::BF16,
+            burn::tensor::DType::F16 => safetensors::Dtype::F16,
+            other => {
+                return Err(CheckpointError::Corrupt {
+                    file: dir.join(super::META),
+                    reason: format!("`{}` has dtype {other:?}, which safetensors cannot hold", entry.path),
+                });
+            }
+        };
+        loaded.push((entry, dtype, data));
+    }
+    let mut tensors = Vec::with_capacity(loaded.len());
+    for (entry, dtype, data) in &loaded {
+        let view = safetensors::tensor::TensorView::new(*dtype, entry.shape.clone(), data.as_bytes()).map_err(|e| {
+            CheckpointError::Corrupt {
+                file: dir.join(super::META),
+                reason: format!("`{}`: {e}", entry.path),
+            }
+        })?;
+        tensors.push((entry.path.clone(), view));
+    }
+    let tmp = out.with_extension("tmp");
+    safetensors::tensor::serialize_to_file(tensors, None, &tmp).map_err(|e| CheckpointError::io(out, e))?;
+    std::fs::rename(&tmp, out).map_err(|e| CheckpointError::io(out, e))?;
+    Ok(ConsolidateReport {
+        entries: meta.entries.len(),
+        elements: meta.entries.iter().map(EntryMeta::numel).sum(),
+    })
+}

@@ -5,14 +5,15 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::Path;
 
+use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::Module;
 use burn::optim::{RecordState, StateSource};
 use burn::tensor::{Device, Tensor, TensorData};
 
-use super::CheckpointError;
-use super::files::RankFiles;
+use super::files::{RankFiles, digest};
 use super::meta::{CheckpointMeta, EntryMeta, dtype_name};
 use super::pieces::{Holding, piece, stepped};
+use super::{CheckpointError, SCHEDULER};
 use crate::fsdp::exchange;
 use crate::master::MasterWeightStep;
 use crate::{ShardError, ShardedOptimizer, Stage, flat};
@@ -39,8 +40,40 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         model: M,
         dir: impl AsRef<Path>,
     ) -> Result<(M, serde_json::Value), ShardError> {
-        let loaded = self.read_checkpoint(&model, dir.as_ref());
-        let (values, shards, states, masters, payload) = self.agree(loaded, "load_checkpoint")?;
+        self.load_impl(model, dir.as_ref(), false)
+            .map(|(model, payload, _)| (model, payload))
+    }
+
+    /// As [`ShardedOptimizer::load_checkpoint`], and returns the scheduler state that
+    /// [`ShardedOptimizer::save_checkpoint_with_scheduler`] saved
+    /// (`scheduler = scheduler.load_record(record)`).
+    ///
+    /// # Errors
+    /// As [`ShardedOptimizer::load_checkpoint`]; [`CheckpointError::ModelMismatch`] when the
+    /// checkpoint holds no scheduler state.
+    pub fn load_checkpoint_with_scheduler<M: Module>(
+        &mut self,
+        model: M,
+        dir: impl AsRef<Path>,
+    ) -> Result<(M, serde_json::Value, LrSchedulerRecord), ShardError> {
+        let (model, payload, record) = self.load_impl(model, dir.as_ref(), true)?;
+        Ok((model, payload, record.expect("asked for")))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn load_impl<M: Module>(
+        &mut self,
+        model: M,
+        dir: &Path,
+        wants_scheduler: bool,
+    ) -> Result<(M, serde_json::Value, Option<LrSchedulerRecord>), ShardError> {
+        let loaded = self
+            .read_checkpoint(&model, dir)
+            .and_then(|read| match wants_scheduler {
+                true => Ok((read, Some(read_scheduler(dir)?))),
+                false => Ok((read, None)),
+            });
+        let ((values, shards, states, masters, payload), record) = self.agree(loaded, "load_checkpoint")?;
         self.states = states;
         self.masters = masters;
         let model = flat::replace_values(model, values);
@@ -48,7 +81,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             Stage::Three => exchange::replace_shards(model, shards),
             _ => model,
         };
-        Ok((model, payload))
+        Ok((model, payload, record))
     }
 
     /// Everything a load changes, read and checked before anything is changed.
@@ -133,6 +166,32 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
         Ok((values, shards, states, masters, meta.payload.clone()))
     }
+}
+
+/// The scheduler record of the checkpoint in `dir`, verified against its digest.
+fn read_scheduler(dir: &Path) -> Result<LrSchedulerRecord, CheckpointError> {
+    let meta = CheckpointMeta::read(dir)?;
+    let path = dir.join(SCHEDULER);
+    let expected = meta.files.iter().find(|f| f.name == SCHEDULER).ok_or_else(|| {
+        CheckpointError::ModelMismatch(format!(
+            "{} holds no scheduler state (saved with save_checkpoint, not save_checkpoint_with_scheduler)",
+            dir.display()
+        ))
+    })?;
+    let (bytes, sha256) = digest(&path)?;
+    if bytes != expected.bytes || sha256 != expected.sha256 {
+        return Err(CheckpointError::Corrupt {
+            file: path,
+            reason: "size or SHA-256 differ from the checkpoint's record".into(),
+        });
+    }
+    let raw = std::fs::read(&path).map_err(|e| CheckpointError::io(&path, e))?;
+    let len = raw.len();
+    let bytes = TensorData::from_bytes_vec(raw, [len], burn::tensor::DType::U8).into_bytes();
+    LrSchedulerRecord::from_bytes(bytes).map_err(|e| CheckpointError::Corrupt {
+        file: path,
+        reason: e.to_string(),
+    })
 }
 
 /// The model's entries and the checkpoint's must be the same: paths, shapes and dtypes.

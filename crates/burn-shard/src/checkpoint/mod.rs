@@ -11,6 +11,7 @@
 //! - `meta.json` (rank 0): format version, world size, stage, for every entry its module path,
 //!   full shape, dtype and which rank holds which element range, the files' digests, and the
 //!   caller's payload (step, data position, seed, scheduler state);
+//! - `scheduler.bpk` (rank 0, when saved with a scheduler): Burn's `LrSchedulerRecord`;
 //! - `COMPLETE`: written last. A directory without it is not a checkpoint.
 //!
 //! Every piece is a range of the flattened entry, so a reader at another world size or stage
@@ -30,12 +31,14 @@ mod save;
 
 use std::path::{Path, PathBuf};
 
-pub use consolidate::{ConsolidateReport, consolidate};
+pub use consolidate::{ConsolidateReport, consolidate, consolidate_safetensors};
 pub use meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Piece};
 pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, reshard};
 
 /// The metadata file.
 pub(crate) const META: &str = "meta.json";
+/// The learning-rate scheduler's record (optional), written by rank 0.
+pub(crate) const SCHEDULER: &str = "scheduler.bpk";
 /// The completion marker, written last.
 pub(crate) const COMPLETE: &str = "COMPLETE";
 

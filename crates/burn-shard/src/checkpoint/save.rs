@@ -3,15 +3,16 @@
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
+use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::{Module, ParamId};
 use burn::optim::{RecordState, StateSink};
 use burn::tensor::{Tensor, TensorData};
 use burn_shard_comm::ReduceOp;
 
-use super::files::{RankFile, read_digest};
-use super::meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, Piece, dtype_name};
+use super::files::{RankFile, digest, read_digest};
+use super::meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Piece, dtype_name};
 use super::pieces::{Holding, piece};
-use super::{COMPLETE, CheckpointError, META, partial_dir};
+use super::{COMPLETE, CheckpointError, META, SCHEDULER, partial_dir};
 use crate::census::{Entry, EntryKind};
 use crate::fsdp::exchange;
 use crate::layout::SUPPORTED;
@@ -41,7 +42,33 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         dir: impl AsRef<Path>,
         payload: &serde_json::Value,
     ) -> Result<(), ShardError> {
-        let dir = dir.as_ref();
+        self.save_impl(model, dir.as_ref(), payload, None)
+    }
+
+    /// As [`ShardedOptimizer::save_checkpoint`], with the state of a Burn learning-rate
+    /// scheduler (`scheduler.to_record()`, any scheduler: written by rank 0 as `scheduler.bpk`
+    /// and covered by the digests); [`ShardedOptimizer::load_checkpoint_with_scheduler`]
+    /// returns it.
+    ///
+    /// # Errors
+    /// As [`ShardedOptimizer::save_checkpoint`].
+    pub fn save_checkpoint_with_scheduler<M: Module>(
+        &self,
+        model: &M,
+        dir: impl AsRef<Path>,
+        payload: &serde_json::Value,
+        scheduler: LrSchedulerRecord,
+    ) -> Result<(), ShardError> {
+        self.save_impl(model, dir.as_ref(), payload, Some(scheduler))
+    }
+
+    fn save_impl<M: Module>(
+        &self,
+        model: &M,
+        dir: &Path,
+        payload: &serde_json::Value,
+        scheduler: Option<LrSchedulerRecord>,
+    ) -> Result<(), ShardError> {
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         let partial = partial_dir(dir);
         // 1. Every rank checks the target (one filesystem: they agree); rank 0 prepares it.
@@ -51,8 +78,18 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             (false, _) => Ok(()),
         };
         self.agree(prepared, "save_checkpoint")?;
-        // 2. Every rank writes its file.
-        let written = self.write_rank_file(model, &partial);
+        // 2. Every rank writes its file; rank 0 also the scheduler's.
+        let written = self
+            .write_rank_file(model, &partial)
+            .and_then(|()| match (rank, scheduler) {
+                (0, Some(record)) => {
+                    let bytes = record
+                        .into_bytes()
+                        .map_err(|e| CheckpointError::io(&partial.join(SCHEDULER), e))?;
+                    Ok(write_atomically(&partial.join(SCHEDULER), &bytes)?)
+                }
+                _ => Ok(()),
+            });
         self.agree(written, "save_checkpoint")?;
         // 3. Rank 0 completes the directory.
         let finished = match rank {
@@ -154,9 +191,21 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 .iter()
                 .map(|(id, entry, holding)| entry_meta(*id, entry, *holding, stage, world_size, self))
                 .collect(),
-            files: (0..world_size)
-                .map(|r| read_digest(partial, r))
-                .collect::<Result<_, _>>()?,
+            files: {
+                let mut files = (0..world_size)
+                    .map(|r| read_digest(partial, r))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let scheduler = partial.join(SCHEDULER);
+                if scheduler.exists() {
+                    let (bytes, sha256) = digest(&scheduler)?;
+                    files.push(FileMeta {
+                        name: SCHEDULER.to_string(),
+                        bytes,
+                        sha256,
+                    });
+                }
+                files
+            },
             payload: payload.clone(),
         })
     }
