@@ -594,3 +594,70 @@ fn a_learning_rate_scheduler_resumes_with_the_checkpoint() {
         assert!(err.to_string().contains("holds no scheduler state"), "{err}");
     }
 }
+
+/// A sharded run's checkpoint continues as plain single-device Burn training: the model from
+/// `consolidate`, Burn's own AdamW from `consolidate_optimizer`; 3 sharded + 3 single-device
+/// steps equal 6 sharded ones.
+#[test]
+fn single_device_burn_resumes_from_a_consolidated_checkpoint() {
+    use burn::optim::GradientsParams;
+    use burn_shard::checkpoint::consolidate_optimizer;
+    let device = Device::flex().autodiff();
+    let base = Uneven::new(&device, false);
+    let root = scratch("single-device");
+    let cfg = AdamWConfig::new().with_weight_decay(0.1);
+    let whole = train(&base, cfg.clone(), DType::F32, 2, Stage::Three, 0, 6, None, None);
+    let dir = root.join("step-3");
+    train(&base, cfg.clone(), DType::F32, 2, Stage::Three, 0, 3, None, Some(&dir));
+    let (model_file, optim_file) = (root.join("model.bpk"), root.join("optim.bpk"));
+    consolidate(&dir, &model_file).unwrap();
+    let report = consolidate_optimizer(&dir, &optim_file).unwrap();
+    assert_eq!(report.entries, 3, "w, b and s have Adam state");
+    let mut model = Uneven::new(&device, false).load_file(&model_file);
+    let mut optim = cfg.init().load(&optim_file).expect("Burn reads the optimizer record");
+    for step in 3..6 {
+        let l = (loss(&model, step, 0, 2, &device) + loss(&model, step, 1, 2, &device)).div_scalar(2.0);
+        let grads = GradientsParams::from_grads(l.backward(), &model);
+        model = optim.step(LR, model, grads);
+    }
+    let (got, expected) = (params_of(&model), &whole[0].0.params);
+    let diff = max_abs_diff(&got, expected);
+    assert!(diff < 1e-5, "single-device continuation off the sharded run by {diff}");
+    // Without the optimizer state (a fresh AdamW) the continuation differs: the record matters.
+    let mut fresh_model = Uneven::new(&device, false).load_file(&model_file);
+    let mut fresh = cfg.init();
+    for step in 3..6 {
+        let l = (loss(&fresh_model, step, 0, 2, &device) + loss(&fresh_model, step, 1, 2, &device)).div_scalar(2.0);
+        let grads = GradientsParams::from_grads(l.backward(), &fresh_model);
+        fresh_model = fresh.step(LR, fresh_model, grads);
+    }
+    assert!(max_abs_diff(&params_of(&fresh_model), expected) > 1e-4);
+}
+
+/// `list` orders checkpoints by the step that ends their names (not as text) and skips
+/// incomplete ones; `keep_last` removes the oldest complete ones only.
+#[test]
+fn keep_last_removes_the_oldest_complete_checkpoints_only() {
+    use burn_shard::checkpoint::{keep_last, list};
+    let root = scratch("keep-last");
+    for name in ["step-9", "step-100", "step-10", "step-1000000"] {
+        std::fs::create_dir_all(root.join(name)).unwrap();
+        std::fs::write(root.join(name).join("COMPLETE"), b"").unwrap();
+    }
+    std::fs::create_dir_all(root.join("step-5000000.partial")).unwrap();
+    let names = |dirs: Vec<PathBuf>| -> Vec<String> {
+        dirs.iter()
+            .map(|d| d.file_name().unwrap().to_string_lossy().to_string())
+            .collect()
+    };
+    assert_eq!(
+        names(list(&root).unwrap()),
+        ["step-9", "step-10", "step-100", "step-1000000"]
+    );
+    assert_eq!(names(keep_last(&root, 2).unwrap()), ["step-9", "step-10"]);
+    assert_eq!(names(list(&root).unwrap()), ["step-100", "step-1000000"]);
+    assert!(
+        root.join("step-5000000.partial").exists(),
+        "an unfinished save is not touched"
+    );
+}

@@ -45,6 +45,10 @@ enum Ckpt {
         /// `burnpack` (Burn's record) or `safetensors`; default: by the extension of --out.
         #[arg(long, value_parser = ["burnpack", "safetensors"])]
         format: Option<String>,
+        /// Also write the optimizer state as Burn's own optimizer record here, for
+        /// `ModuleOptimizer::load` (single-device Burn training resumes from both files).
+        #[arg(long)]
+        optimizer_out: Option<PathBuf>,
     },
     /// Rewrites a checkpoint for another number of ranks (loading works at any world size
     /// without it; this spreads the files over the new ranks).
@@ -118,7 +122,12 @@ fn run(cli: Cli) -> Result<ExitCode, checkpoint::CheckpointError> {
                 ExitCode::from(1)
             })
         }
-        Ckpt::Consolidate { dir, out, format } => {
+        Ckpt::Consolidate {
+            dir,
+            out,
+            format,
+            optimizer_out,
+        } => {
             let safetensors = match format.as_deref() {
                 Some(f) => f == "safetensors",
                 None => out.extension().is_some_and(|e| e == "safetensors"),
@@ -134,6 +143,15 @@ fn run(cli: Cli) -> Result<ExitCode, checkpoint::CheckpointError> {
                 report.elements,
                 dir.display()
             );
+            if let Some(optimizer_out) = optimizer_out {
+                let report = checkpoint::consolidate_optimizer(&dir, &optimizer_out)?;
+                println!(
+                    "{}: optimizer state of {} parameters ({} elements)",
+                    optimizer_out.display(),
+                    report.entries,
+                    report.elements
+                );
+            }
             Ok(ExitCode::SUCCESS)
         }
         Ckpt::Reshard { dir, world_size, out } => {

@@ -121,3 +121,67 @@ pub fn consolidate_safetensors(
         elements: meta.entries.iter().map(EntryMeta::numel).sum(),
     })
 }
+
+/// Writes the checkpoint's optimizer state as Burn's own optimizer record (the burnpack file
+/// `ModuleOptimizer::save` writes: each parameter's state at the parameter's shape, keyed by
+/// its `ParamId`, with its step count and rank), so single-device Burn training resumes from
+/// it: load the model from [`consolidate`]'s record, then
+/// `AdamWConfig::new().init().load(out)` (the optimizer the run used, as a Burn config; Burn's
+/// Adam/AdamW read `FusedAdam`'s state, which is Burn's `AdamState`). The `f32` masters of
+/// `bf16`/`f16` parameters have no place in that record and are left out. Streams like
+/// [`consolidate`]. Atomic.
+///
+/// # Errors
+/// As [`consolidate`].
+pub fn consolidate_optimizer(
+    dir: impl AsRef<Path>,
+    out: impl AsRef<Path>,
+) -> Result<ConsolidateReport, CheckpointError> {
+    let (dir, out) = (dir.as_ref(), out.as_ref());
+    let meta = CheckpointMeta::read(dir)?;
+    let mut files = RankFiles::new(dir, &meta);
+    let mut tensors = Vec::new();
+    let mut scalars = Vec::new();
+    let mut paths = Vec::new();
+    let mut entries = 0;
+    let mut elements = 0;
+    for entry in meta.entries.iter().filter(|e| e.trainable) {
+        let Some(first) = entry.pieces.first() else {
+            continue;
+        };
+        let prefix = format!("state/{}/", entry.path);
+        let fields = files.tensors_under(first.rank, &prefix)?;
+        let state_scalars = files.scalars_under(first.rank, &prefix)?;
+        if fields.is_empty() && state_scalars.is_empty() {
+            continue; // never stepped: Burn's optimizer has no state for it either
+        }
+        let id = entry.id;
+        for field in fields {
+            let data = files.read_range(entry, &format!("{prefix}{field}"), 0..entry.numel())?;
+            let (bytes, _, dtype) = data.into_parts();
+            tensors.push(burn_pack::Tensor::new(
+                format!("{id}.{field}"),
+                dtype,
+                entry.shape.clone(),
+                Some(id),
+                bytes,
+            ));
+        }
+        for (field, value) in state_scalars {
+            scalars.push((format!("{id}.{field}"), value));
+        }
+        scalars.push((format!("{id}.__rank"), burn_pack::Scalar::from(entry.shape.len())));
+        paths.push((id.to_string(), entry.path.clone()));
+        entries += 1;
+        elements += entry.numel();
+    }
+    let mut writer = Writer::new(tensors).auto_extension(false).overwrite(true);
+    for (key, value) in scalars {
+        writer = writer.with_scalar(&key, value);
+    }
+    for (key, value) in paths {
+        writer = writer.with_metadata(&key, &value);
+    }
+    writer.write_to_file(out).map_err(|e| CheckpointError::io(out, e))?;
+    Ok(ConsolidateReport { entries, elements })
+}

@@ -31,7 +31,7 @@ mod save;
 
 use std::path::{Path, PathBuf};
 
-pub use consolidate::{ConsolidateReport, consolidate, consolidate_safetensors};
+pub use consolidate::{ConsolidateReport, consolidate, consolidate_optimizer, consolidate_safetensors};
 pub use meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Piece};
 pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, reshard};
 
