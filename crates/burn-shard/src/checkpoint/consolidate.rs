@@ -17,6 +17,15 @@ pub struct ConsolidateReport {
     pub elements: usize,
 }
 
+impl ConsolidateReport {
+    fn of(entries: &[EntryMeta]) -> Self {
+        Self {
+            entries: entries.len(),
+            elements: entries.iter().map(EntryMeta::numel).sum(),
+        }
+    }
+}
+
 /// Writes the model of the checkpoint in `dir` as one ordinary Burn record at `out` (burnpack,
 /// as `Module::save_file` writes it: every entry at full shape under its module path, with its
 /// `ParamId`), which the unsharded model loads with `load_file` / `load_record`. No model type
@@ -66,10 +75,7 @@ pub fn consolidate(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<Conso
         .overwrite(true)
         .write_to_file(out)
         .map_err(|e| CheckpointError::io(out, e))?;
-    Ok(ConsolidateReport {
-        entries: meta.entries.len(),
-        elements: meta.entries.iter().map(EntryMeta::numel).sum(),
-    })
+    Ok(ConsolidateReport::of(&meta.entries))
 }
 
 /// As [`consolidate`], into a safetensors file (tensors named by module path, full shapes,
@@ -116,10 +122,7 @@ pub fn consolidate_safetensors(
     let tmp = out.with_extension("tmp");
     safetensors::tensor::serialize_to_file(tensors, None, &tmp).map_err(|e| CheckpointError::io(out, e))?;
     std::fs::rename(&tmp, out).map_err(|e| CheckpointError::io(out, e))?;
-    Ok(ConsolidateReport {
-        entries: meta.entries.len(),
-        elements: meta.entries.iter().map(EntryMeta::numel).sum(),
-    })
+    Ok(ConsolidateReport::of(&meta.entries))
 }
 
 /// Writes the checkpoint's optimizer state as Burn's own optimizer record (the burnpack file
@@ -128,8 +131,8 @@ pub fn consolidate_safetensors(
 /// it: load the model from [`consolidate`]'s record, then
 /// `AdamWConfig::new().init().load(out)` (the optimizer the run used, as a Burn config; Burn's
 /// Adam/AdamW read `FusedAdam`'s state, which is Burn's `AdamState`). The `f32` masters of
-/// `bf16`/`f16` parameters have no place in that record and are left out. Streams like
-/// [`consolidate`]. Atomic.
+/// `bf16`/`f16` parameters have no place in that record and are left out. Holds the whole
+/// optimizer state in memory while writing. Atomic.
 ///
 /// # Errors
 /// As [`consolidate`].
