@@ -51,20 +51,27 @@ pub(crate) fn assemble(
 ) -> Tensor<1> {
     let mut pieces = Vec::new();
     for (index, slot) in bucket.slots.clone().zip(&layout.slots()[bucket.slots.clone()]) {
-        let lo = range.start.max(slot.offset);
-        let hi = range.end.min(slot.offset + slot.numel);
-        if lo >= hi {
-            continue;
+        if let Some(part) = slot.within(&range) {
+            pieces.push(slot_piece(&values[index], slot, part, bucket.dtype, device));
         }
-        let len = hi - lo;
-        let piece = match &values[index] {
-            Some(t) if len == slot.numel => t.clone(),
-            Some(t) => t.clone().narrow(0, lo - slot.offset, len),
-            None => Tensor::zeros([len], (device, bucket.dtype)),
-        };
-        pieces.push(piece);
     }
     join_range(pieces, bucket, range, device)
+}
+
+/// Elements `part` (of the flattened parameter) of a slot's `value`: a view of it, or zeros of
+/// `dtype` when the value is absent.
+pub(crate) fn slot_piece(
+    value: &Option<Tensor<1>>,
+    slot: &crate::layout::ParamSlot,
+    part: Range<usize>,
+    dtype: burn::tensor::DType,
+    device: &Device,
+) -> Tensor<1> {
+    match value {
+        Some(t) if part.len() == slot.numel => t.clone(),
+        Some(t) => t.clone().narrow(0, part.start, part.len()),
+        None => Tensor::zeros([part.len()], (device, dtype)),
+    }
 }
 
 /// `range` of `bucket` from the pieces of its parameters that lie in it, in order: the padding

@@ -28,6 +28,16 @@ pub struct ParamSlot {
     pub offset: usize,
 }
 
+impl ParamSlot {
+    /// The elements of this parameter that lie in `range` of its bucket, as a range of the
+    /// flattened parameter (`0..numel` when `range` holds it all); `None` when none do.
+    pub fn within(&self, range: &Range<usize>) -> Option<Range<usize>> {
+        let lo = range.start.max(self.offset);
+        let hi = range.end.min(self.offset + self.numel);
+        (lo < hi).then(|| lo - self.offset..hi - self.offset)
+    }
+}
+
 /// A contiguous run of parameters that is reduced and updated as one flat buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bucket {

@@ -204,21 +204,16 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let mut pieces = Vec::new();
         for index in bucket.slots.clone() {
             let slot = &layout.slots()[index];
-            let (lo, hi) = (range.start.max(slot.offset), range.end.min(slot.offset + slot.numel));
-            if lo >= hi {
+            let Some(part) = slot.within(&range) else {
                 continue;
-            }
-            let len = hi - lo;
-            let param = match &values[index] {
-                Some(v) if len == slot.numel => v.clone(),
-                Some(v) => v.clone().narrow(0, lo - slot.offset, len),
-                None => Tensor::zeros([len], (device, bucket.dtype)),
             };
+            let len = part.len();
+            let param = flat::slot_piece(&values[index], slot, part.clone(), bucket.dtype, device);
             if !has_grad[index] {
                 pieces.push(param);
                 continue;
             }
-            let grad = grad.clone().narrow(0, lo - range.start, len);
+            let grad = grad.clone().narrow(0, slot.offset + part.start - range.start, len);
             let state = self.states[index].take();
             let (param, state) = if crate::master::needs_master(bucket.dtype) {
                 // bf16/f16: the optimizer updates the f32 master; the model gets it rounded.

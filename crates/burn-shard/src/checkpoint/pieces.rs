@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use super::meta::Piece;
 use crate::Stage;
 use crate::layout::FlatLayout;
 
@@ -31,12 +32,9 @@ pub(crate) fn piece(
         Holding::Slot(layout, index) => {
             let slot = &layout.slots()[index];
             match stage {
-                Stage::One | Stage::Two => {
-                    let owned = layout.buckets()[slot.bucket].shard_range(rank);
-                    let lo = owned.start.max(slot.offset);
-                    let hi = owned.end.min(slot.offset + slot.numel);
-                    lo.saturating_sub(slot.offset)..hi.saturating_sub(slot.offset).max(lo.saturating_sub(slot.offset))
-                }
+                Stage::One | Stage::Two => slot
+                    .within(&layout.buckets()[slot.bucket].shard_range(rank))
+                    .unwrap_or(0..0),
                 Stage::Zero | Stage::Three => whole_on_rank_0(numel, rank),
             }
         }
@@ -66,4 +64,17 @@ pub(crate) fn stepped(
         (Stage::Zero, Holding::Slot(..)) => (numel > 0).then_some(0..numel),
         _ => piece(stage, holding, numel, rank, world_size),
     }
+}
+
+/// Every rank's piece of an entry, in rank order: what `meta.json` lists.
+pub(crate) fn pieces(stage: Stage, holding: Holding, numel: usize, world_size: usize) -> Vec<Piece> {
+    (0..world_size)
+        .filter_map(|rank| {
+            piece(stage, holding, numel, rank, world_size).map(|r| Piece {
+                rank,
+                start: r.start,
+                end: r.end,
+            })
+        })
+        .collect()
 }

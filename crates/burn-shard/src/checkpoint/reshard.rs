@@ -3,9 +3,11 @@
 use std::path::{Path, PathBuf};
 
 use super::files::{RankFile, RankFiles, digest, read_digest};
-use super::meta::{CheckpointMeta, Piece};
+use super::meta::CheckpointMeta;
+use super::pieces::{Holding, pieces};
 use super::save::{begin, finish};
 use super::{COMPLETE, CheckpointError};
+use crate::Stage;
 
 /// The state of one rank file, as [`inspect`] found it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -93,15 +95,7 @@ pub fn reshard(
     let mut files = RankFiles::new(dir, &meta);
     let mut entries = meta.entries.clone();
     for entry in &mut entries {
-        let chunk = entry.numel().div_ceil(world_size);
-        entry.pieces = (0..world_size)
-            .map(|rank| Piece {
-                rank,
-                start: (rank * chunk).min(entry.numel()),
-                end: ((rank + 1) * chunk).min(entry.numel()),
-            })
-            .filter(|p| p.start < p.end)
-            .collect();
+        entry.pieces = pieces(Stage::Three, Holding::Chunks, entry.numel(), world_size);
     }
     for rank in 0..world_size {
         let mut file = RankFile::default();

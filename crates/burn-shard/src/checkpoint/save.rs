@@ -10,8 +10,8 @@ use burn::tensor::{Tensor, TensorData};
 use burn_shard_comm::ReduceOp;
 
 use super::files::{RankFile, digest, read_digest};
-use super::meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Piece, dtype_name};
-use super::pieces::{Holding, piece};
+use super::meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, dtype_name};
+use super::pieces::{Holding, piece, pieces};
 use super::{COMPLETE, CheckpointError, META, SCHEDULER, partial_dir};
 use crate::census::{Entry, EntryKind};
 use crate::fsdp::exchange;
@@ -276,15 +276,7 @@ fn entry_meta<O: MasterWeightStep>(
         }
         .to_string(),
         trainable: optim.layout.slot_of(&id).is_some(),
-        pieces: (0..world_size)
-            .filter_map(|rank| {
-                piece(stage, holding, entry.numel(), rank, world_size).map(|r| Piece {
-                    rank,
-                    start: r.start,
-                    end: r.end,
-                })
-            })
-            .collect(),
+        pieces: pieces(stage, holding, entry.numel(), world_size),
     }
 }
 
