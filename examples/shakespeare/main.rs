@@ -14,22 +14,20 @@ use burn::prelude::*;
 use burn_shard::comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
 use burn_shard::{MemoryReport, ShardConfig, ShardError, Stage};
 use burn_shard_examples::char_data::{CharCorpus, sample_batch};
+use burn_shard_examples::cli::{ShardArgs, at_least, positive_f64};
 use burn_shard_examples::gpt::{Gpt, GptConfig};
+use burn_shard_examples::metrics::Metrics;
+use burn_shard_examples::training::{Progress, lr_at, resume, save_if_due, training_device, window_loss};
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Char-level GPT on tiny shakespeare, trained with ZeRO sharding (ranks as threads)")]
 struct Args {
-    /// Number of ranks (threads), 1-1024; the global batch is split evenly between them.
-    #[arg(long, default_value_t = 2, value_parser = at_least(1, 1024))]
-    world_size: usize,
-    /// ZeRO stage: 0 (data parallel), 1 (optimizer state sharded), 2 (+ gradients sharded),
-    /// 3 (+ parameters sharded, FSDP).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=3))]
-    stage: u8,
+    /// World size (default 2), stage (default 2), checkpoints.
+    #[command(flatten)]
+    shard: ShardArgs,
     /// Optimizer steps.
     #[arg(long, default_value_t = 2000, value_parser = at_least(1, usize::MAX as u64))]
     steps: usize,
@@ -67,41 +65,18 @@ struct Args {
     /// Training text (default: the copy shipped with the examples).
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Save sharded checkpoints under this directory (`DIR/step-000500`, ...), every
-    /// --save-every steps and after the last step.
-    #[arg(long)]
-    save_dir: Option<PathBuf>,
-    /// Steps between checkpoints when --save-dir is given (at least 1).
-    #[arg(long, default_value_t = 500, value_parser = at_least(1, usize::MAX as u64))]
-    save_every: usize,
-    /// Checkpoints kept under --save-dir (the newest ones; at least 1).
-    #[arg(long, default_value_t = 3, value_parser = at_least(1, 1 << 20))]
-    keep: usize,
-    /// Resume from this checkpoint (a `step-*` directory, or a --save-dir, whose newest
-    /// checkpoint is taken), at any --world-size and --stage.
-    #[arg(long)]
-    resume: Option<PathBuf>,
+    /// Folder for metrics.csv and losses.png.
+    #[arg(long, default_value = "runs/shakespeare")]
+    out: PathBuf,
 }
 
 struct RankOutcome {
     /// The step training started from (0, or the resumed checkpoint's).
     start: usize,
     val_loss: f32,
+    metrics: Metrics,
     memory: MemoryReport,
     sample: Option<String>,
-}
-
-/// A `usize` option in `min..=max`; clap names the option and the range in its error.
-fn at_least(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<usize> {
-    clap::builder::RangedU64ValueParser::<usize>::new().range(min..=max)
-}
-
-fn positive_f64(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
-        Ok(v) => Err(format!("{v} is not a finite number above 0")),
-        Err(e) => Err(e.to_string()),
-    }
 }
 
 fn main() {
@@ -113,30 +88,19 @@ fn main() {
 }
 
 fn run(mut args: Args) -> Result<(), String> {
-    if let Some(dir) = &args.resume
-        && !dir.join("meta.json").exists()
-    {
-        // A --save-dir: its newest complete checkpoint.
-        let newest = burn_shard::checkpoint::list(dir).map_err(|e| e.to_string())?.pop();
-        args.resume = Some(newest.ok_or_else(|| format!("--resume {}: no complete checkpoint there", dir.display()))?);
-    }
-    let stage = Stage::try_from(args.stage).map_err(|e| e.to_string())?;
+    args.shard.resolve_resume()?;
+    let stage = args.shard.stage_or(Stage::Two);
     if !args.n_embd.is_multiple_of(args.n_head) {
         return Err(format!(
             "--n-embd {} must be a multiple of --n-head {}",
             args.n_embd, args.n_head
         ));
     }
-    if !args.batch_size.is_multiple_of(args.world_size) {
-        return Err(format!(
-            "--batch-size {} must be a positive multiple of --world-size {}",
-            args.batch_size, args.world_size
-        ));
-    }
+    args.shard.check_batch(args.batch_size)?;
     let path = args
         .data
         .clone()
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/tinyshakespeare.txt"));
+        .unwrap_or_else(|| burn_shard_examples::examples_data_dir().join("tinyshakespeare.txt"));
     let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let corpus = CharCorpus::new(&text);
     if corpus.val.len() <= args.block_size + 1 {
@@ -164,7 +128,7 @@ fn run(mut args: Args) -> Result<(), String> {
         corpus.val.len(),
         corpus.vocab_size(),
         base.num_params(),
-        args.world_size,
+        args.shard.world_size,
         stage,
         args.steps,
         args.batch_size,
@@ -172,7 +136,7 @@ fn run(mut args: Args) -> Result<(), String> {
     );
 
     let start = Instant::now();
-    let group = InProcessGroup::new(args.world_size).map_err(|e| e.to_string())?;
+    let group = InProcessGroup::new(args.shard.world_size).map_err(|e| e.to_string())?;
     let outcomes = run_ranks(group, |comm| train_rank(&args, stage, &config, &corpus, &base, comm))
         .map_err(|e| e.to_string())?
         .into_iter()
@@ -186,47 +150,23 @@ fn run(mut args: Args) -> Result<(), String> {
     for o in &outcomes {
         println!("{}", o.memory);
     }
+    let [csv, png] = outcomes[0]
+        .metrics
+        .write(&args.out, &format!("char GPT on tiny shakespeare, stage {stage}"))?;
     let tokens = ((args.steps - outcomes[0].start) * args.batch_size * args.block_size) as f64;
     let m = &outcomes[0].memory;
     println!(
-        "final: val loss {:.4} nats/char | {:.0} tokens/s | {:.1} s | per-rank memory: params {:.2} MiB, grads {:.2} MiB, optim {:.2} MiB",
+        "final: val loss {:.4} nats/char | {:.0} tokens/s | {:.1} s | per-rank memory: params {:.2} MiB, grads {:.2} MiB, optim {:.2} MiB | wrote {} and {}",
         outcomes[0].val_loss,
         tokens / seconds,
         seconds,
         m.parameters_bytes as f64 / 1048576.0,
         m.gradients_bytes as f64 / 1048576.0,
         m.optimizer_state_bytes as f64 / 1048576.0,
+        csv.display(),
+        png.display()
     );
     Ok(())
-}
-
-/// Prints a line above rank 0's progress bar (no-op on other ranks). `suspend` + `println`,
-/// not `bar.println`, so the line also reaches a log that is not a terminal.
-fn bar_println(bar: &Option<ProgressBar>, line: &str) {
-    if let Some(bar) = bar {
-        bar.suspend(|| println!("{line}"));
-    }
-}
-
-/// The autodiff device of every rank. At stage 3, Burn's balanced checkpointing lets the
-/// reshape that `Linear` applies to a gathered weight be recomputed like the gather itself, so
-/// no gathered weight outlives its use in forward. Parameters keep the strategy of the device
-/// they were created on, so the model is built on this device too.
-fn training_device(stage: Stage) -> Device {
-    match stage {
-        Stage::Three => Device::flex().autodiff().gradient_checkpointing(),
-        _ => Device::flex().autodiff(),
-    }
-}
-
-/// Learning rate at `step`: linear warm-up over the first 5% of steps, then cosine to 10% of `peak`.
-fn lr_at(step: usize, steps: usize, peak: f64) -> f64 {
-    let warmup = (steps / 20).max(1);
-    if step < warmup {
-        return peak * (step + 1) as f64 / warmup as f64;
-    }
-    let progress = (step - warmup) as f64 / (steps - warmup).max(1) as f64;
-    peak * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
 }
 
 /// Mean validation loss over `eval_batches` per rank, averaged over ranks (same windows each call).
@@ -238,15 +178,10 @@ fn estimate_val(
     local_batch: usize,
 ) -> Result<f32, ShardError> {
     let model = model.valid();
-    let device = Device::flex();
-    let mut rng = StdRng::seed_from_u64(args.seed ^ 0xe7a1 ^ ((comm.rank() as u64) << 32));
-    let mut sum = 0.0;
-    for _ in 0..args.eval_batches {
-        let (x, y) = sample_batch(&corpus.val, local_batch, args.block_size, &mut rng, &device);
-        sum += model.loss(x, y).into_scalar::<f32>();
-    }
-    let local = Tensor::<1>::from_floats([sum / args.eval_batches as f32], &device);
-    Ok(comm.all_reduce(local, ReduceOp::Avg)?.into_scalar::<f32>())
+    let sizes = (args.eval_batches, local_batch, args.block_size);
+    window_loss(&corpus.val, sizes, args.seed, comm, |x, y| {
+        model.loss(x, y).into_scalar::<f32>()
+    })
 }
 
 fn train_rank(
@@ -259,46 +194,22 @@ fn train_rank(
 ) -> Result<RankOutcome, ShardError> {
     let rank = comm.rank();
     let device = training_device(stage);
-    let local_batch = args.batch_size / args.world_size;
+    let local_batch = args.batch_size / args.shard.world_size;
     // Burn's config (not `.build()`): the sharded optimizer then runs the fused AdamW step.
     let optimizer = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1);
 
     // The one call: shard the optimizer state (stage 1), gradients (stage 2) and parameters
     // (stage 3) over the ranks.
-    let (mut model, mut optim) = ShardConfig::new(stage).init(base.clone().fork(&device), optimizer, comm)?;
+    let (model, mut optim) = ShardConfig::new(stage).init(base.clone().fork(&device), optimizer, comm)?;
+    let (mut model, start) = resume(&args.shard, &mut optim, model, args.steps)?;
     let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(rank as u64 * 7919));
-    let mut start = 0;
-    if let Some(dir) = &args.resume {
-        let (loaded, payload) = optim.load_checkpoint(model, dir)?;
-        model = loaded;
-        start = payload["step"].as_u64().unwrap_or(0) as usize;
-        if start >= args.steps {
-            return Err(ShardError::InvalidConfig(format!(
-                "--resume {} is at step {start}, but --steps is {}: nothing is left to train; raise --steps",
-                dir.display(),
-                args.steps
-            )));
-        }
-        // The same batches as an uninterrupted run at the same world size: skip the ones seen.
-        for _ in 0..start {
-            sample_batch(&corpus.train, local_batch, args.block_size, &mut rng, &device);
-        }
-        if rank == 0 {
-            println!("resumed from {} at step {start}", dir.display());
-        }
+    // The same batches as an uninterrupted run at the same world size: skip the ones seen.
+    for _ in 0..start {
+        sample_batch(&corpus.train, local_batch, args.block_size, &mut rng, &device);
     }
 
-    let bar = (rank == 0).then(|| {
-        let bar = ProgressBar::new(args.steps as u64);
-        bar.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}")
-                .expect("valid template"),
-        );
-        bar
-    });
-    if let Some(bar) = &bar {
-        bar.set_position(start as u64);
-    }
+    let progress = Progress::new(rank, args.steps, start);
+    let mut metrics = Metrics::default();
     let mut val_loss = f32::NAN;
     for step in start..args.steps {
         let (x, y) = sample_batch(&corpus.train, local_batch, args.block_size, &mut rng, &device);
@@ -308,49 +219,28 @@ fn train_rank(
             .all_reduce(loss.clone().inner(), ReduceOp::Avg)?
             .into_scalar::<f32>();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(lr_at(step, args.steps, args.lr), model, grads)?;
+        model = optim.step(lr_at(step, args.steps, args.lr, args.steps / 20), model, grads)?;
+        metrics.train(step + 1, train_loss);
 
-        let last = step + 1 == args.steps;
-        if (step + 1) % args.eval_interval == 0 || last {
+        let done = step + 1;
+        if done.is_multiple_of(args.eval_interval) || done == args.steps {
             val_loss = estimate_val(&model, corpus, args, optim.comm(), local_batch)?;
-            bar_println(
-                &bar,
-                &format!(
-                    "step {:>5}: train loss {train_loss:.4}, val loss {val_loss:.4}",
-                    step + 1
-                ),
-            );
+            progress.println(&format!(
+                "step {done:>5}: train loss {train_loss:.4}, val loss {val_loss:.4}"
+            ));
+            metrics.val(done, val_loss, None);
         }
-        if let Some(root) = &args.save_dir
-            && ((step + 1) % args.save_every == 0 || last)
-        {
-            let dir = root.join(format!("step-{:06}", step + 1));
-            optim.save_checkpoint(
-                &model,
-                &dir,
-                &serde_json::json!({ "step": step + 1, "seed": args.seed }),
-            )?;
-            if rank == 0 {
-                burn_shard::checkpoint::keep_last(root, args.keep)?;
-                bar_println(&bar, &format!("saved {}", dir.display()));
-            }
-        }
-        if let Some(bar) = &bar {
-            bar.set_message(format!("loss {train_loss:.3}"));
-            bar.inc(1);
-        }
+        save_if_due(&args.shard, &optim, &model, done, args.steps, &progress)?;
+        progress.step(format!("loss {train_loss:.3}"));
     }
-    if let Some(bar) = &bar {
-        bar.finish_and_clear();
-    }
+    progress.finish();
     let memory = optim.memory_report(&model);
     // At stage 3 unsharding is a collective, so every rank takes part; then rank 0 samples.
     let full = model.valid().materialize();
     let sample = (rank == 0).then(|| {
-        let eval = full;
         let mut rng = StdRng::seed_from_u64(args.seed);
         let prompt = corpus.encode("\n");
-        let out = eval.generate(
+        let out = full.generate(
             &prompt,
             args.sample_chars,
             config.block_size,
@@ -363,6 +253,7 @@ fn train_rank(
     Ok(RankOutcome {
         start,
         val_loss,
+        metrics,
         memory,
         sample,
     })

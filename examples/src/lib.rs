@@ -1,5 +1,21 @@
-//! Models and data used by the burn-shard examples. The models are plain Burn modules: they
-//! know nothing about sharding, which each example applies in one visible place.
+//! Models, data and training-loop pieces used by the burn-shard examples. The models are plain
+//! Burn modules: they know nothing about sharding, which each example applies in one visible
+//! place (`ShardConfig::init` in its `train_rank`).
 
+pub mod bert;
 pub mod char_data;
+pub mod cli;
+pub mod finetune_minilm;
+pub mod finetune_stories;
 pub mod gpt;
+pub mod llama;
+pub mod llama2c_tokenizer;
+pub mod metrics;
+pub mod minilm_weights;
+pub mod sentences;
+pub mod training;
+
+/// The data shipped with the examples (`examples/data`, provenance in its README.md).
+pub fn examples_data_dir() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data")
+}

@@ -15,7 +15,7 @@ use burn_shard::{IntoOptimizer, ShardConfig, ShardError, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 use burn_store::ModuleSnapshot;
 
-use crate::common::{Rng, max_abs_diff, params_of, sharded_step};
+use crate::common::{Rng, max_abs_diff, params_of, scratch, sharded_step};
 
 /// Parameters of uneven sizes ([7, 3], [5], [1]) and, optionally, a BatchNorm with running
 /// statistics (left out where world sizes are compared: BatchNorm normalises each rank's batch
@@ -65,16 +65,6 @@ fn loss(model: &Uneven, step: usize, rank: usize, world_size: usize, device: &De
     let x = &x[rank * per_rank * 7..(rank + 1) * per_rank * 7];
     let x = Tensor::<2>::from_data(TensorData::new(x.to_vec(), [per_rank, 7]), device).cast(model.w.dtype());
     model.forward(x).sub_scalar(0.5).powi_scalar(2).mean()
-}
-
-/// A fresh directory under the target dir, removed first if a previous run left it.
-fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("checkpoint-tests")
-        .join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 /// What one rank ends with: parameters and running statistics (full), per-step global losses.
@@ -165,7 +155,7 @@ fn check_exact_resume<O: IntoOptimizer + Clone + Send + Sync>(name: &str, optim:
     let device = Device::flex().autodiff();
     let base = Uneven::new(&device, true);
     for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
-        let dir = scratch(&format!("exact-{name}-{stage}")).join("step-3");
+        let dir = scratch("checkpoint-tests", &format!("exact-{name}-{stage}")).join("step-3");
         let whole = train(&base, optim.clone(), dtype, 2, stage, 0, 6, None, None);
         train(&base, optim.clone(), dtype, 2, stage, 0, 3, None, Some(&dir));
         let resumed = train(&base, optim.clone(), dtype, 2, stage, 3, 3, Some(&dir), None);
@@ -213,7 +203,7 @@ fn a_checkpoint_resumes_at_any_world_size_and_stage() {
     let device = Device::flex().autodiff();
     let base = Uneven::new(&device, false);
     let optim = AdamWConfig::new().with_weight_decay(0.1);
-    let root = scratch("elsewhere");
+    let root = scratch("checkpoint-tests", "elsewhere");
     let whole = train(&base, optim.clone(), DType::F32, 4, Stage::Two, 0, 6, None, None);
     let expected = &whole[0].0;
     let from_stage_2 = root.join("w4-s2");
@@ -286,7 +276,7 @@ fn a_checkpoint_resumes_at_any_world_size_and_stage() {
 fn a_consolidated_checkpoint_loads_into_the_plain_model() {
     let device = Device::flex().autodiff();
     let base = Uneven::new(&device, true);
-    let root = scratch("consolidate");
+    let root = scratch("checkpoint-tests", "consolidate");
     for (stage, world_size) in [(Stage::Two, 3), (Stage::Three, 4), (Stage::Zero, 2)] {
         let dir = root.join(format!("s{stage}-w{world_size}"));
         let out = train(
@@ -359,7 +349,7 @@ fn load_errors(base: &Uneven, dir: &Path, stage: Stage) -> Vec<ShardError> {
 fn bad_checkpoints_are_clear_errors_on_every_rank_and_change_nothing() {
     let device = Device::flex().autodiff();
     let base = Uneven::new(&device, true);
-    let root = scratch("bad");
+    let root = scratch("checkpoint-tests", "bad");
     let good = root.join("good");
     train(
         &base,
@@ -531,7 +521,7 @@ fn a_learning_rate_scheduler_resumes_with_the_checkpoint() {
     use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
     let device = Device::flex().autodiff();
     let base = Uneven::new(&device, false);
-    let root = scratch("scheduler");
+    let root = scratch("checkpoint-tests", "scheduler");
     let run = |first: usize, steps: usize, load: Option<&Path>, save: Option<&Path>| {
         run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
             let rank = comm.rank();
@@ -604,7 +594,7 @@ fn single_device_burn_resumes_from_a_consolidated_checkpoint() {
     use burn_shard::checkpoint::consolidate_optimizer;
     let device = Device::flex().autodiff();
     let base = Uneven::new(&device, false);
-    let root = scratch("single-device");
+    let root = scratch("checkpoint-tests", "single-device");
     let cfg = AdamWConfig::new().with_weight_decay(0.1);
     let whole = train(&base, cfg.clone(), DType::F32, 2, Stage::Three, 0, 6, None, None);
     let dir = root.join("step-3");
@@ -639,7 +629,7 @@ fn single_device_burn_resumes_from_a_consolidated_checkpoint() {
 #[test]
 fn keep_last_removes_the_oldest_complete_checkpoints_only() {
     use burn_shard::checkpoint::{keep_last, list};
-    let root = scratch("keep-last");
+    let root = scratch("checkpoint-tests", "keep-last");
     for name in ["step-9", "step-100", "step-10", "step-1000000"] {
         std::fs::create_dir_all(root.join(name)).unwrap();
         std::fs::write(root.join(name).join("COMPLETE"), b"").unwrap();

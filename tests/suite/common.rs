@@ -144,3 +144,14 @@ pub fn sharded_step<M: Module, O: burn_shard::MasterWeightStep>(
     let grads = GradientsParams::from_grads(loss.backward(), &model);
     (optim.step(lr, model, grads).expect("sharded step"), global)
 }
+
+/// A fresh directory `area/name` under the target dir's test scratch space, removed first if a
+/// previous run left it.
+pub fn scratch(area: &str, name: &str) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(area)
+        .join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

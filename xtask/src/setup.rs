@@ -9,6 +9,9 @@
 //!   misreads, and the bundler's "installed" marker. (LLVM 22 in place of the bundled 23.1 is a
 //!   mismatch upstream does not support; the CPU and PTX tests are the canary.)
 //!
+//! - all-MiniLM-L6-v2's pretrained weights for the `finetune-minilm` example and its test
+//!   (`cargo xtask fetch-minilm`).
+//!
 //! Every step checks first and says what it did; running it twice changes nothing.
 
 use std::path::{Path, PathBuf};
@@ -23,6 +26,9 @@ pub struct Args {
     /// Skip the LLVM bundle (only needed for the `cuda` feature and CubeCL's CPU runtime).
     #[arg(long)]
     no_llvm: bool,
+    /// Skip fetching all-MiniLM-L6-v2 (only needed by the finetune-minilm example).
+    #[arg(long)]
+    no_minilm: bool,
 }
 
 const LLVM_PACKAGES: [&str; 5] = [
@@ -45,6 +51,9 @@ pub fn run(args: &Args) -> Result<(), String> {
     }
     if !args.no_llvm {
         llvm_bundle()?;
+    }
+    if !args.no_minilm {
+        burn_shard_examples::minilm_weights::fetch(&burn_shard_examples::minilm_weights::default_model_dir())?;
     }
     println!("setup: done");
     Ok(())

@@ -1,0 +1,86 @@
+//! Command-line options every example shares: the sharding (world size, stage) and the
+//! checkpointing (`--save-dir`, `--resume`), with clap's value parsers.
+
+use std::path::PathBuf;
+
+use burn_shard::Stage;
+
+/// A `usize` option in `min..=max`; clap names the option and the range in its error.
+pub fn at_least(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(min..=max)
+}
+
+/// A finite `f64` above 0 (learning rates).
+pub fn positive_f64(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(v) => Err(format!("{v} is not a finite number above 0")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Sharding and checkpointing options (`#[command(flatten)]` into an example's options).
+#[derive(clap::Args, Debug, Clone)]
+pub struct ShardArgs {
+    /// Number of ranks (threads), 1-1024; the global batch is split evenly between them.
+    #[arg(long, default_value_t = 2, value_parser = at_least(1, 1024))]
+    pub world_size: usize,
+    /// ZeRO stage: 0 (data parallel), 1 (optimizer state sharded), 2 (+ gradients sharded),
+    /// 3 (+ parameters sharded, FSDP). Each example names its default.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3))]
+    pub stage: Option<u8>,
+    /// Save sharded checkpoints under this directory (`DIR/step-000500`, ...), every
+    /// --save-every steps and after the last step.
+    #[arg(long)]
+    pub save_dir: Option<PathBuf>,
+    /// Steps between checkpoints when --save-dir is given (at least 1).
+    #[arg(long, default_value_t = 500, value_parser = at_least(1, usize::MAX as u64))]
+    pub save_every: usize,
+    /// Checkpoints kept under --save-dir (the newest ones; at least 1).
+    #[arg(long, default_value_t = 3, value_parser = at_least(1, 1 << 20))]
+    pub keep: usize,
+    /// Resume from this checkpoint (a `step-*` directory, or a --save-dir, whose newest
+    /// checkpoint is taken), at any --world-size and --stage.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+}
+
+impl ShardArgs {
+    /// The `--stage` given, or `default`.
+    pub fn stage_or(&self, default: Stage) -> Stage {
+        match self.stage {
+            Some(s) => Stage::try_from(s).expect("clap keeps --stage in 0..=3"),
+            None => default,
+        }
+    }
+
+    /// Turns a `--resume` that names a `--save-dir` into its newest complete checkpoint.
+    ///
+    /// # Errors
+    /// The directory cannot be listed, or holds no complete checkpoint.
+    pub fn resolve_resume(&mut self) -> Result<(), String> {
+        if let Some(dir) = &self.resume
+            && !dir.join("meta.json").exists()
+        {
+            let newest = burn_shard::checkpoint::list(dir).map_err(|e| e.to_string())?.pop();
+            self.resume =
+                Some(newest.ok_or_else(|| format!("--resume {}: no complete checkpoint there", dir.display()))?);
+        }
+        Ok(())
+    }
+
+    /// Checks that `global_batch` splits evenly over the ranks.
+    ///
+    /// # Errors
+    /// Names both options when it does not.
+    pub fn check_batch(&self, global_batch: usize) -> Result<(), String> {
+        if global_batch.is_multiple_of(self.world_size) {
+            Ok(())
+        } else {
+            Err(format!(
+                "--batch-size {global_batch} must be a positive multiple of --world-size {}",
+                self.world_size
+            ))
+        }
+    }
+}

@@ -1,0 +1,313 @@
+//! `finetune-minilm`: fine-tunes the pretrained all-MiniLM-L6-v2 encoder (BERT, 6 layers,
+//! hidden 384, 22.7M parameters) with mean pooling and a linear head on SST-2 (or TREC), with
+//! ZeRO sharding over ranks that are threads on the CPU backend.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::prelude::*;
+use burn_shard::comm::{Collective, InProcessComm, InProcessGroup, ReduceOp, run_ranks};
+use burn_shard::{MemoryReport, ShardConfig, ShardError, Stage};
+use clap::Parser;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+
+use crate::bert::{BertConfig, SentenceClassifier};
+use crate::cli::{ShardArgs, at_least, positive_f64};
+use crate::metrics::Metrics;
+use crate::sentences::{Sentence, Task, batch, load_tokenizer, read_labelled};
+use crate::training::{Progress, lr_at, resume, save_if_due, training_device};
+use crate::{examples_data_dir, minilm_weights};
+
+/// Options of `finetune-minilm`.
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "finetune-minilm",
+    about = "Fine-tunes pretrained all-MiniLM-L6-v2 on SST-2 or TREC with ZeRO sharding (ranks as threads); default stage 2"
+)]
+pub struct Args {
+    /// World size, stage, checkpoints.
+    #[command(flatten)]
+    pub shard: ShardArgs,
+    /// Data set: sst2 (binary sentiment, scored on the 872-sentence dev set) or trec (6 question classes, 500 test questions).
+    #[arg(long, value_enum, default_value_t = Task::Sst2)]
+    pub task: Task,
+    /// Folder with all-MiniLM-L6-v2's model.safetensors and config.json (default: the cache
+    /// that `cargo xtask fetch-minilm` fills).
+    #[arg(long)]
+    pub model_dir: Option<PathBuf>,
+    /// Folder with sst2/, trec/ and all-MiniLM-L6-v2-tokenizer/ (default: examples/data).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 400, value_parser = at_least(1, usize::MAX as u64))]
+    pub steps: usize,
+    /// Global batch size (sentences per step over all ranks); a multiple of --world-size.
+    #[arg(long, default_value_t = 16, value_parser = at_least(1, 1 << 20))]
+    pub batch_size: usize,
+    /// Peak learning rate (AdamW; linear warm-up over --warmup of the steps, cosine decay to 10%).
+    #[arg(long, default_value_t = 1e-4, value_parser = positive_f64)]
+    pub lr: f64,
+    /// Share of the steps spent warming up, 0-1.
+    #[arg(long, default_value_t = 0.1)]
+    pub warmup: f64,
+    /// AdamW weight decay.
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f32,
+    /// Dropout of BERT's hidden states and attention, and before the head.
+    #[arg(long, default_value_t = 0.1)]
+    pub dropout: f64,
+    /// Longest sentence in tokens, [CLS] and [SEP] included (longer ones are truncated), 2-512.
+    #[arg(long, default_value_t = 64, value_parser = at_least(2, 512))]
+    pub max_len: usize,
+    /// Steps between evaluations on the dev set (also before the first and after the last step).
+    #[arg(long, default_value_t = 100, value_parser = at_least(1, usize::MAX as u64))]
+    pub eval_interval: usize,
+    /// Sentences per evaluation batch per rank.
+    #[arg(long, default_value_t = 64, value_parser = at_least(1, 1 << 20))]
+    pub eval_batch_size: usize,
+    /// Train on the first N training sentences only (quick checks).
+    #[arg(long)]
+    pub limit_train: Option<usize>,
+    /// Evaluate on the first N dev sentences only (quick checks).
+    #[arg(long)]
+    pub limit_eval: Option<usize>,
+    /// Random seed (head initialisation, data order, dropout).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Folder for metrics.csv and losses.png.
+    #[arg(long, default_value = "runs/finetune-minilm")]
+    pub out: PathBuf,
+}
+
+/// What a run measured.
+#[derive(Debug)]
+pub struct Summary {
+    /// The step training started from (0, or the resumed checkpoint's).
+    pub start: usize,
+    /// Every training loss and evaluation (rank 0's copy; all ranks agree).
+    pub metrics: Metrics,
+    /// Dev-set accuracy after the last step, `[0, 1]`.
+    pub accuracy: f32,
+    /// Wall time of training and evaluation, seconds.
+    pub seconds: f64,
+    /// Rank 0's bytes held after training.
+    pub memory: MemoryReport,
+}
+
+/// Runs the fine-tuning; prints progress and a summary, writes `metrics.csv` and `losses.png`.
+///
+/// # Errors
+/// Bad options, missing or wrong weights or data (each message says what to do), or a failed
+/// rank.
+pub fn run(mut args: Args) -> Result<Summary, String> {
+    args.shard.resolve_resume()?;
+    args.shard.check_batch(args.batch_size)?;
+    if !(0.0..1.0).contains(&args.warmup) {
+        return Err(format!("--warmup {} must be in [0, 1)", args.warmup));
+    }
+    let stage = args.shard.stage_or(Stage::Two);
+    let data_dir = args.data_dir.clone().unwrap_or_else(examples_data_dir);
+    let model_dir = args.model_dir.clone().unwrap_or_else(minilm_weights::default_model_dir);
+    minilm_weights::require_files(&model_dir)?;
+
+    let tokenizer = load_tokenizer(
+        &data_dir.join("all-MiniLM-L6-v2-tokenizer/tokenizer.json"),
+        args.max_len,
+    )?;
+    let (train_path, eval_path) = args.task.files(&data_dir);
+    let mut train = read_labelled(&train_path, args.task.classes(), &tokenizer)?;
+    let mut eval = read_labelled(&eval_path, args.task.classes(), &tokenizer)?;
+    train.truncate(args.limit_train.unwrap_or(usize::MAX));
+    eval.truncate(args.limit_eval.unwrap_or(usize::MAX));
+    if train.len() < args.batch_size {
+        return Err(format!(
+            "{} training sentences are fewer than --batch-size {}",
+            train.len(),
+            args.batch_size
+        ));
+    }
+
+    let config = BertConfig::from_file(&model_dir.join("config.json"))?;
+    let device = training_device(stage);
+    device.seed(args.seed);
+    let bert = config
+        .init(args.dropout, &device)
+        .load_safetensors(&model_dir.join("model.safetensors"))?;
+    let base = SentenceClassifier::new(bert, args.task.classes(), args.dropout, &device);
+    println!(
+        "{:?}: {} training / {} eval sentences (up to {} tokens); all-MiniLM-L6-v2 from {} ({} params); \
+         world_size {}, stage {stage}, {} steps of {} sentences",
+        args.task,
+        train.len(),
+        eval.len(),
+        args.max_len,
+        model_dir.display(),
+        base.num_params(),
+        args.shard.world_size,
+        args.steps,
+        args.batch_size,
+    );
+
+    let started = Instant::now();
+    let group = InProcessGroup::new(args.shard.world_size).map_err(|e| e.to_string())?;
+    let mut outcomes = run_ranks(group, |comm| train_rank(&args, stage, &train, &eval, &base, comm))
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .collect::<Result<Vec<_>, ShardError>>()
+        .map_err(|e| e.to_string())?;
+    let seconds = started.elapsed().as_secs_f64();
+    let (start, metrics, memory) = outcomes.swap_remove(0);
+    let accuracy = metrics
+        .rows
+        .iter()
+        .rev()
+        .find_map(|r| r.val_accuracy)
+        .unwrap_or(f32::NAN);
+    let [csv, png] = metrics.write(
+        &args.out,
+        &format!("all-MiniLM-L6-v2 on {:?}, stage {stage}", args.task),
+    )?;
+    println!("{memory}");
+    println!(
+        "final: {:?} accuracy {:.2}% on {} sentences | {:.1} s | wrote {} and {}",
+        args.task,
+        accuracy * 100.0,
+        eval.len(),
+        seconds,
+        csv.display(),
+        png.display()
+    );
+    Ok(Summary {
+        start,
+        metrics,
+        accuracy,
+        seconds,
+        memory,
+    })
+}
+
+fn train_rank(
+    args: &Args,
+    stage: Stage,
+    train: &[Sentence],
+    eval: &[Sentence],
+    base: &SentenceClassifier,
+    comm: InProcessComm,
+) -> Result<(usize, Metrics, MemoryReport), ShardError> {
+    let rank = comm.rank();
+    let device = training_device(stage);
+    let local = args.batch_size / args.shard.world_size;
+    let optimizer = AdamWConfig::new().with_weight_decay(args.weight_decay);
+    let (model, mut optim) = ShardConfig::new(stage).init(base.clone().fork(&device), optimizer, comm)?;
+    let (mut model, start) = resume(&args.shard, &mut optim, model, args.steps)?;
+    // Dropout draws from the device's generator: one seed per rank and start step.
+    device.seed(args.seed ^ ((rank as u64) << 32) ^ start as u64);
+
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let mut metrics = Metrics::default();
+    let progress = Progress::new(rank, args.steps, start);
+    if start == 0 {
+        let (loss, accuracy) = evaluate(&model, eval, args.eval_batch_size, optim.comm())?;
+        progress.println(&format!(
+            "step     0: val loss {loss:.4}, accuracy {:.2}%",
+            accuracy * 100.0
+        ));
+        metrics.val(0, loss, Some(accuracy));
+    }
+    // Every rank walks the same shuffled order; global batch i is sentences [i*B, (i+1)*B) of
+    // it and this rank takes its `local` slice, so the step equals one on the whole batch.
+    let per_epoch = train.len() / args.batch_size;
+    let mut order: Vec<usize> = (0..train.len()).collect();
+    let mut epoch = usize::MAX;
+    for step in start..args.steps {
+        if step / per_epoch != epoch {
+            epoch = step / per_epoch;
+            order = (0..train.len()).collect();
+            order.shuffle(&mut StdRng::seed_from_u64(args.seed.wrapping_add(epoch as u64)));
+        }
+        let first = (step % per_epoch) * args.batch_size + rank * local;
+        let sentences: Vec<&Sentence> = order[first..first + local].iter().map(|&i| &train[i]).collect();
+        let (ids, pad, labels) = batch(&sentences, &device);
+        let loss = loss_fn.forward(model.forward(ids, pad), labels);
+        let train_loss = optim
+            .comm()
+            .all_reduce(loss.clone().inner(), ReduceOp::Avg)?
+            .into_scalar::<f32>();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(
+            lr_at(step, args.steps, args.lr, (args.steps as f64 * args.warmup) as usize),
+            model,
+            grads,
+        )?;
+        metrics.train(step + 1, train_loss);
+
+        let done = step + 1;
+        if done.is_multiple_of(args.eval_interval) || done == args.steps {
+            let (loss, accuracy) = evaluate(&model, eval, args.eval_batch_size, optim.comm())?;
+            progress.println(&format!(
+                "step {done:>5}: train loss {train_loss:.4}, val loss {loss:.4}, accuracy {:.2}%",
+                accuracy * 100.0
+            ));
+            metrics.val(done, loss, Some(accuracy));
+        }
+        save_if_due(&args.shard, &optim, &model, done, args.steps, &progress)?;
+        progress.step(format!("loss {train_loss:.3}"));
+    }
+    progress.finish();
+    let memory = optim.memory_report(&model);
+    Ok((start, metrics, memory))
+}
+
+/// Mean loss and accuracy over `eval`, split over the ranks (rank `r` takes sentences `r`,
+/// `r + W`, ...). A collective: at stage 3 every forward gathers, so every rank runs the same
+/// number of batches (a rank out of sentences runs one it then ignores).
+fn evaluate(
+    model: &SentenceClassifier,
+    eval: &[Sentence],
+    batch_size: usize,
+    comm: &dyn Collective,
+) -> Result<(f32, f32), ShardError> {
+    let model = model.valid();
+    let device = Device::flex();
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let mine: Vec<&Sentence> = eval.iter().skip(rank).step_by(world).collect();
+    let most = eval.len().div_ceil(world);
+    let (mut loss_sum, mut correct) = (0.0f64, 0.0f64);
+    for b in 0..most.div_ceil(batch_size) {
+        let part = &mine[(b * batch_size).min(mine.len())..((b + 1) * batch_size).min(mine.len())];
+        let stand_in = [&eval[0]];
+        let sentences = if part.is_empty() { &stand_in[..] } else { part };
+        let (ids, pad, labels) = batch(sentences, &device);
+        let logits = model.forward(ids, pad);
+        if part.is_empty() {
+            continue;
+        }
+        let n = sentences.len();
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(logits.clone(), labels.clone())
+            .into_scalar::<f32>();
+        loss_sum += f64::from(loss) * n as f64;
+        correct += logits
+            .argmax(1)
+            .squeeze_dim::<1>(1)
+            .equal(labels)
+            .int()
+            .sum()
+            .into_scalar::<i64>() as f64;
+    }
+    let totals = Tensor::<1>::from_floats([loss_sum as f32, correct as f32], &device);
+    let totals: Vec<f32> = comm
+        .all_reduce(totals, ReduceOp::Sum)?
+        .into_data()
+        .convert::<f32>()
+        .iter::<f32>()
+        .collect();
+    let n = eval.len().max(1) as f32;
+    Ok((totals[0] / n, totals[1] / n))
+}

@@ -1,0 +1,179 @@
+//! The pieces of a sharded training loop the examples share: the device, the learning-rate
+//! schedule, rank 0's progress bar, resuming and saving checkpoints.
+
+use std::path::Path;
+
+use burn::prelude::*;
+use burn_shard::comm::{Collective, ReduceOp};
+use burn_shard::{MasterWeightStep, ShardError, ShardedOptimizer, Stage};
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use crate::char_data::sample_batch;
+use crate::cli::ShardArgs;
+
+/// The autodiff device of every rank. At stage 3, Burn's balanced checkpointing lets the
+/// reshape that `Linear` applies to a gathered weight be recomputed like the gather itself, so
+/// no gathered weight outlives its use in forward. Parameters keep the strategy of the device
+/// they were created on, so the model is forked onto this device before sharding.
+pub fn training_device(stage: Stage) -> Device {
+    match stage {
+        Stage::Three => Device::flex().autodiff().gradient_checkpointing(),
+        _ => Device::flex().autodiff(),
+    }
+}
+
+/// Learning rate at `step` (0-based) of `steps`: linear warm-up over the first `warmup` steps
+/// (at least one), then cosine decay to 10% of `peak`.
+pub fn lr_at(step: usize, steps: usize, peak: f64, warmup: usize) -> f64 {
+    let warmup = warmup.max(1);
+    if step < warmup {
+        return peak * (step + 1) as f64 / warmup as f64;
+    }
+    let progress = (step - warmup) as f64 / (steps - warmup).max(1) as f64;
+    peak * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
+}
+
+/// The mean over ranks of a per-rank scalar (a collective: every rank calls it).
+///
+/// # Errors
+/// The collective failed (a peer died or timed out).
+pub fn mean_over_ranks(comm: &dyn Collective, value: f32) -> Result<f32, ShardError> {
+    let local = Tensor::<1>::from_floats([value], &Device::flex());
+    Ok(comm.all_reduce(local, ReduceOp::Avg)?.into_scalar::<f32>())
+}
+
+/// Rank 0's progress bar over the steps; a no-op on every other rank.
+pub struct Progress(Option<ProgressBar>);
+
+impl Progress {
+    /// A bar over `steps` steps on rank 0, positioned at `start` (a resumed run).
+    pub fn new(rank: usize, steps: usize, start: usize) -> Self {
+        Self((rank == 0).then(|| {
+            let bar = ProgressBar::new(steps as u64);
+            bar.set_style(
+                ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}")
+                    .expect("valid template"),
+            );
+            bar.set_position(start as u64);
+            bar
+        }))
+    }
+
+    /// Prints a line above the bar (rank 0 only). `suspend` + `println`, not `bar.println`,
+    /// so the line also reaches a log that is not a terminal.
+    pub fn println(&self, line: &str) {
+        if let Some(bar) = &self.0 {
+            bar.suspend(|| println!("{line}"));
+        }
+    }
+
+    /// Advances one step and shows `message` after the bar.
+    pub fn step(&self, message: String) {
+        if let Some(bar) = &self.0 {
+            bar.set_message(message);
+            bar.inc(1);
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.0 {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// Loads `args.resume` (if any) into `model` and `optim`; returns the model and the step to
+/// start from (the checkpoint payload's `"step"`, 0 without `--resume`).
+///
+/// # Errors
+/// The checkpoint's errors (corrupt, another model, ...), or a checkpoint at or past `steps`.
+pub fn resume<M: Module, O: MasterWeightStep>(
+    args: &ShardArgs,
+    optim: &mut ShardedOptimizer<O>,
+    model: M,
+    steps: usize,
+) -> Result<(M, usize), ShardError> {
+    let Some(dir) = &args.resume else {
+        return Ok((model, 0));
+    };
+    let (model, payload) = optim.load_checkpoint(model, dir)?;
+    let start = payload["step"].as_u64().unwrap_or(0) as usize;
+    if start >= steps {
+        return Err(ShardError::InvalidConfig(format!(
+            "--resume {} is at step {start}, but --steps is {steps}: nothing is left to train; raise --steps",
+            dir.display()
+        )));
+    }
+    if optim.comm().rank() == 0 {
+        println!("resumed from {} at step {start}", dir.display());
+    }
+    Ok((model, start))
+}
+
+/// After step `done` (1-based) of `steps`: saves a checkpoint under `--save-dir` every
+/// `--save-every` steps and after the last, with `{"step": done}` as payload, and keeps the
+/// newest `--keep` (a collective: every rank calls it).
+///
+/// # Errors
+/// The save failed on some rank (every rank gets the error).
+pub fn save_if_due<M: Module, O: MasterWeightStep>(
+    args: &ShardArgs,
+    optim: &ShardedOptimizer<O>,
+    model: &M,
+    done: usize,
+    steps: usize,
+    progress: &Progress,
+) -> Result<(), ShardError> {
+    let Some(root) = &args.save_dir else {
+        return Ok(());
+    };
+    if !done.is_multiple_of(args.save_every) && done != steps {
+        return Ok(());
+    }
+    let dir = root.join(format!("step-{done:06}"));
+    optim.save_checkpoint(model, &dir, &serde_json::json!({ "step": done }))?;
+    if optim.comm().rank() == 0 {
+        burn_shard::checkpoint::keep_last(root, args.keep)?;
+        progress.println(&format!("saved {}", dir.display()));
+    }
+    Ok(())
+}
+
+/// Reads a whole data file with an error that names it and says where it comes from.
+///
+/// # Errors
+/// The file is missing or unreadable.
+pub fn read_data(path: &Path) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| {
+        format!(
+            "cannot read {}: {e} (the examples ship their data in examples/data; see examples/data/README.md)",
+            path.display()
+        )
+    })
+}
+
+/// Mean loss over `batches` random windows per rank of `ids` (`batch` windows of `block`
+/// tokens each), averaged over the ranks. The windows are the same at every call: the
+/// generator is seeded from `seed` and the rank. A collective: every rank calls it.
+///
+/// # Errors
+/// The collective failed.
+pub fn window_loss(
+    ids: &[u16],
+    (batches, batch, block): (usize, usize, usize),
+    seed: u64,
+    comm: &dyn Collective,
+    loss: impl Fn(Tensor<2, Int>, Tensor<2, Int>) -> f32,
+) -> Result<f32, ShardError> {
+    let device = Device::flex();
+    let mut rng = StdRng::seed_from_u64(seed ^ 0xe7a1 ^ ((comm.rank() as u64) << 32));
+    let mut sum = 0.0;
+    for _ in 0..batches {
+        let (x, y) = sample_batch(ids, batch, block, &mut rng, &device);
+        sum += loss(x, y);
+    }
+    mean_over_ranks(comm, sum / batches as f32)
+}

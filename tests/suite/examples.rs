@@ -1,0 +1,426 @@
+//! The fine-tuning examples: the pretrained models' ports against published outputs, their
+//! loaders against files in the original formats, and a few steps of each example end to end
+//! (the loss falls; the CSV and the PNG are written).
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::prelude::*;
+use burn_shard_examples::bert::{Bert, BertConfig};
+use burn_shard_examples::examples_data_dir;
+use burn_shard_examples::llama::Llama;
+use burn_shard_examples::llama2c_tokenizer::{BOS, Llama2cTokenizer};
+use burn_shard_examples::metrics::Row;
+use burn_shard_examples::sentences::{batch, load_tokenizer, read_labelled};
+use burn_shard_examples::{finetune_minilm, finetune_stories, minilm_weights};
+use clap::Parser;
+
+use crate::common::{Rng, scratch};
+
+fn stories260k() -> (Llama, Llama2cTokenizer) {
+    let dir = examples_data_dir().join("stories260K");
+    let (config, model) = Llama::load_llama2c(&dir.join("stories260K.bin"), &Device::flex()).unwrap();
+    let tokenizer = Llama2cTokenizer::from_file(&dir.join("tok512.bin"), config.vocab_size).unwrap();
+    (model, tokenizer)
+}
+
+/// llama2.c's published greedy output of stories260K from BOS (its README; also
+/// ../shared/data/README.md). Wrong RoPE pairing, head sharing, tied classifier or
+/// transposition all change the story.
+#[test]
+fn stories260k_port_tells_the_published_story() {
+    let (model, tokenizer) = stories260k();
+    assert_eq!(model.num_params(), 260_032, "the data README's parameter count");
+    let story = finetune_stories::greedy_story(&model, &tokenizer, 24, 512);
+    assert!(
+        story.starts_with("Once upon a time, there was a little girl named Lily."),
+        "greedy story: {story:?}"
+    );
+}
+
+/// Encoding then decoding gives the text back (byte fallback included), and the pieces are
+/// BPE merges: far fewer tokens than bytes.
+#[test]
+fn llama2c_tokenizer_round_trips_shakespeare() {
+    let (_, tokenizer) = stories260k();
+    let text = std::fs::read_to_string(examples_data_dir().join("tinyshakespeare.txt")).unwrap();
+    let text: String = text.chars().take(5000).chain("\u{e9}\u{1f600}\n".chars()).collect();
+    let ids = tokenizer.encode(&text, true);
+    assert_eq!(ids[0], BOS);
+    assert_eq!(tokenizer.decode(BOS, &ids[1..]), text);
+    assert!(
+        ids.len() * 3 < text.len() * 2,
+        "{} tokens for {} bytes",
+        ids.len(),
+        text.len()
+    );
+    // Merges never cross a newline (it has no piece of its own), so `encode`'s line-by-line
+    // encoding gives llama2.c's ids for the text as one segment.
+    assert_eq!(ids, tokenizer.encode_whole(&text, true));
+}
+
+/// A Hugging Face BERT file in miniature: the tensor names and `[out, in]` layouts of
+/// all-MiniLM-L6-v2's `model.safetensors`, random values, vocabulary of the real tokenizer.
+fn write_tiny_bert(dir: &Path, config: &BertConfig) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let (h, f) = (config.hidden_size, config.intermediate_size);
+    let mut shapes: Vec<(String, Vec<usize>)> = vec![
+        ("embeddings.word_embeddings.weight".into(), vec![config.vocab_size, h]),
+        (
+            "embeddings.position_embeddings.weight".into(),
+            vec![config.max_position_embeddings, h],
+        ),
+        (
+            "embeddings.token_type_embeddings.weight".into(),
+            vec![config.type_vocab_size, h],
+        ),
+        ("embeddings.LayerNorm.weight".into(), vec![h]),
+        ("embeddings.LayerNorm.bias".into(), vec![h]),
+        ("pooler.dense.weight".into(), vec![h, h]),
+        ("pooler.dense.bias".into(), vec![h]),
+    ];
+    for l in 0..config.num_hidden_layers {
+        let p = format!("encoder.layer.{l}.");
+        for (name, shape) in [
+            ("attention.self.query.weight", vec![h, h]),
+            ("attention.self.query.bias", vec![h]),
+            ("attention.self.key.weight", vec![h, h]),
+            ("attention.self.key.bias", vec![h]),
+            ("attention.self.value.weight", vec![h, h]),
+            ("attention.self.value.bias", vec![h]),
+            ("attention.output.dense.weight", vec![h, h]),
+            ("attention.output.dense.bias", vec![h]),
+            ("attention.output.LayerNorm.weight", vec![h]),
+            ("attention.output.LayerNorm.bias", vec![h]),
+            ("intermediate.dense.weight", vec![f, h]),
+            ("intermediate.dense.bias", vec![f]),
+            ("output.dense.weight", vec![h, f]),
+            ("output.dense.bias", vec![h]),
+            ("output.LayerNorm.weight", vec![h]),
+            ("output.LayerNorm.bias", vec![h]),
+        ] {
+            shapes.push((format!("{p}{name}"), shape));
+        }
+    }
+    let mut rng = Rng::new(7);
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = shapes
+        .into_iter()
+        .map(|(name, shape)| {
+            let n = shape.iter().product();
+            // LayerNorm weights near 1 (as trained ones are), everything else small.
+            let center = if name.contains("LayerNorm.weight") { 1.0 } else { 0.0 };
+            let values = rng.vec(n).into_iter().map(|v| center + 0.2 * v).collect();
+            (name, shape, values)
+        })
+        .collect();
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, shape, _), b)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b).unwrap();
+            (name.clone(), view)
+        })
+        .collect();
+    std::fs::write(
+        dir.join("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+    let json = serde_json::json!({
+        "vocab_size": config.vocab_size, "hidden_size": h, "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads, "intermediate_size": f,
+        "max_position_embeddings": config.max_position_embeddings, "type_vocab_size": config.type_vocab_size,
+        "layer_norm_eps": config.layer_norm_eps, "hidden_act": config.hidden_act, "model_type": "bert",
+    });
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    tensors
+}
+
+fn tiny_config() -> BertConfig {
+    BertConfig {
+        vocab_size: 30522,
+        hidden_size: 16,
+        num_hidden_layers: 2,
+        num_attention_heads: 2,
+        intermediate_size: 32,
+        max_position_embeddings: 64,
+        type_vocab_size: 2,
+        layer_norm_eps: 1e-12,
+        hidden_act: "gelu".into(),
+    }
+}
+
+fn values(t: Tensor<2>) -> Vec<f32> {
+    t.into_data().convert::<f32>().iter::<f32>().collect()
+}
+
+/// Hugging Face names land on the right Burn modules, `[out, in]` weights are transposed and
+/// LayerNorm's weight/bias become gamma/beta; a file of another size or a missing file is an
+/// error that names the tensor or the fetch command.
+#[test]
+fn bert_loader_maps_hugging_face_files() {
+    let dir = scratch("examples-tests", "tiny-bert");
+    let config = tiny_config();
+    let tensors = write_tiny_bert(&dir, &config);
+    let device = Device::flex();
+    let bert: Bert = BertConfig::from_file(&dir.join("config.json"))
+        .unwrap()
+        .init(0.0, &device)
+        .load_safetensors(&dir.join("model.safetensors"))
+        .unwrap();
+    let hf = |name: &str| tensors.iter().find(|t| t.0 == name).unwrap();
+    let (_, shape, q) = hf("encoder.layer.1.attention.self.query.weight");
+    let burn_q = values(bert.encoder.layers[1].mha.query.weight.val());
+    let (out, inp) = (shape[0], shape[1]);
+    for o in 0..out {
+        for i in 0..inp {
+            assert_eq!(burn_q[i * out + o], q[o * inp + i], "query[{o}, {i}] transposed");
+        }
+    }
+    let (_, _, ffn_in) = hf("encoder.layer.0.intermediate.dense.bias");
+    let burn_bias = bert.encoder.layers[0].pwff.linear_inner.bias.as_ref().unwrap().val();
+    assert_eq!(burn_bias.into_data().iter::<f32>().collect::<Vec<_>>(), *ffn_in);
+    let (_, _, ln) = hf("encoder.layer.1.output.LayerNorm.bias");
+    let beta = bert.encoder.layers[1].norm_2.beta.as_ref().unwrap().val();
+    assert_eq!(beta.into_data().iter::<f32>().collect::<Vec<_>>(), *ln);
+    let (_, _, words) = hf("embeddings.word_embeddings.weight");
+    assert_eq!(values(bert.embeddings.word_embeddings.weight.val())[..64], words[..64]);
+
+    // A config that does not match the file: the error names a tensor and both shapes.
+    let wrong = BertConfig {
+        intermediate_size: 48,
+        ..config.clone()
+    };
+    let err = wrong
+        .init(0.0, &device)
+        .load_safetensors(&dir.join("model.safetensors"))
+        .unwrap_err();
+    assert!(err.contains("linear_inner") && err.contains("48"), "{err}");
+    // A missing file says how to get it.
+    let err = minilm_weights::require_files(&dir.join("nowhere")).unwrap_err();
+    assert!(err.contains("cargo xtask fetch-minilm"), "{err}");
+}
+
+/// Published check of the real weights (../shared/data/README.md): mean-pooled embeddings of
+/// two sentences have cosine similarity 0.755. Runs when `cargo xtask fetch-minilm` has
+/// fetched the weights (CI does, in `cargo xtask setup`), and must run when
+/// BURN_SHARD_REQUIRE_MINILM is set.
+#[test]
+fn minilm_embeddings_match_the_published_similarity() {
+    let dir = minilm_weights::default_model_dir();
+    if let Err(e) = minilm_weights::verify(&dir) {
+        assert!(std::env::var_os("BURN_SHARD_REQUIRE_MINILM").is_none(), "{e}");
+        println!("skipped: {e}");
+        return;
+    }
+    let device = Device::flex();
+    let bert = BertConfig::from_file(&dir.join("config.json"))
+        .unwrap()
+        .init(0.0, &device)
+        .load_safetensors(&dir.join("model.safetensors"))
+        .unwrap();
+    let tokenizer = load_tokenizer(
+        &examples_data_dir().join("all-MiniLM-L6-v2-tokenizer/tokenizer.json"),
+        128,
+    )
+    .unwrap();
+    let file = scratch("examples-tests", "pair").join("pair.txt");
+    std::fs::write(&file, "0 A man is eating food.\n0 A man is eating a piece of bread.\n").unwrap();
+    let sentences = read_labelled(&file, 2, &tokenizer).unwrap();
+    let (ids, pad, _) = batch(&sentences.iter().collect::<Vec<_>>(), &device);
+    let e = values(bert.mean_pooled(ids, pad));
+    let (a, b) = e.split_at(e.len() / 2);
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let cosine = dot / (norm(a) * norm(b));
+    assert!((cosine - 0.755).abs() < 0.0015, "cosine {cosine}, published 0.755");
+}
+
+fn rows(csv: &Path) -> Vec<Row> {
+    let text = std::fs::read_to_string(csv).unwrap();
+    text.lines()
+        .skip(1)
+        .map(|l| {
+            let cell = |s: &str| (!s.is_empty()).then(|| s.parse::<f32>().unwrap());
+            let c: Vec<&str> = l.split(',').collect();
+            Row {
+                step: c[0].parse().unwrap(),
+                train_loss: cell(c[1]),
+                val_loss: cell(c[2]),
+                val_accuracy: cell(c[3]),
+            }
+        })
+        .collect()
+}
+
+fn assert_png(path: &Path) {
+    let bytes = std::fs::read(path).unwrap();
+    assert!(
+        bytes.starts_with(b"\x89PNG\r\n\x1a\n") && bytes.len() > 5000,
+        "{} is not a plot",
+        path.display()
+    );
+}
+
+fn mean(v: &[f32]) -> f32 {
+    v.iter().sum::<f32>() / v.len() as f32
+}
+
+/// A few steps of `finetune-stories` at stage 3 on 2 ranks: the validation loss on
+/// shakespeare falls from the pretrained model's, the CSV holds every step, the PNG is drawn,
+/// and a resumed run continues from the checkpoint.
+#[test]
+fn finetune_stories_smoke() {
+    let out = scratch("examples-tests", "stories");
+    let args = |extra: &[&str]| {
+        let mut a = vec![
+            "finetune-stories",
+            "--world-size",
+            "2",
+            "--stage",
+            "3",
+            "--steps",
+            "16",
+            "--batch-size",
+            "8",
+            "--block-size",
+            "48",
+            "--limit-chars",
+            "40000",
+            "--eval-interval",
+            "8",
+            "--eval-batches",
+            "2",
+            "--sample-tokens",
+            "8",
+            "--lr",
+            "3e-3",
+        ];
+        a.extend_from_slice(extra);
+        finetune_stories::Args::parse_from(a)
+    };
+    let ckpt = out.join("ckpt");
+    let summary = finetune_stories::run(args(&[
+        "--out",
+        out.to_str().unwrap(),
+        "--save-dir",
+        ckpt.to_str().unwrap(),
+        "--save-every",
+        "8",
+    ]))
+    .unwrap();
+    assert!(
+        summary.pretrained_story.starts_with("Once upon a time"),
+        "{}",
+        summary.pretrained_story
+    );
+    let csv = rows(&out.join("metrics.csv"));
+    assert_eq!(csv, summary.metrics.rows);
+    let vals: Vec<f32> = csv.iter().filter_map(|r| r.val_loss).collect();
+    assert_eq!(vals.len(), 3, "before, at 8, at 16");
+    assert!(vals[2] < vals[0] - 0.2, "val loss {vals:?} did not fall");
+    assert_eq!(csv.iter().filter(|r| r.train_loss.is_some()).count(), 16);
+    assert_png(&out.join("losses.png"));
+
+    // Resume at step 8 on 1 rank at stage 2: it continues from the checkpoint's state.
+    let resumed = finetune_stories::run(finetune_stories::Args::parse_from([
+        "finetune-stories",
+        "--world-size",
+        "1",
+        "--stage",
+        "2",
+        "--steps",
+        "16",
+        "--batch-size",
+        "8",
+        "--block-size",
+        "48",
+        "--limit-chars",
+        "40000",
+        "--eval-interval",
+        "8",
+        "--eval-batches",
+        "4",
+        "--sample-tokens",
+        "8",
+        "--lr",
+        "3e-3",
+        "--out",
+        out.join("resumed").to_str().unwrap(),
+        "--resume",
+        ckpt.join("step-000008").to_str().unwrap(),
+    ]))
+    .unwrap();
+    assert_eq!(resumed.start, 8);
+    // A resume that ignored the checkpoint would start at the pretrained model's loss.
+    let train: Vec<f32> = csv.iter().filter_map(|r| r.train_loss).collect();
+    let first_resumed = resumed.metrics.rows.iter().find_map(|r| r.train_loss).unwrap();
+    assert!(
+        first_resumed < train[0] - 0.2,
+        "resumed at train loss {first_resumed}; the pretrained model starts at {}",
+        train[0]
+    );
+}
+
+/// A few steps of `finetune-minilm` on a tiny BERT in Hugging Face's file format at stages 0
+/// and 3 on 2 ranks: training loss falls on a small repeated set, both stages agree, the CSV
+/// and PNG are written.
+#[test]
+fn finetune_minilm_smoke() {
+    let model_dir = scratch("examples-tests", "minilm-model");
+    write_tiny_bert(&model_dir, &tiny_config());
+    let run = |stage: &str| {
+        let out = scratch("examples-tests", &format!("minilm-{stage}"));
+        let summary = finetune_minilm::run(finetune_minilm::Args::parse_from([
+            "finetune-minilm",
+            "--world-size",
+            "2",
+            "--stage",
+            stage,
+            "--model-dir",
+            model_dir.to_str().unwrap(),
+            "--limit-train",
+            "32",
+            "--limit-eval",
+            "24",
+            "--batch-size",
+            "8",
+            "--steps",
+            "24",
+            "--lr",
+            "1e-2",
+            "--warmup",
+            "0",
+            "--dropout",
+            "0",
+            "--eval-interval",
+            "8",
+            "--out",
+            out.to_str().unwrap(),
+        ]))
+        .unwrap();
+        assert_png(&out.join("losses.png"));
+        assert_eq!(rows(&out.join("metrics.csv")), summary.metrics.rows);
+        summary
+    };
+    let s0 = run("0");
+    let train: Vec<f32> = s0.metrics.rows.iter().filter_map(|r| r.train_loss).collect();
+    assert_eq!(train.len(), 24);
+    // 32 sentences are 4 batches: epoch 1 against epoch 6 (measured: 0.71 -> 0.24).
+    assert!(
+        mean(&train[20..]) < mean(&train[..4]) * 0.6,
+        "train loss {train:?} did not fall"
+    );
+    assert!((0.0..=1.0).contains(&s0.accuracy));
+    let s3 = run("3");
+    for (a, b) in s0.metrics.rows.iter().zip(&s3.metrics.rows) {
+        let (a, b) = (
+            a.train_loss.or(a.val_loss).unwrap(),
+            b.train_loss.or(b.val_loss).unwrap(),
+        );
+        assert!((a - b).abs() < 1e-3 * a.abs().max(1.0), "stage 0 {a} vs stage 3 {b}");
+    }
+}
