@@ -9,21 +9,21 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::AdamWConfig;
 use burn::prelude::*;
-use burn_shard::comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
+use burn_shard::comm::{Collective, InProcessGroup, run_ranks};
 use burn_shard::{MemoryReport, ShardConfig, ShardError, Stage};
 use burn_shard_examples::char_data::{CharCorpus, sample_batch};
 use burn_shard_examples::cli::{ShardArgs, at_least, positive_f64};
 use burn_shard_examples::gpt::{Gpt, GptConfig};
 use burn_shard_examples::metrics::Metrics;
-use burn_shard_examples::training::{Progress, lr_at, resume, save_if_due, training_device, window_loss};
+use burn_shard_examples::training::{Progress, lr_at, resume, save_if_due, train_step, training_device, window_loss};
 use clap::Parser;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 #[derive(Parser, Debug, Clone)]
-#[command(about = "Char-level GPT on tiny shakespeare, trained with ZeRO sharding (ranks as threads)")]
+#[command(about = "Char-level GPT on tiny shakespeare, trained with ZeRO sharding (ranks as threads); default stage 2")]
 struct Args {
     /// World size (default 2), stage (default 2), checkpoints.
     #[command(flatten)]
@@ -209,17 +209,15 @@ fn train_rank(
     }
 
     let progress = Progress::new(rank, args.steps, start);
-    let mut metrics = Metrics::default();
+    // A resumed run continues the curves of the run it resumes, when they are in --out.
+    let mut metrics = Metrics::earlier(&args.out, start).map_err(ShardError::InvalidConfig)?;
     let mut val_loss = f32::NAN;
     for step in start..args.steps {
         let (x, y) = sample_batch(&corpus.train, local_batch, args.block_size, &mut rng, &device);
         let loss = model.loss(x, y);
-        let train_loss = optim
-            .comm()
-            .all_reduce(loss.clone().inner(), ReduceOp::Avg)?
-            .into_scalar::<f32>();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(lr_at(step, args.steps, args.lr, args.steps / 20), model, grads)?;
+        let lr = lr_at(step, args.steps, args.lr, args.steps / 20);
+        let (stepped, train_loss) = train_step(&mut optim, model, loss, lr)?;
+        model = stepped;
         metrics.train(step + 1, train_loss);
 
         let done = step + 1;

@@ -2,16 +2,21 @@
 //! pretrained weights read from Hugging Face safetensors with `burn-store`, and a sentence
 //! classifier on top (mean pooling and a linear head).
 //!
-//! BERT's encoder layer is exactly Burn's post-norm `TransformerEncoderLayer` (`norm_first =
-//! false`): `x = LN1(x + MHA(x)); x = LN2(x + W2·gelu(W1·x))` with erf GELU, so the port
-//! reuses it; only the names differ from Hugging Face's (mapped in [`Bert::load_safetensors`]).
+//! BERT's encoder layer is Burn's post-norm `TransformerEncoderLayer` (`norm_first = false`):
+//! `x = LN1(x + MHA(x)); x = LN2(x + W2·gelu(W1·x))` with erf GELU, so the port reuses it and
+//! only the names differ from Hugging Face's (mapped in [`Bert::load_safetensors`]). The two
+//! agree exactly in evaluation; in training Burn's feed-forward also applies dropout after the
+//! GELU, where BERT does not.
 
 use std::path::Path;
 
+use burn::module::Param;
 use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig};
 use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
 use burn_store::{ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 
 /// The sizes of a BERT model, as in Hugging Face's `config.json` (`BertConfig`).
@@ -169,7 +174,12 @@ impl Bert {
         }
         let result = self
             .load_from(&mut store)
-            .map_err(|e| format!("{} does not fit the model of its config.json: {e}", path.display()))?;
+            .map_err(|e| {
+                format!(
+                    "{} does not fit the model of its config.json: {e}\n(for all-MiniLM-L6-v2, delete the folder and run `cargo xtask fetch-minilm`)",
+                    path.display()
+                )
+            })?;
         let extra: Vec<&String> = result
             .unused
             .iter()
@@ -228,13 +238,21 @@ pub struct SentenceClassifier {
 }
 
 impl SentenceClassifier {
-    /// Puts a freshly initialised head with `classes` outputs on `bert`.
-    pub fn new(bert: Bert, classes: usize, dropout: f64, device: &Device) -> Self {
+    /// Puts a head with `classes` outputs on `bert`: weights uniform in ±1/√hidden (the bound
+    /// of Burn's `Linear` default), bias zero, drawn from a generator seeded with `seed`, so the
+    /// head is the same whatever else draws from Burn's process-wide generator meanwhile.
+    pub fn new(bert: Bert, classes: usize, dropout: f64, seed: u64, device: &Device) -> Self {
         let hidden = bert.embeddings.word_embeddings.weight.shape().dims::<2>()[1];
+        let bound = 1.0 / (hidden as f32).sqrt();
+        let mut rng = StdRng::seed_from_u64(seed);
+        let weights: Vec<f32> = (0..hidden * classes).map(|_| rng.random_range(-bound..bound)).collect();
+        let mut head = LinearConfig::new(hidden, classes).init(device);
+        head.weight = Param::from_tensor(Tensor::from_data(TensorData::new(weights, [hidden, classes]), device));
+        head.bias = Some(Param::from_tensor(Tensor::zeros([classes], device)));
         Self {
             bert,
             dropout: DropoutConfig::new(dropout).init(),
-            head: LinearConfig::new(hidden, classes).init(device),
+            head,
         }
     }
 

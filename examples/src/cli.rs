@@ -84,3 +84,12 @@ impl ShardArgs {
         }
     }
 }
+
+/// A probability in `[0, 1)` (dropout).
+pub fn probability(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..1.0).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} is not in [0, 1)")),
+        Err(e) => Err(e.to_string()),
+    }
+}

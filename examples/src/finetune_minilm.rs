@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::AdamWConfig;
 use burn::prelude::*;
 use burn_shard::comm::{Collective, InProcessComm, InProcessGroup, ReduceOp, run_ranks};
 use burn_shard::{MemoryReport, ShardConfig, ShardError, Stage};
@@ -17,10 +17,10 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
 use crate::bert::{BertConfig, SentenceClassifier};
-use crate::cli::{ShardArgs, at_least, positive_f64};
+use crate::cli::{ShardArgs, at_least, positive_f64, probability};
 use crate::metrics::Metrics;
 use crate::sentences::{Sentence, Task, batch, load_tokenizer, read_labelled};
-use crate::training::{Progress, lr_at, resume, save_if_due, training_device};
+use crate::training::{Progress, lr_at, resume, save_if_due, train_step, training_device};
 use crate::{examples_data_dir, minilm_weights};
 
 /// Options of `finetune-minilm`.
@@ -52,14 +52,14 @@ pub struct Args {
     /// Peak learning rate (AdamW; linear warm-up over --warmup of the steps, cosine decay to 10%).
     #[arg(long, default_value_t = 1e-4, value_parser = positive_f64)]
     pub lr: f64,
-    /// Share of the steps spent warming up, 0-1.
-    #[arg(long, default_value_t = 0.1)]
+    /// Share of the steps spent warming up, in [0, 1).
+    #[arg(long, default_value_t = 0.1, value_parser = probability)]
     pub warmup: f64,
     /// AdamW weight decay.
     #[arg(long, default_value_t = 0.01)]
     pub weight_decay: f32,
     /// Dropout of BERT's hidden states and attention, and before the head.
-    #[arg(long, default_value_t = 0.1)]
+    #[arg(long, default_value_t = 0.1, value_parser = probability)]
     pub dropout: f64,
     /// Longest sentence in tokens, [CLS] and [SEP] included (longer ones are truncated), 2-512.
     #[arg(long, default_value_t = 64, value_parser = at_least(2, 512))]
@@ -71,10 +71,10 @@ pub struct Args {
     #[arg(long, default_value_t = 64, value_parser = at_least(1, 1 << 20))]
     pub eval_batch_size: usize,
     /// Train on the first N training sentences only (quick checks).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least(1, usize::MAX as u64))]
     pub limit_train: Option<usize>,
     /// Evaluate on the first N dev sentences only (quick checks).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least(1, usize::MAX as u64))]
     pub limit_eval: Option<usize>,
     /// Random seed (head initialisation, data order, dropout).
     #[arg(long, default_value_t = 42)]
@@ -107,9 +107,6 @@ pub struct Summary {
 pub fn run(mut args: Args) -> Result<Summary, String> {
     args.shard.resolve_resume()?;
     args.shard.check_batch(args.batch_size)?;
-    if !(0.0..1.0).contains(&args.warmup) {
-        return Err(format!("--warmup {} must be in [0, 1)", args.warmup));
-    }
     let stage = args.shard.stage_or(Stage::Two);
     let data_dir = args.data_dir.clone().unwrap_or_else(examples_data_dir);
     let model_dir = args.model_dir.clone().unwrap_or_else(minilm_weights::default_model_dir);
@@ -133,12 +130,27 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
     }
 
     let config = BertConfig::from_file(&model_dir.join("config.json"))?;
+    if args.max_len > config.max_position_embeddings {
+        return Err(format!(
+            "--max-len {} is longer than the model's {} positions",
+            args.max_len, config.max_position_embeddings
+        ));
+    }
+    if tokenizer.get_vocab_size(true) > config.vocab_size {
+        return Err(format!(
+            "the tokenizer has {} tokens, the model's embedding {}: they do not belong together",
+            tokenizer.get_vocab_size(true),
+            config.vocab_size
+        ));
+    }
     let device = training_device(stage);
-    device.seed(args.seed);
     let bert = config
         .init(args.dropout, &device)
         .load_safetensors(&model_dir.join("model.safetensors"))?;
-    let base = SentenceClassifier::new(bert, args.task.classes(), args.dropout, &device);
+    let base = SentenceClassifier::new(bert, args.task.classes(), args.dropout, args.seed, &device);
+    // Dropout draws from Burn's CPU generator, which is one per process and shared by the rank
+    // threads in the order they ask: seeded once, but not reproducible draw for draw.
+    device.seed(args.seed);
     println!(
         "{:?}: {} training / {} eval sentences (up to {} tokens); all-MiniLM-L6-v2 from {} ({} params); \
          world_size {}, stage {stage}, {} steps of {} sentences",
@@ -205,11 +217,10 @@ fn train_rank(
     let optimizer = AdamWConfig::new().with_weight_decay(args.weight_decay);
     let (model, mut optim) = ShardConfig::new(stage).init(base.clone().fork(&device), optimizer, comm)?;
     let (mut model, start) = resume(&args.shard, &mut optim, model, args.steps)?;
-    // Dropout draws from the device's generator: one seed per rank and start step.
-    device.seed(args.seed ^ ((rank as u64) << 32) ^ start as u64);
 
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    let mut metrics = Metrics::default();
+    // A resumed run continues the curves of the run it resumes, when they are in --out.
+    let mut metrics = Metrics::earlier(&args.out, start).map_err(ShardError::InvalidConfig)?;
     let progress = Progress::new(rank, args.steps, start);
     if start == 0 {
         let (loss, accuracy) = evaluate(&model, eval, args.eval_batch_size, optim.comm())?;
@@ -234,16 +245,9 @@ fn train_rank(
         let sentences: Vec<&Sentence> = order[first..first + local].iter().map(|&i| &train[i]).collect();
         let (ids, pad, labels) = batch(&sentences, &device);
         let loss = loss_fn.forward(model.forward(ids, pad), labels);
-        let train_loss = optim
-            .comm()
-            .all_reduce(loss.clone().inner(), ReduceOp::Avg)?
-            .into_scalar::<f32>();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(
-            lr_at(step, args.steps, args.lr, (args.steps as f64 * args.warmup) as usize),
-            model,
-            grads,
-        )?;
+        let lr = lr_at(step, args.steps, args.lr, (args.steps as f64 * args.warmup) as usize);
+        let (stepped, train_loss) = train_step(&mut optim, model, loss, lr)?;
+        model = stepped;
         metrics.train(step + 1, train_loss);
 
         let done = step + 1;

@@ -7,21 +7,21 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::AdamWConfig;
 use burn::prelude::*;
-use burn_shard::comm::{Collective, InProcessComm, InProcessGroup, ReduceOp, run_ranks};
+use burn_shard::comm::{Collective, InProcessComm, InProcessGroup, run_ranks};
 use burn_shard::{MemoryReport, ShardConfig, ShardError, Stage};
 use clap::Parser;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use crate::char_data::sample_batch;
+use crate::char_data::global_batch_slice;
 use crate::cli::{ShardArgs, at_least, positive_f64};
 use crate::examples_data_dir;
 use crate::llama::{Llama, LlamaConfig};
 use crate::llama2c_tokenizer::{BOS, Llama2cTokenizer};
 use crate::metrics::Metrics;
-use crate::training::{Progress, lr_at, read_data, resume, save_if_due, training_device, window_loss};
+use crate::training::{Progress, lr_at, mean_over_ranks, read_data, resume, save_if_due, train_step, training_device};
 
 /// Options of `finetune-stories`.
 #[derive(Parser, Debug, Clone)]
@@ -148,8 +148,8 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
     let ids: Vec<u16> = tokenizer
         .encode(&text, false)
         .into_iter()
-        .map(|t| t as u16) // vocabularies here are far below 65,536 tokens
-        .collect();
+        .map(|t| u16::try_from(t).map_err(|_| format!("token {t}: vocabularies over 65,536 tokens are not supported")))
+        .collect::<Result<_, _>>()?;
     let split = ids.len() * 9 / 10;
     let (train, val) = ids.split_at(split);
     if val.len() <= args.block_size + 1 {
@@ -161,7 +161,7 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
         ));
     }
     println!(
-        "{}: {} chars -> {} train / {} val tokens ({:.2} chars per token); world_size {}, stage {stage}, {} steps of {}x{} tokens",
+        "{}: {} bytes -> {} train / {} val tokens ({:.2} bytes per token); world_size {}, stage {stage}, {} steps of {}x{} tokens",
         text_path.display(),
         text.len(),
         train.len(),
@@ -229,23 +229,21 @@ fn train_rank(
     let optimizer = AdamWConfig::new().with_weight_decay(args.weight_decay);
     let (model, mut optim) = ShardConfig::new(stage).init(base.clone().fork(&device), optimizer, comm)?;
     let (mut model, start) = resume(&args.shard, &mut optim, model, args.steps)?;
-    let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(rank as u64 * 7919));
-    for _ in 0..start {
-        // The same batches as an uninterrupted run at the same world size: skip the ones seen.
-        sample_batch(train, local, args.block_size, &mut rng, &device);
-    }
+    let world_size = args.shard.world_size;
+    // Global batch `b` of the validation windows, the same at every world size.
     let validate = |model: &Llama, comm: &dyn Collective| {
         let eval = model.valid();
-        window_loss(
-            val,
-            (args.eval_batches, local, args.block_size),
-            args.seed,
-            comm,
-            |x, y| eval.loss(x, y).into_scalar::<f32>(),
-        )
+        let mut sum = 0.0;
+        for b in 0..args.eval_batches {
+            let seed = (args.seed ^ 0x7a11_da7e, b as u64);
+            let (x, y) = global_batch_slice(val, seed, (rank, world_size, local), args.block_size, &Device::flex());
+            sum += eval.loss(x, y).into_scalar::<f32>();
+        }
+        mean_over_ranks(comm, sum / args.eval_batches as f32)
     };
 
-    let mut metrics = Metrics::default();
+    // A resumed run continues the curves of the run it resumes, when they are in --out.
+    let mut metrics = Metrics::earlier(&args.out, start).map_err(ShardError::InvalidConfig)?;
     let progress = Progress::new(rank, args.steps, start);
     if start == 0 {
         let loss = validate(&model, optim.comm())?;
@@ -253,14 +251,21 @@ fn train_rank(
         metrics.val(0, loss, None);
     }
     for step in start..args.steps {
-        let (x, y) = sample_batch(train, local, args.block_size, &mut rng, &device);
+        let (x, y) = global_batch_slice(
+            train,
+            (args.seed, step as u64),
+            (rank, world_size, local),
+            args.block_size,
+            &device,
+        );
         let loss = model.loss(x, y);
-        let train_loss = optim
-            .comm()
-            .all_reduce(loss.clone().inner(), ReduceOp::Avg)?
-            .into_scalar::<f32>();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(lr_at(step, args.steps, args.lr, args.steps / 20), model, grads)?;
+        let (stepped, train_loss) = train_step(
+            &mut optim,
+            model,
+            loss,
+            lr_at(step, args.steps, args.lr, args.steps / 20),
+        )?;
+        model = stepped;
         metrics.train(step + 1, train_loss);
         let done = step + 1;
         if done.is_multiple_of(args.eval_interval) || done == args.steps {

