@@ -63,7 +63,8 @@ pub struct Args {
     /// Steps between validation estimates (also before the first and after the last step).
     #[arg(long, default_value_t = 100, value_parser = at_least(1, usize::MAX as u64))]
     pub eval_interval: usize,
-    /// Validation batches per rank per estimate (the same windows every time).
+    /// Validation batches per estimate (global batches of --batch-size windows, split over the
+    /// ranks; the same windows every time).
     #[arg(long, default_value_t = 8, value_parser = at_least(1, usize::MAX as u64))]
     pub eval_batches: usize,
     /// Tokens of the samples printed before and after fine-tuning.
