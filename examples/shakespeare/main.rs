@@ -17,7 +17,9 @@ use burn_shard_examples::char_data::{CharCorpus, sample_batch};
 use burn_shard_examples::cli::{ShardArgs, at_least, positive_f64};
 use burn_shard_examples::gpt::{Gpt, GptConfig};
 use burn_shard_examples::metrics::Metrics;
-use burn_shard_examples::training::{Progress, lr_at, resume, save_if_due, train_step, training_device, window_loss};
+use burn_shard_examples::training::{
+    Progress, StepEnd, end_step, lr_at, resume, train_step, training_device, window_loss,
+};
 use clap::Parser;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -218,18 +220,21 @@ fn train_rank(
         let lr = lr_at(step, args.steps, args.lr, args.steps / 20);
         let (stepped, train_loss) = train_step(&mut optim, model, loss, lr)?;
         model = stepped;
-        metrics.train(step + 1, train_loss);
-
-        let done = step + 1;
-        if done.is_multiple_of(args.eval_interval) || done == args.steps {
-            val_loss = estimate_val(&model, corpus, args, optim.comm(), local_batch)?;
-            progress.println(&format!(
-                "step {done:>5}: train loss {train_loss:.4}, val loss {val_loss:.4}"
-            ));
-            metrics.val(done, val_loss, None);
-        }
-        save_if_due(&args.shard, &optim, &model, done, args.steps, &progress)?;
-        progress.step(format!("loss {train_loss:.3}"));
+        let estimated = end_step(
+            StepEnd {
+                done: step + 1,
+                steps: args.steps,
+                eval_interval: args.eval_interval,
+                train_loss,
+            },
+            &args.shard,
+            &optim,
+            &model,
+            &mut metrics,
+            &progress,
+            |model, comm| Ok((estimate_val(model, corpus, args, comm, local_batch)?, None)),
+        )?;
+        val_loss = estimated.unwrap_or(val_loss);
     }
     progress.finish();
     let memory = optim.memory_report(&model);

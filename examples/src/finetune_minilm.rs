@@ -20,7 +20,7 @@ use crate::bert::{BertConfig, SentenceClassifier};
 use crate::cli::{ShardArgs, at_least, positive_f64, probability};
 use crate::metrics::Metrics;
 use crate::sentences::{Sentence, Task, batch, load_tokenizer, read_labelled};
-use crate::training::{Progress, lr_at, resume, save_if_due, train_step, training_device};
+use crate::training::{Progress, StepEnd, end_step, lr_at, resume, train_step, training_device};
 use crate::{examples_data_dir, minilm_weights};
 
 /// Options of `finetune-minilm`.
@@ -248,19 +248,23 @@ fn train_rank(
         let lr = lr_at(step, args.steps, args.lr, (args.steps as f64 * args.warmup) as usize);
         let (stepped, train_loss) = train_step(&mut optim, model, loss, lr)?;
         model = stepped;
-        metrics.train(step + 1, train_loss);
-
-        let done = step + 1;
-        if done.is_multiple_of(args.eval_interval) || done == args.steps {
-            let (loss, accuracy) = evaluate(&model, eval, args.eval_batch_size, optim.comm())?;
-            progress.println(&format!(
-                "step {done:>5}: train loss {train_loss:.4}, val loss {loss:.4}, accuracy {:.2}%",
-                accuracy * 100.0
-            ));
-            metrics.val(done, loss, Some(accuracy));
-        }
-        save_if_due(&args.shard, &optim, &model, done, args.steps, &progress)?;
-        progress.step(format!("loss {train_loss:.3}"));
+        end_step(
+            StepEnd {
+                done: step + 1,
+                steps: args.steps,
+                eval_interval: args.eval_interval,
+                train_loss,
+            },
+            &args.shard,
+            &optim,
+            &model,
+            &mut metrics,
+            &progress,
+            |model, comm| {
+                let (loss, accuracy) = evaluate(model, eval, args.eval_batch_size, comm)?;
+                Ok((loss, Some(accuracy)))
+            },
+        )?;
     }
     progress.finish();
     let memory = optim.memory_report(&model);

@@ -21,7 +21,9 @@ use crate::examples_data_dir;
 use crate::llama::{Llama, LlamaConfig};
 use crate::llama2c_tokenizer::{BOS, Llama2cTokenizer};
 use crate::metrics::Metrics;
-use crate::training::{Progress, lr_at, mean_over_ranks, read_data, resume, save_if_due, train_step, training_device};
+use crate::training::{
+    Progress, StepEnd, end_step, lr_at, mean_over_ranks, read_data, resume, train_step, training_device,
+};
 
 /// Options of `finetune-stories`.
 #[derive(Parser, Debug, Clone)]
@@ -267,17 +269,20 @@ fn train_rank(
             lr_at(step, args.steps, args.lr, args.steps / 20),
         )?;
         model = stepped;
-        metrics.train(step + 1, train_loss);
-        let done = step + 1;
-        if done.is_multiple_of(args.eval_interval) || done == args.steps {
-            let loss = validate(&model, optim.comm())?;
-            progress.println(&format!(
-                "step {done:>5}: train loss {train_loss:.4}, val loss {loss:.4}"
-            ));
-            metrics.val(done, loss, None);
-        }
-        save_if_due(&args.shard, &optim, &model, done, args.steps, &progress)?;
-        progress.step(format!("loss {train_loss:.3}"));
+        end_step(
+            StepEnd {
+                done: step + 1,
+                steps: args.steps,
+                eval_interval: args.eval_interval,
+                train_loss,
+            },
+            &args.shard,
+            &optim,
+            &model,
+            &mut metrics,
+            &progress,
+            |model, comm| Ok((validate(model, comm)?, None)),
+        )?;
     }
     progress.finish();
     let memory = optim.memory_report(&model);

@@ -15,6 +15,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::char_data::sample_batch;
 use crate::cli::ShardArgs;
+use crate::metrics::Metrics;
 
 /// The autodiff device of every rank. At stage 3, Burn's balanced checkpointing lets the
 /// reshape that `Linear` applies to a gathered weight be recomputed like the gather itself, so
@@ -194,6 +195,58 @@ pub fn save_if_due<M: Module, O: MasterWeightStep>(
         progress.println(&format!("saved {}", dir.display()));
     }
     Ok(())
+}
+
+/// Where a step ended: `done` steps (1-based) of `steps`, validation every `eval_interval`.
+#[derive(Clone, Copy, Debug)]
+pub struct StepEnd {
+    /// Steps done, counting this one.
+    pub done: usize,
+    /// Steps of the whole run.
+    pub steps: usize,
+    /// Steps between validation estimates (also after the last step).
+    pub eval_interval: usize,
+    /// This step's loss, mean over the ranks.
+    pub train_loss: f32,
+}
+
+/// The end of every step of the examples' loops: records the training loss; every
+/// `eval_interval` steps and after the last, runs `validate` (mean loss and, for classifiers,
+/// accuracy in `[0, 1]`), prints and records it; saves a checkpoint when due
+/// ([`save_if_due`]); advances the progress bar. A collective: every rank calls it. Returns
+/// the validation loss when one was estimated.
+///
+/// # Errors
+/// `validate` or the checkpoint failed (every rank gets the error).
+pub fn end_step<M: Module, O: MasterWeightStep>(
+    at: StepEnd,
+    args: &ShardArgs,
+    optim: &ShardedOptimizer<O>,
+    model: &M,
+    metrics: &mut Metrics,
+    progress: &Progress,
+    validate: impl FnOnce(&M, &dyn Collective) -> Result<(f32, Option<f32>), ShardError>,
+) -> Result<Option<f32>, ShardError> {
+    let StepEnd {
+        done,
+        steps,
+        eval_interval,
+        train_loss,
+    } = at;
+    metrics.train(done, train_loss);
+    let mut val_loss = None;
+    if done.is_multiple_of(eval_interval) || done == steps {
+        let (loss, accuracy) = validate(model, optim.comm())?;
+        let accuracy_text = accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0));
+        progress.println(&format!(
+            "step {done:>5}: train loss {train_loss:.4}, val loss {loss:.4}{accuracy_text}"
+        ));
+        metrics.val(done, loss, accuracy);
+        val_loss = Some(loss);
+    }
+    save_if_due(args, optim, model, done, steps, progress)?;
+    progress.step(format!("loss {train_loss:.3}"));
+    Ok(val_loss)
 }
 
 /// Reads a whole data file with an error that names it and says where it comes from.
