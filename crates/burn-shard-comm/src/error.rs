@@ -83,6 +83,20 @@ pub enum CommError {
         /// How long it waited.
         waited: Duration,
     },
+    /// MPI backend: a collective did not complete within the communicator's timeout (MPI does
+    /// not say which peer is missing); the group was aborted and the call abandoned.
+    #[error(
+        "rank {rank}: MPI {op} did not complete within {waited:?}, so the group was aborted; a rank is stuck or \
+         skipped this collective (raise the timeout with MpiComm::with_timeout if the work is legitimately slow)"
+    )]
+    MpiTimeout {
+        /// The waiting rank.
+        rank: usize,
+        /// The collective in progress.
+        op: String,
+        /// How long it waited.
+        waited: Duration,
+    },
     /// An earlier error on some rank aborted the group.
     #[error("the group was aborted by an earlier error: {0}")]
     Aborted(String),

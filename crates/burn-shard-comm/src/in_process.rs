@@ -14,8 +14,10 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 
+use crate::call_sig::CallSig;
+use crate::host::HostBuffer;
 use crate::ring::{self, RingLink};
 use crate::stats::{CollectiveKind, StatsCounter};
 use crate::{Collective, CommError, CommStats, ReduceOp};
@@ -114,30 +116,6 @@ impl Shared {
             return Err(CommError::Aborted(reason.unwrap_or_default()));
         }
         Ok(())
-    }
-}
-
-/// What a rank called: compared between neighbours on every message.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct CallSig {
-    kind: CollectiveKind,
-    len: usize,
-    dtype: DType,
-    root: usize,
-    /// What is being reduced or gathered (0: untagged).
-    tag: u64,
-}
-
-impl fmt::Display for CallSig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}(len={}, {:?}", self.kind.name(), self.len, self.dtype)?;
-        if self.kind == CollectiveKind::Broadcast {
-            write!(f, ", root={}", self.root)?;
-        }
-        if self.tag != 0 {
-            write!(f, ", tag={:#018x}", self.tag)?;
-        }
-        write!(f, ")")
     }
 }
 
@@ -251,34 +229,6 @@ impl RingLink for Call<'_> {
                 }
             }
         }
-    }
-}
-
-/// Host copy of a flat float tensor, with what is needed to rebuild it.
-struct HostBuffer {
-    values: Vec<f32>,
-    dtype: DType,
-    device: Device,
-}
-
-impl HostBuffer {
-    fn read(tensor: Tensor<1>) -> Result<Self, CommError> {
-        let dtype = tensor.dtype();
-        if !matches!(dtype, DType::F32 | DType::Flex32 | DType::F16 | DType::BF16) {
-            return Err(CommError::UnsupportedDtype(format!("{dtype:?}")));
-        }
-        let device = tensor.device();
-        let values = tensor
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-            .map_err(|e| CommError::UnsupportedDtype(format!("{dtype:?} ({e:?})")))?;
-        Ok(Self { values, dtype, device })
-    }
-
-    fn into_tensor(values: Vec<f32>, dtype: DType, device: &Device) -> Tensor<1> {
-        let len = values.len();
-        Tensor::from_data(TensorData::new(values, [len]), (device, dtype))
     }
 }
 

@@ -11,15 +11,21 @@
 //! - `NcclComm` (feature `cuda`): NCCL through cudarc, one rank per GPU, in place on Burn's
 //!   CUDA tensors. `NcclComm::from_env` joins a job started by `burn-shard-run` (or `torchrun`)
 //!   through the [`Rendezvous`], a TCP key-value store hosted by rank 0.
+//! - `MpiComm` (feature `mpi`): MPI through rsmpi, one rank per CPU process started by
+//!   `mpirun`, on any number of machines.
 //!
 //! Every backend counts the bytes each rank sends ([`CommStats`]), so traffic can be checked
 //! against the ring-algorithm volumes (all-reduce `2(N-1)/N·S`, reduce-scatter and all-gather
 //! `(N-1)/N·S` bytes per rank for a buffer of `S` bytes).
 
+mod call_sig;
 mod collective;
 mod error;
+mod host;
 mod in_process;
 mod launch;
+#[cfg(feature = "mpi")]
+mod mpi_comm;
 #[cfg(feature = "cuda")]
 mod nccl;
 mod rendezvous;
@@ -35,5 +41,7 @@ pub use rendezvous::{
 };
 pub use stats::{CollectiveKind, CommStats, OpStats};
 
+#[cfg(feature = "mpi")]
+pub use mpi_comm::{MPI_DEFAULT_TIMEOUT, MpiComm, launched_by_mpirun};
 #[cfg(feature = "cuda")]
 pub use nccl::{NCCL_DEFAULT_TIMEOUT, NcclComm, NcclId, cuda_device_count, nccl_available};

@@ -4,10 +4,13 @@
 //! Rank 0 hosts a small TCP key-value store ([`StoreServer`], like PyTorch's `TCPStore`) at
 //! `MASTER_ADDR:MASTER_PORT`; every rank, rank 0 included, connects to it as a [`StoreClient`]
 //! and sets, waits for and counts keys. [`RendezvousEnv`] reads the launcher's variables and
-//! [`Rendezvous`] does both steps for this process. Standard library only: no serde, no async.
+//! [`Rendezvous`] does both steps for this process, then checks that the job's ranks add up
+//! (each `RANK` once, one `WORLD_SIZE`, nobody missing). Standard library only: no serde, no
+//! async. The keys it uses start with `burn-shard/`.
 
 mod client;
 mod env;
+mod membership;
 mod server;
 mod wire;
 
@@ -56,11 +59,32 @@ impl Drop for Rendezvous {
 impl Rendezvous {
     /// On rank 0, starts the store on port `MASTER_PORT` of every interface of this machine;
     /// then, on every rank, connects to `MASTER_ADDR:MASTER_PORT`, waiting up to `timeout` for
-    /// rank 0 to be listening.
+    /// rank 0 to be listening; then registers this rank's `RANK` and `WORLD_SIZE` and waits, up
+    /// to `timeout` again, until every rank of the job has registered.
+    ///
+    /// The join succeeds only when rank 0's `WORLD_SIZE` ranks registered, each `RANK` once, all
+    /// with rank 0's `WORLD_SIZE`. A problem is reported on every rank, with the same message,
+    /// as soon as one rank finds it (not at each rank's timeout): so a launch that gave two
+    /// processes the same `RANK` fails at once instead of hanging in its first collective.
+    /// A problematic process that registers only after the whole job has joined fails alone
+    /// (the others have already started without it).
     ///
     /// # Errors
-    /// [`CommError::Rendezvous`] when rank 0 cannot bind the port or resolve `MASTER_ADDR`, or
-    /// when a rank finds no store within `timeout`.
+    /// [`CommError::Rendezvous`] when:
+    /// - rank 0 cannot bind the port or resolve `MASTER_ADDR`;
+    /// - a rank finds no store within `timeout` (rank 0 is not running, or `MASTER_ADDR` or
+    ///   `MASTER_PORT` differ between ranks);
+    /// - two processes registered with the same `RANK` (the message names it);
+    /// - a rank's `WORLD_SIZE` differs from rank 0's, which is how a `RANK` beyond rank 0's
+    ///   `WORLD_SIZE` shows (the message names both sizes);
+    /// - not every rank registered within `timeout` (counted from each rank's own registration;
+    ///   the first rank to give up fails the others): the message says how many of how many
+    ///   ranks joined, and names the missing ones;
+    /// - the store is lost while joining (rank 0 exited).
+    ///
+    /// On rank 0, a failed join returns at once, but the store keeps answering in the background
+    /// (holding `MASTER_PORT`) for at most `timeout` more, until every process the job is known
+    /// to have has read the problem: so ranks still starting report it rather than a lost store.
     pub fn new(env: RendezvousEnv, timeout: Duration) -> Result<Self, CommError> {
         let server = if env.rank == 0 {
             Some(StoreServer::bind(listen_addr(&env)?)?)
@@ -68,12 +92,25 @@ impl Rendezvous {
             None
         };
         let client = StoreClient::connect(&env.master(), timeout)?;
-        Ok(Self {
+        let mut rendezvous = Self {
             env,
             client,
             server,
             timeout,
-        })
+        };
+        let joined = membership::join(
+            &rendezvous.client,
+            rendezvous.env.rank,
+            rendezvous.env.world_size,
+            timeout,
+        );
+        if joined.is_err()
+            && let Some(server) = rendezvous.server.take()
+        {
+            rendezvous.client.close();
+            membership::serve_stragglers(server, timeout);
+        }
+        joined.map(|()| rendezvous)
     }
 
     /// Reads the launcher's variables ([`RendezvousEnv::from_env`]) and joins the rendezvous with

@@ -60,6 +60,15 @@ enum Failure {
 /// call returns once all are reaped. Processes a rank leaves behind in its process group are
 /// stopped when the launch ends, successful or not.
 ///
+/// On Linux each rank's main process is started with SIGKILL as its parent-death signal, so the
+/// ranks die with the launcher even when it is killed outright (SIGKILL, the OOM killer) and
+/// cannot stop them. The kernel sends that signal when the *thread* that started the rank
+/// exits: this function starts every rank from the calling thread and blocks in it until every
+/// rank is reaped, so the signal only fires when the launcher process itself dies. Known limit:
+/// processes a rank started itself (a shell's children, data-loader workers) are stopped
+/// through the rank's process group only while the launcher lives; when it is killed outright
+/// they may keep running after their rank has died.
+///
 /// # Errors
 /// - [`LaunchError::Config`] for an invalid `config` (nothing is started);
 /// - [`LaunchError::Spawn`] when the program cannot be started (ranks already started are stopped);

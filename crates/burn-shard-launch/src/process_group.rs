@@ -1,6 +1,11 @@
 //! Each rank runs in its own process group, so stopping a rank stops what it started too
 //! (a shell's children, data-loader workers), and a rank's exit is seen without reaping it, so
 //! its process-group id cannot be reused by an unrelated process before the group is signalled.
+//!
+//! Each rank's main process also dies with the launcher: it is started with the parent-death
+//! signal set to SIGKILL, so a launcher killed outright (SIGKILL, the OOM killer), which cannot
+//! stop its ranks itself, leaves no orphaned rank behind. Processes a rank started itself are
+//! not covered: they are stopped with their rank's process group only while the launcher lives.
 
 use std::io;
 use std::process::{Child, Command};
@@ -18,7 +23,38 @@ mod imp {
     use super::*;
     use std::os::unix::process::CommandExt;
 
+    /// Starts `command` as the leader of a new process group, with SIGKILL as its parent-death
+    /// signal.
+    ///
+    /// The kernel sends the parent-death signal when the *thread* that forked the child exits,
+    /// not only when the whole launcher does. That is fine here: [`launch`](crate::launch)
+    /// spawns every rank from its calling thread and blocks in that thread until every rank is
+    /// reaped. The signal reaches the rank's main process only (it is not inherited across
+    /// fork); what the rank starts itself is stopped through its process group, which needs
+    /// a living launcher.
     pub(crate) fn spawn(command: &mut Command) -> io::Result<Child> {
+        // Taken before the fork: the child compares it with its parent after arming the signal.
+        let launcher = std::process::id() as libc::pid_t;
+        let die_with_launcher = move || -> io::Result<()> {
+            // SAFETY: runs in the forked child before exec, where only async-signal-safe calls
+            // are allowed: prctl, getppid and raise are plain system calls that neither allocate
+            // nor take locks, and `io::Error::last_os_error` only reads errno into a value.
+            unsafe {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // The launcher may have died between the fork and the prctl, when there was no
+                // signal to send yet: then this process was already reparented (to init or a
+                // subreaper), and ends itself as the signal would have ended it.
+                if libc::getppid() != launcher {
+                    libc::raise(libc::SIGKILL);
+                }
+            }
+            Ok(())
+        };
+        // SAFETY: the closure only makes async-signal-safe calls (see above) and touches no
+        // state shared with the parent: `launcher` is a copied integer.
+        unsafe { command.pre_exec(die_with_launcher) };
         command.process_group(0).spawn()
     }
 

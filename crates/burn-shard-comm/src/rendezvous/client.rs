@@ -141,7 +141,7 @@ impl StoreClient {
     }
 
     /// Like [`StoreClient::get`], with `None` instead of an error when the key stays unset.
-    fn try_get(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, CommError> {
+    pub(super) fn try_get(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, CommError> {
         check_key(key)?;
         let request = Request::Get {
             key: key.to_string(),

@@ -99,6 +99,17 @@ impl StoreServer {
         self.shared.connections().len()
     }
 
+    /// The keys starting with `prefix` and their values, read in place (for the host's own
+    /// bookkeeping, without a connection).
+    pub(super) fn values_under(&self, prefix: &str) -> Vec<(String, Vec<u8>)> {
+        self.shared
+            .values()
+            .iter()
+            .filter(|(key, _)| key.starts_with(prefix))
+            .map(|(key, value)| (key.clone(), value.clone()))
+            .collect()
+    }
+
     /// Waits until no client is connected, or `timeout` passes; returns whether none is.
     /// Dropping the server while a rank still talks to it fails that rank's next request, so
     /// the host waits here for the others to leave first.
