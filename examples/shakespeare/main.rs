@@ -1,8 +1,11 @@
-//! Trains a small character-level GPT on tiny shakespeare with ZeRO sharding, ranks as threads
-//! on the CPU backend.
+//! Trains a small character-level GPT on tiny shakespeare with ZeRO sharding on the CPU
+//! backend: ranks as threads of this process, or (feature `mpi`) one process per rank started
+//! by `mpirun`, with the same losses for the same seed.
 //!
 //! ```text
 //! cargo run --release -p burn-shard-examples --bin shakespeare -- --world-size 2 --stage 2
+//! cargo build --release --workspace --features burn-shard-examples/mpi
+//! mpirun -np 2 target/release/shakespeare --stage 2
 //! ```
 
 use std::path::PathBuf;
@@ -11,7 +14,11 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::prelude::*;
+#[cfg(not(feature = "mpi"))]
+use burn_shard::comm::InProcessComm;
 use burn_shard::comm::{Collective, InProcessGroup, run_ranks};
+#[cfg(feature = "mpi")]
+use burn_shard::comm::{MpiComm, launched_by_mpirun};
 use burn_shard::{MemoryReport, ShardConfig, ShardError, Stage};
 use burn_shard_examples::char_data::{CharCorpus, sample_batch};
 use burn_shard_examples::cli::{ShardArgs, at_least, positive_f64};
@@ -25,7 +32,9 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 #[derive(Parser, Debug, Clone)]
-#[command(about = "Char-level GPT on tiny shakespeare, trained with ZeRO sharding (ranks as threads); default stage 2")]
+#[command(
+    about = "Char-level GPT on tiny shakespeare, trained with ZeRO sharding (ranks as threads, or processes under mpirun); default stage 2"
+)]
 struct Args {
     /// World size (default 2), stage (default 2), checkpoints.
     #[command(flatten)]
@@ -138,12 +147,26 @@ fn run(mut args: Args) -> Result<(), String> {
     );
 
     let start = Instant::now();
-    let group = InProcessGroup::new(args.shard.world_size).map_err(|e| e.to_string())?;
-    let outcomes = run_ranks(group, |comm| train_rank(&args, stage, &config, &corpus, &base, comm))
-        .map_err(|e| e.to_string())?
-        .into_iter()
-        .collect::<Result<Vec<_>, ShardError>>()
-        .map_err(|e| e.to_string())?;
+    let outcomes = match mpi_comm(&args)? {
+        // One process per rank (mpirun): this process trains its rank; rank 0 reports.
+        Some(comm) => {
+            let rank = comm.rank();
+            let outcome = train_rank(&args, stage, &config, &corpus, &base, comm).map_err(|e| e.to_string())?;
+            if rank != 0 {
+                println!("[rank {rank}] {}", outcome.memory);
+                return Ok(());
+            }
+            vec![outcome]
+        }
+        None => {
+            let group = InProcessGroup::new(args.shard.world_size).map_err(|e| e.to_string())?;
+            run_ranks(group, |comm| train_rank(&args, stage, &config, &corpus, &base, comm))
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .collect::<Result<Vec<_>, ShardError>>()
+                .map_err(|e| e.to_string())?
+        }
+    };
     let seconds = start.elapsed().as_secs_f64();
 
     if let Some(sample) = &outcomes[0].sample {
@@ -171,6 +194,34 @@ fn run(mut args: Args) -> Result<(), String> {
     Ok(())
 }
 
+/// This process's rank of an MPI job when it was started by `mpirun` (feature `mpi`), else
+/// `None`: the ranks are threads.
+///
+/// # Errors
+/// MPI cannot start, or `--world-size` differs from mpirun's `-np`.
+#[cfg(feature = "mpi")]
+fn mpi_comm(args: &Args) -> Result<Option<MpiComm>, String> {
+    if !launched_by_mpirun() {
+        return Ok(None);
+    }
+    let comm = MpiComm::init().map_err(|e| e.to_string())?;
+    if comm.world_size() != args.shard.world_size {
+        return Err(format!(
+            "mpirun started {} processes but --world-size is {}: pass --world-size {}",
+            comm.world_size(),
+            args.shard.world_size,
+            comm.world_size()
+        ));
+    }
+    Ok(Some(comm))
+}
+
+/// Without the `mpi` feature the ranks are always threads.
+#[cfg(not(feature = "mpi"))]
+fn mpi_comm(_: &Args) -> Result<Option<InProcessComm>, String> {
+    Ok(None)
+}
+
 /// Mean validation loss over `eval_batches` per rank, averaged over ranks (same windows each call).
 fn estimate_val(
     model: &Gpt,
@@ -192,7 +243,7 @@ fn train_rank(
     config: &GptConfig,
     corpus: &CharCorpus,
     base: &Gpt,
-    comm: burn_shard::comm::InProcessComm,
+    comm: impl Collective + 'static,
 ) -> Result<RankOutcome, ShardError> {
     let rank = comm.rank();
     let device = training_device(stage);

@@ -11,9 +11,9 @@ use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 
 use crate::common::*;
 
-const STEPS: usize = 20;
-const GLOBAL_BATCH: usize = 12; // divisible by 1, 2, 3 and 4
-const LR: f64 = 1e-2;
+pub(crate) const STEPS: usize = 20;
+pub(crate) const GLOBAL_BATCH: usize = 12; // divisible by 1, 2, 3 and 4
+pub(crate) const LR: f64 = 1e-2;
 
 /// Runs `STEPS` sharded steps on `world_size` rank threads; returns rank 0's globally averaged
 /// losses and every rank's final parameters.
@@ -35,30 +35,41 @@ fn sharded_run_on<O: IntoOptimizer + Clone + Send + Sync>(
     config: ShardConfig,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let results = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
-        let rank = comm.rank();
-        let device = device.clone();
-        let model = base.clone().fork(&device);
-        let (mut model, mut optim) = config.init(model, optim.clone(), comm).expect("init");
-        let per_rank = GLOBAL_BATCH / world_size;
-        let (start, end) = (rank * per_rank, (rank + 1) * per_rank);
-        let mut losses = Vec::new();
-        for step in 0..STEPS {
-            let (x, y) = batch(step, GLOBAL_BATCH);
-            let loss = mse(
-                &model,
-                rows(&x, IN, start, end, &device),
-                rows(&y, OUT, start, end, &device),
-            );
-            let (next, global) = sharded_step(&mut optim, model, loss, LR);
-            model = next;
-            losses.push(global);
-        }
-        // Stage 3 unshards with a collective, so every rank does it.
-        (losses, params_of(&model.materialize()))
+        train_rank(comm, device, base, optim.clone(), config.clone())
     })
     .expect("no rank panics");
     let losses = results[0].0.clone();
     (losses, results.into_iter().map(|r| r.1).collect())
+}
+
+/// One rank of a sharded run on any backend: `STEPS` steps on this rank's share of the global
+/// batch; returns the globally averaged losses and the final parameters.
+pub(crate) fn train_rank<O: IntoOptimizer, C: Collective + 'static>(
+    comm: C,
+    device: &Device,
+    base: &TinyMlp,
+    optim: O,
+    config: ShardConfig,
+) -> (Vec<f32>, Vec<f32>) {
+    let (rank, world_size) = (comm.rank(), comm.world_size());
+    let model = base.clone().fork(device);
+    let (mut model, mut optim) = config.init(model, optim, comm).expect("init");
+    let per_rank = GLOBAL_BATCH / world_size;
+    let (start, end) = (rank * per_rank, (rank + 1) * per_rank);
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = batch(step, GLOBAL_BATCH);
+        let loss = mse(
+            &model,
+            rows(&x, IN, start, end, device),
+            rows(&y, OUT, start, end, device),
+        );
+        let (next, global) = sharded_step(&mut optim, model, loss, LR);
+        model = next;
+        losses.push(global);
+    }
+    // Stage 3 unshards with a collective, so every rank does it.
+    (losses, params_of(&model.materialize()))
 }
 
 /// `exact_at_one`: world size 1 must reproduce the reference bit for bit (true when the sharded

@@ -302,6 +302,189 @@ fn ranks_meet_through_the_rendezvous_built_from_their_environment() {
     assert!(got.iter().all(|id| id == b"from rank 0"), "{got:?}");
 }
 
+/// One rank to start as a thread: its `RANK`, its `WORLD_SIZE`, and how long it starts late.
+#[derive(Clone, Copy)]
+struct Member {
+    rank: usize,
+    world_size: usize,
+    late: Duration,
+}
+
+/// Ranks `(RANK, WORLD_SIZE)` that all start at once.
+fn at_once(members: &[Claim]) -> Vec<Member> {
+    members
+        .iter()
+        .map(|&(rank, world_size)| Member {
+            rank,
+            world_size,
+            late: Duration::ZERO,
+        })
+        .collect()
+}
+
+/// Joins `members` as threads through one rendezvous; returns, per member, the error message
+/// (`None` once joined) and how long `Rendezvous::new` took. Joined ranks exchange a key and
+/// pass a barrier, and every rendezvous is kept until all members have returned (so a late
+/// member still finds the store).
+fn join_as_threads(members: &[Member], timeout: Duration) -> Vec<(Option<String>, Duration)> {
+    let port = free_port();
+    let all_returned = std::sync::Barrier::new(members.len());
+    std::thread::scope(|s| {
+        let handles: Vec<_> = members
+            .iter()
+            .map(|&m| {
+                let all_returned = &all_returned;
+                s.spawn(move || {
+                    std::thread::sleep(m.late);
+                    let env = RendezvousEnv::from_vars(job_vars(m.rank, m.world_size, port)).unwrap();
+                    let start = Instant::now();
+                    let result = Rendezvous::new(env, timeout);
+                    let took = start.elapsed();
+                    let outcome = match &result {
+                        Ok(rendezvous) => {
+                            let store = rendezvous.store();
+                            store.set(&format!("hello/{}", m.rank), b"hi").unwrap();
+                            let peer = (m.rank + 1) % m.world_size;
+                            assert_eq!(store.get(&format!("hello/{peer}"), 10 * SECOND).unwrap(), b"hi");
+                            rendezvous.barrier(10 * SECOND).unwrap();
+                            None
+                        }
+                        Err(e) => Some(rendezvous_msg(Err::<(), _>(e.clone()))),
+                    };
+                    all_returned.wait();
+                    drop(result);
+                    (outcome, took)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// What a rank claims: `(RANK, WORLD_SIZE)`.
+type Claim = (usize, usize);
+
+/// The longest time a member of [`join_as_threads`] took.
+fn slowest(results: &[(Option<String>, Duration)]) -> Duration {
+    results.iter().map(|(_, took)| *took).max().unwrap_or_default()
+}
+
+#[test]
+fn ranks_of_every_world_size_join_and_late_ranks_are_waited_for() {
+    for world_size in 1..=4 {
+        // Highest rank first: the others arrive while it waits, rank 0 (the host) last.
+        let members: Vec<Member> = (0..world_size)
+            .map(|rank| Member {
+                rank,
+                world_size,
+                late: Duration::from_millis(60 * (world_size - 1 - rank) as u64),
+            })
+            .collect();
+        for (rank, (error, took)) in join_as_threads(&members, 10 * SECOND).into_iter().enumerate() {
+            assert_eq!(error, None, "world_size {world_size} rank {rank}");
+            assert!(took < 5 * SECOND, "world_size {world_size} rank {rank} took {took:?}");
+        }
+    }
+}
+
+#[test]
+fn duplicate_ranks_fail_every_rank_at_once_naming_the_rank() {
+    let timeout = 3 * SECOND;
+    // The reported case, and duplicates that also leave a rank missing.
+    let cases: [(&[(usize, usize)], usize); 3] = [
+        (&[(0, 3), (1, 3), (1, 3)], 1),
+        (&[(0, 3), (2, 3), (2, 3)], 2),
+        (&[(0, 4), (3, 4), (1, 4), (3, 4)], 3),
+    ];
+    for (members, duplicate) in cases {
+        let results = join_as_threads(&at_once(members), timeout);
+        eprintln!("{members:?}: every rank failed within {:?}", slowest(&results));
+        for ((rank, _), (error, took)) in members.iter().zip(results) {
+            let ctx = format!("{members:?}, rank {rank}");
+            let msg = error.unwrap_or_else(|| panic!("{ctx}: joined despite a duplicate RANK"));
+            assert!(
+                msg.contains(&format!("rank {duplicate} is duplicated")) && msg.contains(&format!("RANK={duplicate}")),
+                "{ctx}: {msg}"
+            );
+            assert!(msg.contains("--node-rank"), "{ctx}: the fix is named: {msg}");
+            // Found as the duplicate registers, not at the timeout.
+            assert!(took < timeout / 2, "{ctx}: took {took:?}");
+        }
+    }
+}
+
+#[test]
+fn disagreeing_world_sizes_fail_every_rank_naming_both_sizes() {
+    let timeout = 3 * SECOND;
+    // (members, rank 0's size, the other size, more to find); in none of them can the ranks
+    // that agree with rank 0 complete a job on their own.
+    let cases: [(&[Claim], usize, usize, &str); 4] = [
+        (&[(0, 2), (1, 3), (2, 3)], 2, 3, ""),
+        (&[(0, 2), (2, 3)], 2, 3, "RANK 2 is out of rank 0's range 0..2"),
+        (&[(0, 3), (1, 2)], 3, 2, ""),
+        (&[(0, 4), (1, 2), (2, 4), (3, 4)], 4, 2, ""),
+    ];
+    for (members, rank0_size, other_size, more) in cases {
+        let results = join_as_threads(&at_once(members), timeout);
+        eprintln!("{members:?}: every rank failed within {:?}", slowest(&results));
+        for ((rank, _), (error, took)) in members.iter().zip(results) {
+            let ctx = format!("{members:?}, rank {rank}");
+            let msg = error.unwrap_or_else(|| panic!("{ctx}: joined despite disagreeing WORLD_SIZEs"));
+            assert!(
+                msg.contains(&format!("rank 0 has WORLD_SIZE {rank0_size}"))
+                    && msg.contains(&format!("has WORLD_SIZE {other_size} but")),
+                "{ctx}: {msg}"
+            );
+            assert!(msg.contains(more) && msg.contains("same WORLD_SIZE"), "{ctx}: {msg}");
+            assert!(took < timeout / 2, "{ctx}: took {took:?}");
+        }
+    }
+
+    // A disagreeing rank that arrives once the others have all joined cannot stop them any
+    // more: it fails alone, and says so.
+    let mut members = at_once(&[(0, 2), (1, 2), (2, 3)]);
+    members[2].late = Duration::from_millis(500);
+    let results = join_as_threads(&members, timeout);
+    assert_eq!((&results[0].0, &results[1].0), (&None, &None));
+    let msg = results[2].0.clone().expect("the late rank 2 of 3 fails");
+    assert!(
+        msg.contains("rank 2 has WORLD_SIZE 3 but rank 0 has WORLD_SIZE 2")
+            && msg.contains("joined before this process"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn missing_ranks_fail_every_rank_after_the_timeout_naming_them() {
+    let timeout = SECOND;
+    let cases: [(&[(usize, usize)], &str); 3] = [
+        (
+            &[(0, 3), (2, 3)],
+            "only 2 of 3 ranks joined within 1 s: rank 1 is missing",
+        ),
+        (
+            &[(0, 4)],
+            "only 1 of 4 ranks joined within 1 s: ranks 1, 2, 3 are missing",
+        ),
+        // Nobody hosts the store: each rank gives up connecting.
+        (&[(1, 3), (2, 3)], "is rank 0 running"),
+    ];
+    for (members, want) in cases {
+        let results = join_as_threads(&at_once(members), timeout);
+        eprintln!("{members:?}: every rank failed within {:?}", slowest(&results));
+        for ((rank, _), (error, took)) in members.iter().zip(results) {
+            let ctx = format!("{members:?}, rank {rank}");
+            let msg = error.unwrap_or_else(|| panic!("{ctx}: joined with ranks missing"));
+            assert!(msg.contains(want), "{ctx}: {msg}");
+            // The first rank to give up fails the others at once: nobody waits much longer.
+            assert!(
+                took >= timeout / 2 && took < timeout + 2 * SECOND,
+                "{ctx}: took {took:?}"
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------- grouped collectives
 
 fn tensor(values: Vec<f32>) -> Tensor<1> {
@@ -718,6 +901,167 @@ fn the_command_line_reads_like_torchrun() {
     assert!(err(&["burn-shard-run", "--nproc-per-node", "2"]).contains("PROGRAM"));
     assert!(err(&["burn-shard-run", "x"]).contains("--nproc-per-node"));
     assert!(err(&["burn-shard-run", "--nproc-per-node", "1", "--stop-grace=-1", "x"]).contains("--stop-grace"));
+}
+
+/// Where [`launcher_process`] has its ranks record their pids, and how many it starts.
+const LAUNCHER_DIR_VAR: &str = "BURN_SHARD_TEST_LAUNCHER_DIR";
+const LAUNCHER_NPROC_VAR: &str = "BURN_SHARD_TEST_LAUNCHER_NPROC";
+/// The line [`launcher_process`] prints right before it starts its ranks.
+const LAUNCHING: &str = "launcher: starting the ranks";
+
+/// A launcher to kill: this test binary, started by [`start_launcher`], does what
+/// `burn-shard-run` does (termination signals forwarded, then `launch`) with ranks that record
+/// their pid first thing (`pid.<RANK>` in the given directory), then sleep.
+#[test]
+#[ignore = "the launcher process of the launch::ranks_die_with_a_launcher_killed_* tests, which start it"]
+fn launcher_process() {
+    use std::io::Write;
+    let (Ok(dir), Ok(nproc)) = (std::env::var(LAUNCHER_DIR_VAR), std::env::var(LAUNCHER_NPROC_VAR)) else {
+        return; // started by hand, not by a test: nothing to launch
+    };
+    let script = r#"echo $$ > "$1/pid.$RANK"; exec sleep 1000"#;
+    let config = LaunchConfig::new("sh", nproc.parse().unwrap())
+        .with_args(["-c", script, "sh", &dir])
+        .with_output(OutputMode::Capture);
+    burn_shard_launch::forward_termination_signals().unwrap();
+    println!("{LAUNCHING}");
+    std::io::stdout().flush().unwrap();
+    let _ = launch(&config);
+}
+
+/// A [`launcher_process`] and the ranks it started: dropping it (a failed assertion included)
+/// kills the launcher and every rank still running, so no test leaves processes behind.
+struct KilledLauncher {
+    launcher: std::process::Child,
+    dir: PathBuf,
+}
+
+impl KilledLauncher {
+    /// Starts the launcher with `nproc` ranks, and returns once it is about to start them.
+    fn start(dir: &Path, nproc: usize) -> Self {
+        use std::io::BufRead;
+        let mut launcher = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "launch::launcher_process",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(LAUNCHER_DIR_VAR, dir)
+            .env(LAUNCHER_NPROC_VAR, nproc.to_string())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = launcher.stdout.take().unwrap();
+        let this = Self {
+            launcher,
+            dir: dir.to_path_buf(),
+        };
+        // The harness prints the test's name first, on the same line.
+        let launching = std::io::BufReader::new(stdout)
+            .lines()
+            .any(|line| line.is_ok_and(|l| l.ends_with(LAUNCHING)));
+        assert!(launching, "the launcher process ended before starting its ranks");
+        this
+    }
+
+    /// The pids the ranks have recorded so far (a file still being written is skipped).
+    fn rank_pids(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = std::fs::read_dir(&self.dir)
+            .unwrap()
+            .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok()?.trim().parse().ok())
+            .collect();
+        pids.sort();
+        pids
+    }
+
+    /// Kills the launcher with SIGKILL, so that it cannot stop its ranks itself, and reaps it.
+    fn kill(&mut self) {
+        self.launcher.kill().unwrap();
+        self.launcher.wait().unwrap();
+    }
+
+    /// Waits up to `limit` for every recorded rank to end; returns how long that took, or the
+    /// pids still running.
+    fn ranks_ended_within(&self, limit: Duration) -> Result<Duration, Vec<u32>> {
+        let start = Instant::now();
+        loop {
+            let alive: Vec<u32> = self.rank_pids().into_iter().filter(|&p| !ended(p)).collect();
+            if alive.is_empty() {
+                return Ok(start.elapsed());
+            }
+            if start.elapsed() >= limit {
+                return Err(alive);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for KilledLauncher {
+    fn drop(&mut self) {
+        let _ = self.launcher.kill();
+        let _ = self.launcher.wait();
+        for pid in self.rank_pids().into_iter().filter(|&p| !ended(p)) {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[test]
+fn ranks_die_with_a_launcher_killed_by_sigkill() {
+    let mut launcher = KilledLauncher::start(&scratch_dir("killed-launcher"), 2);
+    let deadline = Instant::now() + 10 * SECOND;
+    while launcher.rank_pids().len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the ranks did not start: {:?}",
+            launcher.rank_pids()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pids = launcher.rank_pids();
+    assert!(
+        pids.iter().all(|&p| !ended(p)),
+        "the ranks run before the launcher is killed"
+    );
+    launcher.kill();
+    match launcher.ranks_ended_within(5 * SECOND) {
+        Ok(took) => eprintln!("ranks {pids:?} ended {took:?} after their launcher was reaped"),
+        Err(alive) => panic!("ranks {alive:?} outlived their launcher (killed by SIGKILL) by 5 s"),
+    }
+}
+
+#[test]
+fn ranks_die_with_a_launcher_killed_while_it_starts_them() {
+    // Killed at once, or during the forks (between a rank's fork and its prctl, the rank must
+    // notice it was orphaned already), or just after: no rank that got to record its pid
+    // survives.
+    let trials = 20;
+    let mut started = Vec::new();
+    for trial in 0..trials {
+        let mut launcher = KilledLauncher::start(&scratch_dir(&format!("launcher-race-{trial}")), 4);
+        std::thread::sleep(Duration::from_micros(1500 * trial));
+        launcher.kill();
+        if let Err(alive) = launcher.ranks_ended_within(5 * SECOND) {
+            panic!("trial {trial}: ranks {alive:?} outlived their launcher by 5 s");
+        }
+        // A rank that survived without having recorded its pid yet would record it now.
+        std::thread::sleep(Duration::from_millis(50));
+        let alive: Vec<u32> = launcher.rank_pids().into_iter().filter(|&p| !ended(p)).collect();
+        assert!(
+            alive.is_empty(),
+            "trial {trial}: ranks {alive:?} outlived their launcher"
+        );
+        started.push(launcher.rank_pids().len());
+    }
+    eprintln!("ranks that recorded their pid before the launcher was killed, per trial: {started:?}");
 }
 
 /// The NCCL side (feature `cuda`), run on every GPU by `cargo xtask multi-gpu-test` (its

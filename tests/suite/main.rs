@@ -15,5 +15,7 @@ mod layout;
 mod memory;
 mod mixed_precision;
 mod modules;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod param_kinds;
 mod stage3;

