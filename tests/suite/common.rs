@@ -1,7 +1,7 @@
 //! Reference models, deterministic data and the unwrapped single-device training loop that
 //! every sharded run is compared against.
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -134,7 +134,7 @@ pub fn sharded_step<M: Module, O: burn_shard::MasterWeightStep>(
     optim: &mut burn_shard::ShardedOptimizer<O>,
     model: M,
     loss: Tensor<1>,
-    lr: f64,
+    lr: impl Into<burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate>,
 ) -> (M, f32) {
     let global = optim
         .comm()
@@ -154,4 +154,64 @@ pub fn scratch(area: &str, name: &str) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// Rows `[start, end)` of a global batch of `global` rows that rank `rank` of `world_size`
+/// trains on (equal shares; `global` divisible by `world_size`).
+pub fn rank_rows(rank: usize, world_size: usize, global: usize) -> (usize, usize) {
+    let per_rank = global / world_size;
+    (rank * per_rank, (rank + 1) * per_rank)
+}
+
+/// Runs `rank_run(comm, stage)` on world sizes 1-4 at stages 0-3 (ranks as threads) and checks
+/// that every rank ends with bitwise-identical parameters and that rank 0's per-step values
+/// (losses, norms) and parameters equal `reference`'s: relative difference <= `tolerance` per
+/// value, absolute difference <= `tolerance` per parameter.
+pub fn sweep<F>(name: &str, reference: &(Vec<f32>, Vec<f32>), tolerance: f32, rank_run: F)
+where
+    F: Fn(burn_shard_comm::InProcessComm, burn_shard::Stage) -> (Vec<f32>, Vec<f32>) + Sync,
+{
+    use burn_shard::Stage;
+    let (ref_values, ref_params) = reference;
+    for world_size in 1..=4 {
+        for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+            let ctx = format!("{name}, world_size {world_size}, stage {stage}");
+            let group = burn_shard_comm::InProcessGroup::new(world_size).unwrap();
+            let results = burn_shard_comm::run_ranks(group, |comm| rank_run(comm, stage)).expect("no rank panics");
+            for (rank, (_, params)) in results.iter().enumerate().skip(1) {
+                assert_eq!(
+                    params, &results[0].1,
+                    "{ctx}: rank {rank} holds other parameters than rank 0"
+                );
+            }
+            let (values, params) = &results[0];
+            assert_eq!(values.len(), ref_values.len(), "{ctx}: number of per-step values");
+            for (step, (a, b)) in values.iter().zip(ref_values).enumerate() {
+                let rel = (a - b).abs() / b.abs().max(1e-12);
+                assert!(
+                    rel <= tolerance,
+                    "{ctx}: step {step}: {a} vs reference {b} (rel {rel:e})"
+                );
+            }
+            let diff = max_abs_diff(params, ref_params);
+            assert!(diff <= tolerance, "{ctx}: max |param - reference| = {diff:e}");
+        }
+    }
+}
+
+/// `module` with every float parameter cast to `dtype` (ids and require-grad kept).
+pub fn cast<M: Module>(module: M, dtype: burn::tensor::DType) -> M {
+    struct Cast(burn::tensor::DType);
+    impl ModuleMapper for Cast {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, value, mapper) = param.consume();
+            let require_grad = value.is_require_grad();
+            let mut value = value.cast(self.0).detach();
+            if require_grad {
+                value = value.require_grad();
+            }
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    module.map(&mut Cast(dtype))
 }

@@ -180,19 +180,6 @@ fn step_paths(device: &Device, base: &TinyMlp, cfg: AdamWConfig, stage: Stage) -
 }
 
 #[test]
-fn gradient_clipping_in_a_burn_config_is_refused() {
-    use burn::grad_clipping::GradientClippingConfig;
-    let device = Device::flex().autodiff();
-    let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
-    let cfg = AdamWConfig::new().with_grad_clipping(Some(GradientClippingConfig::Norm(1.0)));
-    let err = ShardConfig::new(Stage::Two)
-        .init(TinyMlp::new(&device), cfg, comm)
-        .err()
-        .expect("clipping must be refused");
-    assert!(err.to_string().contains("grad_clipping"), "{err}");
-}
-
-#[test]
 fn many_small_buckets_match_single_device() {
     // 16-element buckets: every parameter of TinyMlp lands in a bucket of its own or shares one.
     check_all(

@@ -1,9 +1,12 @@
 //! The burn-shard test suite: one binary, one module per area.
 
+mod accumulation;
 mod checkpoint;
+mod clipping;
 mod comm;
 mod common;
 mod equivalence;
+mod estimate;
 mod examples;
 mod fused_adam;
 #[cfg(feature = "wgpu")]
@@ -12,10 +15,13 @@ mod fused_adam_wgpu;
 mod gpu;
 mod launch;
 mod layout;
+mod loss_scaling;
 mod memory;
 mod mixed_precision;
 mod modules;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod offload;
+mod param_groups;
 mod param_kinds;
 mod stage3;

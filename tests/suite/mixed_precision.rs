@@ -2,7 +2,7 @@
 //! `f32` master model with a bf16 forward/backward, the reference recipe of mixed-precision
 //! training (Micikevicius et al., 2018).
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::DType;
@@ -21,23 +21,6 @@ const LR: f64 = 2e-4;
 /// The distance between `x` and the next bf16 (8 significant bits).
 fn ulp(x: f32) -> f32 {
     2f32.powi(x.abs().max(2f32.powi(-100)).log2().floor() as i32 - 7)
-}
-
-/// `module` with every float parameter cast to `dtype` (ids and require-grad kept).
-fn cast<M: Module>(module: M, dtype: DType) -> M {
-    struct Cast(DType);
-    impl ModuleMapper for Cast {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let (id, value, mapper) = param.consume();
-            let require_grad = value.is_require_grad();
-            let mut value = value.cast(self.0).detach();
-            if require_grad {
-                value = value.require_grad();
-            }
-            Param::from_mapped_value(id, value, mapper)
-        }
-    }
-    module.map(&mut Cast(dtype))
 }
 
 /// `grads` (of `module`'s parameters) cast to `f32`.

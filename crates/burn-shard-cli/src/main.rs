@@ -4,16 +4,23 @@
 //! burn-shard ckpt inspect DIR
 //! burn-shard ckpt consolidate DIR --out model.bpk
 //! burn-shard ckpt reshard DIR --world-size 8 --out DIR8
+//! burn-shard estimate --params 7.5e9 --world-size 64 [--stage N] [--dtype bf16|f16|f32] [--offload]
 //! ```
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use burn_shard::Stage;
 use burn_shard::checkpoint::{self, FileStatus};
-use clap::{Parser, Subcommand};
+use burn_shard::estimate::{self, GB, GIB, ModelStateEstimate, ParamDtype};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser, Debug)]
-#[command(name = "burn-shard", version, about = "Tools for burn-shard's sharded checkpoints")]
+#[command(
+    name = "burn-shard",
+    version,
+    about = "Tools for burn-shard: sharded checkpoints, memory estimates"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -24,6 +31,60 @@ enum Command {
     /// Sharded checkpoints (directories written by ShardedOptimizer::save_checkpoint).
     #[command(subcommand)]
     Ckpt(Ckpt),
+    /// Per-rank model-state memory (parameters, gradients, Adam state) of each ZeRO stage, from
+    /// the ZeRO paper's formulas: pick a stage before renting GPUs.
+    Estimate(Estimate),
+}
+
+#[derive(Args, Debug)]
+struct Estimate {
+    /// Number of parameters (Ψ), e.g. 7.5e9.
+    #[arg(long, value_parser = parse_params, allow_negative_numbers = true)]
+    params: f64,
+    /// Data-parallel ranks (N, GPUs) the model is sharded over.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1 << 32))]
+    world_size: u64,
+    /// Only this stage (0 to 3); default: every stage.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3))]
+    stage: Option<u8>,
+    /// Parameter dtype: bf16 or f16 (mixed precision with f32 master weights, as the ZeRO paper),
+    /// or f32 (no master copy).
+    #[arg(long, value_enum, default_value_t = Dtype::Bf16)]
+    dtype: Dtype,
+    /// Optimizer state and f32 master weights in host memory (ZeRO-Offload).
+    #[arg(long)]
+    offload: bool,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum Dtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl From<Dtype> for ParamDtype {
+    fn from(d: Dtype) -> Self {
+        match d {
+            Dtype::Bf16 => ParamDtype::Bf16,
+            Dtype::F16 => ParamDtype::F16,
+            Dtype::F32 => ParamDtype::F32,
+        }
+    }
+}
+
+/// `--params`: a finite number above 0 (`7.5e9`, `125000000`).
+fn parse_params(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number (write e.g. 7.5e9 or 125000000)"))?;
+    if !v.is_finite() || v <= 0.0 {
+        return Err(format!(
+            "the parameter count must be a finite number above 0, got `{s}`"
+        ));
+    }
+    Ok(v)
 }
 
 #[derive(Subcommand, Debug)]
@@ -75,7 +136,110 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode, checkpoint::CheckpointError> {
-    let Command::Ckpt(command) = cli.command;
+    match cli.command {
+        Command::Ckpt(command) => run_ckpt(command),
+        Command::Estimate(args) => {
+            print_estimate(&args);
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// Prints one table of per-rank model-state memory, a row per stage, with its source.
+fn print_estimate(args: &Estimate) {
+    let dtype = ParamDtype::from(args.dtype);
+    let stages: Vec<Stage> = match args.stage {
+        Some(n) => vec![Stage::try_from(n).expect("clap checked 0..=3")],
+        None => estimate::STAGES.to_vec(),
+    };
+    let rows: Vec<ModelStateEstimate> = stages
+        .iter()
+        .map(|&stage| estimate::zero_formula(args.params, args.world_size as usize, stage, dtype, args.offload))
+        .collect();
+    let precision = match dtype {
+        ParamDtype::F32 => "f32 parameters, Adam".to_string(),
+        d => format!("{d} mixed precision (f32 master weights), Adam"),
+    };
+    println!(
+        "Per-rank model-state memory: {:e} parameters (Ψ) on {} ranks (N), {precision}",
+        args.params, args.world_size
+    );
+    let mut header = vec!["stage", "parameters", "gradients", "optimizer state", "total"];
+    if args.offload {
+        header[4] = "total on device";
+        header.push("host (offloaded)");
+    }
+    let mut table: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
+    for row in &rows {
+        let mut cells = vec![
+            row.stage.to_string(),
+            size(row.parameters_bytes),
+            size(row.gradients_bytes),
+            size(row.optimizer_state_bytes),
+            size(row.device_bytes()),
+        ];
+        if args.offload {
+            cells.push(size(row.host_bytes));
+        }
+        table.push(cells);
+    }
+    let widths: Vec<usize> = (0..table[0].len())
+        .map(|c| table.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    for row in &table {
+        let line: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .enumerate()
+            .map(|(c, (cell, &w))| match c {
+                0 => format!("{cell:<w$}"),
+                _ => format!("{cell:>w$}"),
+            })
+            .collect();
+        println!("{}", line.join("  ").trim_end());
+    }
+    let source: &[&str] = match dtype {
+        ParamDtype::F32 => &[
+            "Source: the ZeRO paper's model-state accounting (Rajbhandari et al. 2020, \"ZeRO: Memory Optimizations",
+            "Toward Training Trillion Parameter Models\", §5.1) for f32 Adam, no master copy: 4Ψ parameters, 4Ψ",
+            "gradients, 8Ψ Adam moments; stage 0 16Ψ, 1: 8Ψ+8Ψ/N, 2: 4Ψ+12Ψ/N, 3: 16Ψ/N.",
+        ],
+        _ => &[
+            "Source: ZeRO paper (Rajbhandari et al. 2020, \"ZeRO: Memory Optimizations Toward Training Trillion",
+            "Parameter Models\", §5.1), K=12 for mixed-precision Adam (f32 master weights, momentum, variance):",
+            "stage 0 (2+2+K)Ψ, 1: 2Ψ+2Ψ+KΨ/N, 2: 2Ψ+(2+K)Ψ/N, 3: (2+2+K)Ψ/N.",
+        ],
+    };
+    let offload: &[&str] = match args.offload {
+        true => &[
+            "Offload: ZeRO-Offload (Ren et al. 2021, \"ZeRO-Offload: Democratizing Billion-Scale Model Training\",",
+            "§4): optimizer state and f32 master weights in host memory; parameters and gradients on the device.",
+        ],
+        false => &[],
+    };
+    for line in source.iter().chain(offload) {
+        println!("{line}");
+    }
+    println!(
+        "GB = 1e9 bytes, GiB = 2^30 bytes. Not included: activations, temporary buffers, allocator fragmentation."
+    );
+}
+
+/// `bytes` in GB and GiB: one decimal from 1 GB up (as the ZeRO paper), three significant
+/// digits below.
+fn size(bytes: f64) -> String {
+    let digits = |v: f64| -> usize {
+        if v >= 1.0 || v == 0.0 {
+            1
+        } else {
+            (2.0 - v.log10().floor()).clamp(1.0, 12.0) as usize
+        }
+    };
+    let (gb, gib) = (bytes / GB, bytes / GIB);
+    format!("{gb:.a$} GB / {gib:.b$} GiB", a = digits(gb), b = digits(gib))
+}
+
+fn run_ckpt(command: Ckpt) -> Result<ExitCode, checkpoint::CheckpointError> {
     match command {
         Ckpt::Inspect { dir } => {
             let inspection = checkpoint::inspect(&dir)?;

@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::optim::grad_clipping::GradientClipping;
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_shard_comm::Collective;
 
 use crate::buffers::Buffers;
@@ -12,7 +13,9 @@ use crate::flat;
 use crate::fsdp::context::FsdpContext;
 use crate::fsdp::sharded_param::Sharder;
 use crate::layout::FlatLayout;
+use crate::loss_scale::LossScaler;
 use crate::master::MasterWeightStep;
+use crate::optimizer::{StepOptions, check_one_norm_clipping};
 use crate::stage_plan::StagePlan;
 use crate::{IntoOptimizer, ShardError, ShardedOptimizer, Stage};
 
@@ -30,7 +33,7 @@ pub const DEFAULT_BUCKET_NUMEL: usize = 25 * 1024 * 1024;
 /// let grads = GradientsParams::from_grads(loss.backward(), &model);
 /// model = optim.step(lr, model, grads)?;
 /// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ShardConfig {
     /// ZeRO stage.
     pub stage: Stage,
@@ -41,6 +44,13 @@ pub struct ShardConfig {
     /// (default `true`, FSDP's `reshard_after_forward`). `false` keeps gathered parameters
     /// from forward to backward: more memory, one all-gather per parameter instead of two.
     pub reshard_after_forward: bool,
+    /// Clip the averaged gradient to this global L2 norm (over every parameter of every rank)
+    /// before the optimizer step, as PyTorch's `clip_grad_norm_`; `None` (default): no
+    /// global clipping. `f32::INFINITY` measures the norm without clipping. The pre-clip norm
+    /// is [`ShardedOptimizer::last_grad_norm`].
+    pub max_grad_norm: Option<f32>,
+    /// Loss scaling, required for `f16` parameters (default `None`).
+    pub loss_scaler: Option<LossScaler>,
 }
 
 impl ShardConfig {
@@ -50,7 +60,22 @@ impl ShardConfig {
             stage,
             bucket_numel: DEFAULT_BUCKET_NUMEL,
             reshard_after_forward: true,
+            max_grad_norm: None,
+            loss_scaler: None,
         }
+    }
+
+    /// Clips the averaged gradient to global L2 norm `max_norm` at every step (see
+    /// [`ShardConfig::max_grad_norm`]).
+    pub fn with_max_grad_norm(mut self, max_norm: f32) -> Self {
+        self.max_grad_norm = Some(max_norm);
+        self
+    }
+
+    /// Scales the loss for `f16` training (see [`LossScaler`]).
+    pub fn with_loss_scaler(mut self, loss_scaler: LossScaler) -> Self {
+        self.loss_scaler = Some(loss_scaler);
+        self
     }
 
     /// Stage 3: whether gathered parameters are freed after forward (default `true`).
@@ -77,9 +102,14 @@ impl ShardConfig {
     /// only keeps the buffers in sync). To shard two models on one rank, pass each an
     /// `Arc` of the same collective (`Arc<C>` is a `Collective`).
     ///
+    /// Gradient clipping in Burn's config (`grad_clipping`) is applied as Burn's
+    /// `ModuleOptimizer` applies it, per parameter (see [`ShardedOptimizer`]).
+    ///
     /// # Errors
-    /// [`ShardError::InvalidConfig`] (zero bucket size, gradient clipping in a Burn config, a
-    /// model with no tensor), [`ShardError::UnsupportedParam`] (stage 3: a trainable parameter
+    /// [`ShardError::InvalidConfig`] (zero bucket size, a model with no tensor, `f16` parameters
+    /// without a [`LossScaler`], a `max_grad_norm` that is not positive, clipping by global norm
+    /// and by each parameter's norm together, an invalid loss scaler),
+    /// [`ShardError::UnsupportedParam`] (stage 3: a trainable parameter
     /// that carries a reparameterization of its own), [`ShardError::UnsupportedDtype`],
     /// [`ShardError::DuplicateParam`], [`ShardError::LayoutMismatch`] (ranks built different
     /// models), [`ShardError::Comm`].
@@ -90,9 +120,10 @@ impl ShardConfig {
         comm: C,
     ) -> Result<(M, ShardedOptimizer<O::Optimizer>), ShardError> {
         let comm: Arc<dyn Collective> = Arc::new(comm);
-        let result = optim
-            .into_optimizer()
-            .and_then(|optim| self.init_with(model, optim, comm.clone()));
+        let result = optim.grad_clipping().and_then(|clipping| {
+            let optim = optim.into_optimizer()?;
+            self.init_with(model, optim, clipping, comm.clone())
+        });
         if let Err(e) = &result {
             // A rank that fails alone (bad model) must not leave the others waiting.
             comm.abort(&format!("rank {} failed in ShardConfig::init: {e}", comm.rank()));
@@ -104,9 +135,11 @@ impl ShardConfig {
         &self,
         model: M,
         optim: O,
+        clipping: Option<GradientClipping>,
         comm: Arc<dyn Collective>,
     ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
         let census = Census::of(&model);
+        self.check_step_options(&census, clipping.as_ref())?;
         if self.stage == Stage::Three {
             refuse_stage3_misfits(&census)?;
         }
@@ -126,6 +159,7 @@ impl ShardConfig {
             Some(device) => device,
             None => flat::plain_device(&model)?,
         };
+        optim.check_device(&device)?;
         let fingerprint = layout.fingerprint() ^ everything.fingerprint().rotate_left(1);
         check_same_layout(comm.as_ref(), fingerprint, &device)?;
         let mut full = Vec::with_capacity(everything.buckets().len());
@@ -140,12 +174,50 @@ impl ShardConfig {
             Stage::Zero => StagePlan::Zero,
             Stage::One => StagePlan::One,
             Stage::Two => StagePlan::Two,
-            Stage::Three => return self.shard_parameters(model, optim, comm, census, buffers),
+            Stage::Three => return self.shard_parameters(model, optim, clipping, comm, census, buffers),
         };
-        Ok((
-            model,
-            ShardedOptimizer::new(optim, comm, Arc::new(layout), plan, census, buffers),
-        ))
+        let optim = ShardedOptimizer::new(
+            optim,
+            clipping,
+            comm,
+            Arc::new(layout),
+            plan,
+            census,
+            buffers,
+            self.step_options(),
+        );
+        Ok((model, optim))
+    }
+
+    fn step_options(&self) -> StepOptions {
+        StepOptions {
+            max_grad_norm: self.max_grad_norm,
+            loss_scaler: self.loss_scaler.clone(),
+        }
+    }
+
+    /// Refuses combinations the step would get wrong or silently ignore.
+    fn check_step_options(&self, census: &Census, clipping: Option<&GradientClipping>) -> Result<(), ShardError> {
+        if let Some(max) = self.max_grad_norm
+            && (max.is_nan() || max <= 0.0)
+        {
+            return Err(ShardError::InvalidConfig(format!(
+                "max_grad_norm must be positive (f32::INFINITY measures without clipping), got {max}"
+            )));
+        }
+        check_one_norm_clipping(self.max_grad_norm, clipping)?;
+        match &self.loss_scaler {
+            Some(scaler) => scaler.validate(),
+            None => match census.entries().find(|(_, e)| e.require_grad && e.dtype == DType::F16) {
+                // f16 gradients under- and overflow without scaling; bf16 has f32's range.
+                Some((_, e)) => Err(ShardError::InvalidConfig(format!(
+                    "parameter `{}` is f16, which needs loss scaling: ShardConfig::with_loss_scaler(LossScaler::dynamic()) \
+                     and optim.scale_loss(loss).backward(); or train in bf16, which needs none",
+                    e.path
+                ))),
+                None => Ok(()),
+            },
+        }
     }
 
     /// Stage 3: keeps only this rank's shard of every parameter; `val()` gathers on demand. The
@@ -154,6 +226,7 @@ impl ShardConfig {
         &self,
         model: M,
         optim: O,
+        clipping: Option<GradientClipping>,
         comm: Arc<dyn Collective>,
         census: Census,
         buffers: Buffers,
@@ -167,7 +240,9 @@ impl ShardConfig {
         let model = model.apply_reparameterization(&mut sharder);
         let local = Arc::new(FlatLayout::from_slots(sharder.slots, 1, self.bucket_numel)?);
         let plan = StagePlan::Three(ctx);
-        Ok((model, ShardedOptimizer::new(optim, comm, local, plan, census, buffers)))
+        let options = self.step_options();
+        let optim = ShardedOptimizer::new(optim, clipping, comm, local, plan, census, buffers, options);
+        Ok((model, optim))
     }
 }
 

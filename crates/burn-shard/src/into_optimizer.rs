@@ -1,6 +1,7 @@
 //! [`IntoOptimizer`]: what [`ShardConfig::init`](crate::ShardConfig::init) accepts as the
 //! optimizer, and which implementation it steps the flat shards with.
 
+use burn::optim::grad_clipping::{GradientClipping, GradientClippingConfig};
 use burn::optim::{AdaGrad, Adam, AdamConfig, AdamW, AdamWConfig, Adan, LearningRate, Lion, Optimizer, RmsProp, Sgd};
 use burn::tensor::{Device, Tensor};
 use burn_shard_kernels::{FusedAdam, FusedAdamConfig};
@@ -20,8 +21,9 @@ use crate::master::MasterWeightStep;
 ///   relies on: the update of each element depends on that element alone.
 ///
 /// Optimizers that mix the elements of a tensor (LAMB's trust ratio, Muon, Adafactor's
-/// factored moments, norm-based clipping) would see buckets of many parameters instead of one
-/// parameter, so none of them implements this trait.
+/// factored moments) would see buckets of many parameters instead of one parameter, so none of
+/// them implements this trait. Burn's gradient clipping (`grad_clipping` of a Burn config) is
+/// applied by the sharded step itself, per parameter, with norms summed over the ranks.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot step flat shards",
     note = "pass Burn's optimizer config itself (`AdamWConfig::new()`), a built element-wise optimizer (`SgdConfig::new().build()`), or wrap your own in `burn_shard::ElementWise`; `config.init()` returns a whole-module optimizer, which is not one"
@@ -33,9 +35,18 @@ pub trait IntoOptimizer {
     /// Builds it.
     ///
     /// # Errors
-    /// [`ShardError::InvalidConfig`] for options the sharded step cannot honour (gradient
-    /// clipping in a Burn config).
+    /// [`ShardError::InvalidConfig`] for options the sharded step cannot honour.
     fn into_optimizer(self) -> Result<Self::Optimizer, ShardError>;
+
+    /// The per-parameter gradient clipping this asks for (`grad_clipping` of Burn's
+    /// `AdamConfig`/`AdamWConfig`, which Burn's `config.init()` applies); `None` for built
+    /// optimizers, which carry none in Burn either.
+    ///
+    /// # Errors
+    /// [`ShardError::InvalidConfig`] when the config's clipping cannot be read.
+    fn grad_clipping(&self) -> Result<Option<GradientClipping>, ShardError> {
+        Ok(None)
+    }
 }
 
 /// Wraps an optimizer whose update is element-wise (each element's new value and state depend
@@ -72,23 +83,28 @@ impl<O: Optimizer> IntoOptimizer for ElementWise<O> {
     }
 }
 
-/// Burn's configs may ask for gradient clipping, which Burn applies per parameter in
-/// `ModuleOptimizer`; on flat shards that norm would be taken over the wrong elements.
-fn reject_clipping(fused: FusedAdam, name: &str) -> Result<FusedAdam, ShardError> {
-    if fused.clips_gradients() {
-        return Err(ShardError::InvalidConfig(format!(
-            "{name} has grad_clipping set, which the sharded step does not apply; \
-             remove it (with_grad_clipping(None)) or clip the gradients before ShardedOptimizer::step"
-        )));
+/// The `grad_clipping` field of a Burn config (private in Burn; read through its serde form,
+/// which Burn's `Config` derive provides).
+fn config_clipping(config: &impl serde::Serialize, name: &str) -> Result<Option<GradientClipping>, ShardError> {
+    let unreadable = |e: String| ShardError::InvalidConfig(format!("{name}: cannot read grad_clipping: {e}"));
+    let value = serde_json::to_value(config).map_err(|e| unreadable(e.to_string()))?;
+    match value.get("grad_clipping") {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => serde_json::from_value::<GradientClippingConfig>(v.clone())
+            .map(|c| Some(c.init()))
+            .map_err(|e| unreadable(e.to_string())),
     }
-    Ok(fused)
 }
 
 impl IntoOptimizer for AdamConfig {
     type Optimizer = FusedAdam;
 
     fn into_optimizer(self) -> Result<FusedAdam, ShardError> {
-        reject_clipping(FusedAdam::from_burn_adam(&self), "AdamConfig")
+        Ok(FusedAdam::from_burn_adam(&self))
+    }
+
+    fn grad_clipping(&self) -> Result<Option<GradientClipping>, ShardError> {
+        config_clipping(self, "AdamConfig")
     }
 }
 
@@ -96,7 +112,11 @@ impl IntoOptimizer for AdamWConfig {
     type Optimizer = FusedAdam;
 
     fn into_optimizer(self) -> Result<FusedAdam, ShardError> {
-        reject_clipping(FusedAdam::from_burn_adamw(&self), "AdamWConfig")
+        Ok(FusedAdam::from_burn_adamw(&self))
+    }
+
+    fn grad_clipping(&self) -> Result<Option<GradientClipping>, ShardError> {
+        config_clipping(self, "AdamWConfig")
     }
 }
 
@@ -126,7 +146,17 @@ as_is!(Adam, AdamW, Sgd, AdaGrad, RmsProp, Adan, Lion);
 impl IntoOptimizer for FusedAdam {
     type Optimizer = FusedAdam;
 
+    /// A built `FusedAdam` carries no clipping, as Burn's `config.build()` carries none; one
+    /// built from a Burn config that asked for clipping is refused rather than silently not
+    /// clipping.
     fn into_optimizer(self) -> Result<FusedAdam, ShardError> {
-        reject_clipping(self, "the FusedAdam's Burn config")
+        if self.clips_gradients() {
+            return Err(ShardError::InvalidConfig(
+                "this FusedAdam was built from a Burn config with grad_clipping, which a built optimizer does not \
+                 apply; pass the Burn config itself (ShardConfig::init(model, adamw_config, comm)) to have it clipped"
+                    .to_string(),
+            ));
+        }
+        Ok(self)
     }
 }

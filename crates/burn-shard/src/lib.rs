@@ -18,6 +18,10 @@
 //! of length `L`. Burn's own optimizer steps each parameter's piece of this rank's range with
 //! that parameter's state, so its update math is reused.
 //! Stage 3: see [`fsdp`].
+//! Optimizer state, `f32` masters and the update in host memory instead of on the device:
+//! [`Offload`] (ZeRO-Offload).
+//! Which stage fits: [`estimate`] (the ZeRO paper's per-rank formulas, and the same figures
+//! measured on a built model).
 //!
 //! What each kind of float entry gets, at every stage:
 //! - a parameter has its own optimizer state (Adam's step count and moments, the `f32` master
@@ -34,12 +38,17 @@ mod census;
 pub mod checkpoint;
 mod config;
 mod error;
+pub mod estimate;
 mod flat;
 pub mod fsdp;
+mod grad_norm;
+mod groups;
 mod into_optimizer;
 mod layout;
+mod loss_scale;
 mod master;
 mod memory;
+mod offload;
 mod optimizer;
 mod stage;
 mod stage_plan;
@@ -48,8 +57,10 @@ pub use config::ShardConfig;
 pub use error::ShardError;
 pub use into_optimizer::{ElementWise, IntoOptimizer};
 pub use layout::{Bucket, FlatLayout, ParamSlot};
+pub use loss_scale::LossScaler;
 pub use master::MasterWeightStep;
 pub use memory::MemoryReport;
+pub use offload::{Offload, Offloaded};
 pub use optimizer::ShardedOptimizer;
 pub use stage::Stage;
 

@@ -6,9 +6,15 @@
 //! with the optimizer state (Rajbhandari et al., 2020, §3: `K = 12` bytes per parameter for
 //! mixed-precision Adam: master, momentum, variance).
 
-use burn::optim::{AdaGrad, Adam, AdamState, AdamW, Adan, LearningRate, Lion, Optimizer, RmsProp, Sgd};
-use burn::tensor::{DType, Tensor};
+use burn::optim::{
+    AdaGrad, Adam, AdamState, AdamW, AdamWState, Adan, AdaptiveMomentumState, LearningRate, Lion, Optimizer,
+    RecordState, RmsProp, Sgd, StateSink,
+};
+use burn::tensor::{DType, Device, Tensor};
 use burn_shard_kernels::FusedAdam;
+
+use crate::ShardError;
+use crate::flat::tensor_bytes;
 
 /// Whether parameters of `dtype` are trained through an `f32` master copy (`bf16`, `f16`);
 /// `f32` and `f64` parameters are stepped directly.
@@ -41,6 +47,74 @@ pub trait MasterWeightStep: Optimizer {
         let param = master.clone().cast(dtype);
         (master, param, state)
     }
+
+    /// Refuses parameters on `device` that this optimizer cannot step as asked; called by
+    /// [`ShardConfig::init`](crate::ShardConfig::init) with the (non-autodiff) device of the
+    /// model's parameters. Every optimizer accepts every device, except
+    /// [`Offloaded`](crate::Offloaded), which refuses parameters that already live in host
+    /// memory.
+    ///
+    /// # Errors
+    /// [`ShardError::InvalidConfig`], naming the fix.
+    fn check_device(&self, device: &Device) -> Result<(), ShardError> {
+        let _ = device;
+        Ok(())
+    }
+
+    /// The device this optimizer keeps the state and the `f32` masters of parameters on
+    /// `param_device` on: `param_device` itself, except for [`Offloaded`](crate::Offloaded)
+    /// (the host). Loading a checkpoint places them there.
+    fn state_device(param_device: &Device) -> Device {
+        param_device.clone()
+    }
+
+    /// Bytes of `state`'s tensors as `(on device, elsewhere)`, `device` being the parameters'
+    /// device: what [`MemoryReport`](crate::MemoryReport) counts as device-resident optimizer
+    /// state and as host bytes.
+    ///
+    /// The provided method reads the sizes through Burn's `RecordState` (a copy of the state),
+    /// which does not say where a tensor lives, and counts everything on `device`; the Adam
+    /// family (Burn's `Adam`, `AdamW`, [`FusedAdam`], [`Offloaded`](crate::Offloaded)) looks
+    /// at each moment tensor's device.
+    fn state_bytes(state: &Self::State<1>, device: &Device) -> (usize, usize) {
+        let _ = device;
+        let mut sink = StateSink::default();
+        state.state_flatten("", &mut sink);
+        let bytes = sink
+            .tensors
+            .iter()
+            .map(|(_, d)| d.num_elements() * d.dtype().size())
+            .sum();
+        (bytes, 0)
+    }
+}
+
+/// Bytes of Adam's moments as `(on device, elsewhere)`.
+pub(crate) fn momentum_bytes(momentum: &AdaptiveMomentumState<1>, device: &Device) -> (usize, usize) {
+    let moments = [
+        Some(&momentum.moment_1),
+        Some(&momentum.moment_2),
+        momentum.max_moment_2.as_ref(),
+    ];
+    moments
+        .into_iter()
+        .flatten()
+        .fold((0, 0), |(on, off), t| match t.device() == *device {
+            true => (on + tensor_bytes(t), off),
+            false => (on, off + tensor_bytes(t)),
+        })
+}
+
+impl MasterWeightStep for Adam {
+    fn state_bytes(state: &AdamState<1>, device: &Device) -> (usize, usize) {
+        momentum_bytes(&state.momentum, device)
+    }
+}
+
+impl MasterWeightStep for AdamW {
+    fn state_bytes(state: &AdamWState<1>, device: &Device) -> (usize, usize) {
+        momentum_bytes(&state.momentum, device)
+    }
 }
 
 impl MasterWeightStep for FusedAdam {
@@ -54,10 +128,14 @@ impl MasterWeightStep for FusedAdam {
     ) -> (Tensor<1>, Tensor<1>, Option<AdamState<1>>) {
         FusedAdam::step_with_master(self, lr, master, param, grad, state)
     }
+
+    fn state_bytes(state: &AdamState<1>, device: &Device) -> (usize, usize) {
+        momentum_bytes(&state.momentum, device)
+    }
 }
 
 macro_rules! provided {
     ($($t:ty),*) => {$(impl MasterWeightStep for $t {})*};
 }
 
-provided!(Adam, AdamW, Sgd, AdaGrad, RmsProp, Adan, Lion);
+provided!(Sgd, AdaGrad, RmsProp, Adan, Lion);

@@ -28,8 +28,15 @@ pub struct MemoryReport {
     /// Bytes of the reduced gradient buffers held while the last step ran the optimizer
     /// (whole buckets for stages 0-1, this rank's shards for stage 2).
     pub gradients_bytes: usize,
-    /// Bytes of the optimizer state tensors this rank holds (e.g. Adam's two moments).
+    /// Bytes of the optimizer state this rank holds on the parameters' device (e.g. Adam's two
+    /// moments, and the `f32` master weights of `bf16`/`f16` parameters); 0 with
+    /// [`Offload`](crate::Offload), which keeps them in host memory ([`MemoryReport::host_bytes`]).
     pub optimizer_state_bytes: usize,
+    /// Bytes of optimizer state (moments and `f32` master weights) this rank holds in host
+    /// memory, off the parameters' device: all of it with [`Offload`](crate::Offload) (ZeRO-Offload),
+    /// 0 otherwise. Measured by the device each state and master tensor is on, so a model on
+    /// the host itself (Burn's `Flex` CPU device) counts its state as device-resident.
+    pub host_bytes: usize,
     /// Peak bytes of transient buffers alive at once during the last step (the flat,
     /// not-yet-reduced gradient bucket, the parameter shard and the all-gathered bucket).
     /// Stage 3: the peak over the forward, backward and step that preceded the report of the
@@ -39,9 +46,18 @@ pub struct MemoryReport {
 }
 
 impl MemoryReport {
-    /// Parameters + gradients + optimizer state: the persistent model state.
+    /// Parameters + gradients + optimizer state on the device: the persistent model state
+    /// resident on the parameters' device (what ZeRO partitions and what must fit in device
+    /// memory). Optimizer state offloaded to host memory is not in it: see
+    /// [`MemoryReport::host_bytes`] and [`MemoryReport::total_bytes`].
     pub fn model_state_bytes(&self) -> usize {
         self.parameters_bytes + self.gradients_bytes + self.optimizer_state_bytes
+    }
+
+    /// Persistent model state on the device and in host memory together:
+    /// [`MemoryReport::model_state_bytes`] + [`MemoryReport::host_bytes`].
+    pub fn total_bytes(&self) -> usize {
+        self.model_state_bytes() + self.host_bytes
     }
 }
 
@@ -58,7 +74,11 @@ impl fmt::Display for MemoryReport {
             self.gradients_bytes as f64 / MIB,
             self.optimizer_state_bytes as f64 / MIB,
             self.temporary_peak_bytes as f64 / MIB,
-        )
+        )?;
+        if self.host_bytes > 0 {
+            write!(f, ", host (offloaded optim) {:.2} MiB", self.host_bytes as f64 / MIB)?;
+        }
+        Ok(())
     }
 }
 

@@ -3,8 +3,10 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use burn::module::Module;
-use burn::optim::{GradientsParams, LearningRate, RecordState, StateSink};
+use burn::module::{Module, ParamGroup};
+use burn::optim::GradientsParams;
+use burn::optim::grad_clipping::GradientClipping;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, ReduceOp};
 
@@ -13,11 +15,14 @@ use crate::census::Census;
 use crate::flat::{self, tensor_bytes};
 use crate::fsdp::context::FsdpContext;
 use crate::fsdp::exchange;
+use crate::grad_norm::{self, GradNorms};
+use crate::groups::Groups;
 use crate::layout::{Bucket, FlatLayout};
+use crate::loss_scale::LossScaler;
 use crate::master::MasterWeightStep;
 use crate::memory::{MemoryReport, PeakTracker, module_param_bytes};
 use crate::stage_plan::StagePlan;
-use crate::{ShardError, Stage};
+use crate::{IntoOptimizer, ShardError, Stage};
 
 /// A Burn optimizer whose state (stages 1-3), gradients (stages 2-3) and parameters (stage 3)
 /// are partitioned over the ranks of a [`Collective`]. Built by
@@ -31,14 +36,29 @@ use crate::{ShardError, Stage};
 /// [`IntoOptimizer`](crate::IntoOptimizer)).
 ///
 /// A parameter that received a gradient on no rank keeps its value and its state (step count,
-/// moments, master), as with Burn's `ModuleOptimizer`. Gradient clipping configured on a Burn
-/// optimizer config is refused: Burn's per-parameter norms would be wrong on shards.
+/// moments, master), as with Burn's `ModuleOptimizer`.
 /// Adam, AdamW and SGD (with or without momentum) are element-wise, so the flat step equals
 /// Burn's per-parameter step element for element. Optimizers that mix elements of a tensor
-/// (per-tensor norms: LAMB, Muon, Adafactor, or Burn's per-parameter norm clipping) would see
-/// buckets instead of parameters and must not be used here.
+/// (per-tensor norms: LAMB, Muon, Adafactor) would see buckets instead of parameters and must
+/// not be used here.
+///
+/// What a step does with the averaged gradient before the optimizer sees it, in this order
+/// (each on the owned range only, with norms summed over the ranks, so it equals single-device
+/// training):
+/// 1. divide by the loss scale ([`LossScaler`], `f16`); a non-finite global norm skips the step
+///    on every rank;
+/// 2. clip by global norm ([`ShardConfig::with_max_grad_norm`](crate::ShardConfig::with_max_grad_norm),
+///    PyTorch's `clip_grad_norm_`);
+/// 3. Burn's per-parameter clipping of the parameter's group (`grad_clipping` of a Burn config,
+///    or of [`ShardedOptimizer::with_group`]): `Norm(t)` with the norm of the whole parameter,
+///    `Value(t)` element-wise, both exactly as Burn's `ModuleOptimizer` clips.
+///
+/// Parameter groups ([`ShardedOptimizer::with_group`], Burn's `ParamGroup`) choose each
+/// parameter's hyper-parameters (no weight decay on biases and norms), and a
+/// `ModuleLearningRate` passed to `step` its learning rate, as in Burn.
 pub struct ShardedOptimizer<O: MasterWeightStep> {
-    pub(crate) optim: O,
+    /// The optimizer (and per-parameter clipping) of each parameter.
+    groups: Groups<O>,
     pub(crate) comm: Arc<dyn Collective>,
     pub(crate) layout: Arc<FlatLayout>,
     pub(crate) plan: StagePlan,
@@ -52,33 +72,84 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     pub(crate) masters: Vec<Option<Tensor<1>>>,
     /// Running-state buffers, averaged over the ranks at every step.
     buffers: Buffers,
+    /// Clip by global norm to this (`ShardConfig::with_max_grad_norm`).
+    max_grad_norm: Option<f32>,
+    /// `f16` loss scaling (`ShardConfig::with_loss_scaler`).
+    pub(crate) loss_scaler: Option<LossScaler>,
+    /// Global norm of the averaged, unscaled gradient before clipping, from the last step that
+    /// measured it.
+    last_grad_norm: Option<f64>,
+    /// Gradients of the micro-batches given to `accumulate` since the last step, summed, per
+    /// layout slot (flat, in the gradient's dtype).
+    accumulated: flat::SlotValues,
     gradients_bytes: usize,
     temporary_peak_bytes: usize,
 }
 
+/// What `ShardConfig` asks of the step beyond the stage: global-norm clipping and loss scaling.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct StepOptions {
+    pub(crate) max_grad_norm: Option<f32>,
+    pub(crate) loss_scaler: Option<LossScaler>,
+}
+
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         optim: O,
+        clipping: Option<GradientClipping>,
         comm: Arc<dyn Collective>,
         layout: Arc<FlatLayout>,
         plan: StagePlan,
         census: Census,
         buffers: Buffers,
+        options: StepOptions,
     ) -> Self {
-        let states = vec![None; layout.slots().len()];
-        let masters = vec![None; layout.slots().len()];
+        let slots = layout.slots().len();
         Self {
-            optim,
+            groups: Groups::new(optim, clipping, &layout),
             comm,
             layout,
             plan,
             census,
-            states,
-            masters,
+            states: vec![None; slots],
+            masters: vec![None; slots],
             buffers,
+            max_grad_norm: options.max_grad_norm,
+            loss_scaler: options.loss_scaler,
+            last_grad_norm: None,
+            accumulated: vec![None; slots],
             gradients_bytes: 0,
             temporary_peak_bytes: 0,
         }
+    }
+
+    /// Steps the parameters `group` matches with `optim` and `grad_clipping` instead, as Burn's
+    /// `ModuleOptimizer::with_group`: a parameter takes the last group that matches it (by
+    /// `ParamId` or module path, e.g. `ParamGroup::from_regex(r"(bias|gamma|beta)$")` for the
+    /// recipe "no weight decay on biases and norm weights"), and the optimizer state of the
+    /// parameters it matches starts afresh. `grad_clipping` `None` takes the clipping of `optim`'s
+    /// Burn config, if any. Every rank must add the same groups.
+    ///
+    /// # Errors
+    /// [`ShardError::InvalidConfig`] when the group clips by norm and the configuration clips
+    /// by global norm too, or when `optim` cannot step flat shards.
+    pub fn with_group<C: IntoOptimizer<Optimizer = O>>(
+        mut self,
+        group: ParamGroup,
+        optim: C,
+        grad_clipping: Option<GradientClipping>,
+    ) -> Result<Self, ShardError> {
+        let clipping = match grad_clipping {
+            Some(clipping) => Some(clipping),
+            None => optim.grad_clipping()?,
+        };
+        check_one_norm_clipping(self.max_grad_norm, clipping.as_ref())?;
+        let optim = optim.into_optimizer()?;
+        for slot in self.groups.add(group, optim, clipping, &self.layout) {
+            self.states[slot] = None;
+        }
+        Ok(self)
     }
 
     /// Averages `grads` over the ranks, updates this rank's shard with Burn's optimizer and
@@ -95,12 +166,23 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// a later step (a conditional branch, an expert, a parameter unfrozen mid-run) takes the
     /// first Adam step of its own when it is.
     ///
+    /// `lr` is one learning rate (`f64`, e.g. from a Burn `LrScheduler`) or Burn's
+    /// `ModuleLearningRate` (per-group rates from a `ModuleLrScheduler`); every rank must pass
+    /// the same. Gradients given to [`ShardedOptimizer::accumulate`] since the last step are
+    /// added to `grads`. With a [`LossScaler`], a step whose gradient overflowed on any rank
+    /// returns `model` unchanged on every rank (see [`ShardedOptimizer::loss_scaler`]).
+    ///
     /// # Errors
     /// [`ShardError::Comm`] when a collective fails (the group is then aborted: stop training);
     /// [`ShardError::UnknownParam`] / [`ShardError::ShapeChanged`] when `model` is not the
     /// module returned by `init`.
-    pub fn step<M: Module>(&mut self, lr: LearningRate, model: M, grads: GradientsParams) -> Result<M, ShardError> {
-        let result = self.step_with(lr, model, grads);
+    pub fn step<M: Module>(
+        &mut self,
+        lr: impl Into<ModuleLearningRate>,
+        model: M,
+        grads: GradientsParams,
+    ) -> Result<M, ShardError> {
+        let result = self.step_with(&lr.into(), model, grads);
         if let Err(e) = &result {
             // A rank that fails alone (a wrong model, say) must not leave the others waiting.
             self.comm.abort(&format!(
@@ -121,9 +203,44 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
     }
 
+    /// Adds `grads` (one micro-batch's gradients, `GradientsParams::from_grads(loss.backward(),
+    /// &model)`) to those the next [`ShardedOptimizer::step`] applies, without communicating at
+    /// stages 0-2 (PyTorch DDP's `no_sync`, FSDP2's `set_requires_gradient_sync(False)`): `k`
+    /// micro-batches then one step send the bytes of one step. The sum is kept per parameter,
+    /// unreduced and whole (stages 0-2: one full gradient per rank, as DDP's `no_sync`).
+    /// Stage 3 reduce-scatters each micro-batch's gradients inside its backward, as it must to
+    /// free the gathered parameters, so every micro-batch sends its reduce-scatter (and its
+    /// all-gathers) and only the sharded sums are kept; the step then adds nothing on the wire.
+    ///
+    /// The step adds the sums, so to train on the mean over `k` equal micro-batches divide each
+    /// micro-batch's loss by `k` (as with PyTorch and Burn's `GradientsAccumulator`).
+    ///
+    /// # Errors
+    /// As [`ShardedOptimizer::step`].
+    pub fn accumulate<M: Module>(&mut self, model: &M, mut grads: GradientsParams) -> Result<(), ShardError> {
+        let result = self
+            .check_collectives()
+            .and_then(|()| flat::take_grads(model, &self.layout, &mut grads))
+            .map(|(parts, _)| {
+                for (sum, grad) in self.accumulated.iter_mut().zip(parts) {
+                    *sum = match (sum.take(), grad) {
+                        (Some(sum), Some(grad)) => Some(sum + grad),
+                        (sum, grad) => sum.or(grad),
+                    };
+                }
+            });
+        if let Err(e) = &result {
+            self.comm.abort(&format!(
+                "rank {} failed in ShardedOptimizer::accumulate: {e}",
+                self.comm.rank()
+            ));
+        }
+        result
+    }
+
     fn step_with<M: Module>(
         &mut self,
-        lr: LearningRate,
+        lr: &ModuleLearningRate,
         model: M,
         mut grads: GradientsParams,
     ) -> Result<M, ShardError> {
@@ -135,6 +252,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
         let (mut grad_parts, device) = flat::take_grads(&model, &layout, &mut grads)?;
         drop(grads);
+        for (grad, sum) in grad_parts.iter_mut().zip(&mut self.accumulated) {
+            if let Some(sum) = sum.take() {
+                *grad = Some(match grad.take() {
+                    Some(grad) => grad + sum,
+                    None => sum,
+                });
+            }
+        }
         let Some(device) = device else {
             // No trainable parameter (a frozen teacher): only the buffers move.
             return self.buffers.sync(self.comm.as_ref(), model);
@@ -154,13 +279,53 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
         self.gradients_bytes = reduced.iter().map(tensor_bytes).sum();
 
-        // 2. Burn's optimizer on each parameter's piece of the owned range, then all-gather.
+        // 2. The owned range of each bucket's gradient, unscaled; its norms where clipping or
+        //    loss scaling needs them (one small all-reduce at stages 1-3).
+        let grads: Vec<Tensor<1>> = layout
+            .buckets()
+            .iter()
+            .zip(reduced)
+            .map(|(bucket, grad)| {
+                let range = self.plan.owned_range(bucket, self.comm.rank());
+                self.unscale(self.plan.gradient_of_range(grad, range))
+            })
+            .collect();
+        let norms = match self.needs_norms() {
+            true => Some(grad_norm::measure(
+                &layout,
+                &self.plan,
+                self.comm.as_ref(),
+                &grads,
+                &device,
+            )?),
+            false => None,
+        };
+        self.last_grad_norm = norms.as_ref().map(|n| n.total);
+        if let (Some(scaler), Some(norms)) = (&mut self.loss_scaler, &norms)
+            && !scaler.update(norms.total)
+        {
+            // An overflow on some rank: every rank saw the same non-finite norm and skips.
+            tracing::warn!(
+                rank = self.comm.rank(),
+                scale = scaler.scale(),
+                "gradient overflow: step skipped, loss scale backed off"
+            );
+            return self.buffers.sync(self.comm.as_ref(), model);
+        }
+        let clip = Clip {
+            global: match (self.max_grad_norm, &norms) {
+                (Some(max), Some(norms)) => grad_norm::global_clip_coef(max, norms.total),
+                _ => 1.0,
+            },
+            norms: norms.as_ref(),
+        };
+
+        // 3. Burn's optimizer on each parameter's piece of the owned range, then all-gather.
         let values = self.plan.read_values(&model, &layout)?;
         let mut full = Vec::with_capacity(layout.buckets().len());
-        for (bucket, grad) in layout.buckets().iter().zip(reduced) {
+        for (bucket, grad) in layout.buckets().iter().zip(grads) {
             let range = self.plan.owned_range(bucket, self.comm.rank());
-            let grad = self.plan.gradient_of_range(grad, range.clone());
-            let param = self.update_range(lr, &layout, bucket, range, &values, grad, &has_grad, &device);
+            let param = self.update_range(lr, &clip, bucket, range, &values, grad, &has_grad, &device);
             let param_bytes = tensor_bytes(&param);
             temp.alloc(param_bytes);
             let updated = self.plan.publish(self.comm.as_ref(), param)?;
@@ -192,8 +357,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     #[allow(clippy::too_many_arguments)]
     fn update_range(
         &mut self,
-        lr: LearningRate,
-        layout: &FlatLayout,
+        lr: &ModuleLearningRate,
+        clip: &Clip,
         bucket: &Bucket,
         range: Range<usize>,
         values: &flat::SlotValues,
@@ -201,6 +366,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         has_grad: &[bool],
         device: &Device,
     ) -> Tensor<1> {
+        let layout = self.layout.clone();
         let mut pieces = Vec::new();
         for index in bucket.slots.clone() {
             let slot = &layout.slots()[index];
@@ -214,22 +380,51 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 continue;
             }
             let grad = grad.clone().narrow(0, slot.offset + part.start - range.start, len);
+            let grad = self.clip(index, grad, clip);
+            let lr = lr.lr_from_param(slot.id, Some(&slot.path));
+            let optim = self.groups.optim(index);
             let state = self.states[index].take();
             let (param, state) = if crate::master::needs_master(bucket.dtype) {
                 // bf16/f16: the optimizer updates the f32 master; the model gets it rounded.
                 let master = self.masters[index]
                     .take()
                     .unwrap_or_else(|| param.clone().cast(DType::F32));
-                let (master, param, state) = self.optim.step_with_master(lr, master, param, grad, state);
+                let (master, param, state) = optim.step_with_master(lr, master, param, grad, state);
                 self.masters[index] = Some(master);
                 (param, state)
             } else {
-                self.optim.step(lr, param, grad, state)
+                optim.step(lr, param, grad, state)
             };
             self.states[index] = state;
             pieces.push(param);
         }
         flat::join_range(pieces, bucket, range, device)
+    }
+
+    /// Whether this step measures gradient norms: to clip by them, or to detect an overflow.
+    fn needs_norms(&self) -> bool {
+        self.max_grad_norm.is_some() || self.loss_scaler.is_some() || self.groups.clips_by_norm()
+    }
+
+    /// The averaged gradient divided by the loss scale, in `f32` (so `f16` gradients lose
+    /// nothing to the division); the gradient itself without a loss scaler.
+    fn unscale(&self, grad: Tensor<1>) -> Tensor<1> {
+        match &self.loss_scaler {
+            Some(scaler) => grad.cast(DType::F32).mul_scalar(1.0 / scaler.scale()),
+            None => grad,
+        }
+    }
+
+    /// Layout slot `slot`'s piece `grad` clipped: by global norm, then by its group's clipping.
+    fn clip(&self, slot: usize, grad: Tensor<1>, clip: &Clip) -> Tensor<1> {
+        let grad = grad_norm::scale(grad, clip.global);
+        match self.groups.clipping(slot) {
+            Some(clipping) => {
+                let norm = clip.norms.map_or(0.0, |n| n.per_slot[slot]);
+                grad_norm::clip_piece(clipping, grad, norm)
+            }
+            None => grad,
+        }
     }
 
     /// Which slots received a gradient on some rank this step. Like Burn's `ModuleOptimizer`,
@@ -252,20 +447,28 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
     /// This rank's memory, measured from the tensors held now (`model`'s parameters and the
     /// optimizer state) and during the last step (gradients, transient buffers).
+    ///
+    /// Optimizer state (moments, `f32` masters) counts as `optimizer_state_bytes` when its
+    /// tensors are on the parameters' device and as `host_bytes` when they are elsewhere (in
+    /// host memory, with [`Offload`](crate::Offload)), tensor by tensor.
     pub fn memory_report<M: Module>(&self, model: &M) -> MemoryReport {
-        let mut sink = StateSink::default();
-        for (i, state) in self.states.iter().enumerate() {
-            if let Some(state) = state {
-                state.state_flatten(&format!("slot{i}"), &mut sink);
+        let device = flat::plain_device(model).ok();
+        let (mut optimizer_state_bytes, mut host_bytes) = (0, 0);
+        for state in self.states.iter().flatten() {
+            // A model without tensors has no device to tell apart (nor any state).
+            let (on_device, elsewhere) = match &device {
+                Some(device) => O::state_bytes(state, device),
+                None => (0, 0),
+            };
+            optimizer_state_bytes += on_device;
+            host_bytes += elsewhere;
+        }
+        for master in self.masters.iter().flatten() {
+            match device.as_ref().is_none_or(|d| master.device() == *d) {
+                true => optimizer_state_bytes += tensor_bytes(master),
+                false => host_bytes += tensor_bytes(master),
             }
         }
-        let master_bytes: usize = self.masters.iter().flatten().map(tensor_bytes).sum();
-        let optimizer_state_bytes = master_bytes
-            + sink
-                .tensors
-                .iter()
-                .map(|(_, d)| d.num_elements() * d.dtype().size())
-                .sum::<usize>();
         MemoryReport {
             rank: self.comm.rank(),
             world_size: self.comm.world_size(),
@@ -280,6 +483,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             },
             gradients_bytes: self.gradients_bytes,
             optimizer_state_bytes,
+            host_bytes,
             temporary_peak_bytes: self.temporary_peak_bytes,
         }
     }
@@ -295,9 +499,36 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     }
 
     /// The optimizer each flat shard is stepped with (e.g. to ask a
-    /// [`FusedAdam`](burn_shard_kernels::FusedAdam) which path it takes).
+    /// [`FusedAdam`](burn_shard_kernels::FusedAdam) which path it takes): the one `init` was
+    /// given (groups added with [`ShardedOptimizer::with_group`] have their own).
     pub fn optimizer(&self) -> &O {
-        &self.optim
+        self.groups.base()
+    }
+
+    /// The global L2 norm of the gradient the last step applied: averaged over the ranks,
+    /// divided by the loss scale, before any clipping (every trainable element of every rank
+    /// counted once; the value PyTorch's `clip_grad_norm_` returns). Measured only when the step
+    /// needs it: with [`ShardConfig::with_max_grad_norm`](crate::ShardConfig::with_max_grad_norm)
+    /// (`f32::INFINITY` measures without clipping), a [`LossScaler`], or clipping by norm in a
+    /// group; `None` otherwise and before the first step. Non-finite after an overflow.
+    pub fn last_grad_norm(&self) -> Option<f64> {
+        self.last_grad_norm
+    }
+
+    /// The loss scaler (current scale, steps skipped), when one was configured.
+    pub fn loss_scaler(&self) -> Option<&LossScaler> {
+        self.loss_scaler.as_ref()
+    }
+
+    /// `loss` in `f32` multiplied by the loss scale (unchanged without a [`LossScaler`]): call
+    /// `backward` on this. The product is taken in `f32` so that an `f16` loss times the scale
+    /// (`2^16` by default) does not overflow; backward casts the scaled gradient back to the
+    /// loss's dtype.
+    pub fn scale_loss<const D: usize>(&self, loss: Tensor<D>) -> Tensor<D> {
+        match &self.loss_scaler {
+            Some(scaler) => loss.cast(DType::F32).mul_scalar(scaler.scale()),
+            None => loss,
+        }
     }
 
     /// Elements of the parameters this rank steps (and keeps optimizer state for): every
@@ -342,4 +573,25 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     pub fn slot_states(&self) -> &[Option<O::State<1>>] {
         &self.states
     }
+}
+
+/// How this step clips: the global-norm factor and the norms per-parameter clipping reads.
+struct Clip<'a> {
+    global: f32,
+    norms: Option<&'a GradNorms>,
+}
+
+/// One norm-based clipping at a time: by global norm (`ShardConfig::with_max_grad_norm`) or by
+/// each parameter's norm (Burn's `GradientClipping::Norm`), not both.
+pub(crate) fn check_one_norm_clipping(
+    max_grad_norm: Option<f32>,
+    clipping: Option<&GradientClipping>,
+) -> Result<(), ShardError> {
+    if let (Some(max), Some(GradientClipping::Norm(t))) = (max_grad_norm, clipping) {
+        return Err(ShardError::InvalidConfig(format!(
+            "gradients would be clipped twice by norm: by global norm (with_max_grad_norm({max})) and by each \
+             parameter's norm (GradientClippingConfig::Norm({t}) in the optimizer config); keep one"
+        )));
+    }
+    Ok(())
 }

@@ -69,6 +69,13 @@ impl StagePlan {
         }
     }
 
+    /// Whether the ranks' owned ranges partition the gradient (stages 1-3: a sum over all
+    /// elements, such as a norm, needs the ranks' partial sums added up) or every rank owns it
+    /// all (stage 0: its sums are already global).
+    pub(crate) fn owned_ranges_partition(&self) -> bool {
+        !matches!(self, StagePlan::Zero)
+    }
+
     /// The reduced gradient of `range` (what `reduce` kept, cut to the owned range).
     pub(crate) fn gradient_of_range(&self, reduced: Tensor<1>, range: Range<usize>) -> Tensor<1> {
         match self {

@@ -73,9 +73,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 true => Ok((read, Some(read_scheduler(dir)?))),
                 false => Ok((read, None)),
             });
-        let ((values, shards, states, masters, payload), record) = self.agree(loaded, "load_checkpoint")?;
+        let ((values, shards, states, masters, payload, scaler), record) = self.agree(loaded, "load_checkpoint")?;
         self.states = states;
         self.masters = masters;
+        // The scale continues where it was; a run without a scaler ignores a saved one.
+        if let (Some(mine), Some(saved)) = (&mut self.loss_scaler, scaler) {
+            *mine = saved;
+        }
         let model = flat::replace_values(model, values);
         let model = match self.stage() {
             Stage::Three => exchange::replace_shards(model, shards),
@@ -97,6 +101,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             Vec<Option<O::State<1>>>,
             Vec<Option<Tensor<1>>>,
             serde_json::Value,
+            Option<crate::LossScaler>,
         ),
         ShardError,
     > {
@@ -158,13 +163,21 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 Stage::Three => self.layout.slots()[index].numel,
                 _ => range.len(),
             };
-            states[index] = read_state::<O>(&mut files, saved, range.clone(), stepped, &device)?;
+            states[index] = read_state::<O>(&mut files, saved, range.clone(), stepped, &O::state_device(&device))?;
             let master = format!("master/{}", entry.path);
             if has_tensor(&mut files, saved, &range, &master)? {
-                masters[index] = Some(padded(files.read_range(saved, &master, range)?, stepped, &device));
+                let data = files.read_range(saved, &master, range)?;
+                masters[index] = Some(padded(data, stepped, &O::state_device(&device)));
             }
         }
-        Ok((values, shards, states, masters, meta.payload.clone()))
+        Ok((
+            values,
+            shards,
+            states,
+            masters,
+            meta.payload.clone(),
+            meta.loss_scaler.clone(),
+        ))
     }
 }
 

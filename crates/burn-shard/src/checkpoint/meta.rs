@@ -25,6 +25,10 @@ pub struct CheckpointMeta {
     pub files: Vec<FileMeta>,
     /// The caller's payload (step, data position, seed, scheduler state, ...).
     pub payload: serde_json::Value,
+    /// The loss scaler's state (scale, finite steps since growth, skipped steps) when the run
+    /// used one; absent otherwise (and in checkpoints written before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scaler: Option<crate::LossScaler>,
 }
 
 /// One float entry of the model.

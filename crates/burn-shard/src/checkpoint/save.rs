@@ -184,6 +184,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let stage = self.stage();
         Ok(CheckpointMeta {
             format_version: FORMAT_VERSION,
+            loss_scaler: self.loss_scaler.clone(),
             world_size,
             stage: stage.number(),
             entries: self

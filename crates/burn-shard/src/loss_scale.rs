@@ -1,0 +1,155 @@
+//! [`LossScaler`]: loss scaling for `f16` training, decided identically on every rank.
+//!
+//! `f16` has 5 exponent bits: gradients below about `6e-8` flush to zero and above `65504`
+//! overflow to infinity. Scaling the loss by `S` before backward shifts the gradients into
+//! range; the step divides them by `S` again before anything else reads them (Micikevicius et
+//! al., "Mixed Precision Training", ICLR 2018, §3.2). Dynamic scaling grows `S` after a run of
+//! finite steps and, when a gradient overflows, skips the step and backs `S` off (the defaults
+//! are PyTorch's `torch.amp.GradScaler`: `2^16`, ×2 every 2000 finite steps, ×0.5 on overflow).
+//!
+//! Sharded, an overflow may land on one rank only (its micro-batch, or at stage 2 its shard of
+//! the reduced gradient). The step therefore decides on the global gradient norm, which is
+//! summed over all ranks: one infinity anywhere makes it non-finite on every rank, so every
+//! rank skips the same step and backs off to the same scale.
+//!
+//! `bf16` has `f32`'s exponent range and needs no scaling.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ShardError;
+
+/// Loss scale for `f16` training: multiply the loss by [`LossScaler::scale`] (or call
+/// `ShardedOptimizer::scale_loss`) before `backward`; the sharded step unscales, checks for
+/// overflow on all ranks together and updates the scale.
+///
+/// ```ignore
+/// let config = ShardConfig::new(Stage::Two).with_loss_scaler(LossScaler::dynamic());
+/// let (model, mut optim) = config.init(model, AdamWConfig::new(), comm)?;
+/// let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
+/// model = optim.step(lr, model, grads)?; // skipped (model unchanged) if a gradient overflowed
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScaler {
+    /// The current scale `S` (the loss is multiplied by it).
+    scale: f32,
+    /// Factor applied after `growth_interval` consecutive finite steps (1 for a fixed scale).
+    growth_factor: f32,
+    /// Factor applied on overflow (1 for a fixed scale, which still skips the step).
+    backoff_factor: f32,
+    /// Consecutive finite steps before the scale grows.
+    growth_interval: usize,
+    /// Finite steps since the last growth or overflow.
+    finite_steps: usize,
+    /// Steps skipped for overflow so far.
+    skipped_steps: usize,
+}
+
+impl LossScaler {
+    /// Dynamic scaling with PyTorch `GradScaler`'s defaults: initial scale `2^16`, doubled after
+    /// 2000 consecutive finite steps, halved on overflow.
+    pub fn dynamic() -> Self {
+        Self {
+            scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            finite_steps: 0,
+            skipped_steps: 0,
+        }
+    }
+
+    /// A fixed scale (`1.0`: no scaling). A step whose gradient overflows is still skipped.
+    pub fn fixed(scale: f32) -> Self {
+        Self {
+            scale,
+            growth_factor: 1.0,
+            backoff_factor: 1.0,
+            ..Self::dynamic()
+        }
+    }
+
+    /// Sets the current (initial) scale.
+    pub fn with_scale(mut self, scale: f32) -> Self {
+        self.scale = scale;
+        self
+    }
+
+    /// Sets the growth factor (> 1 for dynamic scaling).
+    pub fn with_growth_factor(mut self, growth_factor: f32) -> Self {
+        self.growth_factor = growth_factor;
+        self
+    }
+
+    /// Sets the back-off factor on overflow (in `(0, 1)` for dynamic scaling).
+    pub fn with_backoff_factor(mut self, backoff_factor: f32) -> Self {
+        self.backoff_factor = backoff_factor;
+        self
+    }
+
+    /// Sets how many consecutive finite steps grow the scale (at least 1).
+    pub fn with_growth_interval(mut self, growth_interval: usize) -> Self {
+        self.growth_interval = growth_interval;
+        self
+    }
+
+    /// The current scale `S`.
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// Steps skipped because a gradient overflowed (on any rank).
+    pub fn skipped_steps(&self) -> usize {
+        self.skipped_steps
+    }
+
+    /// # Errors
+    /// [`ShardError::InvalidConfig`] for a scale that is not finite and positive, a growth
+    /// factor below 1, a back-off factor outside `(0, 1]` or a zero growth interval.
+    pub(crate) fn validate(&self) -> Result<(), ShardError> {
+        let bad = |what: String| Err(ShardError::InvalidConfig(format!("LossScaler: {what}")));
+        if !(self.scale.is_finite() && self.scale > 0.0) {
+            return bad(format!("the scale must be finite and positive, got {}", self.scale));
+        }
+        if !(self.growth_factor >= 1.0 && self.growth_factor.is_finite()) {
+            return bad(format!(
+                "the growth factor must be at least 1, got {}",
+                self.growth_factor
+            ));
+        }
+        if !(self.backoff_factor > 0.0 && self.backoff_factor <= 1.0) {
+            return bad(format!(
+                "the back-off factor must be in (0, 1], got {}",
+                self.backoff_factor
+            ));
+        }
+        if self.growth_interval == 0 {
+            return bad("the growth interval must be at least 1 step".to_string());
+        }
+        Ok(())
+    }
+
+    /// Records one step whose global gradient norm (of the unscaled gradient) was `norm`; returns
+    /// whether the step is taken (`norm` finite). The same `norm` on every rank gives the same
+    /// scale on every rank.
+    pub(crate) fn update(&mut self, norm: f64) -> bool {
+        if norm.is_finite() {
+            self.finite_steps += 1;
+            if self.finite_steps >= self.growth_interval {
+                self.scale = grown(self.scale, self.growth_factor);
+                self.finite_steps = 0;
+            }
+            true
+        } else {
+            self.scale *= self.backoff_factor;
+            self.finite_steps = 0;
+            self.skipped_steps += 1;
+            false
+        }
+    }
+}
+
+/// `scale · factor`, kept finite (a scale that reached `f32::MAX` stays there).
+fn grown(scale: f32, factor: f32) -> f32 {
+    let next = scale * factor;
+    if next.is_finite() { next } else { scale }
+}

@@ -1,0 +1,251 @@
+//! The memory estimator: the ZeRO paper's published figures, the `burn-shard estimate` command,
+//! and the extrapolation from a built model against direct measurements.
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::nn::{Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::DType;
+use burn_shard::estimate::{self, GB, ModelStateEstimate, ParamDtype, STAGES};
+use burn_shard::{FlatLayout, MemoryReport, Stage};
+
+/// The ZeRO paper's example (Rajbhandari et al. 2020, §5.1, Figure 1): 7.5B parameters on 64
+/// ranks, mixed-precision Adam (K = 12).
+const PAPER_PSI: f64 = 7.5e9;
+const PAPER_N: usize = 64;
+/// Per-rank GB at stages 0 to 3, as published (one decimal).
+const PAPER_GB: [f64; 4] = [120.0, 31.4, 16.6, 1.9];
+
+#[test]
+fn zero_formula_gives_the_papers_figures_for_7_5b_on_64_ranks() {
+    for (stage, published) in STAGES.into_iter().zip(PAPER_GB) {
+        for dtype in [ParamDtype::Bf16, ParamDtype::F16] {
+            let e = estimate::zero_formula(PAPER_PSI, PAPER_N, stage, dtype, false);
+            let gb = (e.total_bytes() / GB * 10.0).round() / 10.0;
+            assert_eq!(gb, published, "stage {stage} {dtype}: {} GB", e.total_bytes() / GB);
+            assert_eq!(e.host_bytes, 0.0);
+            assert_eq!(e.device_bytes(), e.total_bytes());
+        }
+    }
+    // The components: (2+2+K)Ψ at stage 0, 2Ψ + 2Ψ + KΨ/N at stage 1, ...
+    let s1 = estimate::zero_formula(PAPER_PSI, PAPER_N, Stage::One, ParamDtype::Bf16, false);
+    assert_eq!(s1.parameters_bytes, 2.0 * PAPER_PSI);
+    assert_eq!(s1.gradients_bytes, 2.0 * PAPER_PSI);
+    assert_eq!(s1.optimizer_state_bytes, 12.0 * PAPER_PSI / 64.0);
+    let s2 = estimate::zero_formula(PAPER_PSI, PAPER_N, Stage::Two, ParamDtype::Bf16, false);
+    assert_eq!(s2.gradients_bytes, 2.0 * PAPER_PSI / 64.0);
+}
+
+#[test]
+fn zero_formula_f32_and_offload() {
+    let (psi, n) = (1e6, 8.0);
+    let f32_totals = [
+        16.0 * psi,
+        8.0 * psi + 8.0 * psi / n,
+        4.0 * psi + 12.0 * psi / n,
+        16.0 * psi / n,
+    ];
+    for (stage, want) in STAGES.into_iter().zip(f32_totals) {
+        let e = estimate::zero_formula(psi, n as usize, stage, ParamDtype::F32, false);
+        assert!((e.total_bytes() - want).abs() < 1e-6, "stage {stage}: {e:?}");
+    }
+    // ZeRO-Offload: optimizer state and masters to the host, parameters and gradients stay.
+    for stage in STAGES {
+        let on = estimate::zero_formula(psi, n as usize, stage, ParamDtype::Bf16, true);
+        let off = estimate::zero_formula(psi, n as usize, stage, ParamDtype::Bf16, false);
+        assert_eq!(on.optimizer_state_bytes, 0.0);
+        assert_eq!(on.host_bytes, off.optimizer_state_bytes);
+        assert_eq!(
+            on.parameters_bytes + on.gradients_bytes,
+            off.parameters_bytes + off.gradients_bytes
+        );
+        let expected_host = if stage == Stage::Zero {
+            12.0 * psi
+        } else {
+            12.0 * psi / n
+        };
+        assert_eq!(on.host_bytes, expected_host, "stage {stage}");
+        let f32_host = estimate::zero_formula(psi, n as usize, stage, ParamDtype::F32, true).host_bytes;
+        assert_eq!(f32_host, expected_host * 8.0 / 12.0, "stage {stage} f32");
+    }
+}
+
+/// The `burn-shard` binary of this build (cargo builds it for burn-shard-cli's own tests, in
+/// the same `cargo test --workspace`).
+fn burn_shard_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .unwrap()
+        .join(format!("burn-shard{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.exists(),
+        "{} is missing: run the tests with `cargo test --release --workspace`, which builds it",
+        bin.display()
+    );
+    bin
+}
+
+#[test]
+fn estimate_command_prints_the_papers_figures() {
+    let out = std::process::Command::new(burn_shard_bin())
+        .args(["estimate", "--params", "7.5e9", "--world-size", "64"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with(['0', '1', '2', '3'])).collect();
+    assert_eq!(rows.len(), 4, "one row per stage:\n{stdout}");
+    for (row, gb) in rows.iter().zip(PAPER_GB) {
+        // The last column is the total.
+        let total = row.rsplit("  ").next().unwrap().trim();
+        assert!(total.starts_with(&format!("{gb:.1} GB")), "{row}\n{stdout}");
+    }
+    for figure in ["120.0", "31.4", "16.6", "1.9"] {
+        assert!(stdout.contains(figure), "{figure} missing:\n{stdout}");
+    }
+    assert!(
+        stdout.contains("ZeRO") && stdout.contains("§5.1") && stdout.contains("K=12"),
+        "{stdout}"
+    );
+}
+
+#[derive(Module, Debug)]
+struct ThreeLinear {
+    a: Linear,
+    b: Linear,
+    c: Linear,
+}
+
+/// Ψ = 13·17 + 17 + 17·9 + 9 + 9·5 + 5 = 450, every parameter of odd size, so buckets and
+/// parameters are padded at 2 and 4 ranks.
+fn three_linear(device: &Device) -> ThreeLinear {
+    ThreeLinear {
+        a: LinearConfig::new(13, 17).init(device),
+        b: LinearConfig::new(17, 9).init(device),
+        c: LinearConfig::new(9, 5).init(device),
+    }
+}
+
+/// `module` with every float parameter cast to `dtype` (ids and require-grad kept).
+fn cast<M: Module>(module: M, dtype: DType) -> M {
+    struct Cast(DType);
+    impl ModuleMapper for Cast {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, value, mapper) = param.consume();
+            let require_grad = value.is_require_grad();
+            let mut value = value.cast(self.0).detach();
+            if require_grad {
+                value = value.require_grad();
+            }
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    module.map(&mut Cast(dtype))
+}
+
+/// The largest of each component over the ranks.
+fn busiest(reports: &[MemoryReport]) -> [usize; 3] {
+    let max = |f: fn(&MemoryReport) -> usize| reports.iter().map(f).max().unwrap();
+    [
+        max(|r| r.parameters_bytes),
+        max(|r| r.gradients_bytes),
+        max(|r| r.optimizer_state_bytes),
+    ]
+}
+
+fn components(e: &ModelStateEstimate) -> [f64; 3] {
+    [e.parameters_bytes, e.gradients_bytes, e.optimizer_state_bytes]
+}
+
+/// The padding bound of `estimate_model`: fewer than `n` elements per padded unit (bucket at
+/// stages 0-2, parameter at stage 3) for each tensor of parameter size in the component:
+/// parameters 1, gradients 1, optimizer state 2 (Adam's moments, `f32`) plus the `f32` master.
+fn bounds(units: usize, n: usize, elem: usize, master: bool) -> [f64; 3] {
+    let per = (units * n) as f64;
+    [
+        per * elem as f64,
+        per * elem as f64,
+        per * (8 + if master { 4 } else { 0 }) as f64,
+    ]
+}
+
+fn assert_within(what: &str, got: [f64; 3], want: [f64; 3], bound: [f64; 3]) {
+    for (i, name) in ["parameters", "gradients", "optimizer state"].iter().enumerate() {
+        assert!(
+            (got[i] - want[i]).abs() < bound[i],
+            "{what} {name}: {} B vs {} B (bound {} B)",
+            got[i],
+            want[i],
+            bound[i]
+        );
+    }
+}
+
+/// Extrapolates `model` to 4 ranks, measures it on 4 ranks, and compares both with each other
+/// and with the paper's formula for `dtype`.
+fn check_against_direct_measurement<M: Module>(model: &M, dtype: ParamDtype) {
+    let n = 4;
+    let layout = FlatLayout::from_module(model, 1, 1 << 30).unwrap();
+    let psi = layout.numel();
+    let params = layout.slots().len();
+    let elem = dtype.element_bytes() as usize;
+    let master = dtype.is_mixed_precision();
+
+    let estimated = estimate::estimate_model(model, n).unwrap();
+    assert_eq!(estimated.parameter_count, psi);
+    assert_eq!(estimated.world_size, n);
+    assert_eq!(estimated.stages.len(), 4);
+    for stage in STAGES {
+        let e = estimated.stage(stage);
+        assert_eq!((e.stage, e.world_size, e.host_bytes), (stage, n, 0.0));
+        let reports = estimate::measure_memory(model, stage, n).unwrap();
+        assert_eq!(reports.len(), n);
+        assert!(reports.iter().all(|r| r.world_size == n && r.stage == stage.number()));
+        let measured = busiest(&reports).map(|b| b as f64);
+        // One bucket at stages 0-2 (the model is far below the default bucket size), one padded
+        // unit per parameter at stage 3; `params` bounds both.
+        let bound = bounds(params, n, elem, master);
+        assert_within(
+            &format!("{dtype} stage {stage}: extrapolated vs measured on {n} ranks"),
+            components(e),
+            measured,
+            bound,
+        );
+        let formula = estimate::zero_formula(psi as f64, n, stage, dtype, false);
+        assert_within(
+            &format!("{dtype} stage {stage}: measured vs ZeRO formula"),
+            measured,
+            components(&formula),
+            bound,
+        );
+    }
+}
+
+#[test]
+fn estimate_model_extrapolates_to_what_4_ranks_measure_f32() {
+    let device = Device::flex().autodiff();
+    check_against_direct_measurement(&three_linear(&device), ParamDtype::F32);
+}
+
+#[test]
+fn estimate_model_extrapolates_to_what_4_ranks_measure_bf16() {
+    // bf16 parameters and gradients, f32 master weights and Adam moments: the paper's K = 12.
+    let device = Device::flex().autodiff();
+    check_against_direct_measurement(&cast(three_linear(&device), DType::BF16), ParamDtype::Bf16);
+}
+
+#[test]
+fn estimate_model_refuses_a_model_without_autodiff() {
+    let model = three_linear(&Device::flex());
+    let err = estimate::estimate_model(&model, 4).unwrap_err().to_string();
+    assert!(err.contains("autodiff"), "{err}");
+    let err = estimate::estimate_model(&three_linear(&Device::flex().autodiff()), 0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("world size"), "{err}");
+}

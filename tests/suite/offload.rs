@@ -1,0 +1,437 @@
+//! ZeRO-Offload (`burn_shard::Offload`): the optimizer state, the `f32` masters and the update
+//! move to host memory and the fused CPU Adam, the parameters and gradients stay on the
+//! device. Trained on wgpu (lavapipe on CI), offloading changes neither the result (against
+//! the same training with the state on the device) nor the parameters' and gradients' bytes,
+//! and moves exactly the device's optimizer-state bytes to the host.
+
+use burn::optim::AdamWConfig;
+use burn::prelude::*;
+use burn_shard::{IntoOptimizer, Offload, ShardConfig, ShardError, Stage};
+use burn_shard_comm::InProcessGroup;
+
+use crate::common::*;
+
+fn adamw() -> AdamWConfig {
+    AdamWConfig::new().with_weight_decay(0.1)
+}
+
+/// Offload needs parameters on an accelerator: a model on Burn's Flex CPU device is refused at
+/// `init` with the fix named, not trained with an offload that moves nothing.
+#[test]
+fn offloading_a_model_that_lives_on_the_host_is_refused_at_init() {
+    let device = Device::flex().autodiff();
+    for stage in [Stage::Zero, Stage::Two, Stage::Three] {
+        let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+        let err = ShardConfig::new(stage)
+            .init(TinyMlp::new(&device), Offload(adamw()), comm)
+            .err()
+            .expect("offload of a host model must be refused");
+        assert!(matches!(err, ShardError::InvalidConfig(_)), "{err:?}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("already live") && msg.contains("without Offload"),
+            "stage {stage}: the error names the cause and the fix: {msg}"
+        );
+    }
+}
+
+/// `Offload` keeps what the wrapped config asks beyond the optimizer (its gradient clipping).
+#[test]
+fn offload_keeps_the_configs_gradient_clipping() {
+    use burn::grad_clipping::{GradientClipping, GradientClippingConfig};
+    let cfg = adamw().with_grad_clipping(Some(GradientClippingConfig::Norm(1.0)));
+    assert!(matches!(cfg.grad_clipping(), Ok(Some(GradientClipping::Norm(n))) if n == 1.0));
+    assert!(
+        matches!(Offload(cfg).grad_clipping(), Ok(Some(GradientClipping::Norm(n))) if n == 1.0),
+        "Offload must pass the config's clipping on, not drop it"
+    );
+}
+
+/// The runs on wgpu: offloading needs parameters on an accelerator.
+#[cfg(feature = "wgpu")]
+mod on_wgpu {
+    use burn::optim::{AdamState, GradientsParams, Optimizer};
+    use burn::prelude::*;
+    use burn::tensor::DType;
+    use burn_shard::{IntoOptimizer, MasterWeightStep, MemoryReport, Offload, ShardConfig, ShardedOptimizer, Stage};
+    use burn_shard_comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
+
+    use super::adamw;
+    use crate::common::*;
+
+    const WORLD_SIZE: usize = 2;
+    const STEPS: usize = 8;
+    const GLOBAL_BATCH: usize = 8;
+    const LR: f64 = 1e-2;
+
+    /// What one rank ends a run with.
+    struct RankRun {
+        /// Global mean loss per step.
+        losses: Vec<f32>,
+        /// Every parameter (materialised), as `f32`.
+        params: Vec<f32>,
+        /// This rank's `f32` masters, concatenated in layout order (empty for `f32` parameters).
+        masters: Vec<f32>,
+        report: MemoryReport,
+        /// The devices the optimizer state's moments and the masters were on at the end.
+        state_devices: Vec<Device>,
+    }
+
+    /// `steps` sharded steps of `dtype` parameters on `device` (an autodiff device), starting from
+    /// `base`. `f16` uses a fixed loss scale (the same in every run compared).
+    fn train_rank<O: IntoOptimizer, C: Collective + 'static>(
+        comm: C,
+        device: &Device,
+        base: &TinyMlp,
+        optim: O,
+        stage: Stage,
+        dtype: DType,
+        steps: usize,
+    ) -> RankRun
+    where
+        O::Optimizer: Optimizer<State<1> = AdamState<1>>,
+    {
+        let (rank, world_size) = (comm.rank(), comm.world_size());
+        let mut config = ShardConfig::new(stage);
+        if dtype == DType::F16 {
+            config = config.with_loss_scaler(burn_shard::LossScaler::fixed(256.0));
+        }
+        let model = cast(base.clone().fork(device), dtype);
+        let (mut model, mut optim) = config.init(model, optim, comm).expect("init");
+        let (start, end) = rank_rows(rank, world_size, GLOBAL_BATCH);
+        let mut losses = Vec::new();
+        for step in 0..steps {
+            let (x, y) = batch(step, GLOBAL_BATCH);
+            let x = rows(&x, IN, start, end, device).cast(dtype);
+            let y = rows(&y, OUT, start, end, device).cast(dtype);
+            let loss = mse(&model, x, y);
+            let global = optim
+                .comm()
+                .all_reduce(loss.clone().inner().cast(DType::F32), ReduceOp::Avg)
+                .expect("loss all_reduce")
+                .into_scalar::<f32>();
+            losses.push(global);
+            let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
+            model = optim.step(LR, model, grads).expect("sharded step");
+        }
+        let report = optim.memory_report(&model);
+        let mut state_devices: Vec<Device> = optim
+            .slot_states()
+            .iter()
+            .flatten()
+            .flat_map(|s| [s.momentum.moment_1.device(), s.momentum.moment_2.device()])
+            .collect();
+        state_devices.extend(optim.master_weights().iter().flatten().map(|m| m.device()));
+        let masters = optim
+            .master_weights()
+            .iter()
+            .flatten()
+            .flat_map(|m| m.clone().into_data().convert::<f32>().iter::<f32>().collect::<Vec<_>>())
+            .collect();
+        RankRun {
+            losses,
+            params: params_of(&model.materialize()),
+            masters,
+            report,
+            state_devices,
+        }
+    }
+
+    fn run<O: IntoOptimizer + Clone + Send + Sync>(
+        device: &Device,
+        base: &TinyMlp,
+        optim: O,
+        stage: Stage,
+        dtype: DType,
+    ) -> Vec<RankRun>
+    where
+        O::Optimizer: Optimizer<State<1> = AdamState<1>>,
+    {
+        run_ranks(InProcessGroup::new(WORLD_SIZE).unwrap(), |comm| {
+            train_rank(comm, device, base, optim.clone(), stage, dtype, STEPS)
+        })
+        .expect("no rank panics")
+    }
+
+    /// Largest `|a - b| / max(|b|, floor)` over the elements.
+    fn max_rel_diff(a: &[f32], b: &[f32], floor: f32) -> f32 {
+        assert_eq!(a.len(), b.len(), "compared buffers differ in length");
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs() / y.abs().max(floor))
+            .fold(0.0, f32::max)
+    }
+
+    /// Trains `dtype` parameters with and without offload at stages 0-3 on `wgpu` and checks:
+    /// same losses and parameters (and masters) within `tolerance` relative; the state and the
+    /// masters on the host with offload, on the device without; device optimizer bytes 0 with
+    /// offload, host bytes exactly the device bytes of the run without, parameter and gradient
+    /// bytes unchanged.
+    fn check_offload(wgpu: &Device, dtype: DType, tolerance: f32) {
+        let device = Device::flex().autodiff();
+        device.seed(7);
+        let base = TinyMlp::new(&device);
+        let autodiff = wgpu.clone().autodiff();
+        let host = Device::flex();
+        for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+            let ctx = format!("{dtype:?}, stage {stage}");
+            let resident = run(&autodiff, &base, adamw(), stage, dtype);
+            let offloaded = run(&autodiff, &base, Offload(adamw()), stage, dtype);
+            assert!(
+                resident[0].losses[STEPS - 1] < resident[0].losses[0],
+                "{ctx}: the run must learn: {:?}",
+                resident[0].losses
+            );
+            for (rank, (r, o)) in resident.iter().zip(&offloaded).enumerate() {
+                let ctx = format!("{ctx}, rank {rank}");
+                let losses = max_rel_diff(&o.losses, &r.losses, 1e-12);
+                let params = max_rel_diff(&o.params, &r.params, 1e-3);
+                let masters = max_rel_diff(&o.masters, &r.masters, 1e-3);
+                println!(
+                    "{ctx}: offloaded vs resident: max rel diff losses {losses:e}, params {params:e}, masters {masters:e}"
+                );
+                assert!(losses <= tolerance, "{ctx}: losses {:?} vs {:?}", o.losses, r.losses);
+                assert!(params <= tolerance, "{ctx}: parameters differ by {params:e} relative");
+                assert!(masters <= tolerance, "{ctx}: masters differ by {masters:e} relative");
+                assert_eq!(
+                    o.masters.is_empty(),
+                    dtype == DType::F32,
+                    "{ctx}: masters exactly for half dtypes"
+                );
+
+                assert!(!r.state_devices.is_empty(), "{ctx}: the optimizer holds state");
+                assert!(
+                    r.state_devices.iter().all(|d| d == wgpu),
+                    "{ctx}: without offload the state stays on the device"
+                );
+                assert!(
+                    o.state_devices.iter().all(|d| *d == host),
+                    "{ctx}: with offload the state and masters live on the host: {:?}",
+                    o.state_devices
+                );
+
+                let (r, o) = (&r.report, &o.report);
+                println!(
+                    "{ctx}: bytes (params, grads, device optim, host): resident ({}, {}, {}, {}), offloaded ({}, {}, {}, {})",
+                    r.parameters_bytes,
+                    r.gradients_bytes,
+                    r.optimizer_state_bytes,
+                    r.host_bytes,
+                    o.parameters_bytes,
+                    o.gradients_bytes,
+                    o.optimizer_state_bytes,
+                    o.host_bytes
+                );
+                assert!(r.optimizer_state_bytes > 0 && r.host_bytes == 0, "{ctx}: {r:?}");
+                assert_eq!(o.optimizer_state_bytes, 0, "{ctx}: no optimizer state on the device");
+                assert_eq!(
+                    o.host_bytes, r.optimizer_state_bytes,
+                    "{ctx}: what the device held moves to the host"
+                );
+                assert_eq!(o.parameters_bytes, r.parameters_bytes, "{ctx}: parameters stay");
+                assert_eq!(o.gradients_bytes, r.gradients_bytes, "{ctx}: gradients stay");
+                assert_eq!(o.model_state_bytes() + o.host_bytes, r.model_state_bytes(), "{ctx}");
+                assert_eq!(o.total_bytes(), r.total_bytes(), "{ctx}");
+            }
+            // Ranks agree with each other as well.
+            assert_eq!(
+                offloaded[0].params, offloaded[1].params,
+                "{ctx}: ranks hold identical parameters"
+            );
+        }
+    }
+
+    #[test]
+    fn offloaded_f32_training_on_wgpu_matches_device_resident_training() {
+        let Some(wgpu) = crate::fused_adam_wgpu::device() else {
+            return;
+        };
+        check_offload(&wgpu, DType::F32, 1e-5);
+    }
+
+    /// bf16 parameters with their `f32` masters on the host; where the adapter has no bf16 (wgpu:
+    /// WGSL has none), f16, which takes the same master-weight path.
+    #[test]
+    fn offloaded_half_precision_training_on_wgpu_keeps_masters_on_the_host() {
+        use burn_shard_kernels::cube_supports;
+        let Some(wgpu) = crate::fused_adam_wgpu::device() else {
+            return;
+        };
+        let mut ran = false;
+        for dtype in [DType::BF16, DType::F16] {
+            if !cube_supports(&wgpu, dtype) {
+                eprintln!("skipped {dtype:?}: this wgpu adapter has no {dtype:?} shader support");
+                continue;
+            }
+            check_offload(&wgpu, dtype, 1e-5);
+            ran = true;
+        }
+        if !ran && std::env::var_os("BURN_SHARD_REQUIRE_WGPU").is_some() {
+            panic!("BURN_SHARD_REQUIRE_WGPU is set, but the wgpu adapter has neither bf16 nor f16");
+        }
+    }
+
+    /// One step of `optim` on rows `start..end` of step `step`'s global batch.
+    fn step_rows<O: MasterWeightStep>(
+        model: TinyMlp,
+        optim: &mut ShardedOptimizer<O>,
+        step: usize,
+        (start, end): (usize, usize),
+        device: &Device,
+    ) -> TinyMlp {
+        let (x, y) = batch(step, GLOBAL_BATCH);
+        let loss = mse(
+            &model,
+            rows(&x, IN, start, end, device),
+            rows(&y, OUT, start, end, device),
+        );
+        sharded_step(optim, model, loss, LR).0
+    }
+
+    /// A checkpoint saved without offload resumes with offload: the loaded state and masters land
+    /// on the host (not on the parameters' device), and training continues as without offload.
+    #[test]
+    fn checkpoint_of_a_resident_run_resumes_offloaded_with_the_state_on_the_host() {
+        let Some(wgpu) = crate::fused_adam_wgpu::device() else {
+            return;
+        };
+        let device = Device::flex().autodiff();
+        device.seed(11);
+        let base = TinyMlp::new(&device);
+        let autodiff = wgpu.autodiff();
+        let dir = scratch("offload", "resume").join("ckpt");
+        let (first, then) = (3, 3);
+        let straight = run_ranks(InProcessGroup::new(WORLD_SIZE).unwrap(), |comm| {
+            train_rank(comm, &autodiff, &base, adamw(), Stage::Two, DType::F32, first + then)
+        })
+        .unwrap();
+        let resumed = run_ranks(InProcessGroup::new(WORLD_SIZE).unwrap(), |comm| {
+            let comm = std::sync::Arc::new(comm);
+            let (rank, world_size) = (comm.rank(), comm.world_size());
+            let mine = rank_rows(rank, world_size, GLOBAL_BATCH);
+            // Resident for `first` steps, saved.
+            let (mut model, mut optim) = ShardConfig::new(Stage::Two)
+                .init(base.clone().fork(&autodiff), adamw(), comm.clone())
+                .unwrap();
+            for s in 0..first {
+                model = step_rows(model, &mut optim, s, mine, &autodiff);
+            }
+            let saved = optim.memory_report(&model);
+            optim.save_checkpoint(&model, &dir, &serde_json::json!({})).unwrap();
+            // Offloaded from the checkpoint on.
+            let (model, mut offloaded) = ShardConfig::new(Stage::Two)
+                .init(base.clone().fork(&autodiff), Offload(adamw()), comm.clone())
+                .unwrap();
+            let (mut model, _) = offloaded.load_checkpoint(model, &dir).unwrap();
+            let loaded = offloaded.memory_report(&model);
+            let state = offloaded.slot_states().iter().flatten().next().expect("loaded state");
+            assert_eq!(
+                offloaded.optimizer().inner().path_for(&state.momentum.moment_1),
+                burn_shard_kernels::StepPath::FusedCpu,
+                "the offloaded step runs the fused CPU Adam"
+            );
+            for s in first..first + then {
+                model = step_rows(model, &mut offloaded, s, mine, &autodiff);
+            }
+            (saved, loaded, params_of(&model))
+        })
+        .unwrap();
+        for (rank, (saved, loaded, params)) in resumed.iter().enumerate() {
+            assert!(saved.optimizer_state_bytes > 0);
+            assert_eq!(
+                loaded.optimizer_state_bytes, 0,
+                "rank {rank}: the loaded state is not on the device"
+            );
+            assert_eq!(
+                loaded.host_bytes, saved.optimizer_state_bytes,
+                "rank {rank}: all of it is on the host"
+            );
+            let diff = max_rel_diff(params, &straight[rank].params, 1e-3);
+            assert!(
+                diff <= 1e-5,
+                "rank {rank}: resumed offloaded vs straight resident: {diff:e}"
+            );
+        }
+    }
+
+    #[derive(Module, Debug)]
+    struct Wide {
+        a: burn::nn::Linear,
+        b: burn::nn::Linear,
+    }
+
+    /// Every rank's report after one step of `Wide` in `dtype` at `stage`.
+    fn wide_reports<O: IntoOptimizer + Clone + Send + Sync>(
+        device: &Device,
+        base: &Wide,
+        optim: O,
+        stage: Stage,
+        dtype: DType,
+    ) -> Vec<MemoryReport> {
+        run_ranks(InProcessGroup::new(WORLD_SIZE).unwrap(), |comm| {
+            let mut config = ShardConfig::new(stage);
+            if dtype == DType::F16 {
+                config = config.with_loss_scaler(burn_shard::LossScaler::fixed(256.0));
+            }
+            let model = cast(base.clone().fork(device), dtype);
+            let (model, mut optim) = config.init(model, optim.clone(), comm).unwrap();
+            let x = Tensor::<2>::ones([2, 512], device).cast(dtype);
+            let loss = model.b.forward(model.a.forward(x)).powi_scalar(2).mean();
+            let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
+            let model = optim.step(1e-3, model, grads).unwrap();
+            optim.memory_report(&model)
+        })
+        .unwrap()
+    }
+
+    /// Ψ = 512·512 + 512 + 512·512 + 512 = 525_312 parameters: per-rank bytes with and without
+    /// offload at every stage, for f32 and (where the adapter has it) f16 (the README's table).
+    #[test]
+    fn offload_moves_the_optimizer_state_of_a_wider_model_to_the_host() {
+        let Some(wgpu) = crate::fused_adam_wgpu::device() else {
+            return;
+        };
+        const PSI: usize = 2 * (512 * 512 + 512);
+        let device = wgpu.clone().autodiff();
+        let base = Wide {
+            a: burn::nn::LinearConfig::new(512, 512).init(&device),
+            b: burn::nn::LinearConfig::new(512, 512).init(&device),
+        };
+        let mut dtypes = vec![DType::F32];
+        if burn_shard_kernels::cube_supports(&wgpu, DType::F16) {
+            dtypes.push(DType::F16);
+        }
+        for dtype in dtypes {
+            for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+                let resident = wide_reports(&device, &base, adamw(), stage, dtype);
+                let offloaded = wide_reports(&device, &base, Offload(adamw()), stage, dtype);
+                for (r, o) in resident.iter().zip(&offloaded) {
+                    println!(
+                        "Ψ = {PSI}, {dtype:?}, {WORLD_SIZE} ranks: {r}\n    offloaded: {o}\n    \
+                         device model state {} B -> {} B, host {} B",
+                        r.model_state_bytes(),
+                        o.model_state_bytes(),
+                        o.host_bytes
+                    );
+                    assert_eq!(o.optimizer_state_bytes, 0);
+                    assert_eq!(o.host_bytes, r.optimizer_state_bytes);
+                    assert_eq!(
+                        (o.parameters_bytes, o.gradients_bytes),
+                        (r.parameters_bytes, r.gradients_bytes)
+                    );
+                    assert_eq!(r.model_state_bytes() - o.model_state_bytes(), o.host_bytes);
+                }
+                // Adam's moments (and an f32 master per half-precision element) of this rank's
+                // piece: 8 (12) bytes per element, Ψ elements at stage 0, Ψ/N (+ padding) at 1-3.
+                let per_element = if dtype == DType::F32 { 8 } else { 12 };
+                let stepped = if stage == Stage::Zero {
+                    PSI
+                } else {
+                    PSI.div_ceil(WORLD_SIZE)
+                };
+                assert!(offloaded[0].host_bytes >= per_element * stepped - per_element * WORLD_SIZE);
+                assert!(offloaded[0].host_bytes <= per_element * stepped);
+            }
+        }
+    }
+}
