@@ -67,24 +67,15 @@ fn reference<C>(optim: burn::optim::ModuleOptimizer, mut clip: C) -> (Vec<f32>, 
 where
     C: FnMut(&TinyMlp, GradientsParams) -> (GradientsParams, Option<f64>),
 {
-    let device = Device::flex().autodiff();
     let mut optim = optim;
-    let mut model = base_model().fork(&device);
-    let (mut losses, mut norms) = (Vec::new(), Vec::new());
-    for step in 0..STEPS {
-        let (x, y) = batch(step, GLOBAL_BATCH);
-        let loss = mse(
-            &model,
-            rows(&x, IN, 0, GLOBAL_BATCH, &device),
-            rows(&y, OUT, 0, GLOBAL_BATCH, &device),
-        );
-        losses.push(loss.clone().into_scalar::<f32>());
-        let (grads, norm) = clip(&model, GradientsParams::from_grads(loss.backward(), &model));
+    let mut norms = Vec::new();
+    let (mut losses, params) = reference_loop(&base_model(), STEPS, GLOBAL_BATCH, |_, model, grads| {
+        let (grads, norm) = clip(&model, grads);
         norms.extend(norm.map(|n| n as f32));
-        model = optim.step(LR, model, grads);
-    }
+        optim.step(LR, model, grads)
+    });
     losses.extend(norms);
-    (losses, params_of(&model))
+    (losses, params)
 }
 
 /// The ids of a module's float parameters, with their ranks.

@@ -105,6 +105,17 @@ pub fn reference_run(
     global_batch: usize,
     lr: f64,
 ) -> (Vec<f32>, Vec<f32>) {
+    reference_loop(base, steps, global_batch, |_, model, grads| {
+        optim.step(lr, model, grads)
+    })
+}
+
+/// The single-device loop of [`reference_run`] with the update left to `update(step, model,
+/// grads)` (clipping, skipping, schedules): the per-step losses and the final parameters.
+pub fn reference_loop<F>(base: &TinyMlp, steps: usize, global_batch: usize, mut update: F) -> (Vec<f32>, Vec<f32>)
+where
+    F: FnMut(usize, TinyMlp, GradientsParams) -> TinyMlp,
+{
     let device = Device::flex().autodiff();
     let mut model = base.clone().fork(&device);
     let mut losses = Vec::new();
@@ -117,7 +128,7 @@ pub fn reference_run(
         );
         losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(lr, model, grads);
+        model = update(step, model, grads);
     }
     (losses, params_of(&model))
 }

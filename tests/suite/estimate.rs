@@ -1,12 +1,14 @@
 //! The memory estimator: the ZeRO paper's published figures, the `burn-shard estimate` command,
 //! and the extrapolation from a built model against direct measurements.
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::DType;
 use burn_shard::estimate::{self, GB, ModelStateEstimate, ParamDtype, STAGES};
 use burn_shard::{FlatLayout, MemoryReport, Stage};
+
+use crate::common::cast;
 
 /// The ZeRO paper's example (Rajbhandari et al. 2020, §5.1, Figure 1): 7.5B parameters on 64
 /// ranks, mixed-precision Adam (K = 12).
@@ -129,23 +131,6 @@ fn three_linear(device: &Device) -> ThreeLinear {
         b: LinearConfig::new(17, 9).init(device),
         c: LinearConfig::new(9, 5).init(device),
     }
-}
-
-/// `module` with every float parameter cast to `dtype` (ids and require-grad kept).
-fn cast<M: Module>(module: M, dtype: DType) -> M {
-    struct Cast(DType);
-    impl ModuleMapper for Cast {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let (id, value, mapper) = param.consume();
-            let require_grad = value.is_require_grad();
-            let mut value = value.cast(self.0).detach();
-            if require_grad {
-                value = value.require_grad();
-            }
-            Param::from_mapped_value(id, value, mapper)
-        }
-    }
-    module.map(&mut Cast(dtype))
 }
 
 /// The largest of each component over the ranks.

@@ -36,24 +36,11 @@ fn poison(model: &TinyMlp, mut grads: GradientsParams) -> GradientsParams {
 
 /// Single-device Burn AdamW on the whole batch, skipping the overflow step.
 fn reference(base: &TinyMlp) -> (Vec<f32>, Vec<f32>) {
-    let device = Device::flex().autodiff();
     let mut optim = AdamWConfig::new().init();
-    let mut model = base.clone().fork(&device);
-    let mut losses = Vec::new();
-    for step in 0..STEPS {
-        let (x, y) = batch(step, GLOBAL_BATCH);
-        let loss = mse(
-            &model,
-            rows(&x, IN, 0, GLOBAL_BATCH, &device),
-            rows(&y, OUT, 0, GLOBAL_BATCH, &device),
-        );
-        losses.push(loss.clone().into_scalar::<f32>());
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        if step != OVERFLOW_STEP {
-            model = optim.step(LR, model, grads);
-        }
-    }
-    (losses, params_of(&model))
+    reference_loop(base, STEPS, GLOBAL_BATCH, |step, model, grads| match step {
+        OVERFLOW_STEP => model,
+        _ => optim.step(LR, model, grads),
+    })
 }
 
 /// One rank's run: scaled losses, the last rank poisons its gradient at `OVERFLOW_STEP`.

@@ -6,7 +6,7 @@
 use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::lr_scheduler::module_lr_scheduler::{ModuleLrScheduler, ModuleLrSchedulerConfig};
 use burn::module::{Module, ParamGroup};
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::optim::{AdamWConfig, ModuleOptimizer};
 use burn::prelude::*;
 use burn_shard::ShardConfig;
 use burn_shard_comm::Collective;
@@ -36,26 +36,14 @@ fn scheduler(with_group: bool) -> ModuleLrScheduler {
 /// Single-device Burn: `ModuleOptimizer` with (or without) the no-decay group, stepped with the
 /// scheduler's per-group rates.
 fn reference(base: &TinyMlp, groups: bool) -> (Vec<f32>, Vec<f32>) {
-    let device = Device::flex().autodiff();
     let mut optim: ModuleOptimizer = AdamWConfig::new().with_weight_decay(DECAY).init();
     if groups {
         optim = optim.with_group(no_decay(), AdamWConfig::new().with_weight_decay(0.0).build(), None);
     }
     let mut scheduler = scheduler(groups);
-    let mut model = base.clone().fork(&device);
-    let mut losses = Vec::new();
-    for step in 0..STEPS {
-        let (x, y) = batch(step, GLOBAL_BATCH);
-        let loss = mse(
-            &model,
-            rows(&x, IN, 0, GLOBAL_BATCH, &device),
-            rows(&y, OUT, 0, GLOBAL_BATCH, &device),
-        );
-        losses.push(loss.clone().into_scalar::<f32>());
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(scheduler.step(), model, grads);
-    }
-    (losses, params_of(&model))
+    reference_loop(base, STEPS, GLOBAL_BATCH, |_, model, grads| {
+        optim.step(scheduler.step(), model, grads)
+    })
 }
 
 #[test]
