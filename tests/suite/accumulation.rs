@@ -93,3 +93,46 @@ fn plain_step_bytes<C: Collective + 'static>(base: &TinyMlp, comm: Arc<C>, stage
     optim.step(LR, model, grads).expect("step");
     comm.stats().since(&before).total_bytes_sent()
 }
+
+/// Micro-batch sums are state a checkpoint does not hold: saving while some are pending is
+/// refused (on every rank), and the memory report counts them with the gradients.
+#[test]
+fn pending_micro_batches_block_a_checkpoint_and_count_as_gradient_memory() {
+    let dir = scratch("accumulation", "pending").join("ckpt");
+    let device = Device::flex().autodiff();
+    let base = TinyMlp::new(&device);
+    let results = burn_shard_comm::run_ranks(burn_shard_comm::InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (lo, hi) = rank_rows(comm.rank(), comm.world_size(), GLOBAL_BATCH);
+        let (model, mut optim) = ShardConfig::new(Stage::Two)
+            .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+            .expect("init");
+        let (x, y) = batch(0, GLOBAL_BATCH);
+        let grads = |model: &TinyMlp| {
+            let loss = mse(model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
+            GradientsParams::from_grads(loss.backward(), model)
+        };
+        optim.accumulate(&model, grads(&model)).expect("accumulate");
+        let refused = optim
+            .save_checkpoint(&model, &dir, &serde_json::Value::Null)
+            .expect_err("refused")
+            .to_string();
+        let last = grads(&model);
+        let model = optim.step(LR, model, last).expect("step");
+        let report = optim.memory_report(&model);
+        let shards: usize = optim.layout().buckets().iter().map(|b| b.shard_numel * 4).sum();
+        (
+            refused,
+            report.gradients_bytes,
+            shards,
+            optim.layout().slots().iter().map(|s| s.numel * 4).sum::<usize>(),
+        )
+    })
+    .expect("no rank panics");
+    for (refused, gradients_bytes, shards, whole) in results {
+        assert!(refused.contains("save the checkpoint after step()"), "{refused}");
+        // Stage 2 holds its reduced shard, plus the whole local sum held before the step.
+        assert_eq!(gradients_bytes, shards + whole);
+    }
+    assert!(!dir.exists(), "nothing written");
+}

@@ -3,8 +3,8 @@
 //! by global norm (PyTorch's `clip_grad_norm_`), whose pre-clip norm every rank reports. Each
 //! would fail if a norm were taken over a rank's shard only.
 
-use burn::grad_clipping::GradientClippingConfig;
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::grad_clipping::{GradientClipping, GradientClippingConfig};
+use burn::module::{Module, Param, ParamGroup};
 use burn::optim::{AdamWConfig, GradientsParams, SgdConfig};
 use burn::prelude::*;
 use burn_shard::{IntoOptimizer, ShardConfig, Stage};
@@ -78,55 +78,12 @@ where
     (losses, params)
 }
 
-/// The ids of a module's float parameters, with their ranks.
-fn param_ids<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
-    struct Ids(Vec<(ParamId, usize)>);
-    impl ModuleVisitor for Ids {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            self.0.push((p.id, D));
-        }
-    }
-    let mut ids = Ids(Vec::new());
-    module.visit(&mut ids);
-    ids.0
-}
-
-/// `f(grad)` for the gradient of `id` (rank `d`), written back.
-fn map_grad(grads: &mut GradientsParams, id: ParamId, d: usize, mut f: impl FnMut(Tensor<2>) -> Tensor<2>) {
-    match d {
-        1 => {
-            let g = grads.remove::<1>(id).expect("a gradient");
-            let n = g.dims()[0];
-            grads.register(id, f(g.reshape([1, n])).reshape([n]));
-        }
-        2 => {
-            let g = grads.remove::<2>(id).expect("a gradient");
-            grads.register(id, f(g));
-        }
-        _ => unreachable!("TinyMlp has rank-1 and rank-2 parameters"),
-    }
-}
-
 /// PyTorch's `clip_grad_norm_` in float64: scales every gradient by
 /// `min(1, max_norm / (norm + 1e-6))`; returns the pre-clip norm.
 fn clip_global(model: &TinyMlp, mut grads: GradientsParams, max_norm: f32) -> (GradientsParams, f64) {
-    let ids = param_ids(model);
-    let mut sum = 0.0f64;
-    for &(id, d) in &ids {
-        map_grad(&mut grads, id, d, |g| {
-            sum += g
-                .clone()
-                .into_data()
-                .convert::<f64>()
-                .iter::<f64>()
-                .map(|v| v * v)
-                .sum::<f64>();
-            g
-        });
-    }
-    let norm = sum.sqrt();
+    let norm = grad_norm(model, &mut grads);
     let coef = (f64::from(max_norm) / (norm + 1e-6)).min(1.0) as f32;
-    for &(id, d) in &ids {
+    for (id, d) in param_ids(model) {
         map_grad(&mut grads, id, d, |g| g.mul_scalar(coef));
     }
     (grads, norm)
@@ -194,11 +151,78 @@ fn an_infinite_max_norm_measures_without_clipping() {
     });
 }
 
-/// One SGD step with learning rate `1000` moves each parameter by `1000 · clipped gradient`, so
-/// the clipped gradient can be read off the parameters and compared element by element.
-#[test]
-fn clipped_gradients_equal_single_device_within_1e_6_relative() {
-    const SGD_LR: f64 = 1000.0;
+/// Learning rate of the one-step tests: one SGD step moves each parameter by `SGD_LR · clipped
+/// gradient`, so the clipped gradient can be read off the parameters element by element.
+const SGD_LR: f64 = 1000.0;
+
+/// The clipped gradient `(before - after) / SGD_LR` of every parameter element, in float64.
+fn update_of(before: &[f32], after: &[f32]) -> Vec<f64> {
+    before
+        .iter()
+        .zip(after)
+        .map(|(b, a)| (f64::from(*b) - f64::from(*a)) / SGD_LR)
+        .collect()
+}
+
+/// One sharded SGD step on the first global batch at every world size 1-4 and stage, with
+/// `config(stage)` and per-parameter `clipping` on every parameter (a `ParamGroup::all()`
+/// group); checks every rank's update against `expected` within `1e-6 · max|expected|`, and the
+/// reported norm against `norm` within 1e-6 relative when one is given.
+fn check_one_sgd_step(
+    name: &str,
+    config: impl Fn(Stage) -> ShardConfig + Sync,
+    clipping: Option<GradientClipping>,
+    expected: &[f64],
+    norm: Option<f64>,
+) {
+    let before = params_of(&base_model());
+    let scale = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let (x, y) = batch(0, GLOBAL_BATCH);
+    for world_size in 1..=4 {
+        for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+            let group = InProcessGroup::new(world_size).unwrap();
+            let results = burn_shard_comm::run_ranks(group, |comm| {
+                let device = Device::flex().autodiff();
+                let (lo, hi) = rank_rows(comm.rank(), comm.world_size(), GLOBAL_BATCH);
+                let (model, optim) = config(stage)
+                    .init(base_model().fork(&device), SgdConfig::new().build(), comm)
+                    .expect("init");
+                let mut optim = match clipping.clone() {
+                    Some(c) => optim
+                        .with_group(ParamGroup::all(), SgdConfig::new().build(), Some(c))
+                        .expect("group"),
+                    None => optim,
+                };
+                let loss = mse(&model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
+                let (model, _) = sharded_step(&mut optim, model, loss, SGD_LR);
+                (params_of(&model.materialize()), optim.last_grad_norm())
+            })
+            .expect("no rank panics");
+            let ctx = format!("{name}, world_size {world_size}, stage {stage}");
+            for (params, reported) in &results {
+                if let Some(norm) = norm {
+                    let reported = reported.expect("the norm is measured");
+                    assert!(
+                        ((reported - norm) / norm).abs() < 1e-6,
+                        "{ctx}: reported norm {reported} vs {norm}"
+                    );
+                }
+                let worst = update_of(&before, params)
+                    .iter()
+                    .zip(expected)
+                    .map(|(got, want)| (got - want).abs())
+                    .fold(0.0, f64::max);
+                assert!(
+                    worst <= 1e-6 * scale,
+                    "{ctx}: clipped gradient off by {worst:e} (max |g| {scale:e})"
+                );
+            }
+        }
+    }
+}
+
+/// The gradient of the whole first global batch, single device.
+fn first_gradient() -> (TinyMlp, GradientsParams) {
     let device = Device::flex().autodiff();
     let (x, y) = batch(0, GLOBAL_BATCH);
     let model = base_model().fork(&device);
@@ -207,7 +231,14 @@ fn clipped_gradients_equal_single_device_within_1e_6_relative() {
         rows(&x, IN, 0, GLOBAL_BATCH, &device),
         rows(&y, OUT, 0, GLOBAL_BATCH, &device),
     );
-    let (grads, norm) = clip_global(&model, GradientsParams::from_grads(loss.backward(), &model), MAX_NORM);
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    (model, grads)
+}
+
+#[test]
+fn globally_clipped_gradients_equal_clip_grad_norm_within_1e_6_relative() {
+    let (model, grads) = first_gradient();
+    let (grads, norm) = clip_global(&model, grads, MAX_NORM);
     assert!(
         norm > f64::from(MAX_NORM) * 2.0,
         "the gradient must be clipped (norm {norm})"
@@ -220,45 +251,32 @@ fn clipped_gradients_equal_single_device_within_1e_6_relative() {
         };
         expected.extend(g.convert::<f64>().iter::<f64>());
     }
-    let scale = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-    let before: Vec<f64> = params_of(&model).iter().map(|&v| f64::from(v)).collect();
-    for world_size in 1..=4 {
-        for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
-            let group = InProcessGroup::new(world_size).unwrap();
-            let results = burn_shard_comm::run_ranks(group, |comm| {
-                let device = Device::flex().autodiff();
-                let (lo, hi) = rank_rows(comm.rank(), comm.world_size(), GLOBAL_BATCH);
-                let config = ShardConfig::new(stage).with_max_grad_norm(MAX_NORM);
-                let (model, mut optim) = config
-                    .init(base_model().fork(&device), SgdConfig::new().build(), comm)
-                    .expect("init");
-                let loss = mse(&model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
-                let (model, _) = sharded_step(&mut optim, model, loss, SGD_LR);
-                (
-                    params_of(&model.materialize()),
-                    optim.last_grad_norm().expect("measured"),
-                )
-            })
-            .expect("no rank panics");
-            let ctx = format!("world_size {world_size}, stage {stage}");
-            for (params, reported) in &results {
-                assert!(
-                    ((reported - norm) / norm).abs() < 1e-6,
-                    "{ctx}: reported norm {reported} vs {norm}"
-                );
-                let worst = params
-                    .iter()
-                    .zip(&before)
-                    .zip(&expected)
-                    .map(|((after, before), g)| ((before - f64::from(*after)) / SGD_LR - g).abs())
-                    .fold(0.0, f64::max);
-                assert!(
-                    worst <= 1e-6 * scale,
-                    "{ctx}: clipped gradient off by {worst:e} (max |g| {scale:e})"
-                );
-            }
-        }
-    }
+    let config = |stage| ShardConfig::new(stage).with_max_grad_norm(MAX_NORM);
+    check_one_sgd_step("global norm", config, None, &expected, Some(norm));
+}
+
+/// Burn's per-parameter `Norm` clipping against Burn's own SGD with that clipping, one step:
+/// a norm taken over a rank's piece of a parameter instead of the whole parameter would
+/// scale that piece differently.
+#[test]
+fn per_parameter_norm_clipped_gradients_equal_burns_within_1e_6_relative() {
+    let (model, grads) = first_gradient();
+    let before = params_of(&model);
+    let mut optim = SgdConfig::new()
+        .with_gradient_clipping(Some(GradientClippingConfig::Norm(MAX_NORM)))
+        .init();
+    let expected = update_of(&before, &params_of(&optim.step(SGD_LR, model, grads)));
+    let (model, grads) = first_gradient();
+    let unclipped: f64 = {
+        let mut grads = grads;
+        grad_norm(&model, &mut grads)
+    };
+    assert!(
+        unclipped > f64::from(MAX_NORM) * 2.0,
+        "parameters must be clipped (norm {unclipped})"
+    );
+    let clipping = Some(GradientClipping::Norm(MAX_NORM));
+    check_one_sgd_step("per-parameter Norm", ShardConfig::new, clipping, &expected, None);
 }
 
 #[test]

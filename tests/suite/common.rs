@@ -1,7 +1,7 @@
 //! Reference models, deterministic data and the unwrapped single-device training loop that
 //! every sharded run is compared against.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -225,4 +225,46 @@ pub fn cast<M: Module>(module: M, dtype: burn::tensor::DType) -> M {
         }
     }
     module.map(&mut Cast(dtype))
+}
+
+/// The ids of a module's float parameters, with their ranks.
+pub fn param_ids<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
+    struct Ids(Vec<(ParamId, usize)>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.push((p.id, D));
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}
+
+/// `f(grad)` for the gradient of `id` (rank `d`), written back.
+pub fn map_grad(grads: &mut GradientsParams, id: ParamId, d: usize, mut f: impl FnMut(Tensor<2>) -> Tensor<2>) {
+    match d {
+        1 => {
+            let g = grads.remove::<1>(id).expect("a gradient");
+            let n = g.dims()[0];
+            grads.register(id, f(g.reshape([1, n])).reshape([n]));
+        }
+        2 => {
+            let g = grads.remove::<2>(id).expect("a gradient");
+            grads.register(id, f(g));
+        }
+        _ => unreachable!("TinyMlp has rank-1 and rank-2 parameters"),
+    }
+}
+
+/// The L2 norm of all of `grads` (the gradients of `model`'s parameters), in float64.
+pub fn grad_norm(model: &TinyMlp, grads: &mut GradientsParams) -> f64 {
+    let mut sum = 0.0f64;
+    for (id, d) in param_ids(model) {
+        map_grad(grads, id, d, |g| {
+            let data = g.clone().into_data().convert::<f64>();
+            sum += data.iter::<f64>().map(|v| v * v).sum::<f64>();
+            g
+        });
+    }
+    sum.sqrt()
 }

@@ -34,13 +34,21 @@ fn poison(model: &TinyMlp, mut grads: GradientsParams) -> GradientsParams {
     grads
 }
 
-/// Single-device Burn AdamW on the whole batch, skipping the overflow step.
+/// Single-device Burn AdamW on the whole batch, skipping the overflow step: the losses, then
+/// the gradient norm of every step taken (unscaled; what `last_grad_norm` must report), and the
+/// final parameters.
 fn reference(base: &TinyMlp) -> (Vec<f32>, Vec<f32>) {
     let mut optim = AdamWConfig::new().init();
-    reference_loop(base, STEPS, GLOBAL_BATCH, |step, model, grads| match step {
+    let mut norms = Vec::new();
+    let (mut losses, params) = reference_loop(base, STEPS, GLOBAL_BATCH, |step, model, mut grads| match step {
         OVERFLOW_STEP => model,
-        _ => optim.step(LR, model, grads),
-    })
+        _ => {
+            norms.push(grad_norm(&model, &mut grads) as f32);
+            optim.step(LR, model, grads)
+        }
+    });
+    losses.extend(norms);
+    (losses, params)
 }
 
 /// One rank's run: scaled losses, the last rank poisons its gradient at `OVERFLOW_STEP`.
@@ -58,7 +66,7 @@ fn rank_run(
     let (lo, hi) = rank_rows(rank, world_size, GLOBAL_BATCH);
     let model = cast(base.clone().fork(&device), dtype);
     let (mut model, mut optim) = config.init(model, AdamWConfig::new(), comm).expect("init");
-    let (mut losses, mut around) = (Vec::new(), (Vec::new(), Vec::new()));
+    let (mut losses, mut norms, mut around) = (Vec::new(), Vec::new(), (Vec::new(), Vec::new()));
     for step in 0..STEPS {
         let (x, y) = batch(step, GLOBAL_BATCH);
         let x = rows(&x, IN, lo, hi, &device).cast(dtype);
@@ -78,15 +86,19 @@ fn rank_run(
             around.0 = params_of(&model.clone().materialize());
         }
         model = optim.step(LR, model, grads).expect("step");
+        let norm = optim.last_grad_norm().expect("measured");
         if overflow {
             around.1 = params_of(&model.clone().materialize());
-            let norm = optim.last_grad_norm().expect("measured");
             assert!(
                 !norm.is_finite(),
                 "rank {rank}: the overflow must reach every rank (norm {norm})"
             );
+        } else {
+            norms.push(norm as f32);
         }
     }
+    // The losses, then the unscaled norm of every step taken.
+    losses.extend(norms);
     let params = params_of(&model.materialize());
     (losses, params, around, optim.loss_scaler().expect("configured").clone())
 }
@@ -128,6 +140,9 @@ fn f16_trains_with_dynamic_loss_scaling_and_skips_overflows_together() {
     // 2^10 keeps this model's scaled f16 gradients finite; the default 2^16 would overflow
     // them and back off on its own, which is what it is for, but not what is tested here.
     let f16_scaler = LossScaler::dynamic().with_scale(1024.0);
+    // The f32 run of the same steps: the f16 run's unscaled norms must follow it (a wrong
+    // unscale would be off by the scale).
+    let reference = reference(&base);
     for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
         let config = ShardConfig::new(stage).with_loss_scaler(f16_scaler.clone());
         let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
@@ -151,6 +166,13 @@ fn f16_trains_with_dynamic_loss_scaling_and_skips_overflows_together() {
             512.0,
             "stage {stage}: one back-off, no growth within 2000 steps"
         );
+        for step in 0..OVERFLOW_STEP {
+            let (got, want) = (losses[STEPS + step], reference.0[STEPS + step]);
+            assert!(
+                ((got - want) / want).abs() < 2e-2,
+                "stage {stage}, step {step}: f16 gradient norm {got} vs f32 {want}"
+            );
+        }
         assert!(
             losses[STEPS - 1] < 0.8 * losses[0],
             "stage {stage}: f16 training must learn ({} -> {})",

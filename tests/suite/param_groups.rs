@@ -81,3 +81,68 @@ fn groups_and_per_group_learning_rates_match_burn() {
         (losses, params_of(&model.materialize()))
     });
 }
+
+/// Ranks that configure the step differently (clipping, loss scaling, groups) would call
+/// different collectives: every rank fails at `init` or `with_group` instead, naming it; and a
+/// Burn config that carries its own clipping is refused by `with_group`, where Burn takes the
+/// clipping as an argument (`None`: no clipping).
+#[test]
+fn ranks_configured_differently_fail_together_and_with_group_takes_clipping_as_burn_does() {
+    use burn::grad_clipping::GradientClippingConfig;
+    use burn_shard::{LossScaler, ShardError, Stage};
+    use burn_shard_comm::{InProcessGroup, run_ranks};
+    let device = Device::flex().autodiff();
+    let base = TinyMlp::new(&device);
+    let configs: [fn(usize) -> ShardConfig; 2] = [
+        |rank| match rank {
+            0 => ShardConfig::new(Stage::Two).with_max_grad_norm(1.0),
+            _ => ShardConfig::new(Stage::Two),
+        },
+        |rank| match rank {
+            0 => ShardConfig::new(Stage::One).with_loss_scaler(LossScaler::dynamic()),
+            _ => ShardConfig::new(Stage::One).with_loss_scaler(LossScaler::dynamic().with_scale(2.0)),
+        },
+    ];
+    for config in configs {
+        let errors = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let rank = comm.rank();
+            config(rank)
+                .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+                .err()
+                .expect("refused")
+        })
+        .expect("no rank panics");
+        for err in errors {
+            assert!(matches!(err, ShardError::LayoutMismatch { .. }), "{err}");
+            assert!(err.to_string().contains("loss scaler"), "{err}");
+        }
+    }
+    // Groups added on one rank only.
+    let errors = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let rank = comm.rank();
+        let (_, optim) = ShardConfig::new(Stage::Three)
+            .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+            .expect("init");
+        let group = match rank {
+            0 => no_decay(),
+            _ => ParamGroup::from_predicate("l1"),
+        };
+        optim
+            .with_group(group, AdamWConfig::new().with_weight_decay(0.0), None)
+            .err()
+            .expect("refused")
+    })
+    .expect("no rank panics");
+    assert!(
+        errors.iter().all(|e| matches!(e, ShardError::LayoutMismatch { .. })),
+        "{errors:?}"
+    );
+    // A config's own clipping in with_group.
+    let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+    let (_, optim) = ShardConfig::new(Stage::Two)
+        .init(base.fork(&device), AdamWConfig::new(), comm)
+        .expect("init");
+    let clipped = AdamWConfig::new().with_grad_clipping(Some(GradientClippingConfig::Norm(1.0)));
+    let err = optim.with_group(no_decay(), clipped, None).err().expect("refused");
+    assert!(err.to_string().contains("grad_clipping argument"), "{err}");
+}

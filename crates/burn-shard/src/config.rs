@@ -160,7 +160,16 @@ impl ShardConfig {
             None => flat::plain_device(&model)?,
         };
         optim.check_device(&device)?;
-        let fingerprint = layout.fingerprint() ^ everything.fingerprint().rotate_left(1);
+        let options = StepOptions {
+            max_grad_norm: self.max_grad_norm,
+            loss_scaler: self.loss_scaler.clone(),
+            clipping,
+            device: device.clone(),
+        };
+        // Ranks must also agree on what the step does: clipping and loss scaling add a
+        // collective and decide skips.
+        let fingerprint =
+            layout.fingerprint() ^ everything.fingerprint().rotate_left(1) ^ options.fingerprint().rotate_left(2);
         check_same_layout(comm.as_ref(), fingerprint, &device)?;
         let mut full = Vec::with_capacity(everything.buckets().len());
         for bucket in everything.buckets() {
@@ -174,26 +183,10 @@ impl ShardConfig {
             Stage::Zero => StagePlan::Zero,
             Stage::One => StagePlan::One,
             Stage::Two => StagePlan::Two,
-            Stage::Three => return self.shard_parameters(model, optim, clipping, comm, census, buffers),
+            Stage::Three => return self.shard_parameters(model, optim, options, comm, census, buffers),
         };
-        let optim = ShardedOptimizer::new(
-            optim,
-            clipping,
-            comm,
-            Arc::new(layout),
-            plan,
-            census,
-            buffers,
-            self.step_options(),
-        );
+        let optim = ShardedOptimizer::new(optim, comm, Arc::new(layout), plan, census, buffers, options);
         Ok((model, optim))
-    }
-
-    fn step_options(&self) -> StepOptions {
-        StepOptions {
-            max_grad_norm: self.max_grad_norm,
-            loss_scaler: self.loss_scaler.clone(),
-        }
     }
 
     /// Refuses combinations the step would get wrong or silently ignore.
@@ -226,7 +219,7 @@ impl ShardConfig {
         &self,
         model: M,
         optim: O,
-        clipping: Option<GradientClipping>,
+        options: StepOptions,
         comm: Arc<dyn Collective>,
         census: Census,
         buffers: Buffers,
@@ -240,8 +233,7 @@ impl ShardConfig {
         let model = model.apply_reparameterization(&mut sharder);
         let local = Arc::new(FlatLayout::from_slots(sharder.slots, 1, self.bucket_numel)?);
         let plan = StagePlan::Three(ctx);
-        let options = self.step_options();
-        let optim = ShardedOptimizer::new(optim, clipping, comm, local, plan, census, buffers, options);
+        let optim = ShardedOptimizer::new(optim, comm, local, plan, census, buffers, options);
         Ok((model, optim))
     }
 }
@@ -269,7 +261,7 @@ fn refuse_stage3_misfits(census: &Census) -> Result<(), ShardError> {
 
 /// All-gathers every rank's layout fingerprint (as four exact 16-bit pieces in f32) and fails
 /// on the first rank that differs.
-fn check_same_layout(comm: &dyn Collective, ours: u64, device: &Device) -> Result<(), ShardError> {
+pub(crate) fn check_same_layout(comm: &dyn Collective, ours: u64, device: &Device) -> Result<(), ShardError> {
     let pieces: Vec<f32> = (0..4).map(|i| ((ours >> (16 * i)) & 0xffff) as f32).collect();
     let all = comm.all_gather(Tensor::<1>::from_data(TensorData::new(pieces, [4]), device))?;
     let all: Vec<f32> = all.into_data().convert::<f32>().iter::<f32>().collect();

@@ -21,7 +21,8 @@ pub enum ShardError {
     /// Ranks hold modules with different parameter layouts.
     #[error(
         "rank {rank} has a different parameter layout than rank {peer} (fingerprints {ours:#018x} vs {theirs:#018x}); \
-         every rank must build the same model (same architecture, same frozen parameters, same bucket size)"
+         every rank must build the same model (same architecture, same frozen parameters, same bucket size) and \
+         configure the same step (max_grad_norm, loss scaler, gradient clipping, parameter groups)"
     )]
     LayoutMismatch {
         /// This rank.

@@ -27,7 +27,8 @@ pub(crate) struct GradNorms {
 }
 
 /// Measures the norms. `grads[b]` is bucket `b`'s averaged gradient over this rank's owned
-/// range (`plan.owned_range`), of any float dtype (squares are summed in `f32`).
+/// range (`plan.owned_range`), of any float dtype (squares are summed in `f32`, in `f64` for
+/// `f64` gradients; the per-parameter sums are exchanged in `f32`).
 ///
 /// # Errors
 /// [`ShardError::Comm`] when the all-reduce of the per-parameter sums fails.
@@ -54,7 +55,12 @@ pub(crate) fn measure(
                 let piece = grad
                     .clone()
                     .narrow(0, slot.offset + part.start - range.start, part.len());
-                sums[index] = Some(piece.cast(DType::F32).square().sum());
+                // f32 for bf16/f16/f32 pieces (as Burn's clip_by_norm); f64 pieces sum in f64.
+                let piece = match piece.dtype() {
+                    DType::F64 => piece,
+                    _ => piece.cast(DType::F32),
+                };
+                sums[index] = Some(piece.square().sum().cast(DType::F32));
             }
         }
     }

@@ -5,6 +5,8 @@
 //! path Burn's optimizer mapper matches, e.g. `blocks.0.ln.beta`), so the step, which works on
 //! pieces of flat buckets, needs no path matching.
 
+use std::hash::{DefaultHasher, Hash, Hasher};
+
 use burn::module::ParamGroup;
 use burn::optim::grad_clipping::GradientClipping;
 
@@ -71,6 +73,17 @@ impl<O> Groups<O> {
         self.groups[self.of_slot[slot]].clipping.as_ref()
     }
 
+    /// A hash of which group steps each slot and how each group clips, equal on ranks that
+    /// added the same groups (the optimizers' hyper-parameters are not read).
+    pub(crate) fn fingerprint(&self) -> u64 {
+        let mut h = DefaultHasher::new();
+        self.of_slot.hash(&mut h);
+        for group in &self.groups {
+            clipping_key(group.clipping.as_ref()).hash(&mut h);
+        }
+        h.finish()
+    }
+
     /// Whether some group clips by each parameter's norm (which needs the norms summed over
     /// the ranks).
     pub(crate) fn clips_by_norm(&self) -> bool {
@@ -78,4 +91,12 @@ impl<O> Groups<O> {
             .iter()
             .any(|g| matches!(g.clipping, Some(GradientClipping::Norm(_))))
     }
+}
+
+/// A clipping as hashable bits: kind and threshold.
+pub(crate) fn clipping_key(clipping: Option<&GradientClipping>) -> Option<(u8, u32)> {
+    clipping.map(|c| match c {
+        GradientClipping::Value(t) => (0, t.to_bits()),
+        GradientClipping::Norm(t) => (1, t.to_bits()),
+    })
 }

@@ -102,6 +102,35 @@ impl LossScaler {
         self.skipped_steps
     }
 
+    /// The settings and state as exact bits (`scale`, factors, interval), for checking that
+    /// every rank configured the same scaler.
+    pub(crate) fn fingerprint(&self) -> [u64; 4] {
+        [
+            u64::from(self.scale.to_bits()),
+            u64::from(self.growth_factor.to_bits()),
+            u64::from(self.backoff_factor.to_bits()),
+            self.growth_interval as u64,
+        ]
+    }
+
+    /// Continues from `saved` (a checkpoint's scaler): its running state (scale, finite steps,
+    /// skipped steps), keeping this scaler's settings (factors, interval), as a resumed run may
+    /// change them.
+    ///
+    /// # Errors
+    /// [`ShardError::InvalidConfig`] when the saved scale is not finite and positive.
+    pub(crate) fn resume(&mut self, saved: &LossScaler) -> Result<(), ShardError> {
+        let resumed = Self {
+            scale: saved.scale,
+            finite_steps: saved.finite_steps,
+            skipped_steps: saved.skipped_steps,
+            ..self.clone()
+        };
+        resumed.validate()?;
+        *self = resumed;
+        Ok(())
+    }
+
     /// # Errors
     /// [`ShardError::InvalidConfig`] for a scale that is not finite and positive, a growth
     /// factor below 1, a back-off factor outside `(0, 1]` or a zero growth interval.

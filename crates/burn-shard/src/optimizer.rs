@@ -1,5 +1,6 @@
 //! [`ShardedOptimizer`]: one ZeRO step around one of Burn's optimizers.
 
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -59,6 +60,8 @@ use crate::{IntoOptimizer, ShardError, Stage};
 pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// The optimizer (and per-parameter clipping) of each parameter.
     groups: Groups<O>,
+    /// The parameters' (plain) device, where small agreement collectives place their tensors.
+    device: Device,
     pub(crate) comm: Arc<dyn Collective>,
     pub(crate) layout: Arc<FlatLayout>,
     pub(crate) plan: StagePlan,
@@ -80,24 +83,42 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// measured it.
     last_grad_norm: Option<f64>,
     /// Gradients of the micro-batches given to `accumulate` since the last step, summed, per
-    /// layout slot (flat, in the gradient's dtype).
-    accumulated: flat::SlotValues,
+    /// layout slot (flat; `f32` for `bf16`/`f16` gradients, else the gradient's dtype).
+    pub(crate) accumulated: flat::SlotValues,
+    /// Peak bytes of `accumulated` since the last step, and during the cycle before it.
+    accumulating_bytes: usize,
+    accumulated_bytes: usize,
     gradients_bytes: usize,
     temporary_peak_bytes: usize,
 }
 
-/// What `ShardConfig` asks of the step beyond the stage: global-norm clipping and loss scaling.
-#[derive(Clone, Debug, Default)]
+/// What `ShardConfig` asks of the step beyond the stage (global-norm clipping, loss scaling),
+/// and where the parameters live.
+#[derive(Clone)]
 pub(crate) struct StepOptions {
     pub(crate) max_grad_norm: Option<f32>,
     pub(crate) loss_scaler: Option<LossScaler>,
+    /// The base group's per-parameter clipping (from the optimizer's Burn config).
+    pub(crate) clipping: Option<GradientClipping>,
+    /// The parameters' plain device.
+    pub(crate) device: Device,
+}
+
+impl StepOptions {
+    /// A hash of what changes the step's collectives and decisions, equal on ranks configured
+    /// alike.
+    pub(crate) fn fingerprint(&self) -> u64 {
+        let mut h = DefaultHasher::new();
+        self.max_grad_norm.map(f32::to_bits).hash(&mut h);
+        self.loss_scaler.as_ref().map(LossScaler::fingerprint).hash(&mut h);
+        crate::groups::clipping_key(self.clipping.as_ref()).hash(&mut h);
+        h.finish()
+    }
 }
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         optim: O,
-        clipping: Option<GradientClipping>,
         comm: Arc<dyn Collective>,
         layout: Arc<FlatLayout>,
         plan: StagePlan,
@@ -107,7 +128,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     ) -> Self {
         let slots = layout.slots().len();
         Self {
-            groups: Groups::new(optim, clipping, &layout),
+            groups: Groups::new(optim, options.clipping, &layout),
+            device: options.device,
             comm,
             layout,
             plan,
@@ -119,6 +141,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             loss_scaler: options.loss_scaler,
             last_grad_norm: None,
             accumulated: vec![None; slots],
+            accumulating_bytes: 0,
+            accumulated_bytes: 0,
             gradients_bytes: 0,
             temporary_peak_bytes: 0,
         }
@@ -127,28 +151,36 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Steps the parameters `group` matches with `optim` and `grad_clipping` instead, as Burn's
     /// `ModuleOptimizer::with_group`: a parameter takes the last group that matches it (by
     /// `ParamId` or module path, e.g. `ParamGroup::from_regex(r"(bias|gamma|beta)$")` for the
-    /// recipe "no weight decay on biases and norm weights"), and the optimizer state of the
-    /// parameters it matches starts afresh. `grad_clipping` `None` takes the clipping of `optim`'s
-    /// Burn config, if any. Every rank must add the same groups.
+    /// recipe "no weight decay on biases and norm weights"), the optimizer state of the
+    /// parameters it matches starts afresh, and `grad_clipping` `None` means no per-parameter
+    /// clipping for the group. A collective: every rank calls it with the same groups (checked).
     ///
     /// # Errors
-    /// [`ShardError::InvalidConfig`] when the group clips by norm and the configuration clips
-    /// by global norm too, or when `optim` cannot step flat shards.
+    /// [`ShardError::InvalidConfig`] when `optim` is a Burn config that carries its own
+    /// `grad_clipping` (pass it as `grad_clipping` instead, as Burn's `with_group` takes it),
+    /// when the group clips by norm and the configuration clips by global norm too, or when
+    /// `optim` cannot step flat shards; [`ShardError::LayoutMismatch`] when ranks added
+    /// different groups; [`ShardError::Comm`].
     pub fn with_group<C: IntoOptimizer<Optimizer = O>>(
         mut self,
         group: ParamGroup,
         optim: C,
         grad_clipping: Option<GradientClipping>,
     ) -> Result<Self, ShardError> {
-        let clipping = match grad_clipping {
-            Some(clipping) => Some(clipping),
-            None => optim.grad_clipping()?,
-        };
-        check_one_norm_clipping(self.max_grad_norm, clipping.as_ref())?;
+        if optim.grad_clipping()?.is_some() {
+            return Err(ShardError::InvalidConfig(
+                "the optimizer config given to with_group carries its own grad_clipping; pass the clipping as \
+                 with_group's grad_clipping argument (as ModuleOptimizer::with_group takes it) and remove it from \
+                 the config"
+                    .to_string(),
+            ));
+        }
+        check_one_norm_clipping(self.max_grad_norm, grad_clipping.as_ref())?;
         let optim = optim.into_optimizer()?;
-        for slot in self.groups.add(group, optim, clipping, &self.layout) {
+        for slot in self.groups.add(group, optim, grad_clipping, &self.layout) {
             self.states[slot] = None;
         }
+        crate::config::check_same_layout(self.comm.as_ref(), self.groups.fingerprint(), &self.device)?;
         Ok(self)
     }
 
@@ -170,7 +202,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// `ModuleLearningRate` (per-group rates from a `ModuleLrScheduler`); every rank must pass
     /// the same. Gradients given to [`ShardedOptimizer::accumulate`] since the last step are
     /// added to `grads`. With a [`LossScaler`], a step whose gradient overflowed on any rank
-    /// returns `model` unchanged on every rank (see [`ShardedOptimizer::loss_scaler`]).
+    /// leaves the parameters and the optimizer state unchanged on every rank (running-state
+    /// buffers are still averaged; see [`ShardedOptimizer::loss_scaler`]).
     ///
     /// # Errors
     /// [`ShardError::Comm`] when a collective fails (the group is then aborted: stop training);
@@ -223,11 +256,19 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .and_then(|()| flat::take_grads(model, &self.layout, &mut grads))
             .map(|(parts, _)| {
                 for (sum, grad) in self.accumulated.iter_mut().zip(parts) {
+                    // bf16/f16 sums in f32: one rounding per step, as one backward on the
+                    // concatenated batch, not one per micro-batch.
+                    let grad = grad.map(|g| match crate::master::needs_master(g.dtype()) {
+                        true => g.cast(DType::F32),
+                        false => g,
+                    });
                     *sum = match (sum.take(), grad) {
                         (Some(sum), Some(grad)) => Some(sum + grad),
                         (sum, grad) => sum.or(grad),
                     };
                 }
+                let held: usize = self.accumulated.iter().flatten().map(tensor_bytes).sum();
+                self.accumulating_bytes = self.accumulating_bytes.max(held);
             });
         if let Err(e) = &result {
             self.comm.abort(&format!(
@@ -252,14 +293,18 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
         let (mut grad_parts, device) = flat::take_grads(&model, &layout, &mut grads)?;
         drop(grads);
-        for (grad, sum) in grad_parts.iter_mut().zip(&mut self.accumulated) {
+        let slots = layout.slots().iter();
+        for ((grad, sum), slot) in grad_parts.iter_mut().zip(&mut self.accumulated).zip(slots) {
             if let Some(sum) = sum.take() {
-                *grad = Some(match grad.take() {
-                    Some(grad) => grad + sum,
+                let dtype = sum.dtype();
+                let total = match grad.take() {
+                    Some(grad) => sum + grad.cast(dtype),
                     None => sum,
-                });
+                };
+                *grad = Some(total.cast(slot.dtype));
             }
         }
+        self.accumulated_bytes = std::mem::take(&mut self.accumulating_bytes);
         let Some(device) = device else {
             // No trainable parameter (a frozen teacher): only the buffers move.
             return self.buffers.sync(self.comm.as_ref(), model);
@@ -310,7 +355,19 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 scale = scaler.scale(),
                 "gradient overflow: step skipped, loss scale backed off"
             );
+            if let Some(fsdp) = self.plan.fsdp() {
+                fsdp.reset_transient_peak();
+            }
             return self.buffers.sync(self.comm.as_ref(), model);
+        }
+        if let Some(norms) = norms.as_ref().filter(|n| !n.total.is_finite()) {
+            // Without a loss scaler nothing skips: say so, as PyTorch's clip_grad_norm_ would
+            // with error_if_nonfinite.
+            tracing::warn!(
+                rank = self.comm.rank(),
+                norm = norms.total,
+                "non-finite gradient norm: the step applies it (configure a LossScaler to skip such steps)"
+            );
         }
         let clip = Clip {
             global: match (self.max_grad_norm, &norms) {
@@ -406,11 +463,18 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.max_grad_norm.is_some() || self.loss_scaler.is_some() || self.groups.clips_by_norm()
     }
 
-    /// The averaged gradient divided by the loss scale, in `f32` (so `f16` gradients lose
-    /// nothing to the division); the gradient itself without a loss scaler.
+    /// The averaged gradient divided by the loss scale, in `f32` for `bf16`/`f16` gradients (so
+    /// they lose nothing to the division; `f32` and `f64` keep their dtype); the gradient itself
+    /// without a loss scaler.
     fn unscale(&self, grad: Tensor<1>) -> Tensor<1> {
         match &self.loss_scaler {
-            Some(scaler) => grad.cast(DType::F32).mul_scalar(1.0 / scaler.scale()),
+            Some(scaler) => {
+                let grad = match crate::master::needs_master(grad.dtype()) {
+                    true => grad.cast(DType::F32),
+                    false => grad,
+                };
+                grad.mul_scalar(1.0 / scaler.scale())
+            }
             None => grad,
         }
     }
@@ -481,7 +545,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 }
                 None => module_param_bytes(model, |_| false),
             },
-            gradients_bytes: self.gradients_bytes,
+            gradients_bytes: self.gradients_bytes + self.accumulated_bytes,
             optimizer_state_bytes,
             host_bytes,
             temporary_peak_bytes: self.temporary_peak_bytes,

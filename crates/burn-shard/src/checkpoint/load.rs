@@ -74,12 +74,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 false => Ok((read, None)),
             });
         let ((values, shards, states, masters, payload, scaler), record) = self.agree(loaded, "load_checkpoint")?;
+        // The scale continues where it was (every rank reads the same one, so all fail
+        // together on a bad one); a run without a scaler ignores a saved one.
+        if let (Some(mine), Some(saved)) = (&mut self.loss_scaler, scaler) {
+            mine.resume(&saved)?;
+        }
         self.states = states;
         self.masters = masters;
-        // The scale continues where it was; a run without a scaler ignores a saved one.
-        if let (Some(mine), Some(saved)) = (&mut self.loss_scaler, scaler) {
-            *mine = saved;
-        }
+        // Micro-batch sums of the model before the load do not belong to the loaded one.
+        self.accumulated.iter_mut().for_each(|g| *g = None);
         let model = flat::replace_values(model, values);
         let model = match self.stage() {
             Stage::Three => exchange::replace_shards(model, shards),

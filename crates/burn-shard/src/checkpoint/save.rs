@@ -72,7 +72,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         let partial = partial_dir(dir);
         // 1. Every rank checks the target (one filesystem: they agree); rank 0 prepares it.
+        let pending = self.accumulated.iter().flatten().count();
         let prepared = match (dir.exists(), rank) {
+            // The sums would not be saved: refuse rather than lose them on resume.
+            _ if pending > 0 => Err(ShardError::InvalidConfig(format!(
+                "{pending} parameters hold gradients given to accumulate() and not yet applied; save the \
+                 checkpoint after step()"
+            ))),
             (true, _) => Err(CheckpointError::Exists { dir: dir.to_path_buf() }.into()),
             (false, 0) => begin(dir).map(drop).map_err(ShardError::from),
             (false, _) => Ok(()),
