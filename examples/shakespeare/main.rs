@@ -25,7 +25,7 @@ use burn_shard_examples::cli::{ShardArgs, at_least, positive_f64};
 use burn_shard_examples::gpt::{Gpt, GptConfig};
 use burn_shard_examples::metrics::Metrics;
 use burn_shard_examples::training::{
-    Progress, StepEnd, end_step, lr_at, resume, train_step, training_device, window_loss,
+    Progress, StepEnd, end_step, lr_at, print_estimate, resume, train_step, training_device, window_loss,
 };
 use clap::Parser;
 use rand::SeedableRng;
@@ -76,6 +76,11 @@ struct Args {
     /// Training text (default: the copy shipped with the examples).
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Print this GPT's per-rank model-state memory at --world-size for every stage (measured
+    /// on 1 and 2 in-process ranks with AdamW, extrapolated; next to the ZeRO formula) and exit
+    /// without training: pick a stage before renting GPUs.
+    #[arg(long)]
+    estimate: bool,
     /// Folder for metrics.csv and losses.png.
     #[arg(long, default_value = "runs/shakespeare")]
     out: PathBuf,
@@ -145,6 +150,10 @@ fn run(mut args: Args) -> Result<(), String> {
         args.batch_size,
         args.block_size
     );
+
+    if args.estimate {
+        return print_estimate(&base, args.shard.world_size);
+    }
 
     let start = Instant::now();
     let outcomes = match mpi_comm(&args)? {

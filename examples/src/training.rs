@@ -284,3 +284,33 @@ pub fn window_loss(
     }
     mean_over_ranks(comm, sum / batches as f32)
 }
+
+/// Prints `model`'s per-rank model-state memory at `world_size` ranks for every stage, measured
+/// and extrapolated by [`burn_shard::estimate::estimate_model`] (AdamW, the model's dtype), next
+/// to the ZeRO paper's `f32` formula for its parameter count (§5.1: 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N,
+/// 16Ψ/N bytes). MiB = 2^20 bytes.
+///
+/// # Errors
+/// The measurement failed (see `estimate_model`).
+pub fn print_estimate<M: Module>(model: &M, world_size: usize) -> Result<(), String> {
+    use burn_shard::estimate::{ParamDtype, STAGES, estimate_model, zero_formula};
+    const MIB: f64 = 1024.0 * 1024.0;
+    let estimate = estimate_model(model, world_size).map_err(|e| e.to_string())?;
+    let psi = estimate.parameter_count;
+    println!("per-rank model state at world size {world_size}, {psi} trainable parameters, AdamW (MiB):");
+    println!("stage | parameters | gradients | optimizer state | total | ZeRO formula (f32)");
+    for stage in STAGES {
+        let e = estimate.stage(stage);
+        let formula = zero_formula(psi as f64, world_size, stage, ParamDtype::F32, false);
+        println!(
+            "{stage} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}",
+            e.parameters_bytes / MIB,
+            e.gradients_bytes / MIB,
+            e.optimizer_state_bytes / MIB,
+            e.total_bytes() / MIB,
+            formula.total_bytes() / MIB
+        );
+    }
+    println!("measured on 1 and 2 ranks and fitted to a + b/N (exact up to padding; activations not included)");
+    Ok(())
+}

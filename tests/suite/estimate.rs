@@ -234,3 +234,20 @@ fn estimate_model_refuses_a_model_without_autodiff() {
         .to_string();
     assert!(err.contains("world size"), "{err}");
 }
+
+/// The main example's GPT (tiny-shakespeare defaults: 4 blocks of width 128, vocabulary 65,
+/// context 64): what `cargo shakespeare -- --estimate --world-size 4` prints equals what 4
+/// ranks measure training it, up to padding, and the ZeRO f32 formula.
+#[test]
+fn the_example_gpt_estimate_matches_its_measured_memory() {
+    use burn_shard_examples::gpt::{Gpt, GptConfig};
+    let device = Device::flex().autodiff();
+    let config = GptConfig {
+        vocab_size: 65,
+        block_size: 64,
+        n_embd: 128,
+        n_head: 4,
+        n_layer: 4,
+    };
+    check_against_direct_measurement(&Gpt::new(&config, &device), ParamDtype::F32);
+}
