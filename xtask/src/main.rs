@@ -1,12 +1,15 @@
 //! `cargo xtask <task>`: project tasks that are programs rather than tests.
 //!
 //! - `cargo xtask bench adam`: the fused-Adam benchmark table (see `bench_adam.rs`).
+//! - `cargo xtask bench sharding`: ZeRO stages 0-3 against PyTorch's DDP, ZeRO and FSDP2 on the
+//!   shakespeare GPT, with a CSV and a memory plot (see `bench_sharding.rs`).
 //! - `cargo xtask setup`: lavapipe and CubeCL's LLVM bundle on Debian/Ubuntu (`setup.rs`).
 //! - `cargo xtask multi-gpu-test`: the GPU suite on every GPU (`multi_gpu_test.rs`).
 //! - `cargo xtask mpi-test`: the MPI suite on 2-3 processes under `mpirun` (`mpi_test.rs`).
 //! - `cargo xtask fetch-minilm`: all-MiniLM-L6-v2's weights for the `finetune-minilm` example.
 
 mod bench_adam;
+mod bench_sharding;
 mod mpi_test;
 mod multi_gpu_test;
 mod setup;
@@ -51,6 +54,9 @@ struct FetchMinilm {
 enum Bench {
     /// One Adam step on flat f32 shards: Burn's Adam, the fused CPU path, PyTorch's fused AdamW.
     Adam(bench_adam::Args),
+    /// The shakespeare GPT (about 1M and 20M parameters) at ZeRO stages 0-3 and on one rank,
+    /// against PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2 (gloo, torchrun) in the same run.
+    Sharding(bench_sharding::Args),
 }
 
 fn main() {
@@ -59,6 +65,9 @@ fn main() {
         Task::Bench {
             which: Bench::Adam(args),
         } => bench_adam::run(&args),
+        Task::Bench {
+            which: Bench::Sharding(args),
+        } => bench_sharding::run(&args),
         Task::Setup(args) => setup::run(&args),
         Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
         Task::MpiTest(args) => mpi_test::run(&args),
