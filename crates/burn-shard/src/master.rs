@@ -22,6 +22,15 @@ pub(crate) fn needs_master(dtype: DType) -> bool {
     matches!(dtype, DType::BF16 | DType::F16)
 }
 
+/// `t` in `f32` when it is `bf16`/`f16` (the master dtype), as it is otherwise: where a
+/// half-precision gradient is summed or divided without rounding at every operation.
+pub(crate) fn widen_half(t: Tensor<1>) -> Tensor<1> {
+    match needs_master(t.dtype()) {
+        true => t.cast(DType::F32),
+        false => t,
+    }
+}
+
 /// How an optimizer steps the `f32` master weights of `bf16`/`f16` parameters: what the sharded
 /// step needs of an optimizer beyond Burn's [`Optimizer`].
 ///

@@ -104,7 +104,7 @@ impl<O> Offloaded<O> {
 
 /// `t` on the host device (unchanged when it is there already).
 fn to_host<const D: usize>(t: Tensor<D>) -> Tensor<D> {
-    let host = Device::flex();
+    let host = Offloaded::<()>::host_device();
     if t.device() == host { t } else { t.to_device(&host) }
 }
 

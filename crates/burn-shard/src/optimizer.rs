@@ -258,10 +258,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 for (sum, grad) in self.accumulated.iter_mut().zip(parts) {
                     // bf16/f16 sums in f32: one rounding per step, as one backward on the
                     // concatenated batch, not one per micro-batch.
-                    let grad = grad.map(|g| match crate::master::needs_master(g.dtype()) {
-                        true => g.cast(DType::F32),
-                        false => g,
-                    });
+                    let grad = grad.map(crate::master::widen_half);
                     *sum = match (sum.take(), grad) {
                         (Some(sum), Some(grad)) => Some(sum + grad),
                         (sum, grad) => sum.or(grad),
@@ -469,10 +466,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     fn unscale(&self, grad: Tensor<1>) -> Tensor<1> {
         match &self.loss_scaler {
             Some(scaler) => {
-                let grad = match crate::master::needs_master(grad.dtype()) {
-                    true => grad.cast(DType::F32),
-                    false => grad,
-                };
+                let grad = crate::master::widen_half(grad);
                 grad.mul_scalar(1.0 / scaler.scale())
             }
             None => grad,
