@@ -258,3 +258,74 @@ fn tagged_collectives_of_equal_length_but_different_tags_are_errors() {
         "{out:?}"
     );
 }
+
+#[test]
+fn async_gathers_take_their_place_in_the_order_of_calls() {
+    // Each rank starts a gather, makes synchronous calls behind it, drops a second started
+    // gather unwaited, and waits for the first last: every result equals the synchronous
+    // one (float64 reference), and no rank hangs on the dropped call.
+    for world_size in 1..=4usize {
+        let len = 12;
+        let out = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+            let rank = comm.rank();
+            let gather = comm.all_gather_async(tensor(input(rank, len)), 7);
+            let sum = comm.all_reduce(tensor(input(rank, len)), ReduceOp::Sum).unwrap();
+            drop(comm.all_gather_async(tensor(input(rank, 3)), 8));
+            comm.barrier().unwrap();
+            let gathered = gather.wait().unwrap();
+            let calls = comm.stats().get(CollectiveKind::AllGather).calls;
+            (host(gathered), host(sum), calls)
+        })
+        .unwrap();
+        let want_gather: Vec<f64> = (0..world_size).flat_map(|r| input(r, len)).map(f64::from).collect();
+        for (rank, (gathered, sum, calls)) in out.iter().enumerate() {
+            assert_close(
+                gathered,
+                &want_gather,
+                0.0,
+                &format!("N={world_size} rank {rank}: gather"),
+            );
+            assert_close(
+                sum,
+                &reference_sum(world_size, len),
+                1e-5,
+                &format!("N={world_size} rank {rank}: all_reduce"),
+            );
+            assert_eq!(*calls, 2, "N={world_size} rank {rank}: the dropped gather ran too");
+        }
+    }
+}
+
+#[test]
+fn time_spent_computing_while_a_gather_runs_counts_as_hidden() {
+    let out = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        // Synchronous calls are exposed from start to end.
+        let before = comm.stats();
+        comm.all_gather(tensor(input(comm.rank(), 4096))).unwrap();
+        let sync = comm.stats().since(&before);
+        // A started gather that completes while the rank sleeps (its "compute") is hidden.
+        let before = comm.stats();
+        let work = comm.all_gather_async(tensor(input(comm.rank(), 4096)), 3);
+        std::thread::sleep(Duration::from_millis(300));
+        work.wait().unwrap();
+        let overlapped = comm.stats().since(&before);
+        (sync, overlapped)
+    })
+    .unwrap();
+    for (rank, (sync, overlapped)) in out.into_iter().enumerate() {
+        assert!(sync.busy() > Duration::ZERO, "rank {rank}: the call's time is measured");
+        assert_eq!(
+            sync.exposed(),
+            sync.busy(),
+            "rank {rank}: a synchronous call is all exposed"
+        );
+        assert_eq!(sync.hidden_share(), Some(0.0));
+        let share = overlapped.hidden_share().expect("measured");
+        assert!(
+            share > 0.5,
+            "rank {rank}: a gather done during 300 ms of other work is mostly hidden: {share} (busy {:?}, exposed {:?})",
+            overlapped.busy(),
+            overlapped.exposed()
+        );
+    }
+}

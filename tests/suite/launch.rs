@@ -523,7 +523,22 @@ fn grouped_collectives_equal_their_single_tensor_loops() {
                 .map(|t| comm.all_gather(t).unwrap())
                 .collect();
             let loop_stats = comm.stats().since(&before);
-            assert_eq!(grouped_stats, loop_stats, "all_gather_many counts one call per tensor");
+            // Traffic only: the time counters differ from run to run.
+            let traffic = |s: &burn_shard_comm::CommStats| {
+                [
+                    CollectiveKind::AllReduce,
+                    CollectiveKind::ReduceScatter,
+                    CollectiveKind::AllGather,
+                    CollectiveKind::Broadcast,
+                    CollectiveKind::Barrier,
+                ]
+                .map(|k| s.get(k))
+            };
+            assert_eq!(
+                traffic(&grouped_stats),
+                traffic(&loop_stats),
+                "all_gather_many counts one call per tensor"
+            );
             assert_eq!(grouped_stats.get(CollectiveKind::AllGather).calls, 4);
             let out_dtypes: Vec<DType> = gathered.iter().map(|t| t.dtype()).collect();
             assert_eq!(out_dtypes, dtypes, "dtypes are kept");

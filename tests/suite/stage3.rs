@@ -11,6 +11,7 @@ use burn::tensor::activation::relu;
 use burn_shard::fsdp::unit;
 use burn_shard::{IntoOptimizer, ShardConfig, Stage};
 use burn_shard_comm::{Collective, CollectiveKind, InProcessGroup, run_ranks};
+use burn_shard_examples::gpt::{Gpt, GptConfig};
 
 use crate::common::{Rng, max_abs_diff, params_of, rows, sharded_step};
 
@@ -395,4 +396,137 @@ fn ranks_that_gather_different_parameters_fail_instead_of_mixing_them() {
         );
     }
     assert!(start.elapsed() < std::time::Duration::from_secs(30));
+}
+
+/// Per-step all-gather calls and bytes of rank 0 over `steps` steps of `Net3`.
+fn gathers_per_step(n: usize, reshard: bool, steps: usize) -> Vec<(u64, u64)> {
+    let (vocab, width) = (8, 12);
+    let device = Device::flex().autodiff();
+    let base = Net3::new(vocab, width, &device);
+    let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let config = ShardConfig::new(Stage::Three).with_reshard_after_forward(reshard);
+        let (mut model, mut optim) = config
+            .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
+            .unwrap();
+        let mut per_step = Vec::new();
+        for _ in 0..steps {
+            let before = optim.comm().stats();
+            let x = Tensor::<2>::ones([3, vocab], &device).require_grad();
+            let l = model.forward(x).powi_scalar(2).mean();
+            let grads = GradientsParams::from_grads(l.backward(), &model);
+            model = optim.step(1e-3, model, grads).unwrap();
+            let st = optim.comm().stats().since(&before).get(CollectiveKind::AllGather);
+            per_step.push((st.calls, st.bytes_sent));
+        }
+        per_step
+    })
+    .unwrap();
+    runs.into_iter().next().unwrap()
+}
+
+#[test]
+fn stage3_gathers_each_unit_with_one_collective_from_the_second_step() {
+    // Net3 gathers, per step: forward, in units, the embedding (unit 0) and each block's weight
+    // and bias (units 1-3), then outside any unit the frozen gain and the tied head. The first
+    // step gathers each use alone and learns the units; from the second on each unit's
+    // forward gathers are one collective moving the same bytes.
+    for n in [2usize, 3] {
+        for reshard in [true, false] {
+            let steps = gathers_per_step(n, reshard, 3);
+            let (first_calls, first_bytes) = steps[0];
+            let forward_alone = 1 + 3 * 2 + 2;
+            let forward_grouped = 1 + 3 + 2;
+            // Backward re-gathers what its consumers need (counted on the first step, alone or
+            // in groups of one: Net3's units re-gather one weight each); none without resharding.
+            let backward = first_calls - forward_alone;
+            assert!(
+                if reshard { backward > 0 } else { backward == 0 },
+                "N={n} reshard={reshard}: {steps:?}"
+            );
+            for &(calls, bytes) in &steps[1..] {
+                assert_eq!(
+                    bytes, first_bytes,
+                    "N={n} reshard={reshard}: grouping moves the same bytes: {steps:?}"
+                );
+                assert_eq!(
+                    calls,
+                    forward_grouped + backward,
+                    "N={n} reshard={reshard}: one all-gather per unit in forward: {steps:?}"
+                );
+            }
+        }
+    }
+}
+
+/// Per-step all-gather calls and bytes of rank 0 training the examples' GPT at stage 3, on an
+/// autodiff device with or without Burn's balanced gradient checkpointing (the examples use it
+/// at stage 3: backward then also recomputes activations, which re-gathers weights of earlier
+/// units in between).
+/// Also returns rank 0's parameters after the last step.
+fn gpt_gathers_per_step(
+    base: &Gpt,
+    n: usize,
+    stage: Stage,
+    checkpointing: bool,
+    steps: usize,
+) -> (Vec<(u64, u64)>, Vec<f32>) {
+    let device_of = || gpt_device(checkpointing);
+    let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+        let device = device_of();
+        let (mut model, mut optim) = ShardConfig::new(stage)
+            .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
+            .unwrap();
+        let mut per_step = Vec::new();
+        for step in 0..steps {
+            let ids: Vec<i64> = (0..16).map(|i| ((i * 7 + step * 3) % 11) as i64).collect();
+            let idx = Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [2, 8]), &device);
+            let targets = Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 8]), &device);
+            let before = optim.comm().stats();
+            let l = model.loss(idx, targets);
+            let grads = GradientsParams::from_grads(l.backward(), &model);
+            model = optim.step(1e-3, model, grads).unwrap();
+            let st = optim.comm().stats().since(&before).get(CollectiveKind::AllGather);
+            per_step.push((st.calls, st.bytes_sent));
+        }
+        // Unsharding is a collective at stage 3: every rank does it.
+        (per_step, params_of(&model.clone().materialize()))
+    })
+    .unwrap();
+    runs.into_iter().next().unwrap()
+}
+
+fn gpt_device(checkpointing: bool) -> Device {
+    match checkpointing {
+        true => Device::flex().autodiff().gradient_checkpointing(),
+        false => Device::flex().autodiff(),
+    }
+}
+
+#[test]
+fn stage3_grouped_gathers_train_the_example_gpt_as_stage_0_and_move_the_same_bytes() {
+    for n in [2usize, 3] {
+        for checkpointing in [false, true] {
+            let config = GptConfig {
+                vocab_size: 11,
+                block_size: 8,
+                n_embd: 16,
+                n_head: 2,
+                n_layer: 3,
+            };
+            let base = Gpt::new(&config, &gpt_device(checkpointing));
+            let (steps, params) = gpt_gathers_per_step(&base, n, Stage::Three, checkpointing, 3);
+            let (_, reference) = gpt_gathers_per_step(&base, n, Stage::Zero, checkpointing, 3);
+            let diff = max_abs_diff(&params, &reference);
+            assert!(
+                diff <= 1e-5,
+                "N={n} checkpointing={checkpointing}: stage 3 with grouped gathers drifts from stage 0 by {diff}"
+            );
+            let (first_calls, first_bytes) = steps[0];
+            for &(calls, bytes) in &steps[1..] {
+                assert_eq!(bytes, first_bytes, "N={n} checkpointing={checkpointing}: {steps:?}");
+                assert!(calls < first_calls, "N={n} checkpointing={checkpointing}: {steps:?}");
+            }
+        }
+    }
 }

@@ -14,9 +14,18 @@ The model: token + position embeddings, pre-norm blocks of causal multi-head sel
 weight_decay=0.1), the examples' learning-rate schedule. Batches are random windows of the same
 tiny shakespeare text, the global batch split over the ranks.
 
-Rank 0 prints one line `TORCH_RESULT <json>`: rank 0's step times (ms, warm-up excluded), and
-for every rank its max RSS and the bytes of its parameters, gradients and optimizer state
-(the local shards of DTensors).
+Rank 0 prints one line `TORCH_RESULT <json>`: rank 0's step times (ms, warm-up excluded), the
+same steps split into phases (ms; `forward_ms`: `zero_grad` + forward + loss, `backward_ms`:
+`loss.backward()`, `optimizer_ms`: `opt.step()` + `loss.item()`; the three add up to
+`step_ms`), and for every rank its max RSS and the bytes of its parameters, gradients and
+optimizer state (the local shards of DTensors).
+
+The phases are wall time on the CPU, where every op has finished when its Python call returns.
+They include PyTorch's collectives, which run inside DDP's and FSDP2's hooks and cannot be
+timed apart from the outside: DDP's all-reduce is launched during backward and waited for at its
+end (backward), ZeroRedundancyOptimizer's broadcast of the updated parameters runs in
+`opt.step()`, FSDP2's all-gathers run in forward (and again in backward when it reshards after
+forward) and its reduce-scatters in backward.
 """
 import argparse
 import json
@@ -162,6 +171,7 @@ def main():
     gen = torch.Generator().manual_seed(args.seed + rank * 7919)
     total = args.warmup + args.steps
     times, grads_bytes = [], 0
+    phases = {"forward_ms": [], "backward_ms": [], "optimizer_ms": []}
     for step in range(total):
         starts = torch.randint(0, len(ids) - args.block_size - 1, (local,), generator=gen)
         x = torch.stack([ids[s : s + args.block_size] for s in starts.tolist()])
@@ -171,14 +181,21 @@ def main():
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(x, y)
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         if step == total - 1:
             grads_bytes = sum(local_bytes(p.grad) for p in model.parameters())
+        t2_resume = time.perf_counter()  # the bookkeeping above is left out of the times
         opt.step()
         loss.item()
-        dt = time.perf_counter() - t0
+        t3 = time.perf_counter()
         if step >= args.warmup:
-            times.append(dt * 1e3)
+            forward, backward, optimizer = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2_resume) * 1e3
+            phases["forward_ms"].append(forward)
+            phases["backward_ms"].append(backward)
+            phases["optimizer_ms"].append(optimizer)
+            times.append(forward + backward + optimizer)
 
     mine = {
         "rank": rank,
@@ -206,6 +223,7 @@ def main():
             "adamw": adamw_impl,
             "params": n_params,
             "step_ms": times,
+            **phases,
             "ranks": ranks,
         }
         print("TORCH_RESULT " + json.dumps(out), flush=True)

@@ -12,29 +12,33 @@
 //! rank spends inside collectives (blocking calls: none of it is hidden behind compute today),
 //! and the process's peak RSS. Theirs (`xtask/bench/torch_gpt.py`): step time, tokens/s, the
 //! bytes of each rank's parameters, gradients and optimizer state, and each rank's peak RSS.
+//! Both sides also split rank 0's step into forward, backward and optimizer step, ours with the
+//! time inside collectives per phase (`bench_profile.rs`).
 //!
-//! Outputs: a markdown table on stdout, `bench_sharding.csv`, and a sweep of the small model's
-//! per-rank model state over world sizes (`bench_sharding_memory.csv` and `.png`, measured
-//! next to the formula) in `--out`.
+//! Outputs: a markdown table on stdout, a second one of the per-phase profile,
+//! `bench_sharding.csv` (both tables' columns), and a sweep of the small model's per-rank model
+//! state over world sizes (`bench_sharding_memory.csv` and `.png`, measured next to the formula)
+//! in `--out`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::Tensor;
-use burn_shard::comm::{Collective, CommError, CommStats, InProcessGroup, ReduceOp, run_ranks};
+use burn_shard::comm::{Collective, CommStats, InProcessGroup, run_ranks};
 use burn_shard::{MemoryReport, ShardConfig, ShardError, Stage};
 use burn_shard_examples::char_data::{CharCorpus, sample_batch};
 use burn_shard_examples::gpt::{Gpt, GptConfig};
 use burn_shard_examples::training::{lr_at, training_device};
 use plotters::prelude::*;
+use profile::{Mark, PhaseSeries, Phases};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_json::{Value, json};
+
+#[path = "bench_profile.rs"]
+mod profile;
 
 const MIB: f64 = 1024.0 * 1024.0;
 const SEED: u64 = 1337;
@@ -184,7 +188,12 @@ const CONFIGS: [Config; 5] = [
 struct Ours {
     params: usize,
     step_ms: f64,
+    /// Median time rank 0 was blocked on collectives per step, ms (exposed communication).
     comm_ms: f64,
+    /// Mean time rank 0's collectives ran per step, ms, exposed or hidden.
+    comm_busy_ms: f64,
+    /// Share of the collectives' time hidden behind compute, `1 - exposed/busy`.
+    hidden_share: f64,
     sent_per_step: f64,
     step_ms_min: f64,
     /// Largest per-rank model state (params + grads + optimizer state) over the ranks.
@@ -192,6 +201,13 @@ struct Ours {
     rss: u64,
     /// Cores other processes kept busy while it ran ([`OthersLoad`]).
     others: f64,
+    /// Rank 0's wall time per phase, median over the timed steps, ms.
+    phases: Phases,
+    /// Rank 0's time inside collective calls per phase, median over the timed steps, ms.
+    comm_phases: Phases,
+    /// Rank 0's wall time per phase less its time inside collectives, median over the timed
+    /// steps of the per-step difference, ms.
+    compute_phases: Phases,
 }
 
 /// What one PyTorch run measured.
@@ -199,6 +215,8 @@ struct Theirs {
     params: usize,
     step_ms: f64,
     step_ms_min: f64,
+    /// Rank 0's wall time per phase (collectives included), median over the timed steps, ms.
+    phases: Phases,
     model_state: u64,
     rss_max: u64,
     others: f64,
@@ -270,6 +288,7 @@ pub fn run(args: &Args) -> Result<(), String> {
     }
     let sweep = memory_sweep(&exe.0, args, threads)?;
     print_table(args, &rows, threads, python.is_some());
+    profile::print_table(&rows);
     let out = if args.out.is_absolute() {
         args.out.clone()
     } else {
@@ -412,6 +431,8 @@ fn run_ours(
         step_ms: median(floats(&v["step_ms"])),
         step_ms_min: floats(&v["step_ms"]).into_iter().fold(f64::NAN, f64::min),
         comm_ms: median(floats(&v["comm_ms"])),
+        comm_busy_ms: num("comm_busy_ms"),
+        hidden_share: num("hidden_share"),
         sent_per_step: num("sent_per_step"),
         model_state: v["ranks"]
             .as_array()
@@ -427,6 +448,9 @@ fn run_ours(
             .unwrap_or(0) as usize,
         rss: v["max_rss_bytes"].as_u64().unwrap_or(0),
         others,
+        phases: Phases::median_of(&v, ""),
+        comm_phases: Phases::median_of(&v, "comm_"),
+        compute_phases: Phases::median_of_difference(&v, "", "comm_"),
     })
 }
 
@@ -487,81 +511,17 @@ fn floats(v: &Value) -> Vec<f64> {
     v.as_array().into_iter().flatten().filter_map(Value::as_f64).collect()
 }
 
-/// A collective that adds the wall time this rank spends inside each call to a counter.
-struct TimedComm<C> {
-    inner: C,
-    nanos: Arc<AtomicU64>,
-}
-
-impl<C: Collective> TimedComm<C> {
-    fn time<T>(&self, f: impl FnOnce(&C) -> T) -> T {
-        let start = Instant::now();
-        let out = f(&self.inner);
-        self.nanos
-            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        out
-    }
-}
-
-impl<C: Collective> Collective for TimedComm<C> {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-
-    fn all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
-        self.time(|c| c.all_reduce(tensor, op))
-    }
-
-    fn reduce_scatter(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
-        self.time(|c| c.reduce_scatter(tensor, op))
-    }
-
-    fn all_gather(&self, tensor: Tensor<1>) -> Result<Tensor<1>, CommError> {
-        self.time(|c| c.all_gather(tensor))
-    }
-
-    fn broadcast(&self, tensor: Tensor<1>, root: usize) -> Result<Tensor<1>, CommError> {
-        self.time(|c| c.broadcast(tensor, root))
-    }
-
-    fn reduce_scatter_tagged(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Result<Tensor<1>, CommError> {
-        self.time(|c| c.reduce_scatter_tagged(tensor, op, tag))
-    }
-
-    fn all_gather_tagged(&self, tensor: Tensor<1>, tag: u64) -> Result<Tensor<1>, CommError> {
-        self.time(|c| c.all_gather_tagged(tensor, tag))
-    }
-
-    fn all_gather_many(&self, tensors: Vec<Tensor<1>>) -> Result<Vec<Tensor<1>>, CommError> {
-        self.time(|c| c.all_gather_many(tensors))
-    }
-
-    fn reduce_scatter_many(&self, tensors: Vec<Tensor<1>>, op: ReduceOp) -> Result<Vec<Tensor<1>>, CommError> {
-        self.time(|c| c.reduce_scatter_many(tensors, op))
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        self.time(|c| c.barrier())
-    }
-
-    fn stats(&self) -> CommStats {
-        self.inner.stats()
-    }
-
-    fn abort(&self, reason: &str) {
-        self.inner.abort(reason)
-    }
-}
-
 /// What one rank of a worker measured.
 struct RankRun {
     step_ms: Vec<f64>,
     comm_ms: Vec<f64>,
+    /// The same steps split into forward, backward and optimizer step.
+    phases: PhaseSeries,
     sent: u64,
+    /// Time the rank's collectives ran per timed step, ms (`CommStats::busy`).
+    busy_ms: f64,
+    /// Share of that time hidden behind compute (`CommStats::hidden_share`).
+    hidden_share: Option<f64>,
     memory: MemoryReport,
 }
 
@@ -603,11 +563,6 @@ fn worker(args: &Args, spec: &str) -> Result<(), String> {
     let group = InProcessGroup::new(n).map_err(|e| e.to_string())?;
     let ranks = run_ranks(group, |comm| -> Result<RankRun, ShardError> {
         let rank = comm.rank();
-        let nanos = Arc::new(AtomicU64::new(0));
-        let comm = TimedComm {
-            inner: comm,
-            nanos: nanos.clone(),
-        };
         let device = training_device(stage);
         // The example's optimizer: Burn's AdamW config, run as the fused AdamW step.
         let optimizer = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1);
@@ -616,7 +571,10 @@ fn worker(args: &Args, spec: &str) -> Result<(), String> {
         let mut run = RankRun {
             step_ms: Vec::new(),
             comm_ms: Vec::new(),
+            phases: PhaseSeries::default(),
             sent: 0,
+            busy_ms: 0.0,
+            hidden_share: None,
             memory: optim.memory_report(&model),
         };
         let mut sent_before = CommStats::default();
@@ -625,19 +583,25 @@ fn worker(args: &Args, spec: &str) -> Result<(), String> {
             if step == warmup {
                 sent_before = optim.comm().stats();
             }
-            let comm_before = nanos.load(Ordering::Relaxed);
-            let start = Instant::now();
+            // Phase boundaries. Flex runs every op when it is called (no fusion, no queue), so
+            // each phase's work is done when its call returns: no read-back needed to close it.
+            let start = Mark::now(&optim.comm().stats());
             let loss = model.loss(x, y);
+            let forward_done = Mark::now(&optim.comm().stats());
             let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let backward_done = Mark::now(&optim.comm().stats());
             model = optim.step(lr_at(step, total, PEAK_LR, total / 20), model, grads)?;
-            let elapsed = start.elapsed().as_secs_f64() * 1e3;
+            let step_done = Mark::now(&optim.comm().stats());
             if step >= warmup {
+                let (elapsed, in_comm) = run.phases.push([start, forward_done, backward_done, step_done]);
                 run.step_ms.push(elapsed);
-                run.comm_ms
-                    .push((nanos.load(Ordering::Relaxed) - comm_before) as f64 / 1e6);
+                run.comm_ms.push(in_comm);
             }
         }
-        run.sent = optim.comm().stats().since(&sent_before).total_bytes_sent();
+        let timed = optim.comm().stats().since(&sent_before);
+        run.sent = timed.total_bytes_sent();
+        run.busy_ms = timed.busy().as_secs_f64() * 1e3 / steps.max(1) as f64;
+        run.hidden_share = timed.hidden_share();
         run.memory = optim.memory_report(&model);
         Ok(run)
     })
@@ -646,12 +610,14 @@ fn worker(args: &Args, spec: &str) -> Result<(), String> {
     .collect::<Result<Vec<_>, _>>()
     .map_err(|e| e.to_string())?;
     let r0 = &ranks[0];
-    let result = json!({
+    let mut result = json!({
         "params": params,
         "stage": stage.number(),
         "world_size": n,
         "step_ms": r0.step_ms,
         "comm_ms": r0.comm_ms,
+        "comm_busy_ms": r0.busy_ms,
+        "hidden_share": r0.hidden_share,
         "sent_per_step": r0.sent as f64 / steps.max(1) as f64,
         "max_rss_bytes": peak_rss(),
         "ranks": ranks.iter().map(|r| json!({
@@ -661,6 +627,10 @@ fn worker(args: &Args, spec: &str) -> Result<(), String> {
             "temp_peak": r.memory.temporary_peak_bytes,
         })).collect::<Vec<_>>(),
     });
+    result
+        .as_object_mut()
+        .expect("a JSON object")
+        .extend(r0.phases.to_json());
     println!("BENCH_RESULT {result}");
     Ok(())
 }
@@ -779,6 +749,7 @@ fn run_theirs(
             params: v["params"].as_u64().unwrap_or(0) as usize,
             step_ms: median(floats(&v["step_ms"])),
             step_ms_min: floats(&v["step_ms"]).into_iter().fold(f64::NAN, f64::min),
+            phases: Phases::median_of(&v, ""),
             model_state: ranks
                 .iter()
                 .map(|r| field(r, "params_bytes") + field(r, "grads_bytes") + field(r, "optim_bytes"))
@@ -960,8 +931,10 @@ fn print_table(args: &Args, rows: &[Row], threads: usize, torch: bool) {
     }
     println!(
         "State = params + grads + optimizer state per rank (ours: memory_report, largest rank; formula in parentheses); \
-         sent = bytes per rank per step (CommStats; ring theory in parentheses); in collectives = rank 0's time inside \
-         blocking collective calls (waiting included; no overlap yet, so none of it is hidden); RSS = peak resident memory \
+         sent = bytes per rank per step (CommStats; ring theory in parentheses); in collectives = rank 0's time blocked \
+         on collectives (CommStats::exposed: synchronous calls whole, waiting included, and the unfinished part of a \
+         prefetched gather when it is needed), with the step's share; hidden = share of the time the collectives ran \
+         (CommStats::busy) that overlapped compute; RSS = peak resident memory \
          (ours: the one process of all ranks; PyTorch: the largest rank process); others' load = cores kept busy by \
          other processes of the machine while the configuration ran (/proc/stat less this bench's own CPU time)."
     );
@@ -969,10 +942,10 @@ fn print_table(args: &Args, rows: &[Row], threads: usize, torch: bool) {
     println!(
         "| model (Ψ) | ours | PyTorch | ours ms/step | PyTorch ms/step | time ours/PyTorch | ours tokens/s | PyTorch tokens/s \
          | ours / ours stage 0 | PyTorch / DDP | ours state MiB/rank (formula) | PyTorch state MiB/rank \
-         | ours sent MiB/rank/step (theory) | ours in collectives ms/step | ours RSS MiB | PyTorch RSS MiB/rank \
+         | ours sent MiB/rank/step (theory) | ours in collectives ms/step | ours comm hidden | ours RSS MiB | PyTorch RSS MiB/rank \
          | others' load, cores (ours / PyTorch) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let o = &r.ours;
         let (base_ours, base_theirs) = baseline(rows, r.size);
@@ -989,7 +962,7 @@ fn print_table(args: &Args, rows: &[Row], threads: usize, torch: bool) {
         };
         let ours_label = format!("{}, N={}", r.config.label, r.world_size);
         println!(
-            "| {model} | {ours_label} | {} | {:.1} | {} | {} | {:.0} | {} | {:.2}x | {} | {:.2} ({:.2}) | {} | {:.2} ({:.2}) | {:.1} ({:.0}%) | {:.0} | {} | {:.1} / {} |",
+            "| {model} | {ours_label} | {} | {:.1} | {} | {} | {:.0} | {} | {:.2}x | {} | {:.2} ({:.2}) | {} | {:.2} ({:.2}) | {:.1} ({:.0}%) | {} | {:.0} | {} | {:.1} / {} |",
             if t.is_some() || torch {
                 r.config.torch_label.to_string()
             } else {
@@ -1012,6 +985,11 @@ fn print_table(args: &Args, rows: &[Row], threads: usize, torch: bool) {
             sent_theory(r.config.stage, o.params, r.world_size) / MIB,
             o.comm_ms,
             100.0 * o.comm_ms / o.step_ms,
+            if o.hidden_share.is_finite() {
+                format!("{:.0}% of {:.1} ms", 100.0 * o.hidden_share, o.comm_busy_ms)
+            } else {
+                "-".to_string()
+            },
             o.rss as f64 / MIB,
             t.map_or_else(na, |t| format!("{:.0}", t.rss_max as f64 / MIB)),
             o.others,
@@ -1033,7 +1011,7 @@ fn print_table(args: &Args, rows: &[Row], threads: usize, torch: bool) {
 
 fn write_csv(path: &Path, args: &Args, rows: &[Row], threads: usize) -> Result<(), csv::Error> {
     let mut w = csv::Writer::from_path(path)?;
-    w.write_record([
+    let header = [
         "size",
         "params",
         "ours",
@@ -1050,6 +1028,8 @@ fn write_csv(path: &Path, args: &Args, rows: &[Row], threads: usize) -> Result<(
         "ours_sent_bytes_per_step",
         "theory_sent_bytes_per_step",
         "ours_collective_ms_per_step",
+        "ours_collective_busy_ms_per_step",
+        "ours_collective_hidden_share",
         "ours_peak_rss_bytes",
         "ours_other_load_cores",
         "pytorch",
@@ -1064,12 +1044,13 @@ fn write_csv(path: &Path, args: &Args, rows: &[Row], threads: usize) -> Result<(
         "pytorch_other_load_cores",
         "step_time_ours_over_pytorch",
         "pytorch_error",
-    ])?;
+    ];
+    w.write_record(header.into_iter().chain(profile::CSV_HEADER))?;
     for r in rows {
         let o = &r.ours;
         let t = r.theirs.as_ref().ok();
         let opt = |f: &dyn Fn(&Theirs) -> String| t.map_or(String::new(), f);
-        w.write_record([
+        let fields = [
             r.size.name().to_string(),
             o.params.to_string(),
             r.config.label.to_string(),
@@ -1086,6 +1067,12 @@ fn write_csv(path: &Path, args: &Args, rows: &[Row], threads: usize) -> Result<(
             format!("{:.0}", o.sent_per_step),
             format!("{:.0}", sent_theory(r.config.stage, o.params, r.world_size)),
             format!("{:.3}", o.comm_ms),
+            format!("{:.3}", o.comm_busy_ms),
+            if o.hidden_share.is_finite() {
+                format!("{:.4}", o.hidden_share)
+            } else {
+                String::new()
+            },
             o.rss.to_string(),
             format!("{:.2}", o.others),
             r.config.torch_label.to_string(),
@@ -1100,7 +1087,8 @@ fn write_csv(path: &Path, args: &Args, rows: &[Row], threads: usize) -> Result<(
             opt(&|t| format!("{:.2}", t.others)),
             opt(&|t| format!("{:.3}", o.step_ms / t.step_ms)),
             r.theirs.as_ref().err().cloned().unwrap_or_default(),
-        ])?;
+        ];
+        w.write_record(fields.into_iter().chain(profile::csv_fields(r)))?;
     }
     w.flush()?;
     Ok(())

@@ -2,7 +2,7 @@
 
 use burn::tensor::Tensor;
 
-use crate::{CommError, CommStats};
+use crate::{CommError, CommStats, Work};
 
 /// How values from all ranks are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -98,6 +98,22 @@ pub trait Collective: Send + Sync {
         tensors.into_iter().map(|t| self.reduce_scatter(t, op)).collect()
     }
 
+    /// Starts [`Collective::all_gather_tagged`] and returns at once with a handle to wait on
+    /// (PyTorch's `async_op=True`), so the caller can compute while the gather runs: FSDP's
+    /// prefetch of the next unit's parameters.
+    ///
+    /// The call takes its place in this rank's order of collectives when it is made: every
+    /// rank must start it at the same point of its sequence of calls, as for a synchronous
+    /// call. Backends with a communication thread (the in-process one) run it there and every
+    /// later call of the rank queues behind it; the default runs it here, to completion, and
+    /// returns a finished [`Work`] (correct, nothing overlapped).
+    ///
+    /// # Errors
+    /// Through [`Work::wait`], as [`Collective::all_gather`].
+    fn all_gather_async(&self, tensor: Tensor<1>, tag: u64) -> Work<Tensor<1>> {
+        Work::done(self.all_gather_tagged(tensor, tag))
+    }
+
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<(), CommError>;
 
@@ -152,6 +168,10 @@ impl<C: Collective + ?Sized> Collective for std::sync::Arc<C> {
 
     fn reduce_scatter_many(&self, tensors: Vec<Tensor<1>>, op: ReduceOp) -> Result<Vec<Tensor<1>>, CommError> {
         (**self).reduce_scatter_many(tensors, op)
+    }
+
+    fn all_gather_async(&self, tensor: Tensor<1>, tag: u64) -> Work<Tensor<1>> {
+        (**self).all_gather_async(tensor, tag)
     }
 
     fn barrier(&self) -> Result<(), CommError> {

@@ -20,7 +20,8 @@ use crate::call_sig::CallSig;
 use crate::host::HostBuffer;
 use crate::ring::{self, RingLink};
 use crate::stats::{CollectiveKind, StatsCounter};
-use crate::{Collective, CommError, CommStats, ReduceOp};
+use crate::work::CommThread;
+use crate::{Collective, CommError, CommStats, ReduceOp, Work};
 
 /// How often a blocked rank looks at the group's abort flag.
 const POLL: Duration = Duration::from_millis(10);
@@ -81,14 +82,17 @@ impl InProcessGroup {
             .map(|(rank, next)| {
                 let prev_rank = (rank + n - 1) % n;
                 InProcessComm {
-                    rank,
-                    world_size: n,
-                    timeout: self.timeout,
-                    next,
-                    prev: Mutex::new(receivers[prev_rank].take().expect("each receiver is taken once")),
-                    seq: AtomicU64::new(0),
-                    shared: shared.clone(),
-                    stats: StatsCounter::default(),
+                    end: Arc::new(Endpoint {
+                        rank,
+                        world_size: n,
+                        timeout: self.timeout,
+                        next,
+                        prev: Mutex::new(receivers[prev_rank].take().expect("each receiver is taken once")),
+                        seq: AtomicU64::new(0),
+                        shared: shared.clone(),
+                        stats: StatsCounter::default(),
+                    }),
+                    thread: CommThread::new(format!("burn-shard-comm-rank-{rank}")),
                 }
             })
             .collect()
@@ -127,7 +131,18 @@ struct Message {
 
 /// One rank's handle of an [`InProcessGroup`]. Dropping it (or panicking while holding it)
 /// tells the other ranks that this rank is gone.
+///
+/// Collectives run on the calling thread until the first asynchronous call
+/// ([`Collective::all_gather_async`]) starts this rank's communication thread; from then on
+/// every call of the rank runs there, in the order the calls were made, so an asynchronous
+/// gather overlaps the caller's compute while the ranks' sequences stay aligned.
 pub struct InProcessComm {
+    end: Arc<Endpoint>,
+    thread: CommThread,
+}
+
+/// This rank's end of the ring: what a call needs, shared with the communication thread.
+struct Endpoint {
     rank: usize,
     world_size: usize,
     timeout: Duration,
@@ -141,8 +156,8 @@ pub struct InProcessComm {
 impl fmt::Debug for InProcessComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("InProcessComm")
-            .field("rank", &self.rank)
-            .field("world_size", &self.world_size)
+            .field("rank", &self.end.rank)
+            .field("world_size", &self.end.world_size)
             .finish()
     }
 }
@@ -150,14 +165,14 @@ impl fmt::Debug for InProcessComm {
 impl Drop for InProcessComm {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.shared.abort(format!("rank {} panicked", self.rank));
+            self.end.shared.abort(format!("rank {} panicked", self.end.rank));
         }
     }
 }
 
 /// One collective call in flight: the ring link of this rank, checked and counted.
 struct Call<'a> {
-    comm: &'a InProcessComm,
+    comm: &'a Endpoint,
     prev: &'a Receiver<Message>,
     seq: u64,
     sig: CallSig,
@@ -232,7 +247,7 @@ impl RingLink for Call<'_> {
     }
 }
 
-impl InProcessComm {
+impl Endpoint {
     /// Runs `body` as collective call number `seq`, with abort bookkeeping and traffic counting.
     fn call<T>(
         &self,
@@ -281,15 +296,9 @@ impl InProcessComm {
     }
 }
 
-impl Collective for InProcessComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
+/// The collectives themselves, run by [`InProcessComm`] on the caller's or the communication
+/// thread.
+impl Endpoint {
     fn all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
         let HostBuffer {
             mut values,
@@ -305,10 +314,6 @@ impl Collective for InProcessComm {
             ring::all_gather(link, &mut values)
         })?;
         Ok(HostBuffer::into_tensor(values, dtype, &device))
-    }
-
-    fn reduce_scatter(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
-        self.reduce_scatter_tagged(tensor, op, 0)
     }
 
     fn reduce_scatter_tagged(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Result<Tensor<1>, CommError> {
@@ -333,10 +338,6 @@ impl Collective for InProcessComm {
             out.iter_mut().for_each(|v| *v /= n as f32);
         }
         Ok(HostBuffer::into_tensor(out, dtype, &device))
-    }
-
-    fn all_gather(&self, tensor: Tensor<1>) -> Result<Tensor<1>, CommError> {
-        self.all_gather_tagged(tensor, 0)
     }
 
     fn all_gather_tagged(&self, tensor: Tensor<1>, tag: u64) -> Result<Tensor<1>, CommError> {
@@ -372,12 +373,60 @@ impl Collective for InProcessComm {
             ring::all_gather(link, &mut empty)
         })
     }
+}
+
+impl Collective for InProcessComm {
+    fn rank(&self) -> usize {
+        self.end.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.end.world_size
+    }
+
+    fn all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        let end = self.end.clone();
+        self.thread.run(move || end.all_reduce(tensor, op))
+    }
+
+    fn reduce_scatter(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+        self.reduce_scatter_tagged(tensor, op, 0)
+    }
+
+    fn reduce_scatter_tagged(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Result<Tensor<1>, CommError> {
+        let end = self.end.clone();
+        self.thread.run(move || end.reduce_scatter_tagged(tensor, op, tag))
+    }
+
+    fn all_gather(&self, tensor: Tensor<1>) -> Result<Tensor<1>, CommError> {
+        self.all_gather_tagged(tensor, 0)
+    }
+
+    fn all_gather_tagged(&self, tensor: Tensor<1>, tag: u64) -> Result<Tensor<1>, CommError> {
+        let end = self.end.clone();
+        self.thread.run(move || end.all_gather_tagged(tensor, tag))
+    }
+
+    fn all_gather_async(&self, tensor: Tensor<1>, tag: u64) -> Work<Tensor<1>> {
+        let end = self.end.clone();
+        self.thread.start(move || end.all_gather_tagged(tensor, tag))
+    }
+
+    fn broadcast(&self, tensor: Tensor<1>, root: usize) -> Result<Tensor<1>, CommError> {
+        let end = self.end.clone();
+        self.thread.run(move || end.broadcast(tensor, root))
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        let end = self.end.clone();
+        self.thread.run(move || end.barrier())
+    }
 
     fn stats(&self) -> CommStats {
-        self.stats.snapshot()
+        self.end.stats.snapshot().with_time(self.thread.timing().snapshot())
     }
 
     fn abort(&self, reason: &str) {
-        self.shared.abort(reason.to_string());
+        self.end.shared.abort(reason.to_string());
     }
 }

@@ -31,6 +31,7 @@ mod nccl;
 mod rendezvous;
 mod ring;
 mod stats;
+mod work;
 
 pub use collective::{Collective, ReduceOp};
 pub use error::CommError;
@@ -40,6 +41,7 @@ pub use rendezvous::{
     MAX_KEY_BYTES, MAX_VALUE_BYTES, RENDEZVOUS_DEFAULT_TIMEOUT, Rendezvous, RendezvousEnv, StoreClient, StoreServer,
 };
 pub use stats::{CollectiveKind, CommStats, OpStats};
+pub use work::Work;
 
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MPI_DEFAULT_TIMEOUT, MpiComm, launched_by_mpirun};

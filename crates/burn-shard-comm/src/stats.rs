@@ -1,6 +1,7 @@
-//! Per-rank traffic counters.
+//! Per-rank traffic and timing counters.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// The five collectives, used to index [`CommStats`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -51,10 +52,12 @@ pub struct OpStats {
     pub bytes_sent: u64,
 }
 
-/// A snapshot of one rank's traffic, per collective.
+/// A snapshot of one rank's traffic, per collective, and of its time in collectives.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CommStats {
     ops: [OpStats; 5],
+    busy: Duration,
+    exposed: Duration,
 }
 
 impl CommStats {
@@ -68,14 +71,44 @@ impl CommStats {
         self.ops.iter().map(|o| o.bytes_sent).sum()
     }
 
-    /// The traffic between an earlier snapshot and this one.
+    /// Wall time this rank's collectives ran (seconds), synchronous and asynchronous calls
+    /// alike. Measured by the in-process backend; backends that do not measure it report zero.
+    pub fn busy(&self) -> Duration {
+        self.busy
+    }
+
+    /// Wall time callers were blocked on this rank's collectives: the whole of every
+    /// synchronous call, and the part of an asynchronous call's run that had not finished when
+    /// its [`Work::wait`](crate::Work::wait) began. At most [`CommStats::busy`], up to
+    /// clock granularity.
+    pub fn exposed(&self) -> Duration {
+        self.exposed
+    }
+
+    /// Share of [`CommStats::busy`] hidden behind the caller's own work,
+    /// `1 - exposed / busy` in `[0, 1]`; `None` when no time was measured.
+    pub fn hidden_share(&self) -> Option<f64> {
+        let busy = self.busy.as_secs_f64();
+        (busy > 0.0).then(|| (1.0 - self.exposed.as_secs_f64() / busy).clamp(0.0, 1.0))
+    }
+
+    /// The traffic and time between an earlier snapshot and this one.
     pub fn since(&self, earlier: &CommStats) -> CommStats {
         let mut out = *self;
         for (o, e) in out.ops.iter_mut().zip(earlier.ops.iter()) {
             o.calls -= e.calls;
             o.bytes_sent -= e.bytes_sent;
         }
+        out.busy = self.busy.saturating_sub(earlier.busy);
+        out.exposed = self.exposed.saturating_sub(earlier.exposed);
         out
+    }
+
+    /// This snapshot with the time counters `(busy, exposed)` set.
+    pub(crate) fn with_time(mut self, (busy, exposed): (Duration, Duration)) -> CommStats {
+        self.busy = busy;
+        self.exposed = exposed;
+        self
     }
 }
 

@@ -215,6 +215,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         model: M,
         grads: GradientsParams,
     ) -> Result<M, ShardError> {
+        if let Some(fsdp) = self.plan.fsdp() {
+            // The shards are about to change: no gather of this pass is used again.
+            fsdp.end_pass();
+        }
         let result = self.step_with(&lr.into(), model, grads);
         if let Err(e) = &result {
             // A rank that fails alone (a wrong model, say) must not leave the others waiting.

@@ -3,7 +3,13 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
 
+use burn::backend::Flex;
+use burn::tensor::Tensor;
 use burn_shard_comm::{Collective, CommError};
+
+use super::collectives::all_gather_full;
+use super::gather_op::GatherSpec;
+use super::schedule::Schedule;
 
 /// Shared by the sharded parameters of one model on one rank. Cheap to clone.
 #[derive(Clone)]
@@ -14,6 +20,7 @@ struct Inner {
     reshard_after_forward: bool,
     first_error: Mutex<Option<CommError>>,
     transient: Mutex<TransientProbes>,
+    schedule: Mutex<Schedule>,
 }
 
 impl fmt::Debug for FsdpContext {
@@ -33,7 +40,32 @@ impl FsdpContext {
             reshard_after_forward,
             first_error: Mutex::new(None),
             transient: Mutex::new(TransientProbes::default()),
+            schedule: Mutex::new(Schedule::default()),
         }))
+    }
+
+    /// The full `[numel]` parameter of `spec`: taken from its unit's grouped all-gather when the
+    /// schedule fetched it, else all-gathered alone (see [`super::schedule`]).
+    pub(crate) fn gather(&self, spec: &GatherSpec) -> Tensor<1> {
+        let mut schedule = self.0.schedule.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(full) = schedule.take(self, spec) {
+            return full;
+        }
+        drop(schedule);
+        let full = all_gather_full(self, spec.shard.clone(), spec.numel, spec.tag);
+        self.watch_tensor(&full, spec.numel * full.dtype().size());
+        full
+    }
+
+    /// Records that `spec`'s shard is the parameter's current one (at sharding, and each time
+    /// the optimizer or a checkpoint load replaces it), for the grouped gathers.
+    pub(crate) fn register(&self, spec: &GatherSpec) {
+        self.0.schedule.lock().unwrap_or_else(|p| p.into_inner()).register(spec);
+    }
+
+    /// Called before the optimizer replaces the shards: nothing gathered so far is used again.
+    pub(crate) fn end_pass(&self) {
+        self.0.schedule.lock().unwrap_or_else(|p| p.into_inner()).end_pass();
     }
 
     pub(crate) fn comm(&self) -> &dyn Collective {
@@ -63,6 +95,23 @@ impl FsdpContext {
     pub(crate) fn watch_transient<T: Send + Sync + 'static>(&self, alive: Weak<T>, bytes: usize) {
         let mut t = self.0.transient.lock().unwrap_or_else(|p| p.into_inner());
         t.watch(Box::new(move || alive.strong_count() > 0), bytes);
+    }
+
+    /// Watches a gathered tensor of `bytes` bytes when it lives on the host (`Flex`); device
+    /// memory is its allocator's to report.
+    pub(crate) fn watch_tensor(&self, tensor: &Tensor<1>, bytes: usize) {
+        if let Ok(host) = tensor.clone().try_into_primitive::<Flex>() {
+            self.watch_transient(Arc::downgrade(&host.data_arc()), bytes);
+        }
+    }
+
+    /// Watches `bytes` bytes in flight on the host (when `sample`, a tensor on the same device,
+    /// lives on `Flex`), for as long as the returned handle is kept.
+    pub(crate) fn watch_in_flight(&self, sample: &Tensor<1>, bytes: usize) -> Option<Arc<()>> {
+        sample.clone().try_into_primitive::<Flex>().ok()?;
+        let handle = Arc::new(());
+        self.watch_transient(Arc::downgrade(&handle), bytes);
+        Some(handle)
     }
 
     /// Peak bytes of watched transient buffers alive at once since the last reset.

@@ -84,7 +84,7 @@ pub(crate) fn on_map(spec: &mut GatherSpec) {
         if let Some(Exchange::Replace(shards)) = e.borrow_mut().as_mut()
             && let Some(shard) = shards.remove(&spec.id)
         {
-            spec.shard = shard;
+            super::sharded_param::set_shard(spec, shard);
         }
     });
 }

@@ -42,8 +42,9 @@ use burn::backend::{Backend, Flex, backend_extension};
 use burn::module::ParamId;
 use burn::tensor::{Shape, Tensor};
 
-use super::collectives::{all_gather_full, reduce_scatter_grad};
+use super::collectives::reduce_scatter_grad;
 use super::context::FsdpContext;
+use super::schedule::Phase;
 
 /// What one gather needs: the shared context, this rank's shard and the parameter's shapes.
 #[derive(Clone, Debug)]
@@ -67,6 +68,13 @@ pub struct GatherSpec {
     /// Names the parameter in its collectives (a hash of its module path, equal on every rank),
     /// so ranks that reach different parameters of equal size fail instead of mixing them.
     pub(crate) tag: u64,
+    /// Identifies the value of `shard` (a new number each time a shard is created or
+    /// replaced), so a gather uses a grouped result only if it gathered this very shard.
+    pub(crate) version: u64,
+    /// Forward gather or backward re-gather: the schedule keeps their groups apart.
+    pub(crate) phase: Phase,
+    /// The [`unit`](super::unit) scope the forward gather runs in, if any.
+    pub(crate) unit_scope: Option<u64>,
 }
 
 /// The stage-3 collectives as backend operations (CPU `Flex` backend, and the CubeCL backend
@@ -90,12 +98,9 @@ pub trait FsdpOps: Backend {
 
 impl FsdpOps for Flex {
     fn fsdp_all_gather(_placeholder: FlexTensor, spec: GatherSpec) -> FlexTensor {
-        let full = all_gather_full(&spec.ctx, spec.shard.clone(), spec.numel, spec.tag);
+        let full = spec.ctx.gather(&spec);
         let full = full.try_into_primitive::<Flex>().expect("a Flex tensor stays on Flex");
-        let full = Flex::float_reshape(full, spec.full_shape.clone());
-        spec.ctx
-            .watch_transient(Arc::downgrade(&full.data_arc()), spec.numel * full.dtype().size());
-        full
+        Flex::float_reshape(full, spec.full_shape.clone())
     }
 
     fn fsdp_all_gather_in_unit(placeholder: FlexTensor, _unit_input: FlexTensor, spec: GatherSpec) -> FlexTensor {
@@ -119,7 +124,7 @@ impl FsdpOps for Flex {
 impl FsdpOps for burn_cubecl::CubeBackend {
     fn fsdp_all_gather(_placeholder: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
         use burn_cubecl::CubeBackend;
-        let full = all_gather_full(&spec.ctx, spec.shard.clone(), spec.numel, spec.tag);
+        let full = spec.ctx.gather(&spec);
         let full = full
             .try_into_primitive::<CubeBackend>()
             .expect("a CubeCL tensor stays on CubeCL");
@@ -253,7 +258,10 @@ fn gather<B: Backend + FsdpOps, C: CheckpointStrategy>(
     let retro = Regather::<B> {
         placeholder: placeholder.id(),
         unit_input: None,
-        spec: spec.clone(),
+        spec: GatherSpec {
+            phase: Phase::Backward,
+            ..spec.clone()
+        },
         _backend: PhantomData,
     };
     let prep = <GatherBackward as Backward<B, 1>>::prepare::<C>(GatherBackward, [placeholder.node()])
@@ -274,7 +282,10 @@ fn gather_in_unit<B: Backend + FsdpOps, C: CheckpointStrategy>(
     let retro = Regather::<B> {
         placeholder: placeholder.id(),
         unit_input: input_tracked.then(|| unit_input.id()),
-        spec: spec.clone(),
+        spec: GatherSpec {
+            phase: Phase::Backward,
+            ..spec.clone()
+        },
         _backend: PhantomData,
     };
     let prep = <GatherInUnitBackward as Backward<B, 2>>::prepare::<C>(

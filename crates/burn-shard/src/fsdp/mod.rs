@@ -10,6 +10,8 @@
 //!   (all-gather forward, re-gather in backward instead of keeping the full weight,
 //!   reduce-scatter of the gradient as soon as it is complete);
 //! - [`collectives`]: the buffer layouts of those collectives (padding, flattening), nothing else;
+//! - [`schedule`]: the per-unit grouped all-gathers, learned from the previous pass, and the
+//!   prefetch of the next unit's while this one computes;
 //! - [`unit`]: marking a unit (e.g. a transformer block) so its reduce-scatters run right after
 //!   its backward instead of at the end of the whole backward pass;
 //! - [`context`]: what the ops share per rank: the collective, the first error, and the
@@ -19,6 +21,7 @@ pub(crate) mod collectives;
 pub(crate) mod context;
 pub(crate) mod exchange;
 pub(crate) mod gather_op;
+pub(crate) mod schedule;
 pub(crate) mod sharded_param;
 pub mod unit;
 

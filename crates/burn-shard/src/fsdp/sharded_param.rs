@@ -14,6 +14,7 @@
 //! shards through [`super::exchange`].
 
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::backend::Dispatch;
 use burn::module::{
@@ -25,7 +26,8 @@ use burn::tensor::{Device, Shape, Tensor};
 use super::context::FsdpContext;
 use super::exchange;
 use super::gather_op::{FsdpOps, GatherSpec};
-use super::unit::current_unit_input;
+use super::schedule::Phase;
+use super::unit::current_unit;
 use crate::census::{Census, EntryKind};
 use crate::layout::ParamSlot;
 
@@ -53,9 +55,13 @@ impl Reparameterization for ShardedParam {
     const NAME: &'static str = "fsdp_shard";
 
     fn apply<const D: usize>(&self, placeholder: Tensor<D>) -> Tensor<D> {
-        let out = match current_unit_input() {
-            Some(input) => {
-                <Dispatch as FsdpOps>::fsdp_all_gather_in_unit(placeholder.into_dispatch(), input, self.spec.clone())
+        let out = match current_unit() {
+            Some((input, scope)) => {
+                let spec = GatherSpec {
+                    unit_scope: Some(scope),
+                    ..self.spec.clone()
+                };
+                <Dispatch as FsdpOps>::fsdp_all_gather_in_unit(placeholder.into_dispatch(), input, spec)
             }
             None => <Dispatch as FsdpOps>::fsdp_all_gather(placeholder.into_dispatch(), self.spec.clone()),
         };
@@ -80,7 +86,8 @@ impl Module for ShardedParam {
         // The shard stays plain: autodiff tracks the placeholder, never the shard.
         let device = device.clone().without_autodiff();
         if self.spec.shard.device() != device {
-            self.spec.shard = self.spec.shard.to_device(&device);
+            let shard = self.spec.shard.clone().to_device(&device);
+            set_shard(&mut self.spec, shard);
         }
         self
     }
@@ -200,12 +207,29 @@ impl Reparameterizer for &mut Sharder {
             numel,
             chunk,
             tag: path_tag(path),
+            version: next_version(),
+            phase: Phase::Forward,
+            unit_scope: None,
         };
+        self.ctx.register(&spec);
         (
             Param::from_mapped_value(id, placeholder, mapper),
             Some(ShardedParam { spec }),
         )
     }
+}
+
+/// Puts `shard` in place as the parameter's current shard, under a new version.
+pub(crate) fn set_shard(spec: &mut GatherSpec, shard: Tensor<1>) {
+    spec.shard = shard;
+    spec.version = next_version();
+    spec.ctx.register(spec);
+}
+
+/// A number no shard value had before (process-wide, so clones of a model never collide).
+fn next_version() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// Names a parameter in its collectives: a hash of its module path, equal on every rank and

@@ -1,13 +1,15 @@
 //! Marking a unit of a stage-3 model.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use burn::backend::DispatchTensor;
 use burn::tensor::Tensor;
 
 thread_local! {
-    /// The input of the unit whose forward is running on this thread, if any.
-    static UNIT_INPUT: RefCell<Option<DispatchTensor>> = const { RefCell::new(None) };
+    /// The unit whose forward is running on this thread, if any: its input and its scope number.
+    static UNIT_INPUT: RefCell<Option<(DispatchTensor, u64)>> = const { RefCell::new(None) };
+    /// Numbers the unit scopes entered on this thread, so gathers know which scope they ran in.
+    static NEXT_SCOPE: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Runs `forward` (one unit, e.g. a transformer block) with `input` as the unit's input.
@@ -15,7 +17,9 @@ thread_local! {
 /// Every parameter all-gathered inside then depends on `input` in the autodiff graph, so its
 /// backward (the reduce-scatter of its gradient) runs as soon as the unit's backward is done,
 /// and the unit's full gradients are freed one unit at a time (FSDP's per-unit
-/// reduce-scatter). Without a unit scope, results are identical but every reduce-scatter waits
+/// reduce-scatter). From the second pass on, the unit's parameters are all-gathered by one
+/// collective, and the next unit's gather runs while this one computes (see
+/// [`schedule`](super::schedule)). Without a unit scope, results are identical but every reduce-scatter waits
 /// for the end of the backward pass. With no sharding active it only calls `forward`, so model
 /// code can use it unconditionally.
 ///
@@ -25,13 +29,18 @@ thread_local! {
 /// }
 /// ```
 pub fn unit<const D: usize, R>(input: &Tensor<D>, forward: impl FnOnce() -> R) -> R {
-    let previous = UNIT_INPUT.with(|u| u.replace(Some(input.clone().into_dispatch())));
+    let scope = NEXT_SCOPE.with(|n| {
+        let scope = n.get();
+        n.set(scope.wrapping_add(1));
+        scope
+    });
+    let previous = UNIT_INPUT.with(|u| u.replace(Some((input.clone().into_dispatch(), scope))));
     let _restore = Restore(previous);
     forward()
 }
 
-/// Puts back the enclosing unit's input, also when `forward` panics.
-struct Restore(Option<DispatchTensor>);
+/// Puts back the enclosing unit, also when `forward` panics.
+struct Restore(Option<(DispatchTensor, u64)>);
 
 impl Drop for Restore {
     fn drop(&mut self) {
@@ -40,7 +49,7 @@ impl Drop for Restore {
     }
 }
 
-/// The current unit's input, if a [`unit`] scope is active on this thread.
-pub(crate) fn current_unit_input() -> Option<DispatchTensor> {
+/// The current unit's input and scope number, if a [`unit`] scope is active on this thread.
+pub(crate) fn current_unit() -> Option<(DispatchTensor, u64)> {
     UNIT_INPUT.with(|u| u.borrow().clone())
 }
