@@ -259,8 +259,10 @@ fn stage3_memory_follows_16_psi_over_n_and_the_largest_unit() {
         optim.memory_report(&model)
     })
     .unwrap();
-    // The largest unit: one block's weight + bias, gathered, plus its full gradients.
-    let largest_unit = 2 * 4 * (width * width + width).max(vocab * width);
+    // The largest unit's bytes: one block's weight + bias. In backward a unit's gathered
+    // parameters and its full gradients (kept for the unit's one reduce-scatter) live with the
+    // previous unit's gradients still being reduce-scattered: FSDP2's "one unit + one in flight".
+    let largest_unit = 3 * 4 * (width * width + width).max(vocab * width);
     // The frozen gain's gather is kept by its consumer until backward (it has no gradient to
     // trigger a re-gather): it is counted on top.
     let frozen = 4 * width;
@@ -275,7 +277,7 @@ fn stage3_memory_follows_16_psi_over_n_and_the_largest_unit() {
         assert!(r.temporary_peak_bytes > 0, "transients are measured");
         assert!(
             r.temporary_peak_bytes <= largest_unit + frozen,
-            "transient peak {} B exceeds the largest unit's gathered params + grads {} B (+{} B frozen): {r}",
+            "transient peak {} B exceeds the largest unit's gathered params + grads + grads in flight {} B (+{} B frozen): {r}",
             r.temporary_peak_bytes,
             largest_unit,
             frozen
@@ -399,7 +401,9 @@ fn ranks_that_gather_different_parameters_fail_instead_of_mixing_them() {
 }
 
 /// Per-step all-gather calls and bytes of rank 0 over `steps` steps of `Net3`.
-fn gathers_per_step(n: usize, reshard: bool, steps: usize) -> Vec<(u64, u64)> {
+/// Per-step `(all-gather calls, bytes, reduce-scatter calls, bytes)` of rank 0 training Net3 at
+/// stage 3.
+fn collectives_per_step(n: usize, reshard: bool, steps: usize) -> Vec<(u64, u64, u64, u64)> {
     let (vocab, width) = (8, 12);
     let device = Device::flex().autodiff();
     let base = Net3::new(vocab, width, &device);
@@ -416,8 +420,9 @@ fn gathers_per_step(n: usize, reshard: bool, steps: usize) -> Vec<(u64, u64)> {
             let l = model.forward(x).powi_scalar(2).mean();
             let grads = GradientsParams::from_grads(l.backward(), &model);
             model = optim.step(1e-3, model, grads).unwrap();
-            let st = optim.comm().stats().since(&before).get(CollectiveKind::AllGather);
-            per_step.push((st.calls, st.bytes_sent));
+            let st = optim.comm().stats().since(&before);
+            let (ag, rs) = (st.get(CollectiveKind::AllGather), st.get(CollectiveKind::ReduceScatter));
+            per_step.push((ag.calls, ag.bytes_sent, rs.calls, rs.bytes_sent));
         }
         per_step
     })
@@ -433,7 +438,8 @@ fn stage3_gathers_each_unit_with_one_collective_from_the_second_step() {
     // forward gathers are one collective moving the same bytes.
     for n in [2usize, 3] {
         for reshard in [true, false] {
-            let steps = gathers_per_step(n, reshard, 3);
+            let per_step = collectives_per_step(n, reshard, 3);
+            let steps: Vec<(u64, u64)> = per_step.iter().map(|s| (s.0, s.1)).collect();
             let (first_calls, first_bytes) = steps[0];
             let forward_alone = 1 + 3 * 2 + 2;
             let forward_grouped = 1 + 3 + 2;
@@ -454,6 +460,30 @@ fn stage3_gathers_each_unit_with_one_collective_from_the_second_step() {
                     forward_grouped + backward,
                     "N={n} reshard={reshard}: one all-gather per unit in forward: {steps:?}"
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn stage3_reduce_scatters_each_unit_with_one_collective() {
+    // Net3's gradients per step: the embedding's twice (its use in unit 0 and the tied head
+    // outside any unit), each block's weight and bias (units 1-3); the frozen gain has none and
+    // the unused parameter is never gathered. Each unit's gradients are one reduce-scatter from
+    // the first step (a unit ends when the next one's gradients arrive); the head's is alone.
+    // The ring sends (N-1) chunks of each padded gradient, grouped or not.
+    let (vocab, width) = (8usize, 12usize);
+    for n in [2usize, 3, 4] {
+        for reshard in [true, false] {
+            let ring = |numel: usize| ((n - 1) * numel.div_ceil(n) * 4) as u64;
+            let theory = 2 * ring(vocab * width) + 3 * (ring(width * width) + ring(width));
+            for (step, &(_, _, calls, bytes)) in collectives_per_step(n, reshard, 3).iter().enumerate() {
+                assert_eq!(
+                    calls,
+                    1 + 3 + 1,
+                    "N={n} reshard={reshard} step {step}: one call per unit"
+                );
+                assert_eq!(bytes, theory, "N={n} reshard={reshard} step {step}: bytes of the ring");
             }
         }
     }

@@ -114,6 +114,16 @@ pub trait Collective: Send + Sync {
         Work::done(self.all_gather_tagged(tensor, tag))
     }
 
+    /// Starts [`Collective::reduce_scatter_tagged`] and returns at once with a handle to wait
+    /// on: FSDP reduce-scatters one unit's gradients while backward computes the unit before
+    /// it. Ordering, threads and the default as for [`Collective::all_gather_async`].
+    ///
+    /// # Errors
+    /// Through [`Work::wait`], as [`Collective::reduce_scatter`].
+    fn reduce_scatter_async(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Work<Tensor<1>> {
+        Work::done(self.reduce_scatter_tagged(tensor, op, tag))
+    }
+
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<(), CommError>;
 
@@ -172,6 +182,10 @@ impl<C: Collective + ?Sized> Collective for std::sync::Arc<C> {
 
     fn all_gather_async(&self, tensor: Tensor<1>, tag: u64) -> Work<Tensor<1>> {
         (**self).all_gather_async(tensor, tag)
+    }
+
+    fn reduce_scatter_async(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Work<Tensor<1>> {
+        (**self).reduce_scatter_async(tensor, op, tag)
     }
 
     fn barrier(&self) -> Result<(), CommError> {

@@ -133,7 +133,7 @@ struct Message {
 /// tells the other ranks that this rank is gone.
 ///
 /// Collectives run on the calling thread until the first asynchronous call
-/// ([`Collective::all_gather_async`]) starts this rank's communication thread; from then on
+/// ([`Collective::all_gather_async`], [`Collective::reduce_scatter_async`]) starts this rank's communication thread; from then on
 /// every call of the rank runs there, in the order the calls were made, so an asynchronous
 /// gather overlaps the caller's compute while the ranks' sequences stay aligned.
 pub struct InProcessComm {
@@ -410,6 +410,11 @@ impl Collective for InProcessComm {
     fn all_gather_async(&self, tensor: Tensor<1>, tag: u64) -> Work<Tensor<1>> {
         let end = self.end.clone();
         self.thread.start(move || end.all_gather_tagged(tensor, tag))
+    }
+
+    fn reduce_scatter_async(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Work<Tensor<1>> {
+        let end = self.end.clone();
+        self.thread.start(move || end.reduce_scatter_tagged(tensor, op, tag))
     }
 
     fn broadcast(&self, tensor: Tensor<1>, root: usize) -> Result<Tensor<1>, CommError> {

@@ -230,6 +230,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         result
     }
 
+    /// Stage 3: adds to `grads` the gradient shards that backward left in flight (the units it
+    /// reduced last, see [`crate::fsdp`]'s reducer). Every rank calls this at the same point.
+    fn take_reduced<M: Module>(&self, model: &M, grads: &mut GradientsParams) {
+        if let Some(fsdp) = self.plan.fsdp() {
+            crate::fsdp::reduce::add_to_grads(model, fsdp.finish_reduce(), grads);
+        }
+    }
+
     /// Stage 3: returns the first error a collective met inside forward or backward (gathers
     /// and reduce-scatters cannot return errors through Burn's autodiff; they record them and
     /// use zeros). `step` checks this itself; call it after an evaluation pass run outside it.
@@ -255,6 +263,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// As [`ShardedOptimizer::step`].
     pub fn accumulate<M: Module>(&mut self, model: &M, mut grads: GradientsParams) -> Result<(), ShardError> {
+        self.take_reduced(model, &mut grads);
         let result = self
             .check_collectives()
             .and_then(|()| flat::take_grads(model, &self.layout, &mut grads))
@@ -288,8 +297,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     ) -> Result<M, ShardError> {
         let layout = self.layout.clone();
         let mut temp = PeakTracker::default();
-        // Stage 3: the gradients were reduce-scattered inside backward; a collective that failed
-        // there left its error behind.
+        // Stage 3: the gradients were reduce-scattered inside backward (the last units' may
+        // still be in flight); a collective that failed there left its error behind.
+        self.take_reduced(&model, &mut grads);
         self.check_collectives()?;
 
         let (mut grad_parts, device) = flat::take_grads(&model, &layout, &mut grads)?;

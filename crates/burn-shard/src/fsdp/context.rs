@@ -4,11 +4,13 @@ use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
 
 use burn::backend::Flex;
+use burn::backend::autodiff::NodeId;
 use burn::tensor::Tensor;
 use burn_shard_comm::{Collective, CommError};
 
 use super::collectives::all_gather_full;
 use super::gather_op::GatherSpec;
+use super::reduce::{Reduced, Reducer};
 use super::schedule::Schedule;
 
 /// Shared by the sharded parameters of one model on one rank. Cheap to clone.
@@ -21,6 +23,7 @@ struct Inner {
     first_error: Mutex<Option<CommError>>,
     transient: Mutex<TransientProbes>,
     schedule: Mutex<Schedule>,
+    reducer: Mutex<Reducer>,
 }
 
 impl fmt::Debug for FsdpContext {
@@ -41,6 +44,7 @@ impl FsdpContext {
             first_error: Mutex::new(None),
             transient: Mutex::new(TransientProbes::default()),
             schedule: Mutex::new(Schedule::default()),
+            reducer: Mutex::new(Reducer::default()),
         }))
     }
 
@@ -55,6 +59,20 @@ impl FsdpContext {
         let full = all_gather_full(self, spec.shard.clone(), spec.numel, spec.tag);
         self.watch_tensor(&full, spec.numel * full.dtype().size());
         full
+    }
+
+    /// Takes the complete full gradient (`[numel]`) of `spec`'s parameter, whose autodiff leaf
+    /// is `node`, for its unit's grouped reduce-scatter; returns the shards ready to register
+    /// now (see [`super::reduce`]).
+    pub(crate) fn reduce(&self, spec: &GatherSpec, node: NodeId, grad: Tensor<1>) -> Vec<Reduced> {
+        let mut reducer = self.0.reducer.lock().unwrap_or_else(|p| p.into_inner());
+        reducer.add(self, spec, node, grad)
+    }
+
+    /// The shards of the last backward still in flight or pending, waited for: the optimizer
+    /// adds them to the gradients it was given.
+    pub(crate) fn finish_reduce(&self) -> Vec<Reduced> {
+        self.0.reducer.lock().unwrap_or_else(|p| p.into_inner()).finish(self)
     }
 
     /// Records that `spec`'s shard is the parameter's current one (at sharding, and each time

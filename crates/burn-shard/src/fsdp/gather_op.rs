@@ -1,8 +1,9 @@
 //! The stage-3 autodiff op: a differentiable all-gather of a parameter shard.
 //!
 //! Forward: all-gather the shard into the full parameter. Backward: the gradient of the full
-//! parameter, once every consumer has added its part, is reduce-scattered into the shard's
-//! gradient (mean over ranks). The op is registered *memory-bound* with a retro-forward: a
+//! parameter, once every consumer has added its part, goes to the [`reducer`](super::reduce),
+//! which reduce-scatters it with the rest of its unit into the shard's gradient (mean over
+//! ranks). The op is registered *memory-bound* with a retro-forward: a
 //! consumer that needs the full weight in its own backward (a matmul) records "recompute"
 //! instead of keeping the buffer, and the retro-forward re-gathers it from the shard when
 //! backward reaches it. The full weight therefore lives only while it is used.
@@ -33,7 +34,7 @@ use burn::backend::autodiff::{
         strategy::{BalancedCheckpointing, CheckpointStrategy},
     },
     grads::Gradients,
-    ops::{Backward, Ops, OpsKind, unary},
+    ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
@@ -42,7 +43,6 @@ use burn::backend::{Backend, Flex, backend_extension};
 use burn::module::ParamId;
 use burn::tensor::{Shape, Tensor};
 
-use super::collectives::reduce_scatter_grad;
 use super::context::FsdpContext;
 use super::schedule::Phase;
 
@@ -92,8 +92,16 @@ pub trait FsdpOps: Backend {
         unit_input: FloatTensor<Self>,
         spec: GatherSpec,
     ) -> FloatTensor<Self>;
-    /// The full gradient (`spec.full_shape`) -> this rank's shard of its mean over ranks.
-    fn fsdp_reduce_scatter(full: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
+}
+
+/// Moves a backend's float primitives into and out of the plain `Tensor<1>` the collectives
+/// take: the gradients' way from backward to the reduce-scatter and back.
+pub trait FlatPrimitive: Backend {
+    /// A full gradient of `numel` elements (any shape) -> `[numel]`. On the host, the buffer is
+    /// watched as transient memory while it lives (pending or in flight).
+    fn into_flat(full: FloatTensor<Self>, numel: usize, ctx: &FsdpContext) -> Tensor<1>;
+    /// A `[chunk]` shard -> `shape` (`[1, .., 1, chunk]`).
+    fn from_flat(shard: Tensor<1>, shape: Shape) -> FloatTensor<Self>;
 }
 
 impl FsdpOps for Flex {
@@ -106,14 +114,17 @@ impl FsdpOps for Flex {
     fn fsdp_all_gather_in_unit(placeholder: FlexTensor, _unit_input: FlexTensor, spec: GatherSpec) -> FlexTensor {
         Self::fsdp_all_gather(placeholder, spec)
     }
+}
 
-    fn fsdp_reduce_scatter(full: FlexTensor, spec: GatherSpec) -> FlexTensor {
-        spec.ctx
-            .watch_transient(Arc::downgrade(&full.data_arc()), spec.numel * full.dtype().size());
-        let flat = Tensor::<1>::from_primitive::<Flex>(Flex::float_reshape(full, Shape::new([spec.numel])));
-        let shard = reduce_scatter_grad(&spec.ctx, flat, spec.chunk, spec.tag);
+impl FlatPrimitive for Flex {
+    fn into_flat(full: FlexTensor, numel: usize, ctx: &FsdpContext) -> Tensor<1> {
+        ctx.watch_transient(Arc::downgrade(&full.data_arc()), numel * full.dtype().size());
+        Tensor::<1>::from_primitive::<Flex>(Flex::float_reshape(full, Shape::new([numel])))
+    }
+
+    fn from_flat(shard: Tensor<1>, shape: Shape) -> FlexTensor {
         let shard = shard.try_into_primitive::<Flex>().expect("a Flex tensor stays on Flex");
-        Flex::float_reshape(shard, spec.shard_shape.clone())
+        Flex::float_reshape(shard, shape)
     }
 }
 
@@ -138,20 +149,26 @@ impl FsdpOps for burn_cubecl::CubeBackend {
     ) -> FloatTensor<Self> {
         Self::fsdp_all_gather(placeholder, spec)
     }
+}
 
-    fn fsdp_reduce_scatter(full: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+/// Device memory is its allocator's to report: nothing is watched.
+#[cfg(feature = "cube")]
+impl FlatPrimitive for burn_cubecl::CubeBackend {
+    fn into_flat(full: FloatTensor<Self>, numel: usize, _ctx: &FsdpContext) -> Tensor<1> {
         use burn_cubecl::CubeBackend;
-        let flat =
-            Tensor::<1>::from_primitive::<CubeBackend>(CubeBackend::float_reshape(full, Shape::new([spec.numel])));
-        let shard = reduce_scatter_grad(&spec.ctx, flat, spec.chunk, spec.tag);
+        Tensor::<1>::from_primitive::<CubeBackend>(CubeBackend::float_reshape(full, Shape::new([numel])))
+    }
+
+    fn from_flat(shard: Tensor<1>, shape: Shape) -> FloatTensor<Self> {
+        use burn_cubecl::CubeBackend;
         let shard = shard
             .try_into_primitive::<CubeBackend>()
             .expect("a CubeCL tensor stays on CubeCL");
-        CubeBackend::float_reshape(shard, spec.shard_shape.clone())
+        CubeBackend::float_reshape(shard, shape)
     }
 }
 
-impl<B: Backend + FsdpOps, C: CheckpointStrategy> FsdpOps for Autodiff<B, C> {
+impl<B: Backend + FsdpOps + FlatPrimitive, C: CheckpointStrategy> FsdpOps for Autodiff<B, C> {
     fn fsdp_all_gather(placeholder: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
         if spec.ctx.reshard_after_forward() {
             gather::<B, BalancedCheckpointing>(placeholder, spec)
@@ -172,24 +189,17 @@ impl<B: Backend + FsdpOps, C: CheckpointStrategy> FsdpOps for Autodiff<B, C> {
             gather_kept::<B, C>(placeholder, spec)
         }
     }
-
-    fn fsdp_reduce_scatter(_full: FloatTensor<Self>, _spec: GatherSpec) -> FloatTensor<Self> {
-        // Reduce-scatters run inside backward, on the inner backend; this crate never calls
-        // this entry point on an autodiff tensor.
-        unreachable!("fsdp_reduce_scatter is only called on the inner backend")
-    }
 }
 
-/// Backward of the one-parent gather: reduce-scatter the complete full gradient.
+/// Backward of the one-parent gather: the complete full gradient goes to the reducer.
 #[derive(Debug)]
 struct GatherBackward;
 
-impl<B: Backend + FsdpOps> Backward<B, 1> for GatherBackward {
+impl<B: Backend + FsdpOps + FlatPrimitive> Backward<B, 1> for GatherBackward {
     type State = GatherSpec;
 
     fn backward(self, ops: Ops<GatherSpec, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let spec = ops.state;
-        unary::<B, _>(ops.parents, ops.node, grads, |grad| B::fsdp_reduce_scatter(grad, spec));
+        reduce::<B, 1>(grads, ops);
     }
 }
 
@@ -197,15 +207,26 @@ impl<B: Backend + FsdpOps> Backward<B, 1> for GatherBackward {
 #[derive(Debug)]
 struct GatherInUnitBackward;
 
-impl<B: Backend + FsdpOps> Backward<B, 2> for GatherInUnitBackward {
+impl<B: Backend + FsdpOps + FlatPrimitive> Backward<B, 2> for GatherInUnitBackward {
     type State = GatherSpec;
 
     fn backward(self, ops: Ops<GatherSpec, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let [placeholder, _unit_input] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        if let Some(placeholder) = placeholder {
-            grads.register::<B>(placeholder.id, B::fsdp_reduce_scatter(grad, ops.state));
-        }
+        reduce::<B, 2>(grads, ops);
+    }
+}
+
+/// Hands the gather's full gradient to the reducer (when the placeholder, the first parent,
+/// wants one) and registers every shard the reducer has ready on its parameter's placeholder:
+/// this one's, or those of the unit reduced before (see [`super::reduce`]).
+fn reduce<B: Backend + FlatPrimitive, const N: usize>(grads: &mut Gradients, ops: Ops<GatherSpec, N>) {
+    let grad = grads.consume::<B>(&ops.node);
+    let Some(placeholder) = ops.parents.first().and_then(|p| p.as_ref()).map(|p| p.id) else {
+        return;
+    };
+    let spec = ops.state;
+    let full = B::into_flat(grad, spec.numel, &spec.ctx);
+    for done in spec.ctx.reduce(&spec, placeholder, full) {
+        grads.register::<B>(done.node, B::from_flat(done.shard, done.shard_shape));
     }
 }
 
@@ -251,7 +272,7 @@ where
 }
 
 /// Memory-bound gather with no unit.
-fn gather<B: Backend + FsdpOps, C: CheckpointStrategy>(
+fn gather<B: Backend + FsdpOps + FlatPrimitive, C: CheckpointStrategy>(
     placeholder: FloatTensor<Autodiff<B, C>>,
     spec: GatherSpec,
 ) -> FloatTensor<Autodiff<B, C>> {
@@ -273,7 +294,7 @@ fn gather<B: Backend + FsdpOps, C: CheckpointStrategy>(
 }
 
 /// Memory-bound gather ordered after the unit input.
-fn gather_in_unit<B: Backend + FsdpOps, C: CheckpointStrategy>(
+fn gather_in_unit<B: Backend + FsdpOps + FlatPrimitive, C: CheckpointStrategy>(
     placeholder: FloatTensor<Autodiff<B, C>>,
     unit_input: FloatTensor<Autodiff<B, C>>,
     spec: GatherSpec,
@@ -307,7 +328,7 @@ fn gather_in_unit<B: Backend + FsdpOps, C: CheckpointStrategy>(
 }
 
 /// Compute-bound gather (`reshard_after_forward = false`): consumers keep the full weight.
-fn gather_kept<B: Backend + FsdpOps, C: CheckpointStrategy>(
+fn gather_kept<B: Backend + FsdpOps + FlatPrimitive, C: CheckpointStrategy>(
     placeholder: FloatTensor<Autodiff<B, C>>,
     spec: GatherSpec,
 ) -> FloatTensor<Autodiff<B, C>> {

@@ -8,8 +8,10 @@
 //! - [`exchange`]: how the sharded optimizer reads and replaces the shards a model holds;
 //! - [`gather_op`]: the autodiff op that hooks the collectives into forward and backward
 //!   (all-gather forward, re-gather in backward instead of keeping the full weight,
-//!   reduce-scatter of the gradient as soon as it is complete);
+//!   the full gradient handed to [`reduce`] as soon as it is complete);
 //! - [`collectives`]: the buffer layouts of those collectives (padding, flattening), nothing else;
+//! - [`reduce`]: the per-unit grouped reduce-scatters, started while backward computes the unit
+//!   before, and the shards still in flight when backward ends (taken by the optimizer);
 //! - [`schedule`]: the per-unit grouped all-gathers, learned from the previous pass, and the
 //!   prefetch of the next unit's while this one computes;
 //! - [`unit`]: marking a unit (e.g. a transformer block) so its reduce-scatters run right after
@@ -21,6 +23,7 @@ pub(crate) mod collectives;
 pub(crate) mod context;
 pub(crate) mod exchange;
 pub(crate) mod gather_op;
+pub(crate) mod reduce;
 pub(crate) mod schedule;
 pub(crate) mod sharded_param;
 pub mod unit;

@@ -1,0 +1,312 @@
+//! Per-unit grouped reduce-scatters of the stage-3 gradients, overlapped with backward
+//! (FSDP2's post-backward of an `FSDPParamGroup`: one reduce-scatter of the unit's gradients,
+//! on its own stream).
+//!
+//! Backward completes a unit's full gradients one after the other (each gather op's backward).
+//! Reducing each alone costs one synchronisation of the ranks per parameter and nothing
+//! overlaps. The reducer instead keeps a unit's full gradients until the unit is complete, then
+//! reduce-scatters them with one call per dtype, started asynchronously: it runs on the rank's
+//! communication thread while backward computes the unit before. A unit is complete when it has
+//! as many gradients as the same unit had in the previous pass, or when a gradient of another
+//! unit arrives. At most one reduce-scatter is in flight: starting the next one waits for it,
+//! and its shards are returned for registration on the parameters' autodiff leaves. What is
+//! still in flight when backward ends is taken by the optimizer ([`Reducer::finish`]).
+//!
+//! Memory: one unit's full gradients plus one unit's in flight, as FSDP2. Gradients of
+//! parameters gathered outside any unit are reduced alone and at once, as before.
+//!
+//! Every rank runs the same backward, so every rank starts the same calls in the same order,
+//! which the collectives require; what was learned only decides when a unit is started, never
+//! what it contains. Grouped or alone, each element is averaged over the same ranks: the
+//! results are identical to one reduce-scatter per parameter.
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::Arc;
+
+use burn::backend::autodiff::NodeId;
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Device, Shape, Tensor};
+use burn_shard_comm::{ReduceOp, Work};
+
+use super::collectives::reduce_scatter_grad;
+use super::context::FsdpContext;
+use super::gather_op::GatherSpec;
+
+/// This rank's shard of a parameter's mean gradient, ready to be registered.
+pub(crate) struct Reduced {
+    /// The parameter's autodiff leaf (its placeholder) in the backward that produced it.
+    pub(crate) node: NodeId,
+    /// The parameter, for a shard handed to the optimizer after backward.
+    pub(crate) id: ParamId,
+    /// `[1, .., 1, chunk]`: the rank of the parameter.
+    pub(crate) shard_shape: Shape,
+    /// `[chunk]`, the gradient's dtype.
+    pub(crate) shard: Tensor<1>,
+}
+
+/// Where a parameter's shard lies in a grouped reduce-scatter.
+struct Member {
+    node: NodeId,
+    id: ParamId,
+    shard_shape: Shape,
+    chunk: usize,
+    /// Element offset of the parameter's chunk in each rank's block.
+    offset: usize,
+}
+
+/// A parameter's full gradient waiting for the rest of its unit.
+struct FullGrad {
+    member: Member,
+    tag: u64,
+    numel: usize,
+    /// `[numel]`.
+    grad: Tensor<1>,
+}
+
+/// The unit whose gradients are arriving.
+struct Pending {
+    scope: u64,
+    /// Tag of its first gradient: names the unit across passes.
+    first_tag: u64,
+    grads: Vec<FullGrad>,
+}
+
+/// One unit's reduce-scatters (one per dtype), started and not yet taken apart.
+struct InFlight {
+    parts: Vec<Part>,
+    /// Alive while the buffers are in flight: the transient-memory probe's handle.
+    _watch: Option<Arc<()>>,
+}
+
+/// One dtype's reduce-scatter of a unit: `[width]` elements per rank.
+struct Part {
+    members: Vec<Member>,
+    width: usize,
+    dtype: DType,
+    device: Device,
+    work: Work<Tensor<1>>,
+}
+
+/// The gradients of the unit being completed and of the unit being reduced.
+#[derive(Default)]
+pub(crate) struct Reducer {
+    /// Gradients each unit (by its first tag) had in the previous pass.
+    sizes: HashMap<u64, usize>,
+    pending: Option<Pending>,
+    in_flight: Option<InFlight>,
+}
+
+impl Reducer {
+    /// Takes the complete full gradient `grad` (`[numel]`) of `spec`'s parameter, whose autodiff
+    /// leaf is `node`, and returns the shards that are ready now (this one's, or earlier ones').
+    pub(crate) fn add(&mut self, ctx: &FsdpContext, spec: &GatherSpec, node: NodeId, grad: Tensor<1>) -> Vec<Reduced> {
+        let mut ready = Vec::new();
+        let member = Member {
+            node,
+            id: spec.id,
+            shard_shape: spec.shard_shape.clone(),
+            chunk: spec.chunk,
+            offset: 0,
+        };
+        let Some(scope) = spec.unit_scope else {
+            // Outside units: alone and at once, after everything before it.
+            self.start_pending(ctx, &mut ready);
+            ready.extend(self.wait(ctx));
+            let shard = reduce_scatter_grad(ctx, grad, spec.chunk, spec.tag);
+            ready.push(Reduced::of(member, shard));
+            return ready;
+        };
+        if self.pending.as_ref().is_some_and(|p| p.scope != scope) {
+            self.start_pending(ctx, &mut ready);
+        }
+        let pending = self.pending.get_or_insert_with(|| Pending {
+            scope,
+            first_tag: spec.tag,
+            grads: Vec::new(),
+        });
+        pending.grads.push(FullGrad {
+            member,
+            tag: spec.tag,
+            numel: spec.numel,
+            grad,
+        });
+        if self.sizes.get(&pending.first_tag) == Some(&pending.grads.len()) {
+            self.start_pending(ctx, &mut ready);
+        }
+        ready
+    }
+
+    /// Every shard not returned yet: starts the pending unit and waits for all. Called by the
+    /// optimizer after backward (every rank calls it at the same point).
+    pub(crate) fn finish(&mut self, ctx: &FsdpContext) -> Vec<Reduced> {
+        let mut ready = Vec::new();
+        self.start_pending(ctx, &mut ready);
+        ready.extend(self.wait(ctx));
+        ready
+    }
+
+    /// Starts the reduce-scatter of the pending unit, after taking the one in flight.
+    fn start_pending(&mut self, ctx: &FsdpContext, ready: &mut Vec<Reduced>) {
+        let Some(pending) = self.pending.take() else { return };
+        self.sizes.insert(pending.first_tag, pending.grads.len());
+        ready.extend(self.wait(ctx));
+        self.in_flight = Some(start(ctx, pending.grads));
+    }
+
+    /// Waits for the reduce-scatter in flight and takes each parameter's shard out of it.
+    fn wait(&mut self, ctx: &FsdpContext) -> Vec<Reduced> {
+        let Some(in_flight) = self.in_flight.take() else {
+            return Vec::new();
+        };
+        let mut ready = Vec::new();
+        for part in in_flight.parts {
+            let reduced = part.work.wait().unwrap_or_else(|e| {
+                // The step reports it; zeros keep backward going meanwhile.
+                ctx.record_error(e);
+                Tensor::zeros([part.width], (&part.device, part.dtype))
+            });
+            for m in part.members {
+                let shard = reduced.clone().narrow(0, m.offset, m.chunk);
+                ready.push(Reduced::of(m, shard));
+            }
+        }
+        ready
+    }
+}
+
+impl Reduced {
+    fn of(member: Member, shard: Tensor<1>) -> Self {
+        Self {
+            node: member.node,
+            id: member.id,
+            shard_shape: member.shard_shape,
+            shard,
+        }
+    }
+}
+
+/// One dtype's gradients of a unit, being laid out for its reduce-scatter.
+struct Group {
+    dtype: DType,
+    members: Vec<Member>,
+    /// Each parameter's padded gradient as `[world_size, chunk]`.
+    rows: Vec<Tensor<2>>,
+    tags: Vec<u64>,
+    /// Elements of each rank's block so far.
+    width: usize,
+}
+
+/// Starts one reduce-scatter per dtype of `grads`: each rank's block holds, in order, every
+/// parameter's chunk for that rank (`[world_size, width]` row-major), so the result is this
+/// rank's `[width]` block, split back into the parameters' shards.
+fn start(ctx: &FsdpContext, grads: Vec<FullGrad>) -> InFlight {
+    let world_size = ctx.comm().world_size();
+    let Some(sample) = grads.first().map(|g| g.grad.clone()) else {
+        return InFlight {
+            parts: Vec::new(),
+            _watch: None,
+        };
+    };
+    let device = sample.device();
+    let mut groups: Vec<Group> = Vec::new();
+    let mut bytes = 0;
+    for g in grads {
+        let dtype = g.grad.dtype();
+        let index = match groups.iter().position(|group| group.dtype == dtype) {
+            Some(i) => i,
+            None => {
+                groups.push(Group {
+                    dtype,
+                    members: Vec::new(),
+                    rows: Vec::new(),
+                    tags: Vec::new(),
+                    width: 0,
+                });
+                groups.len() - 1
+            }
+        };
+        let group = &mut groups[index];
+        let padded = world_size * g.member.chunk;
+        let grad = if g.numel == padded {
+            g.grad
+        } else {
+            Tensor::cat(vec![g.grad, Tensor::zeros([padded - g.numel], (&device, dtype))], 0)
+        };
+        bytes += padded * dtype.size();
+        group.rows.push(grad.reshape([world_size, g.member.chunk]));
+        group.tags.push(g.tag);
+        group.width += g.member.chunk;
+        group.members.push(Member {
+            offset: group.width - g.member.chunk,
+            ..g.member
+        });
+    }
+    let parts = groups
+        .into_iter()
+        .map(|group| {
+            let width = group.width;
+            let flat = match group.rows.len() {
+                1 => group
+                    .rows
+                    .into_iter()
+                    .next()
+                    .expect("one row block")
+                    .reshape([world_size * width]),
+                _ => Tensor::cat(group.rows, 1).reshape([world_size * width]),
+            };
+            Part {
+                work: ctx
+                    .comm()
+                    .reduce_scatter_async(flat, ReduceOp::Avg, group_tag(&group.tags)),
+                members: group.members,
+                width,
+                dtype: group.dtype,
+                device: device.clone(),
+            }
+        })
+        .collect();
+    InFlight {
+        parts,
+        _watch: ctx.watch_in_flight(&sample, bytes),
+    }
+}
+
+/// Names a unit's reduce-scatter in the collectives' checks (never 0, "untagged").
+fn group_tag(tags: &[u64]) -> u64 {
+    let mut h = DefaultHasher::new();
+    tags.hash(&mut h);
+    h.finish() | 1
+}
+
+/// Adds the shards `reduced` to `grads` under their parameters' ids, reshaped to the shape of
+/// their gradients at stage 3 (`[1, .., 1, chunk]`); a parameter of `model` that already has a
+/// gradient gets the sum. The optimizer calls this with [`FsdpContext::finish_reduce`] for the
+/// shards that backward left in flight.
+pub(crate) fn add_to_grads<M: Module>(model: &M, reduced: Vec<Reduced>, grads: &mut GradientsParams) {
+    struct Add<'a> {
+        reduced: HashMap<ParamId, Vec<Reduced>>,
+        grads: &'a mut GradientsParams,
+    }
+    impl ModuleVisitor for Add<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            for r in self.reduced.remove(&param.id).into_iter().flatten() {
+                let shard: Tensor<D> = r.shard.reshape(r.shard_shape);
+                let sum = match self.grads.remove::<D>(param.id) {
+                    Some(grad) => grad + shard,
+                    None => shard,
+                };
+                self.grads.register(param.id, sum);
+            }
+        }
+    }
+    if reduced.is_empty() {
+        return;
+    }
+    let mut by_id: HashMap<ParamId, Vec<Reduced>> = HashMap::new();
+    for r in reduced {
+        by_id.entry(r.id).or_default().push(r);
+    }
+    model.visit(&mut Add { reduced: by_id, grads });
+}
