@@ -400,11 +400,14 @@ fn ranks_that_gather_different_parameters_fail_instead_of_mixing_them() {
     assert!(start.elapsed() < std::time::Duration::from_secs(30));
 }
 
-/// Per-step all-gather calls and bytes of rank 0 over `steps` steps of `Net3`.
-/// Per-step `(all-gather calls, bytes, reduce-scatter calls, bytes)` of rank 0 training Net3 at
-/// stage 3.
-fn collectives_per_step(n: usize, reshard: bool, steps: usize) -> Vec<(u64, u64, u64, u64)> {
-    let (vocab, width) = (8, 12);
+/// Per-step `(all-gather calls, bytes, reduce-scatter calls, bytes, parameters with a gradient
+/// after backward)` of rank 0 training `Net3::new(vocab, width)` at stage 3.
+fn collectives_per_step(
+    (vocab, width): (usize, usize),
+    n: usize,
+    reshard: bool,
+    steps: usize,
+) -> Vec<(u64, u64, u64, u64, usize)> {
     let device = Device::flex().autodiff();
     let base = Net3::new(vocab, width, &device);
     let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
@@ -419,10 +422,11 @@ fn collectives_per_step(n: usize, reshard: bool, steps: usize) -> Vec<(u64, u64,
             let x = Tensor::<2>::ones([3, vocab], &device).require_grad();
             let l = model.forward(x).powi_scalar(2).mean();
             let grads = GradientsParams::from_grads(l.backward(), &model);
+            let with_grad = grads.len();
             model = optim.step(1e-3, model, grads).unwrap();
             let st = optim.comm().stats().since(&before);
             let (ag, rs) = (st.get(CollectiveKind::AllGather), st.get(CollectiveKind::ReduceScatter));
-            per_step.push((ag.calls, ag.bytes_sent, rs.calls, rs.bytes_sent));
+            per_step.push((ag.calls, ag.bytes_sent, rs.calls, rs.bytes_sent, with_grad));
         }
         per_step
     })
@@ -438,7 +442,7 @@ fn stage3_gathers_each_unit_with_one_collective_from_the_second_step() {
     // forward gathers are one collective moving the same bytes.
     for n in [2usize, 3] {
         for reshard in [true, false] {
-            let per_step = collectives_per_step(n, reshard, 3);
+            let per_step = collectives_per_step((8, 12), n, reshard, 3);
             let steps: Vec<(u64, u64)> = per_step.iter().map(|s| (s.0, s.1)).collect();
             let (first_calls, first_bytes) = steps[0];
             let forward_alone = 1 + 3 * 2 + 2;
@@ -466,25 +470,71 @@ fn stage3_gathers_each_unit_with_one_collective_from_the_second_step() {
 }
 
 #[test]
-fn stage3_reduce_scatters_each_unit_with_one_collective() {
+fn stage3_reduce_scatters_each_unit_with_one_collective_from_the_second_step() {
     // Net3's gradients per step: the embedding's twice (its use in unit 0 and the tied head
     // outside any unit), each block's weight and bias (units 1-3); the frozen gain has none and
-    // the unused parameter is never gathered. Each unit's gradients are one reduce-scatter from
-    // the first step (a unit ends when the next one's gradients arrive); the head's is alone.
-    // The ring sends (N-1) chunks of each padded gradient, grouped or not.
-    let (vocab, width) = (8usize, 12usize);
+    // the unused parameter is never gathered. The first step reduce-scatters each gradient
+    // alone and learns the units; from the second on each unit's gradients are one
+    // reduce-scatter and the head's is one of its own. Width 10 pads the chunks at N=3 and 4:
+    // the ring sends (N-1) padded chunks of each gradient, grouped or not. Every trainable
+    // parameter's gradient is in what `backward` returns, the last unit's included.
+    let (vocab, width) = (6usize, 10usize);
     for n in [2usize, 3, 4] {
         for reshard in [true, false] {
             let ring = |numel: usize| ((n - 1) * numel.div_ceil(n) * 4) as u64;
             let theory = 2 * ring(vocab * width) + 3 * (ring(width * width) + ring(width));
-            for (step, &(_, _, calls, bytes)) in collectives_per_step(n, reshard, 3).iter().enumerate() {
+            let per_step = collectives_per_step((vocab, width), n, reshard, 3);
+            for (step, &(_, _, calls, bytes, with_grad)) in per_step.iter().enumerate() {
+                let expected_calls = if step == 0 { 2 + 3 * 2 } else { 1 + 3 + 1 };
                 assert_eq!(
-                    calls,
-                    1 + 3 + 1,
-                    "N={n} reshard={reshard} step {step}: one call per unit"
+                    calls, expected_calls,
+                    "N={n} reshard={reshard} step {step}: {per_step:?}"
                 );
                 assert_eq!(bytes, theory, "N={n} reshard={reshard} step {step}: bytes of the ring");
+                assert_eq!(
+                    with_grad,
+                    1 + 3 * 2,
+                    "N={n} reshard={reshard} step {step}: gradients after backward"
+                );
             }
+        }
+    }
+}
+
+#[test]
+fn stage3_parameter_left_out_of_the_gradients_is_not_stepped() {
+    // Burn's way to freeze a parameter for a step: leave its gradient out. The embedding is in
+    // the last unit of backward, whose reduce-scatter is the last to finish.
+    let device = Device::flex().autodiff();
+    let base = Net3::new(VOCAB, WIDTH, &device);
+    let embed_before = base.embed.val().into_data();
+    for n in [2usize, 3] {
+        let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+            let device = Device::flex().autodiff();
+            let (mut model, mut optim) = ShardConfig::new(Stage::Three)
+                .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
+                .unwrap();
+            for _ in 0..3 {
+                let x = Tensor::<2>::ones([3, VOCAB], &device).require_grad();
+                let l = model.forward(x).powi_scalar(2).mean();
+                let mut grads = GradientsParams::from_grads(l.backward(), &model);
+                assert!(
+                    grads.remove::<2>(model.embed.id).is_some(),
+                    "the embedding has a gradient"
+                );
+                model = optim.step(1e-2, model, grads).unwrap();
+            }
+            let full = model.clone().materialize();
+            (full.embed.val().into_data(), full.blocks[0].weight.val().into_data())
+        })
+        .unwrap();
+        for (rank, (embed, block)) in runs.into_iter().enumerate() {
+            assert_eq!(embed, embed_before, "N={n} rank {rank}: the embedding was stepped");
+            assert_ne!(
+                block,
+                base.blocks[0].weight.val().into_data(),
+                "N={n} rank {rank}: the blocks train"
+            );
         }
     }
 }

@@ -4,9 +4,10 @@
 //!
 //! Ours (the worker): wall time of forward (`Gpt::loss`: model forward and the loss), backward
 //! (`loss.backward()` and `GradientsParams::from_grads`) and optimizer step
-//! (`ShardedOptimizer::step`), and the time inside collectives ([`super::TimedComm`]'s counter)
-//! split by the phase it ran in: at stage 3 the all-gathers run in forward and backward and the
-//! reduce-scatters in backward; at stages 0-2 every collective runs in the step. Burn's Flex CPU
+//! (`ShardedOptimizer::step`), and the time blocked on collectives (`CommStats::exposed`) split
+//! by the phase it fell in: at stage 3 the all-gathers run in forward and backward and the
+//! reduce-scatters in backward (a backward whose gradients did not all arrive as learned leaves
+//! the last unit's to the step); at stages 0-2 every collective runs in the step. Burn's Flex CPU
 //! backend executes each op eagerly when it is called (no fusion, no queue: `burn-dispatch`
 //! without its `fusion` feature, and Flex's own views only defer copies, never arithmetic), so
 //! a phase's work has finished when its call returns and no read-back is needed to close it.

@@ -2,15 +2,19 @@
 //! of steps on the CPU at ZeRO stages 0-3 (world size 2, ranks as threads) and on one rank,
 //! next to the same model, batch and AdamW in PyTorch (gloo, started with `torchrun`): DDP,
 //! `ZeroRedundancyOptimizer`, FSDP2 `fully_shard` (with and without resharding after forward)
-//! and one process. Every configuration runs in a fresh child process, ours and theirs one
-//! after the other, so a busy machine slows both sides alike.
+//! and one process. Stage 3 runs twice: on the examples' device (Burn's balanced gradient
+//! checkpointing, which also recomputes cheap activations in backward and re-gathers every
+//! weight) and on a plain autodiff device (no activation recompute, as PyTorch's rows; weights
+//! that `Linear` reshapes are then kept until backward), each next to FSDP2 `fully_shard`.
+//! Every configuration runs in a fresh child process, ours and theirs one after the other, so a
+//! busy machine slows both sides alike.
 //!
 //! Ours: step time (median of rank 0's timed steps after the warm-up), tokens/s, per-rank
 //! model-state bytes from `ShardedOptimizer::memory_report` next to the ZeRO formula for f32
 //! AdamW (16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N), bytes sent per rank per step from the
 //! collective's `CommStats` next to the ring volumes (2, 3, 2, 3 times (N-1)/N·4Ψ), the time a
-//! rank spends inside collectives (blocking calls: none of it is hidden behind compute today),
-//! and the process's peak RSS. Theirs (`xtask/bench/torch_gpt.py`): step time, tokens/s, the
+//! rank is blocked on collectives and the share of their time hidden behind compute
+//! (`CommStats::exposed`, `hidden_share`), and the process's peak RSS. Theirs (`xtask/bench/torch_gpt.py`): step time, tokens/s, the
 //! bytes of each rank's parameters, gradients and optimizer state, and each rank's peak RSS.
 //! Both sides also split rank 0's step into forward, backward and optimizer step, ours with the
 //! time inside collectives per phase (`bench_profile.rs`).
@@ -26,6 +30,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
+use burn::prelude::Device;
 use burn_shard::comm::{Collective, CommStats, InProcessGroup, run_ranks};
 use burn_shard::{MemoryReport, ShardConfig, ShardError, Stage};
 use burn_shard_examples::char_data::{CharCorpus, sample_batch};
@@ -130,7 +135,8 @@ pub struct Args {
     /// Folder of the CSV files and the plot.
     #[arg(long, default_value = "docs/results")]
     out: PathBuf,
-    /// Internal: run one configuration of ours, `STAGE:WORLD_SIZE`, on the first of --sizes,
+    /// Internal: run one configuration of ours, `STAGE:WORLD_SIZE[:plain]` (`plain`: a plain
+    /// autodiff device instead of the examples' one), on the first of --sizes,
     /// and print its measurements as one JSON line.
     #[arg(long, hide = true)]
     worker: Option<String>,
@@ -142,15 +148,20 @@ struct Config {
     label: &'static str,
     stage: Stage,
     world_size_one: bool,
+    /// Build on the examples' training device (stage 3: Burn's balanced gradient checkpointing,
+    /// which recomputes memory-bound activations in backward); `false`: a plain autodiff device,
+    /// as PyTorch's rows (none of them recompute).
+    examples_device: bool,
     torch_mode: &'static str,
     torch_label: &'static str,
 }
 
-const CONFIGS: [Config; 5] = [
+const CONFIGS: [Config; 6] = [
     Config {
         label: "1 rank (stage 0)",
         stage: Stage::Zero,
         world_size_one: true,
+        examples_device: true,
         torch_mode: "single",
         torch_label: "1 process",
     },
@@ -158,6 +169,7 @@ const CONFIGS: [Config; 5] = [
         label: "stage 0",
         stage: Stage::Zero,
         world_size_one: false,
+        examples_device: true,
         torch_mode: "ddp",
         torch_label: "DDP",
     },
@@ -165,6 +177,7 @@ const CONFIGS: [Config; 5] = [
         label: "stage 1",
         stage: Stage::One,
         world_size_one: false,
+        examples_device: true,
         torch_mode: "zero",
         torch_label: "DDP + ZeroRedundancyOptimizer",
     },
@@ -172,6 +185,7 @@ const CONFIGS: [Config; 5] = [
         label: "stage 2",
         stage: Stage::Two,
         world_size_one: false,
+        examples_device: true,
         torch_mode: "fsdp2-grad",
         torch_label: "FSDP2 reshard_after_forward=False",
     },
@@ -179,6 +193,15 @@ const CONFIGS: [Config; 5] = [
         label: "stage 3",
         stage: Stage::Three,
         world_size_one: false,
+        examples_device: true,
+        torch_mode: "fsdp2",
+        torch_label: "FSDP2 fully_shard",
+    },
+    Config {
+        label: "stage 3, plain autodiff",
+        stage: Stage::Three,
+        world_size_one: false,
+        examples_device: false,
         torch_mode: "fsdp2",
         torch_label: "FSDP2 fully_shard",
     },
@@ -257,7 +280,7 @@ pub fn run(args: &Args) -> Result<(), String> {
                 size.name(),
                 config.label
             );
-            let ours = run_ours(&exe.0, args, size, config.stage, n, (warmup, steps), threads)?;
+            let ours = run_ours(&exe.0, args, size, config, n, (warmup, steps), threads)?;
             let theirs = match &python {
                 None => Err("skipped (--skip-torch)".to_string()),
                 Some(python) => {
@@ -398,16 +421,18 @@ fn run_ours(
     exe: &Path,
     args: &Args,
     size: Size,
-    stage: Stage,
+    config: Config,
     n: usize,
     (warmup, steps): (usize, usize),
     threads: usize,
 ) -> Result<Ours, String> {
     let load = OthersLoad::start();
+    let stage = config.stage;
+    let device = if config.examples_device { "" } else { ":plain" };
     let out = Command::new(exe)
         .args(["bench", "sharding", "--sizes", size.name()])
         .arg("--worker")
-        .arg(format!("{}:{n}", stage.number()))
+        .arg(format!("{}:{n}{device}", stage.number()))
         .args(["--warmup", &warmup.to_string(), "--steps", &steps.to_string()])
         .args(["--batch-size", &args.batch_size.to_string()])
         .args(["--block-size", &args.block_size.to_string()])
@@ -528,7 +553,11 @@ struct RankRun {
 /// The child process: trains `--sizes`' first model at `STAGE:WORLD_SIZE` and prints
 /// `BENCH_RESULT <json>`.
 fn worker(args: &Args, spec: &str) -> Result<(), String> {
-    let bad = || format!("--worker wants STAGE:WORLD_SIZE, got {spec:?}");
+    let bad = || format!("--worker wants STAGE:WORLD_SIZE[:plain], got {spec:?}");
+    let (spec, plain) = match spec.strip_suffix(":plain") {
+        Some(rest) => (rest, true),
+        None => (spec, false),
+    };
     let (stage, n) = spec.split_once(':').ok_or_else(bad)?;
     let stage = Stage::try_from(stage.parse::<u8>().map_err(|_| bad())?).map_err(|e| e.to_string())?;
     let n: usize = n.parse().map_err(|_| bad())?;
@@ -554,7 +583,11 @@ fn worker(args: &Args, spec: &str) -> Result<(), String> {
         n_head,
         n_layer,
     };
-    let device = training_device(stage);
+    let rank_device = || match plain {
+        true => Device::flex().autodiff(),
+        false => training_device(stage),
+    };
+    let device = rank_device();
     device.seed(SEED);
     let base = Gpt::new(&config, &device);
     let params = base.num_params();
@@ -563,7 +596,7 @@ fn worker(args: &Args, spec: &str) -> Result<(), String> {
     let group = InProcessGroup::new(n).map_err(|e| e.to_string())?;
     let ranks = run_ranks(group, |comm| -> Result<RankRun, ShardError> {
         let rank = comm.rank();
-        let device = training_device(stage);
+        let device = rank_device();
         // The example's optimizer: Burn's AdamW config, run as the fused AdamW step.
         let optimizer = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1);
         let (mut model, mut optim) = ShardConfig::new(stage).init(base.clone().fork(&device), optimizer, comm)?;
@@ -782,7 +815,11 @@ fn memory_sweep(exe: &Path, args: &Args, threads: usize) -> Result<Option<(usize
     for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
         for &n in &args.memory_world_sizes {
             eprintln!("[memory] stage {} at world size {n}, one step ...", stage.number());
-            let ours = run_ours(exe, args, Size::Small, stage, n, (0, 1), threads)?;
+            let config = CONFIGS
+                .into_iter()
+                .find(|c| c.stage == stage && !c.world_size_one && c.examples_device)
+                .expect("every stage has a row");
+            let ours = run_ours(exe, args, Size::Small, config, n, (0, 1), threads)?;
             params = ours.params;
             points.push(SweepPoint {
                 stage,

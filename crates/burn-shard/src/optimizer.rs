@@ -198,6 +198,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// a later step (a conditional branch, an expert, a parameter unfrozen mid-run) takes the
     /// first Adam step of its own when it is.
     ///
+    /// At stage 3 `grads` already hold this rank's shards of the mean gradients (reduce-scattered
+    /// inside backward), and a parameter left out of `grads` is not stepped, as in Burn. Call
+    /// `step` or [`ShardedOptimizer::accumulate`] after each backward of the sharded model:
+    /// after a backward whose gradients did not all arrive as in the previous one (its
+    /// structure changed), the last reduce-scatters are still in flight when `backward()`
+    /// returns, and these calls add their shards.
+    ///
     /// `lr` is one learning rate (`f64`, e.g. from a Burn `LrScheduler`) or Burn's
     /// `ModuleLearningRate` (per-group rates from a `ModuleLrScheduler`); every rank must pass
     /// the same. Gradients given to [`ShardedOptimizer::accumulate`] since the last step are

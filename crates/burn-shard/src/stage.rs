@@ -20,8 +20,8 @@ pub enum Stage {
     /// Optimizer state and gradients sharded; gradients reduce-scattered.
     Two,
     /// Parameters sharded too (FSDP): each parameter is all-gathered when used and freed
-    /// after, re-gathered in backward, and its gradient reduce-scattered as soon as it is
-    /// complete. See [`crate::fsdp`].
+    /// after, re-gathered in backward, and its gradient reduce-scattered once it is complete,
+    /// together with the rest of its unit's. See [`crate::fsdp`].
     Three,
 }
 

@@ -19,7 +19,7 @@
 //!
 //! When a [`unit`](super::unit) scope is active, the unit's input is a second, gradient-less
 //! parent. The op's depth in the graph then follows the unit, and Burn's backward, which runs
-//! nodes by decreasing depth, reduce-scatters the unit's gradients right after the unit's
+//! nodes by decreasing depth, hands the unit's gradients to the reducer right after the unit's
 //! backward instead of at the very end.
 
 use std::marker::PhantomData;
@@ -199,7 +199,7 @@ impl<B: Backend + FsdpOps + FlatPrimitive> Backward<B, 1> for GatherBackward {
     type State = GatherSpec;
 
     fn backward(self, ops: Ops<GatherSpec, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        reduce::<B, 1>(grads, ops);
+        hand_to_reducer::<B, 1>(grads, ops);
     }
 }
 
@@ -211,14 +211,14 @@ impl<B: Backend + FsdpOps + FlatPrimitive> Backward<B, 2> for GatherInUnitBackwa
     type State = GatherSpec;
 
     fn backward(self, ops: Ops<GatherSpec, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        reduce::<B, 2>(grads, ops);
+        hand_to_reducer::<B, 2>(grads, ops);
     }
 }
 
 /// Hands the gather's full gradient to the reducer (when the placeholder, the first parent,
 /// wants one) and registers every shard the reducer has ready on its parameter's placeholder:
 /// this one's, or those of the unit reduced before (see [`super::reduce`]).
-fn reduce<B: Backend + FlatPrimitive, const N: usize>(grads: &mut Gradients, ops: Ops<GatherSpec, N>) {
+fn hand_to_reducer<B: Backend + FlatPrimitive, const N: usize>(grads: &mut Gradients, ops: Ops<GatherSpec, N>) {
     let grad = grads.consume::<B>(&ops.node);
     let Some(placeholder) = ops.parents.first().and_then(|p| p.as_ref()).map(|p| p.id) else {
         return;

@@ -14,7 +14,7 @@
 //!   before, and the shards still in flight when backward ends (taken by the optimizer);
 //! - [`schedule`]: the per-unit grouped all-gathers, learned from the previous pass, and the
 //!   prefetch of the next unit's while this one computes;
-//! - [`unit`]: marking a unit (e.g. a transformer block) so its reduce-scatters run right after
+//! - [`unit`]: marking a unit (e.g. a transformer block) so its reduce-scatter runs right after
 //!   its backward instead of at the end of the whole backward pass;
 //! - [`context`]: what the ops share per rank: the collective, the first error, and the
 //!   transient-memory probes.

@@ -9,16 +9,27 @@
 //! communication thread while backward computes the unit before. A unit is complete when it has
 //! as many gradients as the same unit had in the previous pass, or when a gradient of another
 //! unit arrives. At most one reduce-scatter is in flight: starting the next one waits for it,
-//! and its shards are returned for registration on the parameters' autodiff leaves. What is
-//! still in flight when backward ends is taken by the optimizer ([`Reducer::finish`]).
+//! and its shards are returned for registration on the parameters' autodiff leaves.
 //!
-//! Memory: one unit's full gradients plus one unit's in flight, as FSDP2. Gradients of
-//! parameters gathered outside any unit are reduced alone and at once, as before.
+//! Passes. The first pass learns: each gradient is reduce-scattered alone, at once, as the op's
+//! backward runs, while the reducer counts the unit sizes and the pass's gradients. From then
+//! on, the pass's last gradient (as many as the learned pass had) starts what is pending and
+//! waits for it inside backward, so the `Gradients` that `backward()` returns hold every shard
+//! and nothing of one backward reaches the next. If a backward has fewer gradients than learned
+//! (the model's backward changed), what is still pending or in flight when it returns is left to
+//! the optimizer ([`Reducer::finish`], called by `step` and `accumulate` after each backward),
+//! and the next pass learns again.
+//!
+//! Memory: one unit's full gradients plus one unit's in flight, as FSDP2. The gradient of a
+//! parameter gathered outside any unit (a tied head, an embedding) is a group of its own,
+//! started as soon as it is complete.
 //!
 //! Every rank runs the same backward, so every rank starts the same calls in the same order,
-//! which the collectives require; what was learned only decides when a unit is started, never
-//! what it contains. Grouped or alone, each element is averaged over the same ranks: the
-//! results are identical to one reduce-scatter per parameter.
+//! which the collectives require; what was learned decides when a unit is started and how its
+//! gradients are grouped, never which elements are averaged with which: each element is the
+//! mean over the same ranks as with one reduce-scatter per parameter (bitwise so on the
+//! in-process ring, which sums each chunk in the same rank order however the chunks are
+//! grouped).
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -94,6 +105,12 @@ struct Part {
 pub(crate) struct Reducer {
     /// Gradients each unit (by its first tag) had in the previous pass.
     sizes: HashMap<u64, usize>,
+    /// Gradients a pass has in all, learned; `None` while learning (see the module docs).
+    expected: Option<usize>,
+    /// Gradients since the optimizer last ended a pass.
+    seen: usize,
+    /// While learning: the unit being counted, `(scope, first tag, gradients)`.
+    counting: Option<(u64, u64, usize)>,
     pending: Option<Pending>,
     in_flight: Option<InFlight>,
 }
@@ -110,40 +127,94 @@ impl Reducer {
             chunk: spec.chunk,
             offset: 0,
         };
-        let Some(scope) = spec.unit_scope else {
-            // Outside units: alone and at once, after everything before it.
-            self.start_pending(ctx, &mut ready);
-            ready.extend(self.wait(ctx));
+        self.seen += 1;
+        let Some(expected) = self.expected else {
+            // Learning: alone and at once, counting the units.
+            self.count(spec);
             let shard = reduce_scatter_grad(ctx, grad, spec.chunk, spec.tag);
             ready.push(Reduced::of(member, shard));
             return ready;
         };
-        if self.pending.as_ref().is_some_and(|p| p.scope != scope) {
+        self.add_grouped(ctx, spec, member, grad, &mut ready);
+        if self.seen.is_multiple_of(expected) {
+            // The pass's last gradient (or the last of several backwards before one step):
+            // nothing is left for after backward.
             self.start_pending(ctx, &mut ready);
+            ready.extend(self.wait(ctx));
+        }
+        ready
+    }
+
+    /// From the second pass on: `grad` joins its unit's pending gradients, or is started alone
+    /// outside units; shards that become ready go to `ready`.
+    fn add_grouped(
+        &mut self,
+        ctx: &FsdpContext,
+        spec: &GatherSpec,
+        member: Member,
+        grad: Tensor<1>,
+        ready: &mut Vec<Reduced>,
+    ) {
+        let full = FullGrad {
+            member,
+            tag: spec.tag,
+            numel: spec.numel,
+            grad,
+        };
+        let Some(scope) = spec.unit_scope else {
+            // Outside units: a group of its own, started at once after everything before it.
+            self.start_pending(ctx, ready);
+            ready.extend(self.wait(ctx));
+            self.in_flight = Some(start(ctx, vec![full]));
+            return;
+        };
+        if self.pending.as_ref().is_some_and(|p| p.scope != scope) {
+            self.start_pending(ctx, ready);
         }
         let pending = self.pending.get_or_insert_with(|| Pending {
             scope,
             first_tag: spec.tag,
             grads: Vec::new(),
         });
-        pending.grads.push(FullGrad {
-            member,
-            tag: spec.tag,
-            numel: spec.numel,
-            grad,
-        });
+        pending.grads.push(full);
         if self.sizes.get(&pending.first_tag) == Some(&pending.grads.len()) {
-            self.start_pending(ctx, &mut ready);
+            self.start_pending(ctx, ready);
         }
-        ready
     }
 
-    /// Every shard not returned yet: starts the pending unit and waits for all. Called by the
-    /// optimizer after backward (every rank calls it at the same point).
+    /// While learning: counts `spec`'s gradient in its unit, recording each unit's size when
+    /// the next one starts.
+    fn count(&mut self, spec: &GatherSpec) {
+        match (spec.unit_scope, &mut self.counting) {
+            (Some(scope), Some((counted, _, n))) if *counted == scope => *n += 1,
+            (scope, counting) => {
+                if let Some((_, first_tag, n)) = counting.take() {
+                    self.sizes.insert(first_tag, n);
+                }
+                self.counting = scope.map(|scope| (scope, spec.tag, 1));
+            }
+        }
+    }
+
+    /// Ends the pass (every rank calls it at the same point: the optimizer, after backward):
+    /// returns every shard not returned yet, after starting the pending unit and waiting for
+    /// all. A pass that did not end inside backward is learned from.
     pub(crate) fn finish(&mut self, ctx: &FsdpContext) -> Vec<Reduced> {
         let mut ready = Vec::new();
         self.start_pending(ctx, &mut ready);
         ready.extend(self.wait(ctx));
+        if let Some((_, first_tag, n)) = self.counting.take() {
+            self.sizes.insert(first_tag, n);
+        }
+        self.expected = match self.expected {
+            // Learning ended: expect this many (none: keep learning).
+            None => (self.seen > 0).then_some(self.seen),
+            // As many as last time (or a multiple: several backwards before this call).
+            Some(expected) if self.seen.is_multiple_of(expected) => Some(expected),
+            // The model's backward changed: learn again.
+            Some(_) => None,
+        };
+        self.seen = 0;
         ready
     }
 

@@ -15,13 +15,16 @@ thread_local! {
 /// Runs `forward` (one unit, e.g. a transformer block) with `input` as the unit's input.
 ///
 /// Every parameter all-gathered inside then depends on `input` in the autodiff graph, so its
-/// backward (the reduce-scatter of its gradient) runs as soon as the unit's backward is done,
-/// and the unit's full gradients are freed one unit at a time (FSDP's per-unit
-/// reduce-scatter). From the second pass on, the unit's parameters are all-gathered by one
-/// collective, and the next unit's gather runs while this one computes (see
-/// [`schedule`](super::schedule)). Without a unit scope, results are identical but every reduce-scatter waits
-/// for the end of the backward pass. With no sharding active it only calls `forward`, so model
-/// code can use it unconditionally.
+/// backward (handing its full gradient to the reducer) runs as soon as the unit's backward is
+/// done, and the unit's full gradients are freed one unit at a time. From the second pass on,
+/// the unit's parameters are all-gathered by one collective, the next unit's gather runs while
+/// this one computes (see [`schedule`](super::schedule)), and the unit's gradients are
+/// reduce-scattered by one collective while backward computes the unit before (see
+/// [`reduce`](super::reduce)): FSDP2's per-group all-gather and reduce-scatter. Without a unit
+/// scope results are identical, but each parameter is gathered and reduce-scattered alone and
+/// Burn may run the gathers' backwards only at the end of the backward pass, keeping every
+/// full gradient until then. With no sharding active it only calls `forward`, so model code
+/// can use it unconditionally.
 ///
 /// ```ignore
 /// for block in &self.blocks {
