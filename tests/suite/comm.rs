@@ -297,6 +297,53 @@ fn async_gathers_take_their_place_in_the_order_of_calls() {
 }
 
 #[test]
+fn async_reduce_scatters_take_their_place_in_the_order_of_calls_and_fail_on_every_rank() {
+    // As the gathers above: a started reduce-scatter, a synchronous all-reduce and a started
+    // gather behind it, waited for in reverse order; results equal the float64 means. Then a
+    // length that does not divide by the world size fails through `wait` on every rank.
+    for world_size in 1..=4usize {
+        let len = 4 * world_size;
+        let out = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+            let rank = comm.rank();
+            let rs = comm.reduce_scatter_async(tensor(input(rank, len)), ReduceOp::Avg, 5);
+            let sum = comm.all_reduce(tensor(input(rank, len)), ReduceOp::Sum).unwrap();
+            let gather = comm.all_gather_async(tensor(input(rank, 3)), 6);
+            let gathered = gather.wait().unwrap();
+            let shard = rs.wait().unwrap();
+            let bad = comm.reduce_scatter_async(tensor(input(rank, world_size + 1)), ReduceOp::Avg, 7);
+            (rank, host(shard), host(sum), host(gathered), bad.wait())
+        })
+        .unwrap();
+        let mean: Vec<f64> = reference_sum(world_size, len)
+            .into_iter()
+            .map(|v| v / world_size as f64)
+            .collect();
+        let want_gather: Vec<f64> = (0..world_size).flat_map(|r| input(r, 3)).map(f64::from).collect();
+        for (rank, shard, sum, gathered, bad) in out {
+            let ctx = format!("N={world_size} rank {rank}");
+            assert_close(
+                &shard,
+                &mean[rank * 4..(rank + 1) * 4],
+                1e-6,
+                &format!("{ctx}: reduce-scatter"),
+            );
+            assert_close(
+                &sum,
+                &reference_sum(world_size, len),
+                1e-5,
+                &format!("{ctx}: all-reduce"),
+            );
+            assert_close(&gathered, &want_gather, 0.0, &format!("{ctx}: gather"));
+            match (world_size, bad) {
+                (1, Ok(_)) => {}
+                (_, Err(CommError::NotDivisible { .. })) => {}
+                (_, other) => panic!("{ctx}: a length of N+1 must fail with NotDivisible: {other:?}"),
+            }
+        }
+    }
+}
+
+#[test]
 fn time_spent_computing_while_a_gather_runs_counts_as_hidden() {
     let out = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
         // Synchronous calls are exposed from start to end.

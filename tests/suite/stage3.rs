@@ -7,6 +7,7 @@ use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::prelude::*;
+use burn::tensor::DType;
 use burn::tensor::activation::relu;
 use burn_shard::fsdp::unit;
 use burn_shard::{IntoOptimizer, ShardConfig, Stage};
@@ -608,5 +609,114 @@ fn stage3_grouped_gathers_train_the_example_gpt_as_stage_0_and_move_the_same_byt
                 assert!(calls < first_calls, "N={n} checkpointing={checkpointing}: {steps:?}");
             }
         }
+    }
+}
+
+/// A block with parameters of two dtypes: `w` (`f32`, `[width, width]`), `b` (`f32`, `[width]`)
+/// and a `bf16` gain `g` (`[width]`, cast to `f32` where it is used).
+#[derive(Module, Debug)]
+pub struct MixedBlock {
+    w: Param<Tensor<2>>,
+    b: Param<Tensor<1>>,
+    g: Param<Tensor<1>>,
+}
+
+#[derive(Module, Debug)]
+pub struct MixedNet {
+    blocks: Vec<MixedBlock>,
+}
+
+impl MixedNet {
+    fn new(width: usize, device: &Device) -> Self {
+        let mut rng = Rng::new(5);
+        let mut tensor = |shape: Vec<usize>, scale: f32| {
+            let numel = shape.iter().product();
+            Tensor::<1>::from_data(TensorData::new(rng.vec(numel), [numel]), device).mul_scalar(scale)
+        };
+        let blocks = (0..2)
+            .map(|_| MixedBlock {
+                w: Param::from_tensor(tensor(vec![width, width], 0.3).reshape([width, width]).require_grad()),
+                b: Param::from_tensor(tensor(vec![width], 0.1).require_grad()),
+                g: Param::from_tensor(
+                    tensor(vec![width], 0.5)
+                        .add_scalar(1.0)
+                        .cast(DType::BF16)
+                        .require_grad(),
+                ),
+            })
+            .collect();
+        Self { blocks }
+    }
+
+    /// `x`: `[batch, width]` -> `[batch, width]`; each block a unit when `units`.
+    fn forward(&self, x: Tensor<2>, units: bool) -> Tensor<2> {
+        let mut h = x;
+        for block in &self.blocks {
+            let run = |h: Tensor<2>| {
+                let gain = block.g.val().cast(DType::F32).unsqueeze::<2>();
+                relu(h.matmul(block.w.val()) + block.b.val().unsqueeze::<2>()) * gain
+            };
+            h = match units {
+                true => unit(&h, || run(h.clone())),
+                false => run(h),
+            };
+        }
+        h
+    }
+}
+
+#[test]
+fn stage3_grouped_reduce_scatters_of_two_dtypes_give_the_bits_of_reducing_each_gradient_alone() {
+    // Each unit holds f32 and bf16 gradients: one reduce-scatter per dtype and unit from the
+    // second step on (without units: one per gradient). Width 10 pads the chunks at N=3 and 4.
+    // The in-process ring sums each chunk in the same rank order however chunks are grouped, so
+    // the parameters after three steps are bitwise those of reducing each gradient alone.
+    let width = 10;
+    let device = Device::flex().autodiff();
+    let base = MixedNet::new(width, &device);
+    for n in [2usize, 3, 4] {
+        let train = |units: bool| {
+            let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+                let device = Device::flex().autodiff();
+                let rank = comm.rank();
+                let (mut model, mut optim) = ShardConfig::new(Stage::Three)
+                    .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
+                    .unwrap();
+                let mut calls = Vec::new();
+                for step in 0..3 {
+                    let before = optim.comm().stats();
+                    let x = Tensor::<2>::ones([2, width], &device).mul_scalar((1 + rank + step) as f32 * 0.1);
+                    let l = model.forward(x, units).powi_scalar(2).mean();
+                    let grads = GradientsParams::from_grads(l.backward(), &model);
+                    model = optim.step(1e-2, model, grads).unwrap();
+                    calls.push(
+                        optim
+                            .comm()
+                            .stats()
+                            .since(&before)
+                            .get(CollectiveKind::ReduceScatter)
+                            .calls,
+                    );
+                }
+                (calls, params_of(&model.clone().materialize()))
+            })
+            .unwrap();
+            runs.into_iter().next().unwrap()
+        };
+        let (grouped_calls, grouped) = train(true);
+        let (alone_calls, alone) = train(false);
+        assert_eq!(
+            alone_calls,
+            [6, 6, 6],
+            "N={n}: one reduce-scatter per gradient without units"
+        );
+        assert_eq!(
+            grouped_calls,
+            [6, 2 * 2, 2 * 2],
+            "N={n}: one per dtype and unit from step 2"
+        );
+        assert_eq!(grouped, alone, "N={n}: grouping changed the bits of the result");
+        let start = params_of(&base);
+        assert!(max_abs_diff(&grouped, &start) > 1e-3, "N={n}: the model trained");
     }
 }
