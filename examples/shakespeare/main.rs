@@ -19,7 +19,7 @@ use burn_shard::comm::InProcessComm;
 use burn_shard::comm::{Collective, InProcessGroup, run_ranks};
 #[cfg(feature = "mpi")]
 use burn_shard::comm::{MpiComm, launched_by_mpirun};
-use burn_shard::{MemoryReport, ShardConfig, ShardError, Stage};
+use burn_shard::{MemoryReport, ShardError, Stage};
 use burn_shard_examples::char_data::{CharCorpus, sample_batch};
 use burn_shard_examples::cli::{ShardArgs, at_least, positive_f64};
 use burn_shard_examples::gpt::{Gpt, GptConfig};
@@ -262,7 +262,10 @@ fn train_rank(
 
     // The one call: shard the optimizer state (stage 1), gradients (stage 2) and parameters
     // (stage 3) over the ranks.
-    let (model, mut optim) = ShardConfig::new(stage).init(base.clone().fork(&device), optimizer, comm)?;
+    let (model, mut optim) = args
+        .shard
+        .shard_config(stage)
+        .init(base.clone().fork(&device), optimizer, comm)?;
     let (mut model, start) = resume(&args.shard, &mut optim, model, args.steps)?;
     let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(rank as u64 * 7919));
     // The same batches as an uninterrupted run at the same world size: skip the ones seen.

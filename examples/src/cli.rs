@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use burn_shard::Stage;
+use burn_shard::{ShardConfig, Stage};
 
 /// A `usize` option in `min..=max`; clap names the option and the range in its error.
 pub fn at_least(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<usize> {
@@ -43,9 +43,21 @@ pub struct ShardArgs {
     /// checkpoint is taken), at any --world-size and --stage.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Clip the gradient to this global L2 norm before each step (PyTorch's
+    /// `clip_grad_norm_`, measured over every rank's shard); default: no clipping.
+    #[arg(long, value_parser = positive_f64)]
+    pub max_grad_norm: Option<f64>,
 }
 
 impl ShardArgs {
+    /// The sharding of `stage` with these options (`--max-grad-norm`).
+    pub fn shard_config(&self, stage: Stage) -> ShardConfig {
+        match self.max_grad_norm {
+            Some(max_norm) => ShardConfig::new(stage).with_max_grad_norm(max_norm as f32),
+            None => ShardConfig::new(stage),
+        }
+    }
+
     /// The `--stage` given, or `default`.
     pub fn stage_or(&self, default: Stage) -> Stage {
         match self.stage {

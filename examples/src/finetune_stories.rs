@@ -10,7 +10,7 @@ use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::prelude::*;
 use burn_shard::comm::{Collective, InProcessComm, InProcessGroup, run_ranks};
-use burn_shard::{MemoryReport, ShardConfig, ShardError, Stage};
+use burn_shard::{MemoryReport, ShardError, Stage};
 use clap::Parser;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -230,7 +230,10 @@ fn train_rank(
     let device = training_device(stage);
     let local = args.batch_size / args.shard.world_size;
     let optimizer = AdamWConfig::new().with_weight_decay(args.weight_decay);
-    let (model, mut optim) = ShardConfig::new(stage).init(base.clone().fork(&device), optimizer, comm)?;
+    let (model, mut optim) = args
+        .shard
+        .shard_config(stage)
+        .init(base.clone().fork(&device), optimizer, comm)?;
     let (mut model, start) = resume(&args.shard, &mut optim, model, args.steps)?;
     let world_size = args.shard.world_size;
     // Global batch `b` of the validation windows, the same at every world size.
