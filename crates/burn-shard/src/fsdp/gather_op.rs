@@ -118,8 +118,10 @@ impl FsdpOps for Flex {
 
 impl FlatPrimitive for Flex {
     fn into_flat(full: FlexTensor, numel: usize, ctx: &FsdpContext) -> Tensor<1> {
-        ctx.watch_transient(Arc::downgrade(&full.data_arc()), numel * full.dtype().size());
-        Tensor::<1>::from_primitive::<Flex>(Flex::float_reshape(full, Shape::new([numel])))
+        // Watched after the reshape, which copies a non-contiguous gradient into a new buffer.
+        let flat = Flex::float_reshape(full, Shape::new([numel]));
+        ctx.watch_transient(Arc::downgrade(&flat.data_arc()), numel * flat.dtype().size());
+        Tensor::<1>::from_primitive::<Flex>(flat)
     }
 
     fn from_flat(shard: Tensor<1>, shape: Shape) -> FlexTensor {
