@@ -12,8 +12,22 @@ pub fn at_least(min: u64, max: u64) -> clap::builder::RangedU64ValueParser<usize
 
 /// A finite `f64` above 0 (learning rates).
 pub fn positive_f64(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+    positive(s)
+}
+
+/// A finite `f32` above 0 (a gradient norm): a value that rounds to 0 or overflows in `f32`
+/// is refused here, not later.
+pub fn positive_f32(s: &str) -> Result<f32, String> {
+    positive(s)
+}
+
+fn positive<T>(s: &str) -> Result<T, String>
+where
+    T: std::str::FromStr + Into<f64> + Copy + std::fmt::Display,
+    T::Err: std::fmt::Display,
+{
+    match s.parse::<T>() {
+        Ok(v) if v.into().is_finite() && v.into() > 0.0 => Ok(v),
         Ok(v) => Err(format!("{v} is not a finite number above 0")),
         Err(e) => Err(e.to_string()),
     }
@@ -45,15 +59,15 @@ pub struct ShardArgs {
     pub resume: Option<PathBuf>,
     /// Clip the gradient to this global L2 norm before each step (PyTorch's
     /// `clip_grad_norm_`, measured over every rank's shard); default: no clipping.
-    #[arg(long, value_parser = positive_f64)]
-    pub max_grad_norm: Option<f64>,
+    #[arg(long, value_parser = positive_f32)]
+    pub max_grad_norm: Option<f32>,
 }
 
 impl ShardArgs {
     /// The sharding of `stage` with these options (`--max-grad-norm`).
     pub fn shard_config(&self, stage: Stage) -> ShardConfig {
         match self.max_grad_norm {
-            Some(max_norm) => ShardConfig::new(stage).with_max_grad_norm(max_norm as f32),
+            Some(max_norm) => ShardConfig::new(stage).with_max_grad_norm(max_norm),
             None => ShardConfig::new(stage),
         }
     }

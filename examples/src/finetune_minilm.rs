@@ -61,7 +61,7 @@ pub struct Args {
     /// Dropout of BERT's hidden states and attention, and before the head.
     #[arg(long, default_value_t = 0.1, value_parser = probability)]
     pub dropout: f64,
-    /// Longest sentence in tokens, [CLS] and [SEP] included (longer ones are truncated), 2-512.
+    /// Longest sentence in tokens, `[CLS]` and `[SEP]` included (longer ones are truncated), 2-512.
     #[arg(long, default_value_t = 64, value_parser = at_least(2, 512))]
     pub max_len: usize,
     /// Steps between evaluations on the dev set (also before the first and after the last step).

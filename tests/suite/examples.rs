@@ -271,9 +271,6 @@ fn mean(v: &[f32]) -> f32 {
     v.iter().sum::<f32>() / v.len() as f32
 }
 
-/// A few steps of `finetune-stories` at stage 3 on 2 ranks: the validation loss on
-/// shakespeare falls from the pretrained model's, the CSV holds every step, the PNG is drawn,
-/// and a resumed run continues from the checkpoint.
 /// A short `finetune-stories` run of `steps` steps on a small slice of the data, evaluated
 /// every 8 steps, with `extra` options.
 fn stories_args(steps: &str, extra: &[&str]) -> finetune_stories::Args {
@@ -300,6 +297,9 @@ fn stories_args(steps: &str, extra: &[&str]) -> finetune_stories::Args {
     finetune_stories::Args::parse_from(a)
 }
 
+/// A few steps of `finetune-stories` at stage 3 on 2 ranks: the validation loss on
+/// shakespeare falls from the pretrained model's, the CSV holds every step, the PNG is drawn,
+/// and a resumed run continues from the checkpoint.
 #[test]
 fn finetune_stories_smoke() {
     let out = scratch("examples-tests", "stories");
@@ -512,7 +512,7 @@ fn finetune_minilm_evaluation_is_the_same_at_every_world_size() {
 
 #[test]
 fn max_grad_norm_reaches_the_optimizer() {
-    // Clipped to a norm of 1e-9, every gradient element is far below AdamW's eps (1e-8), so 8
+    // Clipped to a norm of 1e-9, every gradient element is far below AdamW's eps (1e-5), so 8
     // steps barely move the model; unclipped, the same 8 steps lower the validation loss.
     let val_change = |clip: Option<&str>| {
         let out = scratch("examples-tests", &format!("stories-clip-{}", clip.unwrap_or("none")));

@@ -720,3 +720,39 @@ fn stage3_grouped_reduce_scatters_of_two_dtypes_give_the_bits_of_reducing_each_g
         assert!(max_abs_diff(&grouped, &start) > 1e-3, "N={n}: the model trained");
     }
 }
+
+#[test]
+fn stage3_several_backwards_before_a_step_keep_each_backward_to_itself() {
+    // Each step back-propagates twice (a GAN's generator loss through a sharded discriminator,
+    // say) and steps on the second backward's gradients only: the result must equal stepping on
+    // one backward per step, bitwise, at N=2 and 3. Learning from two backwards must not make
+    // the first backward's last unit end up in the second's gradients.
+    let device = Device::flex().autodiff();
+    let base = Net3::new(VOCAB, WIDTH, &device);
+    for n in [2usize, 3] {
+        let train = |backwards: usize| {
+            let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+                let device = Device::flex().autodiff();
+                let (mut model, mut optim) = ShardConfig::new(Stage::Three)
+                    .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
+                    .unwrap();
+                for step in 0..4 {
+                    let mut grads = None;
+                    for b in 0..backwards {
+                        let scale = if b + 1 == backwards { 1.0 } else { 5.0 };
+                        let x = Tensor::<2>::ones([3, VOCAB], &device).mul_scalar(scale + step as f32 * 0.1);
+                        let l = model.forward(x).powi_scalar(2).mean();
+                        grads = Some(GradientsParams::from_grads(l.backward(), &model));
+                    }
+                    model = optim.step(1e-2, model, grads.unwrap()).unwrap();
+                }
+                params_of(&model.clone().materialize())
+            })
+            .unwrap();
+            runs.into_iter().next().unwrap()
+        };
+        let once = train(1);
+        let twice = train(2);
+        assert_eq!(twice, once, "N={n}: the discarded backward leaked into the step");
+    }
+}

@@ -6,7 +6,7 @@
 //! (`loss.backward()` and `GradientsParams::from_grads`) and optimizer step
 //! (`ShardedOptimizer::step`), and the time blocked on collectives (`CommStats::exposed`) split
 //! by the phase it fell in: at stage 3 the all-gathers run in forward and backward and the
-//! reduce-scatters in backward (a backward whose gradients did not all arrive as learned leaves
+//! reduce-scatters in backward (backwards that do not match the learned structure leave
 //! the last unit's to the step); at stages 0-2 every collective runs in the step. Burn's Flex CPU
 //! backend executes each op eagerly when it is called (no fusion, no queue: `burn-dispatch`
 //! without its `fusion` feature, and Flex's own views only defer copies, never arithmetic), so

@@ -199,11 +199,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// first Adam step of its own when it is.
     ///
     /// At stage 3 `grads` already hold this rank's shards of the mean gradients (reduce-scattered
-    /// inside backward), and a parameter left out of `grads` is not stepped, as in Burn. Call
-    /// `step` or [`ShardedOptimizer::accumulate`] after each backward of the sharded model:
-    /// after a backward whose gradients did not all arrive as in the previous one (its
-    /// structure changed), the last reduce-scatters are still in flight when `backward()`
-    /// returns, and these calls add their shards.
+    /// inside backward), and a parameter left out of `grads` is not stepped, as in Burn. This
+    /// holds while the backwards between two optimizer calls have the structure learned before
+    /// the first call; when it changes, the last reduce-scatters are still in flight when
+    /// `backward()` returns, this call adds their shards to `grads` (whatever was left out),
+    /// and the structure is learned again.
     ///
     /// `lr` is one learning rate (`f64`, e.g. from a Burn `LrScheduler`) or Burn's
     /// `ModuleLearningRate` (per-group rates from a `ModuleLrScheduler`); every rank must pass
@@ -237,8 +237,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         result
     }
 
-    /// Stage 3: adds to `grads` the gradient shards that backward left in flight (the units it
-    /// reduced last, see [`crate::fsdp`]'s reducer). Every rank calls this at the same point.
+    /// Stage 3: ends the reducer's pass (once per optimizer call) and adds to `grads` the
+    /// gradient shards backward left in flight (none when the backward matched the learned
+    /// structure, see [`crate::fsdp`]'s reducer). Every rank calls this at the same point.
     fn take_reduced<M: Module>(&self, model: &M, grads: &mut GradientsParams) {
         if let Some(fsdp) = self.plan.fsdp() {
             crate::fsdp::reduce::add_to_grads(model, fsdp.finish_reduce(), grads);

@@ -11,7 +11,7 @@
 //!   the full gradient handed to [`reduce`] as soon as it is complete);
 //! - [`collectives`]: the buffer layouts of those collectives (padding, flattening), nothing else;
 //! - [`reduce`]: the per-unit grouped reduce-scatters, started while backward computes the unit
-//!   before, and the shards still in flight when backward ends (taken by the optimizer);
+//!   before and waited for by backward's last gradient (learned at the first optimizer call);
 //! - [`schedule`]: the per-unit grouped all-gathers, learned from the previous pass, and the
 //!   prefetch of the next unit's while this one computes;
 //! - [`unit`]: marking a unit (e.g. a transformer block) so its reduce-scatter runs right after

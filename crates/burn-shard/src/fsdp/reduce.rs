@@ -11,14 +11,15 @@
 //! unit arrives. At most one reduce-scatter is in flight: starting the next one waits for it,
 //! and its shards are returned for registration on the parameters' autodiff leaves.
 //!
-//! Passes. The first pass learns: each gradient is reduce-scattered alone, at once, as the op's
-//! backward runs, while the reducer counts the unit sizes and the pass's gradients. From then
-//! on, the pass's last gradient (as many as the learned pass had) starts what is pending and
-//! waits for it inside backward, so the `Gradients` that `backward()` returns hold every shard
-//! and nothing of one backward reaches the next. If a backward has fewer gradients than learned
-//! (the model's backward changed), what is still pending or in flight when it returns is left to
-//! the optimizer ([`Reducer::finish`], called by `step` and `accumulate` after each backward),
-//! and the next pass learns again.
+//! Passes. Until the optimizer's first `step` or `accumulate`, the reducer learns: each gradient
+//! is reduce-scattered alone, at once, as the op's backward runs, while the reducer counts the
+//! unit sizes and records the gradients' order; one backward is the shortest repeating part of
+//! that order (several backwards may precede the call). From then on, each backward's last
+//! gradient starts what is pending and waits for it inside backward, so the `Gradients` that
+//! `backward()` returns hold every shard and nothing of one backward reaches the next. If the
+//! gradients between two optimizer calls are not a whole number of learned backwards (the
+//! model's backward changed), what is still pending or in flight is left to the optimizer
+//! ([`Reducer::finish`], called by `step` and `accumulate`), and the reducer learns again.
 //!
 //! Memory: one unit's full gradients plus one unit's in flight, as FSDP2. The gradient of a
 //! parameter gathered outside any unit (a tied head, an embedding) is a group of its own,
@@ -111,6 +112,9 @@ pub(crate) struct Reducer {
     seen: usize,
     /// While learning: the unit being counted, `(scope, first tag, gradients)`.
     counting: Option<(u64, u64, usize)>,
+    /// While learning: every gradient's tag, in order (several backwards may precede the
+    /// optimizer's call: the pass is the sequence's period).
+    learned_tags: Vec<u64>,
     pending: Option<Pending>,
     in_flight: Option<InFlight>,
 }
@@ -130,7 +134,9 @@ impl Reducer {
         self.seen += 1;
         let Some(expected) = self.expected else {
             // Learning: alone and at once, counting the units.
+            debug_assert!(self.pending.is_none() && self.in_flight.is_none(), "drained by finish");
             self.count(spec);
+            self.learned_tags.push(spec.tag);
             let shard = reduce_scatter_grad(ctx, grad, spec.chunk, spec.tag);
             ready.push(Reduced::of(member, shard));
             return ready;
@@ -198,7 +204,8 @@ impl Reducer {
 
     /// Ends the pass (every rank calls it at the same point: the optimizer, after backward):
     /// returns every shard not returned yet, after starting the pending unit and waiting for
-    /// all. A pass that did not end inside backward is learned from.
+    /// all. After a learning pass, one backward's gradient count is learned; after a pass whose
+    /// count is not a multiple of it, the next pass learns again.
     pub(crate) fn finish(&mut self, ctx: &FsdpContext) -> Vec<Reduced> {
         let mut ready = Vec::new();
         self.start_pending(ctx, &mut ready);
@@ -207,14 +214,15 @@ impl Reducer {
             self.sizes.insert(first_tag, n);
         }
         self.expected = match self.expected {
-            // Learning ended: expect this many (none: keep learning).
-            None => (self.seen > 0).then_some(self.seen),
+            // Learning ended: one backward's gradients (none: keep learning).
+            None => (self.seen > 0).then(|| period(&self.learned_tags)),
             // As many as last time (or a multiple: several backwards before this call).
             Some(expected) if self.seen.is_multiple_of(expected) => Some(expected),
             // The model's backward changed: learn again.
             Some(_) => None,
         };
         self.seen = 0;
+        self.learned_tags.clear();
         ready
     }
 
@@ -342,6 +350,15 @@ fn start(ctx: &FsdpContext, grads: Vec<FullGrad>) -> InFlight {
         parts,
         _watch: ctx.watch_in_flight(&sample, bytes),
     }
+}
+
+/// The length of the shortest prefix of `tags` that repeats to make all of them: one
+/// backward's gradients when the optimizer's call followed several identical backwards (Burn's
+/// `GradientsAccumulator`, or a model back-propagated through twice per step).
+fn period(tags: &[u64]) -> usize {
+    (1..=tags.len())
+        .find(|&p| tags.len().is_multiple_of(p) && tags.iter().enumerate().all(|(i, t)| *t == tags[i % p]))
+        .unwrap_or(tags.len())
 }
 
 /// Names a unit's reduce-scatter in the collectives' checks (never 0, "untagged").
