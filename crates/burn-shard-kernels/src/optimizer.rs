@@ -58,7 +58,7 @@ impl FusedAdam {
     ///
     /// On `Flex` tensors this is one fused pass ([`crate::cpu::adam_step_master`]), on the CubeCL
     /// backend one kernel (feature `cube`; the device must support the dtype: wgpu has no
-    /// `bf16`); elsewhere it is [`Optimizer::step`] on the master followed by a cast. Updates equal those of
+    /// `bf16`); elsewhere it is [`Optimizer::step`](burn::optim::Optimizer::step) on the master followed by a cast. Updates equal those of
     /// `step(lr, master, grad.cast(F32), state)` within `f32` rounding.
     pub fn step_with_master<const D: usize>(
         &self,

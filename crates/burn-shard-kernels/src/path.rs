@@ -18,7 +18,7 @@ pub enum StepPath {
 }
 
 impl FusedAdam {
-    /// Which implementation [`Optimizer::step`] uses for `tensor`.
+    /// Which implementation [`Optimizer::step`](burn::optim::Optimizer::step) uses for `tensor`.
     pub fn path_for<const D: usize>(&self, tensor: &Tensor<D>) -> StepPath {
         if !self.fused {
             return StepPath::BurnFallback;

@@ -38,7 +38,7 @@ pub struct ShardConfig {
     /// ZeRO stage.
     pub stage: Stage,
     /// Maximum elements per bucket (a larger parameter gets its own bucket). Default
-    /// [`DEFAULT_BUCKET_NUMEL`].
+    /// `DEFAULT_BUCKET_NUMEL` (25 Mi elements).
     pub bucket_numel: usize,
     /// Stage 3 only: free each gathered parameter after forward and re-gather it in backward
     /// (default `true`, FSDP's `reshard_after_forward`). `false` keeps gathered parameters

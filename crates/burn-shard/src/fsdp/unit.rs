@@ -18,9 +18,9 @@ thread_local! {
 /// backward (handing its full gradient to the reducer) runs as soon as the unit's backward is
 /// done, and the unit's full gradients are freed one unit at a time. From the second pass on,
 /// the unit's parameters are all-gathered by one collective, the next unit's gather runs while
-/// this one computes (see [`schedule`](super::schedule)), and the unit's gradients are
-/// reduce-scattered by one collective while backward computes the unit before (see
-/// [`reduce`](super::reduce)): FSDP2's per-group all-gather and reduce-scatter. Without a unit
+/// this one computes, and the unit's gradients are reduce-scattered by one collective while
+/// backward computes the unit before (see [`crate::fsdp`]): FSDP2's per-group all-gather and
+/// reduce-scatter. Without a unit
 /// scope results are identical, but each parameter is gathered and reduce-scattered alone and
 /// Burn may run the gathers' backwards only at the end of the backward pass, keeping every
 /// full gradient until then. With no sharding active it only calls `forward`, so model code
