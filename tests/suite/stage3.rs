@@ -688,32 +688,10 @@ fn stage3_grouped_reduce_scatters_of_two_dtypes_give_the_bits_of_reducing_each_g
     let base = MixedNet::new(width, &device);
     for n in [2usize, 3, 4] {
         let train = |units: bool| {
-            let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
-                let device = Device::flex().autodiff();
-                let rank = comm.rank();
-                let (mut model, mut optim) = ShardConfig::new(Stage::Three)
-                    .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
-                    .unwrap();
-                let mut calls = Vec::new();
-                for step in 0..3 {
-                    let before = optim.comm().stats();
-                    let x = Tensor::<2>::ones([2, width], &device).mul_scalar((1 + rank + step) as f32 * 0.1);
-                    let l = model.forward(x, units).powi_scalar(2).mean();
-                    let grads = GradientsParams::from_grads(l.backward(), &model);
-                    model = optim.step(1e-2, model, grads).unwrap();
-                    calls.push(
-                        optim
-                            .comm()
-                            .stats()
-                            .since(&before)
-                            .get(CollectiveKind::ReduceScatter)
-                            .calls,
-                    );
-                }
-                (calls, params_of(&model.clone().materialize()))
+            calls_and_params(&base, n, Stage::Three, 3, |model, step, rank, device| {
+                let x = Tensor::<2>::ones([2, width], device).mul_scalar((1 + rank + step) as f32 * 0.1);
+                GradientsParams::from_grads(model.forward(x, units).powi_scalar(2).mean().backward(), model)
             })
-            .unwrap();
-            runs.into_iter().next().unwrap()
         };
         let (grouped_calls, grouped) = train(true);
         let (alone_calls, alone) = train(false);
@@ -743,25 +721,17 @@ fn stage3_several_backwards_before_a_step_keep_each_backward_to_itself() {
     let base = Net3::new(VOCAB, WIDTH, &device);
     for n in [2usize, 3] {
         let train = |backwards: usize| {
-            let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
-                let device = Device::flex().autodiff();
-                let (mut model, mut optim) = ShardConfig::new(Stage::Three)
-                    .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
-                    .unwrap();
-                for step in 0..4 {
-                    let mut grads = None;
-                    for b in 0..backwards {
-                        let scale = if b + 1 == backwards { 1.0 } else { 5.0 };
-                        let x = Tensor::<2>::ones([3, VOCAB], &device).mul_scalar(scale + step as f32 * 0.1);
-                        let l = model.forward(x).powi_scalar(2).mean();
-                        grads = Some(GradientsParams::from_grads(l.backward(), &model));
-                    }
-                    model = optim.step(1e-2, model, grads.unwrap()).unwrap();
+            let (_, params) = calls_and_params(&base, n, Stage::Three, 4, |model, step, _, device| {
+                let mut grads = None;
+                for b in 0..backwards {
+                    let scale = if b + 1 == backwards { 1.0 } else { 5.0 };
+                    let x = Tensor::<2>::ones([3, VOCAB], device).mul_scalar(scale + step as f32 * 0.1);
+                    let l = model.forward(x).powi_scalar(2).mean();
+                    grads = Some(GradientsParams::from_grads(l.backward(), model));
                 }
-                params_of(&model.clone().materialize())
-            })
-            .unwrap();
-            runs.into_iter().next().unwrap()
+                grads.expect("at least one backward")
+            });
+            params
         };
         let once = train(1);
         let twice = train(2);
@@ -779,31 +749,11 @@ fn stage3_learns_again_when_the_backward_changes() {
     let skips = [None, None, Some(1), None, None];
     for n in [2usize, 3] {
         let train = |stage: Stage| {
-            let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
-                let device = Device::flex().autodiff();
-                let (mut model, mut optim) = ShardConfig::new(stage)
-                    .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
-                    .unwrap();
-                let mut calls = Vec::new();
-                for (step, skip) in skips.iter().enumerate() {
-                    let before = optim.comm().stats();
-                    let x = Tensor::<2>::ones([3, VOCAB], &device).mul_scalar(1.0 + step as f32 * 0.1);
-                    let l = model.forward_skipping(x, *skip).powi_scalar(2).mean();
-                    let grads = GradientsParams::from_grads(l.backward(), &model);
-                    model = optim.step(1e-2, model, grads).unwrap();
-                    calls.push(
-                        optim
-                            .comm()
-                            .stats()
-                            .since(&before)
-                            .get(CollectiveKind::ReduceScatter)
-                            .calls,
-                    );
-                }
-                (calls, params_of(&model.clone().materialize()))
+            calls_and_params(&base, n, stage, skips.len(), |model, step, _, device| {
+                let x = Tensor::<2>::ones([3, VOCAB], device).mul_scalar(1.0 + step as f32 * 0.1);
+                let l = model.forward_skipping(x, skips[step]).powi_scalar(2).mean();
+                GradientsParams::from_grads(l.backward(), model)
             })
-            .unwrap();
-            runs.into_iter().next().unwrap()
         };
         let (calls, sharded) = train(Stage::Three);
         let (_, reference) = train(Stage::Zero);
@@ -811,4 +761,35 @@ fn stage3_learns_again_when_the_backward_changes() {
         let diff = max_abs_diff(&sharded, &reference);
         assert!(diff <= 1e-5, "N={n}: stage 3 drifts from stage 0 by {diff}");
     }
+}
+
+/// Trains `base` on `n` in-process ranks at `stage` with Adam (lr 1e-2), one step per element of
+/// `steps`; rank `r`'s step `s` runs `backwards(&model, s, r, &device)` and steps on the
+/// gradients it returns. Returns rank 0's reduce-scatter calls per step and its full parameters
+/// after the last step.
+fn calls_and_params<M: Module + Send + Sync>(
+    base: &M,
+    n: usize,
+    stage: Stage,
+    steps: usize,
+    backwards: impl Fn(&M, usize, usize, &Device) -> GradientsParams + Sync,
+) -> (Vec<u64>, Vec<f32>) {
+    let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let rank = comm.rank();
+        let (mut model, mut optim) = ShardConfig::new(stage)
+            .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
+            .unwrap();
+        let mut calls = Vec::new();
+        for step in 0..steps {
+            let before = optim.comm().stats();
+            let grads = backwards(&model, step, rank, &device);
+            model = optim.step(1e-2, model, grads).unwrap();
+            let reduce_scatters = optim.comm().stats().since(&before).get(CollectiveKind::ReduceScatter);
+            calls.push(reduce_scatters.calls);
+        }
+        (calls, params_of(&model.clone().materialize()))
+    })
+    .unwrap();
+    runs.into_iter().next().unwrap()
 }
