@@ -1,7 +1,9 @@
 //! Buffer layouts of the stage-3 collectives: a parameter of `numel` elements is split into
 //! `world_size` chunks of `chunk = ceil(numel / N)` elements, the last one zero-padded.
 
-use burn::tensor::Tensor;
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+use burn::tensor::{DType, Tensor};
 
 use super::context::FsdpContext;
 
@@ -22,13 +24,7 @@ pub(crate) fn all_gather_full(ctx: &FsdpContext, shard: Tensor<1>, numel: usize,
 /// The full `[numel]` gradient -> this rank's `[chunk]` shard of its mean over ranks.
 pub(crate) fn reduce_scatter_grad(ctx: &FsdpContext, full: Tensor<1>, chunk: usize, tag: u64) -> Tensor<1> {
     let (device, dtype) = (full.device(), full.dtype());
-    let n = ctx.comm().world_size();
-    let numel = full.dims()[0];
-    let padded = if numel == chunk * n {
-        full
-    } else {
-        Tensor::cat(vec![full, Tensor::zeros([chunk * n - numel], (&device, dtype))], 0)
-    };
+    let padded = pad_to(full, chunk * ctx.comm().world_size());
     match ctx
         .comm()
         .reduce_scatter_tagged(padded, burn_shard_comm::ReduceOp::Avg, tag)
@@ -39,4 +35,43 @@ pub(crate) fn reduce_scatter_grad(ctx: &FsdpContext, full: Tensor<1>, chunk: usi
             Tensor::zeros([chunk], (&device, dtype))
         }
     }
+}
+
+/// `full` (`[numel]`) zero-padded to `[padded]` elements, `padded >= numel` (as is when equal).
+pub(crate) fn pad_to(full: Tensor<1>, padded: usize) -> Tensor<1> {
+    let numel = full.dims()[0];
+    if numel == padded {
+        return full;
+    }
+    let (device, dtype) = (full.device(), full.dtype());
+    Tensor::cat(vec![full, Tensor::zeros([padded - numel], (&device, dtype))], 0)
+}
+
+/// Names a grouped collective in the collectives' checks by its parameters' tags: ranks that
+/// group different parameters into equal lengths fail instead of mixing them. Never 0
+/// ("untagged").
+pub(crate) fn group_tag(tags: impl IntoIterator<Item = u64>) -> u64 {
+    let mut h = DefaultHasher::new();
+    for tag in tags {
+        tag.hash(&mut h);
+    }
+    h.finish() | 1
+}
+
+/// The group of `dtype` among `groups` (one per dtype, in first-seen order: a grouped collective
+/// moves one dtype), appended by `new` when there is none yet.
+pub(crate) fn dtype_group<G>(
+    groups: &mut Vec<G>,
+    dtype: DType,
+    dtype_of: impl Fn(&G) -> DType,
+    new: impl FnOnce() -> G,
+) -> &mut G {
+    let index = match groups.iter().position(|g| dtype_of(g) == dtype) {
+        Some(i) => i,
+        None => {
+            groups.push(new());
+            groups.len() - 1
+        }
+    };
+    &mut groups[index]
 }

@@ -33,7 +33,6 @@
 //! grouped).
 
 use std::collections::HashMap;
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
 use burn::backend::autodiff::NodeId;
@@ -42,7 +41,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Shape, Tensor};
 use burn_shard_comm::{ReduceOp, Work};
 
-use super::collectives::reduce_scatter_grad;
+use super::collectives::{dtype_group, group_tag, pad_to, reduce_scatter_grad};
 use super::context::FsdpContext;
 use super::gather_op::GatherSpec;
 
@@ -72,7 +71,6 @@ struct Member {
 struct FullGrad {
     member: Member,
     tag: u64,
-    numel: usize,
     /// `[numel]`.
     grad: Tensor<1>,
 }
@@ -164,7 +162,6 @@ impl Reducer {
         let full = FullGrad {
             member,
             tag: spec.tag,
-            numel: spec.numel,
             grad,
         };
         let Some(scope) = spec.unit_scope else {
@@ -293,26 +290,20 @@ fn start(ctx: &FsdpContext, grads: Vec<FullGrad>) -> InFlight {
     let mut bytes = 0;
     for g in grads {
         let dtype = g.grad.dtype();
-        let index = match groups.iter().position(|group| group.dtype == dtype) {
-            Some(i) => i,
-            None => {
-                groups.push(Group {
-                    dtype,
-                    members: Vec::new(),
-                    rows: Vec::new(),
-                    tags: Vec::new(),
-                    width: 0,
-                });
-                groups.len() - 1
-            }
-        };
-        let group = &mut groups[index];
+        let group = dtype_group(
+            &mut groups,
+            dtype,
+            |g| g.dtype,
+            || Group {
+                dtype,
+                members: Vec::new(),
+                rows: Vec::new(),
+                tags: Vec::new(),
+                width: 0,
+            },
+        );
         let padded = world_size * g.member.chunk;
-        let grad = if g.numel == padded {
-            g.grad
-        } else {
-            Tensor::cat(vec![g.grad, Tensor::zeros([padded - g.numel], (&device, dtype))], 0)
-        };
+        let grad = pad_to(g.grad, padded);
         bytes += padded * dtype.size();
         group.rows.push(grad.reshape([world_size, g.member.chunk]));
         group.tags.push(g.tag);
@@ -338,7 +329,7 @@ fn start(ctx: &FsdpContext, grads: Vec<FullGrad>) -> InFlight {
             Part {
                 work: ctx
                     .comm()
-                    .reduce_scatter_async(flat, ReduceOp::Avg, group_tag(&group.tags)),
+                    .reduce_scatter_async(flat, ReduceOp::Avg, group_tag(group.tags)),
                 members: group.members,
                 width,
                 dtype: group.dtype,
@@ -359,13 +350,6 @@ fn period(tags: &[u64]) -> usize {
     (1..=tags.len())
         .find(|&p| tags.len().is_multiple_of(p) && tags.iter().enumerate().all(|(i, t)| *t == tags[i % p]))
         .unwrap_or(tags.len())
-}
-
-/// Names a unit's reduce-scatter in the collectives' checks (never 0, "untagged").
-fn group_tag(tags: &[u64]) -> u64 {
-    let mut h = DefaultHasher::new();
-    tags.hash(&mut h);
-    h.finish() | 1
 }
 
 /// Adds the shards `reduced` to `grads` under their parameters' ids, reshaped to the shape of

@@ -20,11 +20,11 @@
 //! step, when the shards change. Memory: the unit being computed plus one unit in flight.
 
 use std::collections::{HashMap, HashSet};
-use std::hash::{DefaultHasher, Hash, Hasher};
 
 use burn::tensor::{DType, Tensor};
 use burn_shard_comm::Work;
 
+use super::collectives::{dtype_group, group_tag};
 use super::context::FsdpContext;
 use super::gather_op::GatherSpec;
 
@@ -202,14 +202,8 @@ impl Schedule {
         for tag in self.groups.get(&key)? {
             let Some(reg) = self.registry.get(tag) else { continue };
             let dtype = reg.shard.dtype();
-            let index = match by_dtype.iter().position(|(d, ..)| *d == dtype) {
-                Some(i) => i,
-                None => {
-                    by_dtype.push((dtype, Vec::new(), Vec::new(), 0));
-                    by_dtype.len() - 1
-                }
-            };
-            let (_, members, shards, width) = &mut by_dtype[index];
+            let (_, members, shards, width) =
+                dtype_group(&mut by_dtype, dtype, |g| g.0, || (dtype, Vec::new(), Vec::new(), 0));
             let chunk = reg.numel.div_ceil(world_size);
             members.push(Member {
                 tag: *tag,
@@ -232,7 +226,7 @@ impl Schedule {
         let parts = by_dtype
             .into_iter()
             .map(|(_, members, shards, width)| {
-                let tag = group_tag(&members);
+                let tag = group_tag(members.iter().map(|m| m.tag));
                 let flat = Tensor::cat(shards, 0);
                 (members, width, ctx.comm().all_gather_async(flat, tag))
             })
@@ -270,14 +264,4 @@ impl Schedule {
             }
         }
     }
-}
-
-/// Names a group's all-gather in the collectives' checks: ranks that gather different groups
-/// with equal lengths fail instead of mixing them. Never 0 ("untagged").
-fn group_tag(members: &[Member]) -> u64 {
-    let mut h = DefaultHasher::new();
-    for m in members {
-        m.tag.hash(&mut h);
-    }
-    h.finish() | 1
 }
