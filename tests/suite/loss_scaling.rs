@@ -22,16 +22,11 @@ fn scaler() -> LossScaler {
     LossScaler::dynamic().with_growth_interval(GROWTH_INTERVAL)
 }
 
-/// `grads` with an infinity added to the first element of `model.l1.weight`'s gradient.
-fn poison(model: &TinyMlp, mut grads: GradientsParams) -> GradientsParams {
-    let id = model.l1.weight.id;
-    let g = grads.remove::<2>(id).expect("l1.weight has a gradient");
-    let dims = g.dims();
-    let mut inf = vec![0.0f32; dims[0] * dims[1]];
-    inf[0] = f32::INFINITY;
-    let inf = Tensor::<2>::from_data(TensorData::new(inf, dims), &g.device()).cast(g.dtype());
-    grads.register(id, g + inf);
-    grads
+/// `loss` times infinity: every gradient of its backward overflows. The poison goes through
+/// backward (not into `GradientsParams`) so that it reaches the gradients at stages 0-2 also
+/// when they are reduced inside backward, where they never enter `GradientsParams`.
+fn poison(loss: Tensor<1>) -> Tensor<1> {
+    loss.mul_scalar(f32::INFINITY)
 }
 
 /// Single-device Burn AdamW on the whole batch, skipping the overflow step: the losses, then
@@ -77,11 +72,12 @@ fn rank_run(
             .all_reduce(loss.clone().inner().cast(DType::F32), ReduceOp::Avg)
             .expect("loss all_reduce");
         losses.push(global.into_scalar::<f32>());
-        let mut grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
         let overflow = step == OVERFLOW_STEP;
-        if overflow && rank == world_size - 1 {
-            grads = poison(&model, grads);
-        }
+        let loss = match overflow && rank == world_size - 1 {
+            true => poison(loss),
+            false => loss,
+        };
+        let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
         if overflow {
             around.0 = params_of(&model.clone().materialize());
         }

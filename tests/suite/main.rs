@@ -22,6 +22,7 @@ mod modules;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod offload;
+mod overlap;
 mod param_groups;
 mod param_kinds;
 mod stage3;

@@ -124,6 +124,25 @@ pub trait Collective: Send + Sync {
         Work::done(self.reduce_scatter_tagged(tensor, op, tag))
     }
 
+    /// Starts [`Collective::all_reduce`] and returns at once with a handle to wait on: DDP and
+    /// ZeRO-1 all-reduce one bucket of gradients while backward computes the next.
+    /// `tag` names the call as in [`Collective::all_gather_tagged`] (0: untagged; the default
+    /// ignores it). Ordering, threads and the default as for [`Collective::all_gather_async`].
+    ///
+    /// # Errors
+    /// Through [`Work::wait`], as [`Collective::all_reduce`].
+    fn all_reduce_async(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Work<Tensor<1>> {
+        let _ = tag;
+        Work::done(self.all_reduce(tensor, op))
+    }
+
+    /// Whether the `*_async` calls run while the caller goes on (a communication thread or
+    /// stream), so starting them inside backward hides their time; `false` (the default) when
+    /// they complete before returning, where starting them early only moves the wait.
+    fn overlaps_compute(&self) -> bool {
+        false
+    }
+
     /// Returns once every rank has entered the barrier.
     fn barrier(&self) -> Result<(), CommError>;
 
@@ -186,6 +205,14 @@ impl<C: Collective + ?Sized> Collective for std::sync::Arc<C> {
 
     fn reduce_scatter_async(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Work<Tensor<1>> {
         (**self).reduce_scatter_async(tensor, op, tag)
+    }
+
+    fn all_reduce_async(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Work<Tensor<1>> {
+        (**self).all_reduce_async(tensor, op, tag)
+    }
+
+    fn overlaps_compute(&self) -> bool {
+        (**self).overlaps_compute()
     }
 
     fn barrier(&self) -> Result<(), CommError> {

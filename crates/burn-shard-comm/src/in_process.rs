@@ -299,14 +299,14 @@ impl Endpoint {
 /// The collectives themselves, run by [`InProcessComm`] on the caller's or the communication
 /// thread.
 impl Endpoint {
-    fn all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
+    fn all_reduce(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Result<Tensor<1>, CommError> {
         let HostBuffer {
             mut values,
             dtype,
             device,
         } = HostBuffer::read(tensor)?;
         let n = self.world_size;
-        self.call(CollectiveKind::AllReduce, values.len(), dtype, 0, 0, |link| {
+        self.call(CollectiveKind::AllReduce, values.len(), dtype, 0, tag, |link| {
             let own = ring::reduce_scatter(link, &mut values)?;
             if op == ReduceOp::Avg {
                 values[own].iter_mut().for_each(|v| *v /= n as f32);
@@ -386,7 +386,16 @@ impl Collective for InProcessComm {
 
     fn all_reduce(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {
         let end = self.end.clone();
-        self.thread.run(move || end.all_reduce(tensor, op))
+        self.thread.run(move || end.all_reduce(tensor, op, 0))
+    }
+
+    fn all_reduce_async(&self, tensor: Tensor<1>, op: ReduceOp, tag: u64) -> Work<Tensor<1>> {
+        let end = self.end.clone();
+        self.thread.start(move || end.all_reduce(tensor, op, tag))
+    }
+
+    fn overlaps_compute(&self) -> bool {
+        true
     }
 
     fn reduce_scatter(&self, tensor: Tensor<1>, op: ReduceOp) -> Result<Tensor<1>, CommError> {

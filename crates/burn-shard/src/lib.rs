@@ -33,6 +33,7 @@
 //!   stages 0-2 and kept whole at stage 3, where its adapters are sharded;
 //! - empty parameters are left as they are.
 
+pub mod bucket;
 mod buffers;
 mod census;
 pub mod checkpoint;

@@ -11,6 +11,7 @@ use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, ReduceOp};
 
+use crate::bucket::reducer::{BucketReducer, Early};
 use crate::buffers::Buffers;
 use crate::census::Census;
 use crate::flat::{self, tensor_bytes};
@@ -88,6 +89,15 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// Peak bytes of `accumulated` since the last step, and during the cycle before it.
     accumulating_bytes: usize,
     accumulated_bytes: usize,
+    /// Stages 0-2 reducing inside backward (see [`crate::bucket`]); `None` where they reduce in
+    /// the step alone.
+    pub(crate) bucket_reducer: Option<BucketReducer>,
+    /// Buckets reduced inside the backwards of micro-batches given to `accumulate` (when the
+    /// reducer expected a step), summed until the step; and which slots they hold.
+    pub(crate) reduced_sums: Vec<Option<Tensor<1>>>,
+    pub(crate) reduced_present: Vec<bool>,
+    /// Buckets whose reduction started inside backward before the last optimizer call.
+    overlapped_buckets: usize,
     gradients_bytes: usize,
     temporary_peak_bytes: usize,
 }
@@ -126,7 +136,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         buffers: Buffers,
         options: StepOptions,
     ) -> Self {
-        let slots = layout.slots().len();
+        let (slots, buckets) = (layout.slots().len(), layout.buckets().len());
         Self {
             groups: Groups::new(optim, options.clipping, &layout),
             device: options.device,
@@ -143,9 +153,40 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             accumulated: vec![None; slots],
             accumulating_bytes: 0,
             accumulated_bytes: 0,
+            bucket_reducer: None,
+            reduced_sums: vec![None; buckets],
+            reduced_present: vec![false; slots],
+            overlapped_buckets: 0,
             gradients_bytes: 0,
             temporary_peak_bytes: 0,
         }
+    }
+
+    /// Stages 0-2: the reducer the model's hooks hand their gradients to.
+    pub(crate) fn with_bucket_reducer(mut self, reducer: Option<BucketReducer>) -> Self {
+        self.bucket_reducer = reducer;
+        self
+    }
+
+    /// Stages 0-2: ends the reducer's backwards (see [`crate::bucket`]) and returns the buckets
+    /// it reduced, with those kept from `accumulate`, and which slots they hold; `None` without
+    /// a reducer. Every rank calls this first, at the same point.
+    fn take_early(&mut self, is_step: bool) -> Result<Option<Early>, ShardError> {
+        let Some(reducer) = &self.bucket_reducer else {
+            return Ok(None);
+        };
+        let mut early = reducer.finish(is_step)?;
+        self.overlapped_buckets = early.started_in_backward;
+        for (mine, kept) in early.reduced.iter_mut().zip(&mut self.reduced_sums) {
+            *mine = match (mine.take(), kept.take()) {
+                (Some(a), Some(b)) => Some(a + b),
+                (a, b) => a.or(b),
+            };
+        }
+        for (present, kept) in early.present.iter_mut().zip(&mut self.reduced_present) {
+            *present |= std::mem::take(kept);
+        }
+        Ok(Some(early))
     }
 
     /// Steps the parameters `group` matches with `optim` and `grad_clipping` instead, as Burn's
@@ -273,7 +314,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     pub fn accumulate<M: Module>(&mut self, model: &M, mut grads: GradientsParams) -> Result<(), ShardError> {
         self.take_reduced(model, &mut grads);
         let result = self
-            .check_collectives()
+            .take_early(false)
+            .map(|early| {
+                if let Some(early) = early {
+                    // Reduced already: kept reduced, added by the step.
+                    self.reduced_sums = early.reduced;
+                    self.reduced_present = early.present;
+                }
+            })
+            .and_then(|()| self.check_collectives())
             .and_then(|()| flat::take_grads(model, &self.layout, &mut grads))
             .map(|(parts, _)| {
                 for (sum, grad) in self.accumulated.iter_mut().zip(parts) {
@@ -285,8 +334,19 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                         (sum, grad) => sum.or(grad),
                     };
                 }
-                let held: usize = self.accumulated.iter().flatten().map(tensor_bytes).sum();
+                let held: usize = self
+                    .accumulated
+                    .iter()
+                    .chain(&self.reduced_sums)
+                    .flatten()
+                    .map(tensor_bytes)
+                    .sum();
                 self.accumulating_bytes = self.accumulating_bytes.max(held);
+                if let Some(reducer) = self.bucket_reducer.as_ref().filter(|r| r.armed()) {
+                    // The next backward is expected to end in a step: its buckets carry these
+                    // sums, so the step has nothing left to reduce.
+                    reducer.seed(&mut self.accumulated);
+                }
             });
         if let Err(e) = &result {
             self.comm.abort(&format!(
@@ -309,6 +369,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // still be in flight); a collective that failed there left its error behind.
         self.take_reduced(&model, &mut grads);
         self.check_collectives()?;
+        // Stages 0-2: the buckets reduced inside backward (none without a reducer).
+        let early = self.take_early(true)?;
 
         let (mut grad_parts, device) = flat::take_grads(&model, &layout, &mut grads)?;
         drop(grads);
@@ -328,18 +390,35 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             // No trainable parameter (a frozen teacher): only the buffers move.
             return self.buffers.sync(self.comm.as_ref(), model);
         };
-        let has_grad = self.with_gradient(&grad_parts, &device)?;
+        let (has_grad, reduce_in_step) = self.with_gradient(&grad_parts, early.as_ref(), &device)?;
+        let mut early_reduced = early.map(|e| e.reduced).unwrap_or_default();
 
-        // 1. Reduce the gradients bucket by bucket; keep what this stage holds.
+        // 1. Reduce the gradients bucket by bucket; keep what this stage holds. A bucket
+        //    reduced inside backward is reduced here only for gradients that reached the step
+        //    unreduced on some rank (see `crate::bucket`).
         let mut reduced = Vec::with_capacity(layout.buckets().len());
-        for bucket in layout.buckets() {
-            let flat = flat::assemble(&layout, bucket, &grad_parts, 0..bucket.padded_numel, &device);
+        for (index, bucket) in layout.buckets().iter().enumerate() {
+            let in_step = match reduce_in_step[index] {
+                true => {
+                    let flat = flat::assemble(&layout, bucket, &grad_parts, 0..bucket.padded_numel, &device);
+                    let flat_bytes = tensor_bytes(&flat);
+                    temp.alloc(flat_bytes);
+                    let grad = self.plan.reduce(self.comm.as_ref(), flat)?;
+                    temp.free(flat_bytes);
+                    Some(grad)
+                }
+                false => None,
+            };
             grad_parts[bucket.slots.clone()].iter_mut().for_each(|g| *g = None);
-            let flat_bytes = tensor_bytes(&flat);
-            temp.alloc(flat_bytes);
-            let grad = self.plan.reduce(self.comm.as_ref(), flat)?;
-            temp.free(flat_bytes);
-            reduced.push(grad);
+            let early = early_reduced.get_mut(index).and_then(Option::take);
+            reduced.push(match (early, in_step) {
+                (Some(early), Some(in_step)) => early + in_step,
+                (Some(grad), None) | (None, Some(grad)) => grad,
+                (None, None) => Tensor::zeros(
+                    [self.plan.reduced_numel(bucket, self.comm.world_size())],
+                    (&device, bucket.dtype),
+                ),
+            });
         }
         self.gradients_bytes = reduced.iter().map(tensor_bytes).sum();
 
@@ -507,20 +586,43 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
     }
 
-    /// Which slots received a gradient on some rank this step. Like Burn's `ModuleOptimizer`,
-    /// the step leaves the others unchanged (value, state, master). At stages 0-2 a rank cannot
-    /// know alone, so the per-slot flags are all-reduced (one small collective of `slots`
-    /// elements); at stage 3 a gradient exists on every rank or on none.
-    fn with_gradient(&self, grads: &flat::SlotValues, device: &Device) -> Result<Vec<bool>, ShardError> {
-        let local: Vec<bool> = grads.iter().map(Option::is_some).collect();
-        if self.plan.gradient_presence_is_local() || self.comm.world_size() == 1 {
-            return Ok(local);
-        }
-        let flags: Vec<f32> = local.iter().map(|&g| if g { 1.0 } else { 0.0 }).collect();
-        let n = flags.len();
+    /// Which slots received a gradient on some rank this step, and which buckets the step
+    /// reduces. Like Burn's `ModuleOptimizer`, the step leaves slots without a gradient
+    /// unchanged (value, state, master). At stages 0-2 a rank cannot know alone, so the
+    /// per-slot flags (`grads` present, or reduced in `early`) are all-reduced, with one flag per
+    /// bucket when buckets were reduced inside backward (whether some rank has unreduced
+    /// gradients of it): one small collective of `slots` (+ `buckets`) elements. At stage 3 a
+    /// gradient exists on every rank or on none. Without `early` every bucket is reduced.
+    fn with_gradient(
+        &self,
+        grads: &flat::SlotValues,
+        early: Option<&Early>,
+        device: &Device,
+    ) -> Result<(Vec<bool>, Vec<bool>), ShardError> {
+        let buckets = self.layout.buckets();
+        let mut local: Vec<bool> = grads.iter().map(Option::is_some).collect();
+        let Some(early) = early else {
+            let every_bucket = vec![true; buckets.len()];
+            if self.plan.gradient_presence_is_local() || self.comm.world_size() == 1 {
+                return Ok((local, every_bucket));
+            }
+            return Ok((self.any_rank(&local, device)?, every_bucket));
+        };
+        let unreduced = buckets.iter().map(|b| local[b.slots.clone()].iter().any(|&g| g));
+        let unreduced: Vec<bool> = unreduced.collect();
+        local.iter_mut().zip(&early.present).for_each(|(g, e)| *g |= e);
+        let mut flags = self.any_rank(&[local, unreduced].concat(), device)?;
+        let in_step = flags.split_off(grads.len());
+        Ok((flags, in_step))
+    }
+
+    /// `flags` OR-ed over the ranks (one all-reduce).
+    fn any_rank(&self, flags: &[bool], device: &Device) -> Result<Vec<bool>, ShardError> {
+        let values: Vec<f32> = flags.iter().map(|&g| if g { 1.0 } else { 0.0 }).collect();
+        let n = values.len();
         let summed = self
             .comm
-            .all_reduce(Tensor::from_data(TensorData::new(flags, [n]), device), ReduceOp::Sum)?;
+            .all_reduce(Tensor::from_data(TensorData::new(values, [n]), device), ReduceOp::Sum)?;
         let summed: Vec<f32> = summed.into_data().convert::<f32>().iter::<f32>().collect();
         Ok(summed.iter().map(|&c| c > 0.0).collect())
     }
@@ -566,6 +668,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             host_bytes,
             temporary_peak_bytes: self.temporary_peak_bytes,
         }
+    }
+
+    /// Buckets whose reduction started inside backward, before the last `step` or `accumulate`
+    /// was called (stages 0-2 with [`ShardConfig::overlap_comm`](crate::ShardConfig::overlap_comm),
+    /// see [`crate::bucket`]): every bucket of [`ShardedOptimizer::layout`] when the backward
+    /// matched the learned one; 0 at the first step (which learns), for micro-batches given to
+    /// `accumulate`, at stage 3 and where buckets are reduced in the step.
+    pub fn overlapped_buckets(&self) -> usize {
+        self.overlapped_buckets
     }
 
     /// The collective this optimizer reduces over (e.g. to average a loss for logging).

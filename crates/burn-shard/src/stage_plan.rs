@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use burn::module::{Module, ParamId};
 use burn::tensor::Tensor;
-use burn_shard_comm::{Collective, ReduceOp};
+use burn_shard_comm::{Collective, ReduceOp, Work};
 
 use crate::flat::{self, SlotValues};
 use crate::fsdp::context::FsdpContext;
@@ -58,6 +58,26 @@ impl StagePlan {
             StagePlan::Two => comm.reduce_scatter(flat, ReduceOp::Avg)?,
             StagePlan::Three(_) => flat,
         })
+    }
+
+    /// [`StagePlan::reduce`] started asynchronously (stages 0-2, inside backward: see
+    /// [`crate::bucket`]); `tag` names the bucket in the collective. Stage 3 reduces inside its
+    /// own backward and never calls this.
+    pub(crate) fn reduce_async(&self, comm: &dyn Collective, flat: Tensor<1>, tag: u64) -> Work<Tensor<1>> {
+        match self {
+            StagePlan::Zero | StagePlan::One => comm.all_reduce_async(flat, ReduceOp::Avg, tag),
+            StagePlan::Two => comm.reduce_scatter_async(flat, ReduceOp::Avg, tag),
+            StagePlan::Three(_) => Work::done(Ok(flat)),
+        }
+    }
+
+    /// Elements of what [`StagePlan::reduce`] returns for `bucket`: the padded bucket, or this
+    /// rank's shard of it at stage 2.
+    pub(crate) fn reduced_numel(&self, bucket: &Bucket, world_size: usize) -> usize {
+        match self {
+            StagePlan::Two => bucket.padded_numel / world_size,
+            _ => bucket.padded_numel,
+        }
     }
 
     /// The elements of `bucket` this rank updates: its shard at stages 1-2, the whole bucket at

@@ -13,6 +13,7 @@ use super::files::{RankFile, digest, read_digest};
 use super::meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, dtype_name};
 use super::pieces::{Holding, piece, pieces};
 use super::{COMPLETE, CheckpointError, META, SCHEDULER, partial_dir};
+use crate::bucket::reducer::BucketReducer;
 use crate::census::{Entry, EntryKind};
 use crate::fsdp::exchange;
 use crate::layout::SUPPORTED;
@@ -72,7 +73,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         let partial = partial_dir(dir);
         // 1. Every rank checks the target (one filesystem: they agree); rank 0 prepares it.
-        let pending = self.accumulated.iter().flatten().count();
+        let pending = self.accumulated.iter().flatten().count()
+            + self.reduced_present.iter().filter(|&&p| p).count()
+            + self.bucket_reducer.as_ref().map_or(0, BucketReducer::pending_slots);
         let prepared = match (dir.exists(), rank) {
             // The sums would not be saved: refuse rather than lose them on resume.
             _ if pending > 0 => Err(ShardError::InvalidConfig(format!(

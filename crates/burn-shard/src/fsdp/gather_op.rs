@@ -102,6 +102,9 @@ pub trait FlatPrimitive: Backend {
     fn into_flat(full: FloatTensor<Self>, numel: usize, ctx: &FsdpContext) -> Tensor<1>;
     /// A `[chunk]` shard -> `shape` (`[1, .., 1, chunk]`).
     fn from_flat(shard: Tensor<1>, shape: Shape) -> FloatTensor<Self>;
+    /// A gradient of `numel` elements (any shape) -> `[numel]`, unwatched: a stage 0-2
+    /// gradient on its way into a bucket ([`crate::bucket`]).
+    fn to_flat(grad: FloatTensor<Self>, numel: usize) -> Tensor<1>;
 }
 
 impl FsdpOps for Flex {
@@ -127,6 +130,10 @@ impl FlatPrimitive for Flex {
     fn from_flat(shard: Tensor<1>, shape: Shape) -> FlexTensor {
         let shard = shard.try_into_primitive::<Flex>().expect("a Flex tensor stays on Flex");
         Flex::float_reshape(shard, shape)
+    }
+
+    fn to_flat(grad: FlexTensor, numel: usize) -> Tensor<1> {
+        Tensor::<1>::from_primitive::<Flex>(Flex::float_reshape(grad, Shape::new([numel])))
     }
 }
 
@@ -167,6 +174,11 @@ impl FlatPrimitive for burn_cubecl::CubeBackend {
             .try_into_primitive::<CubeBackend>()
             .expect("a CubeCL tensor stays on CubeCL");
         CubeBackend::float_reshape(shard, shape)
+    }
+
+    fn to_flat(grad: FloatTensor<Self>, numel: usize) -> Tensor<1> {
+        use burn_cubecl::CubeBackend;
+        Tensor::<1>::from_primitive::<CubeBackend>(CubeBackend::float_reshape(grad, Shape::new([numel])))
     }
 }
 

@@ -1,0 +1,48 @@
+//! Stages 0-2: each bucket of gradients is all-reduced (stages 0-1) or reduce-scattered
+//! (stage 2) inside backward, as soon as its gradients are complete, while backward computes
+//! the rest (PyTorch DDP's bucketed reducer, DeepSpeed ZeRO-2's `overlap_comm`).
+//!
+//! `ShardConfig::init` attaches a [`hook::BucketHook`] to every trainable parameter: `val()`
+//! passes the parameter through an identity op whose backward hands the parameter's gradient to
+//! the rank's [`reducer::BucketReducer`]. Inside a [`unit`](crate::fsdp::unit) scope the unit's
+//! input is a second, gradient-less parent, so Burn's backward (deepest nodes first) runs the
+//! hook right after the unit's backward; without units the hooks run at the end of backward and
+//! nothing overlaps (the results are the same). A bucket whose gradients are all in is started
+//! with one asynchronous collective on the rank's communication thread; buckets are started in
+//! one order on every rank, learned once, so the collectives line up.
+//!
+//! Passes. The first step learns, while every gradient passes through to `GradientsParams`
+//! and is reduced by the step as before: how many gradients each parameter receives in one
+//! backward (a parameter used twice, two), the order in which backward completes the buckets
+//! (rank 0's, broadcast once), and how many `accumulate` calls precede a step. From then on a
+//! backward is reduced inside only when it is expected to end in a `step` (as many `accumulate`
+//! calls have been made since the last step as before the learning step): micro-batches given to
+//! `accumulate` still send nothing (DDP's `no_sync`, without the user saying so). A reduced
+//! gradient is not registered on its parameter: the `GradientsParams` of such a backward lack
+//! it, and the optimizer takes the reduced buckets from the reducer
+//! ([`reducer::BucketReducer::finish`]).
+//!
+//! A wrong expectation costs overlap, never results. Buckets still incomplete when the optimizer
+//! is called are started then, in the same order on every rank (absent gradients as zeros, as
+//! the step treats them); a gradient that arrives after its bucket was started, and every
+//! gradient of a backward not expected to end in a step, passes through to `GradientsParams`
+//! and is reduced by the step (which reduces a bucket only where some rank has such a gradient
+//! for it, agreed in the same all-reduce that tells which parameters got one); reduced
+//! gradients that reach `accumulate` are kept, reduced, until the step.
+//!
+//! Only where the collective overlaps (`Collective::overlaps_compute`: the in-process backend)
+//! and the parameters live on Burn's CPU `Flex` device, with more than one rank: elsewhere an
+//! early start would only move the wait, and the step reduces as before.
+
+pub(crate) mod hook;
+pub(crate) mod reducer;
+
+use burn::backend::DispatchDevice;
+use burn::tensor::Device;
+use burn_shard_comm::Collective;
+
+/// Whether stages 0-2 reduce inside backward for this collective and device (see the module
+/// docs).
+pub(crate) fn reduces_in_backward(comm: &dyn Collective, device: &Device) -> bool {
+    comm.world_size() > 1 && comm.overlaps_compute() && matches!(device.as_dispatch(), DispatchDevice::Flex(_))
+}

@@ -1,0 +1,277 @@
+//! The per-rank state of stages 0-2's reduction inside backward: which gradients each bucket
+//! still waits for, which buckets are in flight, and what was learned about the backward.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_shard_comm::{Collective, Work};
+
+use crate::ShardError;
+use crate::flat::{self, SlotValues};
+use crate::layout::FlatLayout;
+use crate::stage_plan::StagePlan;
+
+/// What one optimizer call takes from the reducer: the buckets reduced during the backwards
+/// since the previous call, and which slots contributed to them.
+pub(crate) struct Early {
+    /// Per bucket: its reduced gradient as [`StagePlan::reduce`] returns it, or `None` when the
+    /// bucket was not reduced early.
+    pub(crate) reduced: Vec<Option<Tensor<1>>>,
+    /// Per layout slot: whether a gradient of it went into an early reduction on this rank.
+    pub(crate) present: Vec<bool>,
+    /// Buckets started inside backward (the rest were started by `finish`).
+    pub(crate) started_in_backward: usize,
+}
+
+/// What the first step learned about the backward (see [`super`]).
+#[derive(Debug)]
+struct Learned {
+    /// Per slot: how many gradients one backward hands over (a parameter used twice, two).
+    counts: Vec<usize>,
+    /// The buckets in the order they are started: the order in which the learning backward
+    /// completed them (rank 0's, so every rank starts the same calls in the same order).
+    order: Vec<usize>,
+    /// `accumulate` calls that preceded the learning step: a backward is reduced inside only
+    /// when as many have been made since the last step, so micro-batches send nothing.
+    accumulates: usize,
+}
+
+#[derive(Default)]
+struct State {
+    learned: Option<Learned>,
+    /// Whether gradients arriving now go into buckets (the next optimizer call is expected to
+    /// be a step); when not, they pass through to `GradientsParams` untouched.
+    armed: bool,
+    /// `accumulate` calls since the last step.
+    accumulates: usize,
+    /// Per slot: gradients seen since the last optimizer call.
+    seen: Vec<usize>,
+    /// Per bucket: when its last gradient since the last optimizer call arrived (a counter).
+    completed_at: Vec<Option<u64>>,
+    clock: u64,
+    /// Per slot: the sum of the gradients waiting for their bucket (`[numel]`).
+    pending: SlotValues,
+    /// Per bucket: its reduction in flight.
+    started: Vec<Option<Work<Tensor<1>>>>,
+    /// Position in `learned.order` of the next bucket to start.
+    next: usize,
+    /// Per slot: whether a gradient went into a bucket since the last optimizer call.
+    present: Vec<bool>,
+}
+
+/// Shared by the [`BucketHook`](super::hook::BucketHook)s of one model on one rank and its
+/// optimizer. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct BucketReducer(Arc<Inner>);
+
+struct Inner {
+    comm: Arc<dyn Collective>,
+    layout: Arc<FlatLayout>,
+    plan: StagePlan,
+    /// The parameters' plain device, where absent gradients are zeros.
+    device: Device,
+    state: Mutex<State>,
+}
+
+impl fmt::Debug for BucketReducer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BucketReducer")
+            .field("rank", &self.0.comm.rank())
+            .field("buckets", &self.0.layout.buckets().len())
+            .finish()
+    }
+}
+
+impl BucketReducer {
+    pub(crate) fn new(comm: Arc<dyn Collective>, layout: Arc<FlatLayout>, plan: StagePlan, device: Device) -> Self {
+        let (slots, buckets) = (layout.slots().len(), layout.buckets().len());
+        let state = State {
+            seen: vec![0; slots],
+            completed_at: vec![None; buckets],
+            pending: vec![None; slots],
+            started: (0..buckets).map(|_| None).collect(),
+            present: vec![false; slots],
+            ..State::default()
+        };
+        Self(Arc::new(Inner {
+            comm,
+            layout,
+            plan,
+            device,
+            state: Mutex::new(state),
+        }))
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.0.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes one gradient of layout slot `slot` (`[numel]`): into its bucket, starting every
+    /// bucket that is now complete in the learned order, or back to the caller (`Some`) to be
+    /// registered on the parameter as usual, when nothing is reduced inside this backward or
+    /// its bucket has already been started.
+    pub(crate) fn hand(&self, slot: usize, grad: Tensor<1>) -> Option<Tensor<1>> {
+        let layout = &self.0.layout;
+        let bucket = layout.slots()[slot].bucket;
+        let mut state = self.state();
+        let state = &mut *state;
+        state.seen[slot] += 1;
+        state.completed_at[bucket] = Some(state.clock);
+        state.clock += 1;
+        let Some(learned) = state.learned.as_ref().filter(|_| state.armed) else {
+            return Some(grad);
+        };
+        if state.started[bucket].is_some() {
+            return Some(grad);
+        }
+        state.pending[slot] = Some(match state.pending[slot].take() {
+            // A seeded micro-batch sum may be wider (`f32` for `bf16`/`f16`): add in its dtype.
+            Some(sum) => {
+                let dtype = sum.dtype();
+                sum + grad.cast(dtype)
+            }
+            None => grad,
+        });
+        state.present[slot] = true;
+        while let Some(&next) = learned.order.get(state.next) {
+            let complete = layout.buckets()[next]
+                .slots
+                .clone()
+                .all(|s| state.seen[s] >= learned.counts[s]);
+            if !complete {
+                break;
+            }
+            state.started[next] = Some(self.start(next, &mut state.pending));
+            state.next += 1;
+        }
+        None
+    }
+
+    /// Whether the gradients of the next backward go into buckets.
+    pub(crate) fn armed(&self) -> bool {
+        self.state().armed
+    }
+
+    /// Makes `sums` (per slot, `[numel]`: the micro-batch sums `accumulate` kept unreduced) the
+    /// start of the pending gradients, so the backward expected to end in a step reduces them
+    /// with its own, in one collective per bucket (DDP reduces what `no_sync` backwards
+    /// accumulated in `.grad` the same way). Call it only when [`BucketReducer::armed`].
+    pub(crate) fn seed(&self, sums: &mut SlotValues) {
+        let mut state = self.state();
+        for (slot, sum) in sums.iter_mut().enumerate() {
+            if let Some(sum) = sum.take() {
+                state.present[slot] = true;
+                state.pending[slot] = Some(sum);
+            }
+        }
+    }
+
+    /// Slots holding gradients that wait for their bucket (seeded micro-batch sums, or a
+    /// backward's gradients before the optimizer call).
+    pub(crate) fn pending_slots(&self) -> usize {
+        self.state().pending.iter().flatten().count()
+    }
+
+    /// Drops the pending gradients (a checkpoint was loaded: they belong to the old model).
+    pub(crate) fn discard_pending(&self) {
+        let mut state = self.state();
+        state.pending.iter_mut().for_each(|p| *p = None);
+        state.present.iter_mut().for_each(|p| *p = false);
+    }
+
+    /// Starts bucket `index`'s reduction from its slots' pending sums (absent ones are zeros).
+    fn start(&self, index: usize, pending: &mut SlotValues) -> Work<Tensor<1>> {
+        let (layout, bucket) = (&self.0.layout, &self.0.layout.buckets()[index]);
+        for sum in pending[bucket.slots.clone()].iter_mut().flatten() {
+            if sum.dtype() != bucket.dtype {
+                *sum = sum.clone().cast(bucket.dtype);
+            }
+        }
+        let flat = flat::assemble(layout, bucket, pending, 0..bucket.padded_numel, &self.0.device);
+        pending[bucket.slots.clone()].iter_mut().for_each(|p| *p = None);
+        self.0.plan.reduce_async(self.0.comm.as_ref(), flat, bucket_tag(index))
+    }
+
+    /// Ends the backwards since the last optimizer call, at the start of `step` (`is_step`) or
+    /// `accumulate`, on every rank at the same point: starts the buckets not yet started (in
+    /// the learned order, absent gradients as zeros), waits for all of them, and returns them.
+    /// The first step also learns (one broadcast of rank 0's bucket order). Then decides
+    /// whether the next backward reduces inside.
+    ///
+    /// # Errors
+    /// [`ShardError::Comm`] when a reduction failed.
+    pub(crate) fn finish(&self, is_step: bool) -> Result<Early, ShardError> {
+        let layout = &self.0.layout;
+        let mut guard = self.state();
+        let state = &mut *guard;
+        let buckets = layout.buckets().len();
+        let started_in_backward = state.next;
+        if let Some(learned) = state.learned.as_ref().filter(|_| state.armed) {
+            while let Some(&next) = learned.order.get(state.next) {
+                state.started[next] = Some(self.start(next, &mut state.pending));
+                state.next += 1;
+            }
+        }
+        let mut reduced = Vec::with_capacity(buckets);
+        let mut failed = None;
+        for work in &mut state.started {
+            // Wait for every call, also after a failure: none may be left running.
+            reduced.push(match work.take().map(Work::wait) {
+                Some(Ok(grad)) => Some(grad),
+                Some(Err(e)) => {
+                    failed.get_or_insert(e);
+                    None
+                }
+                None => None,
+            });
+        }
+        let present = std::mem::replace(&mut state.present, vec![false; layout.slots().len()]);
+        state.next = 0;
+        if is_step && state.learned.is_none() {
+            let order = self.agree_order(&state.completed_at)?;
+            state.learned = Some(Learned {
+                counts: state.seen.clone(),
+                order,
+                accumulates: state.accumulates,
+            });
+        }
+        state.accumulates = if is_step { 0 } else { state.accumulates + 1 };
+        state.armed = state
+            .learned
+            .as_ref()
+            .is_some_and(|l| l.accumulates == state.accumulates);
+        state.seen.iter_mut().for_each(|s| *s = 0);
+        state.completed_at.iter_mut().for_each(|c| *c = None);
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        Ok(Early {
+            reduced,
+            present,
+            started_in_backward,
+        })
+    }
+
+    /// Buckets ordered by when their last gradient arrived (never: last, by index), as rank 0
+    /// saw it: one broadcast of `buckets` indices (exact in `f32` below 2^24).
+    fn agree_order(&self, completed_at: &[Option<u64>]) -> Result<Vec<usize>, ShardError> {
+        let mut order: Vec<usize> = (0..completed_at.len()).collect();
+        order.sort_by_key(|&b| (completed_at[b].is_none(), completed_at[b], b));
+        let n = order.len();
+        let ours: Vec<f32> = order.iter().map(|&b| b as f32).collect();
+        let ours = Tensor::<1>::from_data(TensorData::new(ours, [n]), &self.0.device);
+        let agreed = self.0.comm.broadcast(ours, 0)?;
+        Ok(agreed
+            .into_data()
+            .convert::<f32>()
+            .iter::<f32>()
+            .map(|b| b as usize)
+            .collect())
+    }
+}
+
+/// Names bucket `index`'s reduction in the collectives: never 0 ("untagged").
+fn bucket_tag(index: usize) -> u64 {
+    (index as u64) << 1 | 1
+}

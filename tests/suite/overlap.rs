@@ -1,0 +1,318 @@
+//! Stages 0-2 reduce each bucket inside backward (`burn_shard::bucket`): on a small language model of stock layers at
+//! every stage 0-2 and world sizes 2-4, with and without Burn's checkpointing, from the second
+//! step every bucket's collective is issued inside `backward()` and none in the step, the bytes
+//! are those of the step-time reduction, and the parameters equal training on one rank with
+//! the global batch; micro-batches given to `accumulate` still send nothing; and backwards that
+//! differ from the learned one (a block skipped on every rank, or on one rank only) give the
+//! results of the step-time reduction.
+
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::optim::{AdamConfig, GradientsParams};
+use burn::prelude::*;
+use burn::tensor::activation::gelu;
+use burn_shard::fsdp::unit;
+use burn_shard::{ShardConfig, Stage};
+use burn_shard_comm::{Collective, CollectiveKind, CommStats, InProcessGroup, run_ranks};
+
+use crate::common::{max_abs_diff, params_of, scratch};
+
+const STAGES: [Stage; 3] = [Stage::Zero, Stage::One, Stage::Two];
+/// Small enough that the model below spans several buckets.
+const BUCKET_NUMEL: usize = 700;
+/// Sequences per rank per step, of `SEQ` tokens.
+const ROWS: usize = 2;
+const SEQ: usize = 8;
+const VOCAB: usize = 11;
+const WIDTH: usize = 16;
+
+/// A residual MLP block of stock layers.
+#[derive(Module, Debug)]
+pub struct Block {
+    norm: LayerNorm,
+    up: Linear,
+    down: Linear,
+}
+
+/// Token embedding, three blocks (each a `unit`), a head: a small language model whose blocks
+/// can be left out of a step.
+#[derive(Module, Debug)]
+pub struct Tower {
+    embed: Embedding,
+    blocks: Vec<Block>,
+    head: Linear,
+}
+
+impl Tower {
+    fn new(device: &Device) -> Self {
+        device.seed(21);
+        Self {
+            embed: EmbeddingConfig::new(VOCAB, WIDTH).init(device),
+            blocks: (0..3)
+                .map(|_| Block {
+                    norm: LayerNormConfig::new(WIDTH).init(device),
+                    up: LinearConfig::new(WIDTH, 2 * WIDTH).init(device),
+                    down: LinearConfig::new(2 * WIDTH, WIDTH).init(device),
+                })
+                .collect(),
+            head: LinearConfig::new(WIDTH, VOCAB).init(device),
+        }
+    }
+
+    /// Mean cross-entropy of predicting the next token of `idx` (`[batch, SEQ]`), block `skip`
+    /// left out.
+    fn loss(&self, idx: Tensor<2, Int>, skip: Option<usize>) -> Tensor<1> {
+        let [b, t] = idx.dims();
+        let mut x = self.embed.forward(idx.clone());
+        for (_, block) in self.blocks.iter().enumerate().filter(|(i, _)| Some(*i) != skip) {
+            x = unit(&x, || {
+                let h = block.up.forward(block.norm.forward(x.clone()));
+                x.clone() + block.down.forward(gelu(h))
+            });
+        }
+        let logits = self.head.forward(x).reshape([b * t, VOCAB]);
+        let targets = (idx.reshape([b * t]) + 1) % VOCAB as i64;
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, targets)
+    }
+}
+
+fn tower(checkpointing: bool) -> (Tower, Device) {
+    let device = match checkpointing {
+        true => Device::flex().autodiff().gradient_checkpointing(),
+        false => Device::flex().autodiff(),
+    };
+    (Tower::new(&device), device)
+}
+
+/// Token ids of rows `rows` of step `step`'s global batch, `[rows.len(), SEQ]`.
+fn tokens(step: usize, rows: std::ops::Range<usize>, device: &Device) -> Tensor<2, Int> {
+    let n = rows.len();
+    let ids: Vec<i64> = rows
+        .flat_map(|r| (0..SEQ).map(move |t| ((r * 5 + t * 7 + step * 3) % 11) as i64))
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [n, SEQ]), device)
+}
+
+/// Bucket reductions (all-reduces and reduce-scatters) in `stats`: calls and bytes.
+fn reductions(stats: &CommStats) -> (u64, u64) {
+    let (ar, rs) = (
+        stats.get(CollectiveKind::AllReduce),
+        stats.get(CollectiveKind::ReduceScatter),
+    );
+    (ar.calls + rs.calls, ar.bytes_sent + rs.bytes_sent)
+}
+
+/// What one rank saw at each step: buckets started inside `backward()`, and the reductions
+/// (calls, bytes) from the start of backward to the end of the step.
+#[derive(Debug, Clone, Copy)]
+struct StepCalls {
+    overlapped: usize,
+    reductions: (u64, u64),
+}
+
+/// Trains `base` for `steps` steps at `stage` on `n` ranks (`rows_per_rank` rows each of every
+/// step's global batch); `skip(step, rank)` names a block that rank leaves out at that step.
+/// Returns rank 0's calls per step, its bucket count and the final parameters.
+fn train(
+    base: &Tower,
+    checkpointing: bool,
+    n: usize,
+    stage: Stage,
+    config: ShardConfig,
+    steps: usize,
+    skip: impl Fn(usize, usize) -> Option<usize> + Sync,
+) -> (Vec<StepCalls>, usize, Vec<f32>) {
+    let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+        let (_, device) = tower(checkpointing);
+        let rank = comm.rank();
+        let config = ShardConfig {
+            stage,
+            ..config.clone()
+        };
+        let (mut model, mut optim) = config
+            .init(base.clone().fork(&device), AdamConfig::new(), comm)
+            .unwrap();
+        let mut calls = Vec::new();
+        for step in 0..steps {
+            let idx = tokens(step, rank * ROWS..(rank + 1) * ROWS, &device);
+            let loss = model.loss(idx, skip(step, rank));
+            let before = optim.comm().stats();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(1e-2, model, grads).unwrap();
+            calls.push(StepCalls {
+                overlapped: optim.overlapped_buckets(),
+                reductions: reductions(&optim.comm().stats().since(&before)),
+            });
+        }
+        (calls, optim.layout().buckets().len(), params_of(&model))
+    })
+    .unwrap();
+    runs.into_iter().next().unwrap()
+}
+
+/// One rank, stage 0, the whole global batch of `n` ranks: single-device training.
+fn reference(base: &Tower, checkpointing: bool, n: usize, steps: usize, skip: Option<(usize, usize)>) -> Vec<f32> {
+    let (_, device) = tower(checkpointing);
+    let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+    let (mut model, mut optim) = ShardConfig::new(Stage::Zero)
+        .init(base.clone().fork(&device), AdamConfig::new(), comm)
+        .unwrap();
+    for step in 0..steps {
+        let idx = tokens(step, 0..n * ROWS, &device);
+        let skip = skip.filter(|&(s, _)| s == step).map(|(_, block)| block);
+        let loss = model.loss(idx, skip);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(1e-2, model, grads).unwrap();
+    }
+    params_of(&model)
+}
+
+#[test]
+fn stages_0_to_2_reduce_every_bucket_inside_backward_and_train_as_one_rank() {
+    let steps = 4;
+    for checkpointing in [false, true] {
+        let (base, _) = tower(checkpointing);
+        for n in 2..=4 {
+            let expected = reference(&base, checkpointing, n, steps, None);
+            let config = ShardConfig::new(Stage::Zero).with_bucket_numel(BUCKET_NUMEL);
+            for stage in STAGES {
+                let case = format!("stage {stage}, N={n}, checkpointing={checkpointing}");
+                let (calls, buckets, params) =
+                    train(&base, checkpointing, n, stage, config.clone(), steps, |_, _| None);
+                assert!(buckets >= 4, "{case}: the model spans {buckets} buckets");
+                // Step 1 learns: every bucket is reduced in the step. Then inside backward, with
+                // the same calls (one per bucket, and the flags' all-reduce) and bytes.
+                assert_eq!(calls[0].overlapped, 0, "{case}: {calls:?}");
+                for c in &calls {
+                    assert_eq!(c.reductions, calls[0].reductions, "{case}: {calls:?}");
+                    assert_eq!(c.reductions.0, buckets as u64 + 1, "{case}: {calls:?}");
+                }
+                assert!(calls[1..].iter().all(|c| c.overlapped == buckets), "{case}: {calls:?}");
+                let diff = max_abs_diff(&params, &expected);
+                assert!(diff <= 1e-5, "{case}: drifts from one rank by {diff}");
+            }
+        }
+    }
+}
+
+#[test]
+fn overlap_comm_off_reduces_in_the_step_with_the_same_results() {
+    let (base, _) = tower(false);
+    for stage in STAGES {
+        let on = ShardConfig::new(stage).with_bucket_numel(BUCKET_NUMEL);
+        let off = on.clone().with_overlap_comm(false);
+        let (calls_on, buckets, params_on) = train(&base, false, 3, stage, on, 3, |_, _| None);
+        let (calls_off, _, params_off) = train(&base, false, 3, stage, off, 3, |_, _| None);
+        assert_eq!(calls_on[2].overlapped, buckets, "stage {stage}: {calls_on:?}");
+        assert!(
+            calls_off.iter().all(|c| c.overlapped == 0),
+            "stage {stage}: {calls_off:?}"
+        );
+        // The same buckets through the same ring: bitwise.
+        assert_eq!(params_on, params_off, "stage {stage}");
+    }
+}
+
+#[test]
+fn backwards_that_differ_from_the_learned_one_train_as_the_step_time_reduction() {
+    let (base, _) = tower(false);
+    let n = 3;
+    let steps = 5;
+    for stage in STAGES {
+        let on = ShardConfig::new(stage).with_bucket_numel(BUCKET_NUMEL);
+        let off = on.clone().with_overlap_comm(false);
+        // Every rank skips block 1 at step 2: its buckets stay incomplete until the step.
+        let everywhere = |step: usize, _rank: usize| (step == 2).then_some(1);
+        let (calls, buckets, params) = train(&base, false, n, stage, on.clone(), steps, everywhere);
+        let (_, _, params_off) = train(&base, false, n, stage, off.clone(), steps, everywhere);
+        let expected = reference(&base, false, n, steps, Some((2, 1)));
+        let diff = max_abs_diff(&params, &expected);
+        assert!(
+            diff <= 1e-5,
+            "stage {stage}: a block skipped everywhere drifts from one rank by {diff}"
+        );
+        assert!(max_abs_diff(&params, &params_off) <= 1e-6, "stage {stage}");
+        assert!(calls[2].overlapped < buckets, "stage {stage}: {calls:?}");
+        assert_eq!(
+            calls[4].overlapped, buckets,
+            "stage {stage}: back to overlap: {calls:?}"
+        );
+        // Rank 1 alone skips block 0 at steps 1 and 3: its peers start buckets it completes
+        // only in the step, in the same order.
+        let one_rank = |step: usize, rank: usize| (rank == 1 && step % 2 == 1).then_some(0);
+        let (_, _, params) = train(&base, false, n, stage, on, steps, one_rank);
+        let (_, _, params_off) = train(&base, false, n, stage, off, steps, one_rank);
+        let diff = max_abs_diff(&params, &params_off);
+        assert!(
+            diff <= 1e-6,
+            "stage {stage}: a block skipped on one rank drifts by {diff}"
+        );
+    }
+}
+
+#[test]
+fn micro_batches_given_to_accumulate_send_nothing_and_the_last_one_reduces_inside_backward() {
+    let (base, device) = tower(false);
+    let n = 2;
+    let k = 3;
+    let steps = 3;
+    for stage in STAGES {
+        let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+            let rank = comm.rank();
+            let (mut model, mut optim) = ShardConfig::new(stage)
+                .with_bucket_numel(BUCKET_NUMEL)
+                .init(base.clone().fork(&device), AdamConfig::new(), comm)
+                .unwrap();
+            let buckets = optim.layout().buckets().len();
+            for step in 0..steps {
+                for m in 0..k {
+                    // Micro-batch m of this rank's share: one row, loss / k.
+                    let row = rank * k + m;
+                    let idx = tokens(step, row..row + 1, &device);
+                    let loss = model.loss(idx, None).div_scalar(k as f32);
+                    let before = optim.comm().stats();
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    if m + 1 < k {
+                        optim.accumulate(&model, grads).unwrap();
+                        let sent = optim.comm().stats().since(&before).total_bytes_sent();
+                        assert_eq!(sent, 0, "stage {stage}, step {step}, micro-batch {m}");
+                        assert_eq!(optim.overlapped_buckets(), 0, "stage {stage}, step {step}");
+                        if m + 2 == k {
+                            // Pending sums (handed to the next backward's buckets from step 2
+                            // on) are state a checkpoint does not hold.
+                            let dir = scratch("overlap", &format!("pending-{stage}-{step}")).join("ckpt");
+                            let refused = optim.save_checkpoint(&model, &dir, &serde_json::Value::Null);
+                            let refused = refused.expect_err("refused").to_string();
+                            assert!(refused.contains("accumulate"), "stage {stage}: {refused}");
+                        }
+                    } else {
+                        model = optim.step(1e-2, model, grads).unwrap();
+                        let expected = if step == 0 { 0 } else { buckets };
+                        assert_eq!(optim.overlapped_buckets(), expected, "stage {stage}, step {step}");
+                    }
+                }
+            }
+            params_of(&model)
+        })
+        .unwrap();
+        // One rank, one backward per step on the global batch of n·k rows.
+        let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+        let (mut model, mut optim) = ShardConfig::new(Stage::Zero)
+            .init(base.clone().fork(&device), AdamConfig::new(), comm)
+            .unwrap();
+        for step in 0..steps {
+            let idx = tokens(step, 0..n * k, &device);
+            let loss = model.loss(idx, None);
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(1e-2, model, grads).unwrap();
+        }
+        let diff = max_abs_diff(&runs[0], &params_of(&model));
+        assert!(
+            diff <= 1e-5,
+            "stage {stage}: accumulation drifts from one rank by {diff}"
+        );
+    }
+}
