@@ -46,7 +46,6 @@ pub struct Tower {
 
 impl Tower {
     fn new(device: &Device) -> Self {
-        device.seed(21);
         Self {
             embed: EmbeddingConfig::new(VOCAB, WIDTH).init(device),
             blocks: (0..3)
@@ -79,11 +78,17 @@ impl Tower {
     }
 }
 
-fn tower(checkpointing: bool) -> (Tower, Device) {
-    let device = match checkpointing {
+fn device(checkpointing: bool) -> Device {
+    match checkpointing {
         true => Device::flex().autodiff().gradient_checkpointing(),
         false => Device::flex().autodiff(),
-    };
+    }
+}
+
+/// The model, made once per test and forked into each run: Burn's CPU backend draws from one
+/// process-wide generator, which tests running in parallel share.
+fn tower(checkpointing: bool) -> (Tower, Device) {
+    let device = device(checkpointing);
     (Tower::new(&device), device)
 }
 
@@ -126,7 +131,7 @@ fn train(
     skip: impl Fn(usize, usize) -> Option<usize> + Sync,
 ) -> (Vec<StepCalls>, usize, Vec<f32>) {
     let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
-        let (_, device) = tower(checkpointing);
+        let device = device(checkpointing);
         let rank = comm.rank();
         let config = ShardConfig {
             stage,
@@ -155,7 +160,7 @@ fn train(
 
 /// One rank, stage 0, the whole global batch of `n` ranks: single-device training.
 fn reference(base: &Tower, checkpointing: bool, n: usize, steps: usize, skip: Option<(usize, usize)>) -> Vec<f32> {
-    let (_, device) = tower(checkpointing);
+    let device = device(checkpointing);
     let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
     let (mut model, mut optim) = ShardConfig::new(Stage::Zero)
         .init(base.clone().fork(&device), AdamConfig::new(), comm)
@@ -250,6 +255,76 @@ fn backwards_that_differ_from_the_learned_one_train_as_the_step_time_reduction()
             diff <= 1e-6,
             "stage {stage}: a block skipped on one rank drifts by {diff}"
         );
+    }
+}
+
+/// Trains `n` ranks for `steps` steps; at the steps in `split`, each rank gives the first of
+/// its two rows to `accumulate` and steps on the second (loss / 2 each), unlike the steps the
+/// reducer learned from. Returns rank 0's buckets started inside backward per optimizer call and
+/// the final parameters.
+fn train_with_split_steps(
+    base: &Tower,
+    stage: Stage,
+    config: ShardConfig,
+    n: usize,
+    steps: usize,
+    split: &[usize],
+) -> (Vec<usize>, Vec<f32>) {
+    let device = device(false);
+    let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+        let rank = comm.rank();
+        let config = ShardConfig {
+            stage,
+            ..config.clone()
+        };
+        let (mut model, mut optim) = config
+            .init(base.clone().fork(&device), AdamConfig::new(), comm)
+            .unwrap();
+        let mut overlapped = Vec::new();
+        for step in 0..steps {
+            let rows = rank * ROWS..(rank + 1) * ROWS;
+            if split.contains(&step) {
+                let first = tokens(step, rows.start..rows.start + 1, &device);
+                let grads = GradientsParams::from_grads(model.loss(first, None).div_scalar(2.0).backward(), &model);
+                optim.accumulate(&model, grads).unwrap();
+                overlapped.push(optim.overlapped_buckets());
+                let second = tokens(step, rows.start + 1..rows.end, &device);
+                let grads = GradientsParams::from_grads(model.loss(second, None).div_scalar(2.0).backward(), &model);
+                model = optim.step(1e-2, model, grads).unwrap();
+            } else {
+                let grads =
+                    GradientsParams::from_grads(model.loss(tokens(step, rows, &device), None).backward(), &model);
+                model = optim.step(1e-2, model, grads).unwrap();
+            }
+            overlapped.push(optim.overlapped_buckets());
+        }
+        (overlapped, params_of(&model))
+    })
+    .unwrap();
+    runs.into_iter().next().unwrap()
+}
+
+#[test]
+fn a_micro_batch_the_reducer_did_not_expect_trains_as_the_step_time_reduction() {
+    let (base, _) = tower(false);
+    for stage in STAGES {
+        let on = ShardConfig::new(stage).with_bucket_numel(BUCKET_NUMEL);
+        let off = on.clone().with_overlap_comm(false);
+        // Step 2's first micro-batch is reduced inside backward (a step was expected) and kept,
+        // reduced, until the step, whose own backward passes through (an accumulate came first).
+        let (overlapped, params) = train_with_split_steps(&base, stage, on, 3, 4, &[2]);
+        let (_, params_off) = train_with_split_steps(&base, stage, off, 3, 4, &[2]);
+        assert!(overlapped[2] > 0, "stage {stage}: {overlapped:?}");
+        assert_eq!(overlapped[3], 0, "stage {stage}: {overlapped:?}");
+        let diff = max_abs_diff(&params, &params_off);
+        assert!(
+            diff <= 1e-6,
+            "stage {stage}: drifts from the step-time reduction by {diff}"
+        );
+        // One rank, whole batch, one backward per step: the same training.
+        let expected = reference(&base, false, 3, 4, None);
+        let diff = max_abs_diff(&params, &expected);
+        assert!(diff <= 1e-5, "stage {stage}: drifts from one rank by {diff}");
     }
 }
 
