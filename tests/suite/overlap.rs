@@ -26,6 +26,11 @@ const ROWS: usize = 2;
 const SEQ: usize = 8;
 const VOCAB: usize = 11;
 const WIDTH: usize = 16;
+/// Parameters after a few Adam steps against one rank on the global batch, as the equivalence
+/// sweep allows: the ranks' sums associate differently, which Adam's normalised update turns
+/// into about 1e-5; a wrong reduction (a sum for a mean, a bucket left out) moves them by
+/// about the learning rate, 1e-2.
+const ONE_RANK_TOLERANCE: f32 = 1e-4;
 
 /// A residual MLP block of stock layers.
 #[derive(Module, Debug)]
@@ -35,8 +40,8 @@ pub struct Block {
     down: Linear,
 }
 
-/// Token embedding, three blocks (each a `unit`), a head: a small language model whose blocks
-/// can be left out of a step.
+/// Token embedding (also tied into the output), three blocks (each a `unit`), a head: a small
+/// language model whose blocks can be left out of a step.
 #[derive(Module, Debug)]
 pub struct Tower {
     embed: Embedding,
@@ -70,7 +75,10 @@ impl Tower {
                 x.clone() + block.down.forward(gelu(h))
             });
         }
-        let logits = self.head.forward(x).reshape([b * t, VOCAB]);
+        // The embedding is read twice (tied into the output, as GPT-2's and Llama's heads): its
+        // gradient arrives in two parts.
+        let tied = x.clone().matmul(self.embed.weight.val().transpose().unsqueeze::<3>());
+        let logits = (self.head.forward(x) + tied).reshape([b * t, VOCAB]);
         let targets = (idx.reshape([b * t]) + 1) % VOCAB as i64;
         CrossEntropyLossConfig::new()
             .init(&logits.device())
@@ -197,7 +205,7 @@ fn stages_0_to_2_reduce_every_bucket_inside_backward_and_train_as_one_rank() {
                 }
                 assert!(calls[1..].iter().all(|c| c.overlapped == buckets), "{case}: {calls:?}");
                 let diff = max_abs_diff(&params, &expected);
-                assert!(diff <= 1e-5, "{case}: drifts from one rank by {diff}");
+                assert!(diff <= ONE_RANK_TOLERANCE, "{case}: drifts from one rank by {diff}");
             }
         }
     }
@@ -236,7 +244,7 @@ fn backwards_that_differ_from_the_learned_one_train_as_the_step_time_reduction()
         let expected = reference(&base, false, n, steps, Some((2, 1)));
         let diff = max_abs_diff(&params, &expected);
         assert!(
-            diff <= 1e-5,
+            diff <= ONE_RANK_TOLERANCE,
             "stage {stage}: a block skipped everywhere drifts from one rank by {diff}"
         );
         assert!(max_abs_diff(&params, &params_off) <= 1e-6, "stage {stage}");
@@ -324,7 +332,10 @@ fn a_micro_batch_the_reducer_did_not_expect_trains_as_the_step_time_reduction() 
         // One rank, whole batch, one backward per step: the same training.
         let expected = reference(&base, false, 3, 4, None);
         let diff = max_abs_diff(&params, &expected);
-        assert!(diff <= 1e-5, "stage {stage}: drifts from one rank by {diff}");
+        assert!(
+            diff <= ONE_RANK_TOLERANCE,
+            "stage {stage}: drifts from one rank by {diff}"
+        );
     }
 }
 
@@ -386,7 +397,7 @@ fn micro_batches_given_to_accumulate_send_nothing_and_the_last_one_reduces_insid
         }
         let diff = max_abs_diff(&runs[0], &params_of(&model));
         assert!(
-            diff <= 1e-5,
+            diff <= ONE_RANK_TOLERANCE,
             "stage {stage}: accumulation drifts from one rank by {diff}"
         );
     }
