@@ -2,9 +2,9 @@
 //! (stage 2) inside backward, as soon as its gradients are complete, while backward computes
 //! the rest (PyTorch DDP's bucketed reducer, DeepSpeed ZeRO-2's `overlap_comm`).
 //!
-//! `ShardConfig::init` attaches a [`hook::BucketHook`] to every trainable parameter: `val()`
+//! `ShardConfig::init` attaches a `BucketHook` (`hook.rs`) to every trainable parameter: `val()`
 //! passes the parameter through an identity op whose backward hands the parameter's gradient to
-//! the rank's [`reducer::BucketReducer`]. Inside a [`unit`](crate::fsdp::unit) scope the unit's
+//! the rank's `BucketReducer` (`reducer.rs`). Inside a [`unit`](fn@crate::fsdp::unit) scope the unit's
 //! input is a second, gradient-less parent, so Burn's backward (deepest nodes first) runs the
 //! hook right after the unit's backward; without units the hooks run at the end of backward and
 //! nothing overlaps (the results are the same). A bucket whose gradients are all in is started
@@ -20,7 +20,7 @@
 //! `accumulate` still send nothing (DDP's `no_sync`, without the user saying so). A reduced
 //! gradient is not registered on its parameter: the `GradientsParams` of such a backward lack
 //! it, and the optimizer takes the reduced buckets from the reducer
-//! ([`reducer::BucketReducer::finish`]).
+//! (`BucketReducer::finish`).
 //!
 //! A wrong expectation costs overlap, never results. Buckets still incomplete when the optimizer
 //! is called are started then, in the same order on every rank (absent gradients as zeros, as
