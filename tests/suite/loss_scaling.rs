@@ -22,11 +22,14 @@ fn scaler() -> LossScaler {
     LossScaler::dynamic().with_growth_interval(GROWTH_INTERVAL)
 }
 
-/// `loss` times infinity: every gradient of its backward overflows. The poison goes through
-/// backward (not into `GradientsParams`) so that it reaches the gradients at stages 0-2 also
-/// when they are reduced inside backward, where they never enter `GradientsParams`.
-fn poison(loss: Tensor<1>) -> Tensor<1> {
-    loss.mul_scalar(f32::INFINITY)
+/// `loss` plus `factor` times the first element of `model.l1.weight`: with an infinite factor,
+/// backward gives that one element an infinite gradient. The poison goes through backward (not
+/// into `GradientsParams`) so that it reaches the gradients also where stages 0-2 reduce them
+/// inside backward, where they never enter `GradientsParams`. Every rank reads the weight (a
+/// gather at stage 3), the others with factor 0.
+fn poison(model: &TinyMlp, loss: Tensor<1>, factor: f32) -> Tensor<1> {
+    let first = model.l1.weight.val().slice([0..1, 0..1]).reshape([1]);
+    loss + first.mul_scalar(factor)
 }
 
 /// Single-device Burn AdamW on the whole batch, skipping the overflow step: the losses, then
@@ -73,10 +76,11 @@ fn rank_run(
             .expect("loss all_reduce");
         losses.push(global.into_scalar::<f32>());
         let overflow = step == OVERFLOW_STEP;
-        let loss = match overflow && rank == world_size - 1 {
-            true => poison(loss),
-            false => loss,
+        let factor = match overflow && rank == world_size - 1 {
+            true => f32::INFINITY,
+            false => 0.0,
         };
+        let loss = poison(&model, loss, factor);
         let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
         if overflow {
             around.0 = params_of(&model.clone().materialize());

@@ -402,3 +402,53 @@ fn micro_batches_given_to_accumulate_send_nothing_and_the_last_one_reduces_insid
         );
     }
 }
+
+#[test]
+fn a_dropped_backward_is_discarded_and_a_second_init_is_refused_on_every_rank() {
+    let (base, device) = tower(false);
+    for stage in STAGES {
+        let run = |overlap_comm: bool| {
+            run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+                let rank = comm.rank();
+                let config = ShardConfig::new(stage)
+                    .with_bucket_numel(BUCKET_NUMEL)
+                    .with_overlap_comm(overlap_comm);
+                let (mut model, mut optim) = config
+                    .init(base.clone().fork(&device), AdamConfig::new(), comm)
+                    .unwrap();
+                for step in 0..4 {
+                    let rows = rank * ROWS..(rank + 1) * ROWS;
+                    if step == 2 {
+                        // A backward whose gradients are not stepped with (a skipped NaN loss).
+                        let dropped = model.loss(tokens(step + 10, rows.clone(), &device), None).backward();
+                        drop(dropped);
+                        optim.discard_gradients().unwrap();
+                    }
+                    let loss = model.loss(tokens(step, rows, &device), None);
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    model = optim.step(1e-2, model, grads).unwrap();
+                }
+                (params_of(&model), optim.comm().rank(), model)
+            })
+            .unwrap()
+        };
+        let on = run(true);
+        let off = run(false);
+        let diff = max_abs_diff(&on[0].0, &off[0].0);
+        assert!(diff <= 1e-6, "stage {stage}: the dropped backward left {diff}");
+        // The returned model carries this optimizer's hooks: a second init names the fix.
+        let models: Vec<Tower> = on.into_iter().map(|(_, _, model)| model).collect();
+        let errors = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let model = models[comm.rank()].clone();
+            ShardConfig::new(stage)
+                .init(model, AdamConfig::new(), comm)
+                .err()
+                .map(|e| e.to_string())
+        })
+        .unwrap();
+        for error in errors {
+            let error = error.expect("refused");
+            assert!(error.contains("earlier ShardConfig::init"), "stage {stage}: {error}");
+        }
+    }
+}

@@ -25,6 +25,9 @@ pub(crate) enum EntryKind {
     /// A running-state buffer (`RunningState`): never trained, never sharded, averaged over the
     /// ranks at every step (see `buffers.rs`).
     Buffer,
+    /// A parameter that carries burn-shard's own reparameterization (a stage 0-2 gradient hook
+    /// or a stage 3 shard): the model was already returned by `ShardConfig::init`.
+    Sharded,
 }
 
 /// One float entry: its kind, module path, shape, dtype and whether it requires grad.
@@ -132,10 +135,10 @@ impl CensusVisitor {
 impl ModuleVisitor for CensusVisitor {
     fn enter_module(&mut self, name: &str, container_type: &str) {
         if container_type == "Reparameterization" {
-            let kind = if name == PROBE_NAME {
-                EntryKind::Param
-            } else {
-                EntryKind::Reparameterized
+            let kind = match name {
+                PROBE_NAME => EntryKind::Param,
+                crate::bucket::hook::HOOK_NAME | crate::fsdp::sharded_param::SHARD_NAME => EntryKind::Sharded,
+                _ => EntryKind::Reparameterized,
             };
             self.settle(kind);
         } else {

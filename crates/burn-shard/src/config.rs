@@ -156,6 +156,7 @@ impl ShardConfig {
         comm: Arc<dyn Collective>,
     ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
         let census = Census::of(&model);
+        refuse_sharded(&census)?;
         self.check_step_options(&census, clipping.as_ref())?;
         if self.stage == Stage::Three {
             refuse_stage3_misfits(&census)?;
@@ -289,6 +290,21 @@ fn refuse_stage3_misfits(census: &Census) -> Result<(), ShardError> {
                      or train this model at stage 2"
                 .to_string(),
         }),
+        None => Ok(()),
+    }
+}
+
+/// A model `init` returned carries its hooks (stages 0-2) or shards (stage 3), tied to that
+/// call's optimizer: Burn keeps a parameter's reparameterization through every map, so a second
+/// `init` could not replace them.
+fn refuse_sharded(census: &Census) -> Result<(), ShardError> {
+    match census.entries().find(|(_, e)| e.kind == EntryKind::Sharded) {
+        Some((_, e)) => Err(ShardError::InvalidConfig(format!(
+            "parameter `{}` already carries burn-shard's gradient hook or shard: this model was returned by an \
+             earlier ShardConfig::init, and belongs to that call's optimizer; build the model afresh (or load it from \
+             a record or a consolidated checkpoint) and pass that to init",
+            e.path
+        ))),
         None => Ok(()),
     }
 }

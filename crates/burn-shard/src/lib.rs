@@ -17,6 +17,8 @@
 //! buckets ([`FlatLayout`]); rank `r` owns elements `[r·L/N, (r+1)·L/N)` of each padded bucket
 //! of length `L`. Burn's own optimizer steps each parameter's piece of this rank's range with
 //! that parameter's state, so its update math is reused.
+//! From the second step on, each bucket's reduction starts inside backward as soon as its
+//! gradients are complete, where the collective overlaps with compute: see [`bucket`].
 //! Stage 3: see [`fsdp`].
 //! Optimizer state, `f32` masters and the update in host memory instead of on the device:
 //! [`Offload`] (ZeRO-Offload).

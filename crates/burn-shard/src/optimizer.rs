@@ -178,7 +178,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let mut early = reducer.finish(is_step)?;
         self.overlapped_buckets = early.started_in_backward;
         for (mine, kept) in early.reduced.iter_mut().zip(&mut self.reduced_sums) {
-            *mine = match (mine.take(), kept.take()) {
+            // bf16/f16 sums in f32, rounded once by the step, as `accumulate`'s own sums.
+            *mine = match (mine.take().map(crate::master::widen_half), kept.take()) {
                 (Some(a), Some(b)) => Some(a + b),
                 (a, b) => a.or(b),
             };
@@ -239,6 +240,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// a later step (a conditional branch, an expert, a parameter unfrozen mid-run) takes the
     /// first Adam step of its own when it is.
     ///
+    /// At stages 0-2 with [`ShardConfig::overlap_comm`](crate::ShardConfig::overlap_comm) (the
+    /// default, where the collective overlaps), buckets are reduced inside backward from the
+    /// second step on, and their gradients are not in `grads`: this call takes them from the
+    /// rank's reducer (see [`crate::bucket`]). Edits to `grads` then reach only the gradients
+    /// that are there; to edit every gradient before the step, turn `overlap_comm` off.
+    ///
     /// At stage 3 `grads` already hold this rank's shards of the mean gradients (reduce-scattered
     /// inside backward), and a parameter left out of `grads` is not stepped, as in Burn. This
     /// holds while the backwards between two optimizer calls have the structure learned before
@@ -284,6 +291,26 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     fn take_reduced<M: Module>(&self, model: &M, grads: &mut GradientsParams) {
         if let Some(fsdp) = self.plan.fsdp() {
             crate::fsdp::reduce::add_to_grads(model, fsdp.finish_reduce(), grads);
+        }
+    }
+
+    /// Drops every gradient handed to the optimizer since the last `step` or `accumulate`
+    /// without applying it: the micro-batch sums `accumulate` kept, and at stages 0-2 the
+    /// gradients of backwards whose buckets were reduced inside backward. Call it after a
+    /// backward whose gradients you do not step with (a NaN loss you skip, an auxiliary
+    /// backward): reduced inside backward, they would otherwise add to the next step, as
+    /// PyTorch's `.grad` does until `zero_grad()`. A collective: every rank calls it at the same
+    /// point.
+    ///
+    /// # Errors
+    /// [`ShardError::Comm`] when a reduction in flight failed.
+    pub fn discard_gradients(&mut self) -> Result<(), ShardError> {
+        self.accumulated.iter_mut().for_each(|g| *g = None);
+        self.reduced_sums.iter_mut().for_each(|g| *g = None);
+        self.reduced_present.iter_mut().for_each(|p| *p = false);
+        match &self.bucket_reducer {
+            Some(reducer) => reducer.discard(),
+            None => Ok(()),
         }
     }
 
@@ -412,8 +439,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             grad_parts[bucket.slots.clone()].iter_mut().for_each(|g| *g = None);
             let early = early_reduced.get_mut(index).and_then(Option::take);
             reduced.push(match (early, in_step) {
-                (Some(early), Some(in_step)) => early + in_step,
-                (Some(grad), None) | (None, Some(grad)) => grad,
+                (Some(early), Some(in_step)) => (early + crate::master::widen_half(in_step)).cast(bucket.dtype),
+                (Some(grad), None) => grad.cast(bucket.dtype),
+                (None, Some(grad)) => grad,
                 (None, None) => Tensor::zeros(
                     [self.plan.reduced_numel(bucket, self.comm.world_size())],
                     (&device, bucket.dtype),
@@ -674,7 +702,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// was called (stages 0-2 with [`ShardConfig::overlap_comm`](crate::ShardConfig::overlap_comm),
     /// see [`crate::bucket`]): every bucket of [`ShardedOptimizer::layout`] when the backward
     /// matched the learned one; 0 at the first step (which learns), for micro-batches given to
-    /// `accumulate`, at stage 3 and where buckets are reduced in the step.
+    /// `accumulate` as learned (not when a step was expected instead), at stage 3 and where
+    /// buckets are reduced in the step.
     pub fn overlapped_buckets(&self) -> usize {
         self.overlapped_buckets
     }

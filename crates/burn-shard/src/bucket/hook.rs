@@ -10,7 +10,7 @@ use burn::backend::autodiff::{
 };
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, Dispatch, Flex, backend_extension};
+use burn::backend::{Backend, Dispatch, DispatchDevice, Flex, backend_extension};
 use burn::module::{
     Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor, Param,
     Reparameterization, Reparameterizer,
@@ -109,6 +109,9 @@ impl<B: Backend + FlatPrimitive, const N: usize> Backward<B, N> for HookBackward
     }
 }
 
+/// The name Burn's visitors see the hook under (the census recognises it).
+pub(crate) const HOOK_NAME: &str = "burn_shard_bucket_hook";
+
 /// The reparameterization that puts a [`BucketReducer`] hook on a parameter.
 #[derive(Clone, Debug)]
 pub struct BucketHook {
@@ -116,9 +119,16 @@ pub struct BucketHook {
 }
 
 impl Reparameterization for BucketHook {
-    const NAME: &'static str = "bucket_hook";
+    const NAME: &'static str = HOOK_NAME;
 
     fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
+        // Only a trainable value on the Flex autodiff device has a gradient to hand over; an
+        // evaluation copy (`valid()`), a frozen parameter or a model moved to another device
+        // passes unchanged (the op exists for Flex alone).
+        let on_flex = matches!(base.device().without_autodiff().as_dispatch(), DispatchDevice::Flex(_));
+        if !(base.is_require_grad() && on_flex) {
+            return base;
+        }
         let out = match current_unit() {
             Some((input, _)) => {
                 <Dispatch as BucketHookOps>::bucket_hook_in_unit(base.into_dispatch(), input, self.spec.clone())

@@ -29,9 +29,14 @@ pub(crate) struct Early {
 struct Learned {
     /// Per slot: how many gradients one backward hands over (a parameter used twice, two).
     counts: Vec<usize>,
-    /// The buckets in the order they are started: the order in which the learning backward
-    /// completed them (rank 0's, so every rank starts the same calls in the same order).
+    /// The buckets reduced inside backward, in the order they are started: the order in which
+    /// the learning backward completed them (rank 0's, so every rank starts the same calls in
+    /// the same order). A bucket with a slot that received no gradient through its hook (a
+    /// parameter with a reparameterization of its own, one frozen or unused while learning) is
+    /// left out: its gradients pass through to the step.
     order: Vec<usize>,
+    /// Per bucket: whether it is in `order`.
+    early: Vec<bool>,
     /// `accumulate` calls that preceded the learning step: a backward is reduced inside only
     /// when as many have been made since the last step, so micro-batches send nothing.
     accumulates: usize,
@@ -122,7 +127,7 @@ impl BucketReducer {
         let Some(learned) = state.learned.as_ref().filter(|_| state.armed) else {
             return Some(grad);
         };
-        if state.started[bucket].is_some() {
+        if !learned.early[bucket] || state.started[bucket].is_some() {
             return Some(grad);
         }
         state.pending[slot] = Some(match state.pending[slot].take() {
@@ -173,11 +178,20 @@ impl BucketReducer {
         self.state().pending.iter().flatten().count()
     }
 
-    /// Drops the pending gradients (a checkpoint was loaded: they belong to the old model).
-    pub(crate) fn discard_pending(&self) {
+    /// Drops every gradient handed over since the last optimizer call: what is pending, and
+    /// the reductions started (which are first started everywhere and waited for, as
+    /// [`BucketReducer::finish`] does, so the ranks' calls stay aligned). What was learned is
+    /// kept; the next backward is reduced inside when a step is expected after no `accumulate`.
+    /// Every rank calls this at the same point.
+    ///
+    /// # Errors
+    /// [`ShardError::Comm`] when a reduction failed.
+    pub(crate) fn discard(&self) -> Result<(), ShardError> {
+        let result = self.finish(false).map(drop);
         let mut state = self.state();
-        state.pending.iter_mut().for_each(|p| *p = None);
-        state.present.iter_mut().for_each(|p| *p = false);
+        state.accumulates = 0;
+        state.armed = state.learned.as_ref().is_some_and(|l| l.accumulates == 0);
+        result
     }
 
     /// Starts bucket `index`'s reduction from its slots' pending sums (absent ones are zeros).
@@ -229,10 +243,13 @@ impl BucketReducer {
         let present = std::mem::replace(&mut state.present, vec![false; layout.slots().len()]);
         state.next = 0;
         if is_step && state.learned.is_none() {
-            let order = self.agree_order(&state.completed_at)?;
+            let order = self.agree_order(&state.completed_at, &state.seen)?;
+            let mut early = vec![false; buckets];
+            order.iter().for_each(|&b| early[b] = true);
             state.learned = Some(Learned {
                 counts: state.seen.clone(),
                 order,
+                early,
                 accumulates: state.accumulates,
             });
         }
@@ -253,19 +270,25 @@ impl BucketReducer {
         })
     }
 
-    /// Buckets ordered by when their last gradient arrived (never: last, by index), as rank 0
-    /// saw it: one broadcast of `buckets` indices (exact in `f32` below 2^24).
-    fn agree_order(&self, completed_at: &[Option<u64>]) -> Result<Vec<usize>, ShardError> {
-        let mut order: Vec<usize> = (0..completed_at.len()).collect();
-        order.sort_by_key(|&b| (completed_at[b].is_none(), completed_at[b], b));
-        let n = order.len();
-        let ours: Vec<f32> = order.iter().map(|&b| b as f32).collect();
-        let ours = Tensor::<1>::from_data(TensorData::new(ours, [n]), &self.0.device);
+    /// The buckets whose every slot received a gradient through its hook (`seen`), ordered by
+    /// when their last gradient arrived, as rank 0 saw them: one broadcast of `buckets` values
+    /// (the order, then -1 for each bucket left out; exact in `f32` below 2^24).
+    fn agree_order(&self, completed_at: &[Option<u64>], seen: &[usize]) -> Result<Vec<usize>, ShardError> {
+        let layout = &self.0.layout;
+        let buckets = layout.buckets();
+        let mut order: Vec<usize> = (0..buckets.len())
+            .filter(|&b| buckets[b].slots.clone().all(|s| seen[s] > 0))
+            .collect();
+        order.sort_by_key(|&b| (completed_at[b], b));
+        let mut ours: Vec<f32> = order.iter().map(|&b| b as f32).collect();
+        ours.resize(buckets.len(), -1.0);
+        let ours = Tensor::<1>::from_data(TensorData::new(ours, [buckets.len()]), &self.0.device);
         let agreed = self.0.comm.broadcast(ours, 0)?;
         Ok(agreed
             .into_data()
             .convert::<f32>()
             .iter::<f32>()
+            .take_while(|&b| b >= 0.0)
             .map(|b| b as usize)
             .collect())
     }

@@ -67,6 +67,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         dir: &Path,
         wants_scheduler: bool,
     ) -> Result<(M, serde_json::Value, Option<LrSchedulerRecord>), ShardError> {
+        // Gradients handed to the stage 0-2 reducer belong to the model before the load (a
+        // collective: every rank is here).
+        if let Some(reducer) = &self.bucket_reducer {
+            reducer.discard()?;
+        }
         let loaded = self
             .read_checkpoint(&model, dir)
             .and_then(|read| match wants_scheduler {
@@ -85,9 +90,6 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.accumulated.iter_mut().for_each(|g| *g = None);
         self.reduced_sums.iter_mut().for_each(|g| *g = None);
         self.reduced_present.iter_mut().for_each(|p| *p = false);
-        if let Some(reducer) = &self.bucket_reducer {
-            reducer.discard_pending();
-        }
         let model = flat::replace_values(model, values);
         let model = match self.stage() {
             Stage::Three => exchange::replace_shards(model, shards),

@@ -280,7 +280,7 @@ fn entry_meta<O: MasterWeightStep>(
         shape: entry.shape.clone(),
         dtype: dtype_name(entry.dtype),
         kind: match entry.kind {
-            EntryKind::Param => "param",
+            EntryKind::Param | EntryKind::Sharded => "param",
             EntryKind::Reparameterized => "reparameterized",
             EntryKind::Buffer => "buffer",
         }

@@ -31,6 +31,9 @@ use super::unit::current_unit;
 use crate::census::{Census, EntryKind};
 use crate::layout::ParamSlot;
 
+/// The name Burn's visitors see a shard under (the census recognises it).
+pub(crate) const SHARD_NAME: &str = "fsdp_shard";
+
 /// The reparameterization of a stage-3 parameter: it holds this rank's shard, and `param.val()`
 /// all-gathers the full value on demand (see the module docs).
 #[derive(Clone, Debug)]
@@ -52,7 +55,7 @@ impl ShardedParam {
 }
 
 impl Reparameterization for ShardedParam {
-    const NAME: &'static str = "fsdp_shard";
+    const NAME: &'static str = SHARD_NAME;
 
     fn apply<const D: usize>(&self, placeholder: Tensor<D>) -> Tensor<D> {
         let out = match current_unit() {
