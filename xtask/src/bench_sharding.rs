@@ -135,7 +135,8 @@ pub struct Args {
     /// Folder of the CSV files and the plot.
     #[arg(long, default_value = "docs/results")]
     out: PathBuf,
-    /// Internal: run one configuration of ours, `STAGE:WORLD_SIZE[:plain]` (`plain`: a plain
+    /// Internal: run one configuration of ours, `STAGE:WORLD_SIZE[:plain][:in-step]` (`in-step`:
+    /// `ShardConfig::with_overlap_comm(false)`; `plain`: a plain
     /// autodiff device instead of the examples' one), on the first of --sizes,
     /// and print its measurements as one JSON line.
     #[arg(long, hide = true)]
@@ -152,16 +153,21 @@ struct Config {
     /// which recomputes memory-bound activations in backward); `false`: a plain autodiff device,
     /// as PyTorch's rows (none of them recompute).
     examples_device: bool,
+    /// Stages 0-2: reduce buckets inside backward (`ShardConfig::overlap_comm`, the default);
+    /// `false` reduces them in the step, the rows that measure what overlapping gains.
+    overlap_comm: bool,
+    /// PyTorch's counterpart; empty: none is run (a variant of ours only).
     torch_mode: &'static str,
     torch_label: &'static str,
 }
 
-const CONFIGS: [Config; 6] = [
+const CONFIGS: [Config; 9] = [
     Config {
         label: "1 rank (stage 0)",
         stage: Stage::Zero,
         world_size_one: true,
         examples_device: true,
+        overlap_comm: true,
         torch_mode: "single",
         torch_label: "1 process",
     },
@@ -170,6 +176,7 @@ const CONFIGS: [Config; 6] = [
         stage: Stage::Zero,
         world_size_one: false,
         examples_device: true,
+        overlap_comm: true,
         torch_mode: "ddp",
         torch_label: "DDP",
     },
@@ -178,6 +185,7 @@ const CONFIGS: [Config; 6] = [
         stage: Stage::One,
         world_size_one: false,
         examples_device: true,
+        overlap_comm: true,
         torch_mode: "zero",
         torch_label: "DDP + ZeroRedundancyOptimizer",
     },
@@ -186,6 +194,7 @@ const CONFIGS: [Config; 6] = [
         stage: Stage::Two,
         world_size_one: false,
         examples_device: true,
+        overlap_comm: true,
         torch_mode: "fsdp2-grad",
         torch_label: "FSDP2 reshard_after_forward=False",
     },
@@ -194,6 +203,7 @@ const CONFIGS: [Config; 6] = [
         stage: Stage::Three,
         world_size_one: false,
         examples_device: true,
+        overlap_comm: true,
         torch_mode: "fsdp2",
         torch_label: "FSDP2 fully_shard",
     },
@@ -202,8 +212,36 @@ const CONFIGS: [Config; 6] = [
         stage: Stage::Three,
         world_size_one: false,
         examples_device: false,
+        overlap_comm: true,
         torch_mode: "fsdp2",
         torch_label: "FSDP2 fully_shard",
+    },
+    Config {
+        label: "stage 0, reduced in the step",
+        stage: Stage::Zero,
+        world_size_one: false,
+        examples_device: true,
+        overlap_comm: false,
+        torch_mode: "",
+        torch_label: "(ours only)",
+    },
+    Config {
+        label: "stage 1, reduced in the step",
+        stage: Stage::One,
+        world_size_one: false,
+        examples_device: true,
+        overlap_comm: false,
+        torch_mode: "",
+        torch_label: "(ours only)",
+    },
+    Config {
+        label: "stage 2, reduced in the step",
+        stage: Stage::Two,
+        world_size_one: false,
+        examples_device: true,
+        overlap_comm: false,
+        torch_mode: "",
+        torch_label: "(ours only)",
     },
 ];
 
@@ -283,6 +321,7 @@ pub fn run(args: &Args) -> Result<(), String> {
             let ours = run_ours(&exe.0, args, size, config, n, (warmup, steps), threads)?;
             let theirs = match &python {
                 None => Err("skipped (--skip-torch)".to_string()),
+                Some(_) if config.torch_mode.is_empty() => Err("no counterpart".to_string()),
                 Some(python) => {
                     eprintln!("[{}] PyTorch: {} ...", size.name(), config.torch_label);
                     run_theirs(
@@ -297,7 +336,7 @@ pub fn run(args: &Args) -> Result<(), String> {
                     )
                 }
             };
-            if let Err(e) = &theirs {
+            if let (Err(e), false) = (&theirs, config.torch_mode.is_empty()) {
                 eprintln!("  PyTorch {}: {e}", config.torch_label);
             }
             rows.push(Row {
@@ -429,10 +468,11 @@ fn run_ours(
     let load = OthersLoad::start();
     let stage = config.stage;
     let device = if config.examples_device { "" } else { ":plain" };
+    let overlap = if config.overlap_comm { "" } else { ":in-step" };
     let out = Command::new(exe)
         .args(["bench", "sharding", "--sizes", size.name()])
         .arg("--worker")
-        .arg(format!("{}:{n}{device}", stage.number()))
+        .arg(format!("{}:{n}{device}{overlap}", stage.number()))
         .args(["--warmup", &warmup.to_string(), "--steps", &steps.to_string()])
         .args(["--batch-size", &args.batch_size.to_string()])
         .args(["--block-size", &args.block_size.to_string()])
@@ -553,7 +593,11 @@ struct RankRun {
 /// The child process: trains `--sizes`' first model at `STAGE:WORLD_SIZE` and prints
 /// `BENCH_RESULT <json>`.
 fn worker(args: &Args, spec: &str) -> Result<(), String> {
-    let bad = || format!("--worker wants STAGE:WORLD_SIZE[:plain], got {spec:?}");
+    let bad = || format!("--worker wants STAGE:WORLD_SIZE[:plain][:in-step], got {spec:?}");
+    let (spec, in_step) = match spec.strip_suffix(":in-step") {
+        Some(rest) => (rest, true),
+        None => (spec, false),
+    };
     let (spec, plain) = match spec.strip_suffix(":plain") {
         Some(rest) => (rest, true),
         None => (spec, false),
@@ -599,7 +643,8 @@ fn worker(args: &Args, spec: &str) -> Result<(), String> {
         let device = rank_device();
         // The example's optimizer: Burn's AdamW config, run as the fused AdamW step.
         let optimizer = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1);
-        let (mut model, mut optim) = ShardConfig::new(stage).init(base.clone().fork(&device), optimizer, comm)?;
+        let config = ShardConfig::new(stage).with_overlap_comm(!in_step);
+        let (mut model, mut optim) = config.init(base.clone().fork(&device), optimizer, comm)?;
         let mut rng = StdRng::seed_from_u64(SEED.wrapping_add(rank as u64 * 7919));
         let mut run = RankRun {
             step_ms: Vec::new(),
@@ -1036,6 +1081,7 @@ fn print_table(args: &Args, rows: &[Row], threads: usize, torch: bool) {
     for r in rows {
         if let Err(e) = &r.theirs
             && torch
+            && !r.config.torch_mode.is_empty()
         {
             println!(
                 "\nPyTorch {} ({}) did not run: {e}",
