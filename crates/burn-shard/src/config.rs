@@ -58,7 +58,9 @@ pub struct ShardConfig {
     /// Stages 0-2: reduce each bucket inside backward, as soon as its gradients are complete,
     /// where the collective overlaps with compute (default `true`; DeepSpeed's
     /// `overlap_comm`, see [`crate::bucket`]'s rules). `false` reduces every bucket in `step`
-    /// and keeps every gradient in `GradientsParams` until then. Same results either way.
+    /// and keeps every gradient in `GradientsParams` until then. The same results either way,
+    /// as long as every backward's gradients reach `step`/`accumulate` or are dropped with
+    /// [`ShardedOptimizer::discard_gradients`].
     pub overlap_comm: bool,
 }
 

@@ -30,6 +30,13 @@
 //! for it, agreed in the same all-reduce that tells which parameters got one); reduced
 //! gradients that reach `accumulate` are kept, reduced, until the step.
 //!
+//! Two rules follow from reducing inside backward. A backward whose gradients are not given to
+//! `step` or `accumulate` (a skipped NaN loss) has reduced them already: drop them with
+//! `ShardedOptimizer::discard_gradients` (PyTorch's `zero_grad`), or they add to the next
+//! step. And a collective of the user's own between `backward()` and the optimizer call queues
+//! behind the buckets each rank started, which differ between ranks whose backwards differ: make
+//! such calls before backward (as the examples average the loss) or after the optimizer call.
+//!
 //! Only where the collective overlaps (`Collective::overlaps_compute`: the in-process backend)
 //! and the parameters live on Burn's CPU `Flex` device, with more than one rank: elsewhere an
 //! early start would only move the wait, and the step reduces as before.
