@@ -13,7 +13,7 @@ use burn::optim::{AdamConfig, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::activation::gelu;
 use burn_shard::fsdp::unit;
-use burn_shard::{ShardConfig, Stage};
+use burn_shard::{IntoOptimizer, ShardConfig, ShardedOptimizer, Stage};
 use burn_shard_comm::{Collective, CollectiveKind, CommStats, InProcessGroup, run_ranks};
 
 use crate::common::{max_abs_diff, params_of, scratch};
@@ -109,6 +109,21 @@ fn tokens(step: usize, rows: std::ops::Range<usize>, device: &Device) -> Tensor<
     Tensor::from_data(TensorData::new(ids, [n, SEQ]), device)
 }
 
+/// `base` sharded at `stage` with `config`'s other options, on `device`.
+fn init(
+    base: &Tower,
+    config: &ShardConfig,
+    stage: Stage,
+    comm: impl Collective + 'static,
+    device: &Device,
+) -> (Tower, ShardedOptimizer<<AdamConfig as IntoOptimizer>::Optimizer>) {
+    let config = ShardConfig {
+        stage,
+        ..config.clone()
+    };
+    config.init(base.clone().fork(device), AdamConfig::new(), comm).unwrap()
+}
+
 /// Bucket reductions (all-reduces and reduce-scatters) in `stats`: calls and bytes.
 fn reductions(stats: &CommStats) -> (u64, u64) {
     let (ar, rs) = (
@@ -141,13 +156,7 @@ fn train(
     let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
         let device = device(checkpointing);
         let rank = comm.rank();
-        let config = ShardConfig {
-            stage,
-            ..config.clone()
-        };
-        let (mut model, mut optim) = config
-            .init(base.clone().fork(&device), AdamConfig::new(), comm)
-            .unwrap();
+        let (mut model, mut optim) = init(base, &config, stage, comm, &device);
         let mut calls = Vec::new();
         for step in 0..steps {
             let idx = tokens(step, rank * ROWS..(rank + 1) * ROWS, &device);
@@ -281,13 +290,7 @@ fn train_with_split_steps(
     let device = device(false);
     let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
         let rank = comm.rank();
-        let config = ShardConfig {
-            stage,
-            ..config.clone()
-        };
-        let (mut model, mut optim) = config
-            .init(base.clone().fork(&device), AdamConfig::new(), comm)
-            .unwrap();
+        let (mut model, mut optim) = init(base, &config, stage, comm, &device);
         let mut overlapped = Vec::new();
         for step in 0..steps {
             let rows = rank * ROWS..(rank + 1) * ROWS;
