@@ -162,9 +162,17 @@ impl BucketReducer {
     /// start of the pending gradients, so the backward expected to end in a step reduces them
     /// with its own, in one collective per bucket (DDP reduces what `no_sync` backwards
     /// accumulated in `.grad` the same way). Call it only when [`BucketReducer::armed`].
+    /// Sums of slots whose bucket stays with the step are left in `sums`.
     pub(crate) fn seed(&self, sums: &mut SlotValues) {
-        let mut state = self.state();
+        let mut guard = self.state();
+        let state = &mut *guard;
+        let Some(learned) = &state.learned else {
+            return;
+        };
         for (slot, sum) in sums.iter_mut().enumerate() {
+            if !learned.early[self.0.layout.slots()[slot].bucket] {
+                continue;
+            }
             if let Some(sum) = sum.take() {
                 state.present[slot] = true;
                 state.pending[slot] = Some(sum);
