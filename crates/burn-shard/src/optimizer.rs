@@ -443,7 +443,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 (Some(grad), None) => grad.cast(bucket.dtype),
                 (None, Some(grad)) => grad,
                 (None, None) => Tensor::zeros(
-                    [self.plan.reduced_numel(bucket, self.comm.world_size())],
+                    [self.plan.reduced_numel(bucket)],
                     (&device, bucket.dtype),
                 ),
             });

@@ -73,9 +73,9 @@ impl StagePlan {
 
     /// Elements of what [`StagePlan::reduce`] returns for `bucket`: the padded bucket, or this
     /// rank's shard of it at stage 2.
-    pub(crate) fn reduced_numel(&self, bucket: &Bucket, world_size: usize) -> usize {
+    pub(crate) fn reduced_numel(&self, bucket: &Bucket) -> usize {
         match self {
-            StagePlan::Two => bucket.padded_numel / world_size,
+            StagePlan::Two => bucket.shard_numel,
             _ => bucket.padded_numel,
         }
     }
