@@ -305,13 +305,19 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// [`ShardError::Comm`] when a reduction in flight failed.
     pub fn discard_gradients(&mut self) -> Result<(), ShardError> {
-        self.accumulated.iter_mut().for_each(|g| *g = None);
-        self.reduced_sums.iter_mut().for_each(|g| *g = None);
-        self.reduced_present.iter_mut().for_each(|p| *p = false);
+        self.drop_kept_sums();
         match &self.bucket_reducer {
             Some(reducer) => reducer.discard(),
             None => Ok(()),
         }
+    }
+
+    /// Drops the micro-batch sums kept until the next step: unreduced (`accumulate`) and
+    /// reduced inside backward.
+    pub(crate) fn drop_kept_sums(&mut self) {
+        self.accumulated.iter_mut().for_each(|g| *g = None);
+        self.reduced_sums.iter_mut().for_each(|g| *g = None);
+        self.reduced_present.iter_mut().for_each(|p| *p = false);
     }
 
     /// Stage 3: returns the first error a collective met inside forward or backward (gathers
@@ -442,10 +448,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 (Some(early), Some(in_step)) => (early + crate::master::widen_half(in_step)).cast(bucket.dtype),
                 (Some(grad), None) => grad.cast(bucket.dtype),
                 (None, Some(grad)) => grad,
-                (None, None) => Tensor::zeros(
-                    [self.plan.reduced_numel(bucket)],
-                    (&device, bucket.dtype),
-                ),
+                (None, None) => Tensor::zeros([self.plan.reduced_numel(bucket)], (&device, bucket.dtype)),
             });
         }
         self.gradients_bytes = reduced.iter().map(tensor_bytes).sum();

@@ -87,9 +87,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.states = states;
         self.masters = masters;
         // Micro-batch sums of the model before the load do not belong to the loaded one.
-        self.accumulated.iter_mut().for_each(|g| *g = None);
-        self.reduced_sums.iter_mut().for_each(|g| *g = None);
-        self.reduced_present.iter_mut().for_each(|p| *p = false);
+        self.drop_kept_sums();
         let model = flat::replace_values(model, values);
         let model = match self.stage() {
             Stage::Three => exchange::replace_shards(model, shards),
