@@ -11,12 +11,13 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsParams};
 use burn::prelude::*;
+use burn::tensor::DType;
 use burn::tensor::activation::gelu;
 use burn_shard::fsdp::unit;
 use burn_shard::{IntoOptimizer, ShardConfig, ShardedOptimizer, Stage};
 use burn_shard_comm::{Collective, CollectiveKind, CommStats, InProcessGroup, run_ranks};
 
-use crate::common::{max_abs_diff, params_of, scratch};
+use crate::common::{cast, max_abs_diff, params_of, scratch};
 
 const STAGES: [Stage; 3] = [Stage::Zero, Stage::One, Stage::Two];
 /// Small enough that the model below spans several buckets.
@@ -362,6 +363,36 @@ fn micro_batch_sums_of_buckets_left_to_the_step_are_reduced_by_the_step() {
             diff <= 1e-6,
             "stage {stage}: drifts from the step-time reduction by {diff}"
         );
+    }
+}
+
+#[test]
+fn bf16_micro_batch_sums_reduced_inside_backward_equal_the_step_time_reduction() {
+    // bf16 parameters: `accumulate` keeps each micro-batch sum in f32 and, once learned,
+    // hands it to the stepping backward's buckets (the seed path). The bucket adds it to the
+    // backward's gradient once, in f32, and rounds to bf16 before the reduction, as the step
+    // does: bitwise the same, whatever order the two parts of the embedding's gradient (read
+    // twice) arrive in. (f16 shares the path; it needs a loss scaler, tested in
+    // `loss_scaling`.)
+    let (base, _) = tower(false);
+    let base = cast(base, DType::BF16);
+    for stage in STAGES {
+        let on = ShardConfig::new(stage).with_bucket_numel(BUCKET_NUMEL);
+        let off = on.clone().with_overlap_comm(false);
+        let split = [0, 1, 2, 3];
+        let (overlapped, params) = train_with_split_steps(&base, stage, on, 2, 4, &split, None);
+        let (_, params_off) = train_with_split_steps(&base, stage, off, 2, 4, &split, None);
+        // Per step: after `accumulate`, after `step`. The first step learns.
+        assert_eq!(overlapped[..2], [0, 0], "stage {stage}: {overlapped:?}");
+        for step in 1..4 {
+            assert_eq!(overlapped[2 * step], 0, "stage {stage}: {overlapped:?}");
+            assert!(overlapped[2 * step + 1] > 0, "stage {stage}: {overlapped:?}");
+        }
+        let moved = params_of(&base).iter().zip(&params).filter(|(a, b)| a != b).count();
+        assert!(moved > params.len() / 2, "stage {stage}: {moved} of {} moved", params.len());
+        let differ = params.iter().zip(&params_off).filter(|(a, b)| a != b).count();
+        let diff = max_abs_diff(&params, &params_off);
+        assert_eq!(differ, 0, "stage {stage}: {differ} parameters differ, by up to {diff}");
     }
 }
 

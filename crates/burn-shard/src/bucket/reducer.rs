@@ -55,8 +55,13 @@ struct State {
     /// Per bucket: when its last gradient since the last optimizer call arrived (a counter).
     completed_at: Vec<Option<u64>>,
     clock: u64,
-    /// Per slot: the sum of the gradients waiting for their bucket (`[numel]`).
+    /// Per slot: the sum of this backward's gradients waiting for their bucket (`[numel]`, in
+    /// the gradient's dtype, added as Burn adds the parts of a parameter read twice).
     pending: SlotValues,
+    /// Per slot: the micro-batch sum `accumulate` handed over ([`BucketReducer::seed`]), kept
+    /// apart from `pending` and added to it once, when the bucket starts, as the step adds it
+    /// to the gradient: the result does not depend on the order the parts arrive in.
+    seeded: SlotValues,
     /// Per bucket: its reduction in flight.
     started: Vec<Option<Work<Tensor<1>>>>,
     /// Position in `learned.order` of the next bucket to start.
@@ -95,6 +100,7 @@ impl BucketReducer {
             seen: vec![0; slots],
             completed_at: vec![None; buckets],
             pending: vec![None; slots],
+            seeded: vec![None; slots],
             started: (0..buckets).map(|_| None).collect(),
             present: vec![false; slots],
             ..State::default()
@@ -131,11 +137,7 @@ impl BucketReducer {
             return Some(grad);
         }
         state.pending[slot] = Some(match state.pending[slot].take() {
-            // A seeded micro-batch sum may be wider (`f32` for `bf16`/`f16`): add in its dtype.
-            Some(sum) => {
-                let dtype = sum.dtype();
-                sum + grad.cast(dtype)
-            }
+            Some(sum) => sum + grad,
             None => grad,
         });
         state.present[slot] = true;
@@ -147,7 +149,7 @@ impl BucketReducer {
             if !complete {
                 break;
             }
-            state.started[next] = Some(self.start(next, &mut state.pending));
+            state.started[next] = Some(self.start(next, &mut state.pending, &mut state.seeded));
             state.next += 1;
         }
         None
@@ -175,7 +177,7 @@ impl BucketReducer {
             }
             if let Some(sum) = sum.take() {
                 state.present[slot] = true;
-                state.pending[slot] = Some(sum);
+                state.seeded[slot] = Some(sum);
             }
         }
     }
@@ -183,7 +185,10 @@ impl BucketReducer {
     /// Slots holding gradients that wait for their bucket (seeded micro-batch sums, or a
     /// backward's gradients before the optimizer call).
     pub(crate) fn pending_slots(&self) -> usize {
-        self.state().pending.iter().flatten().count()
+        let state = self.state();
+        (0..state.pending.len())
+            .filter(|&slot| state.pending[slot].is_some() || state.seeded[slot].is_some())
+            .count()
     }
 
     /// Drops every gradient handed over since the last optimizer call: what is pending, and
@@ -202,13 +207,20 @@ impl BucketReducer {
         result
     }
 
-    /// Starts bucket `index`'s reduction from its slots' pending sums (absent ones are zeros).
-    fn start(&self, index: usize, pending: &mut SlotValues) -> Work<Tensor<1>> {
+    /// Starts bucket `index`'s reduction from its slots' seeded and pending sums (absent ones
+    /// are zeros), which it takes.
+    fn start(&self, index: usize, pending: &mut SlotValues, seeded: &mut SlotValues) -> Work<Tensor<1>> {
         let (layout, bucket) = (&self.0.layout, &self.0.layout.buckets()[index]);
-        for sum in pending[bucket.slots.clone()].iter_mut().flatten() {
-            if sum.dtype() != bucket.dtype {
-                *sum = sum.clone().cast(bucket.dtype);
-            }
+        for slot in bucket.slots.clone() {
+            let total = match (seeded[slot].take(), pending[slot].take()) {
+                // The seeded sum may be wider (`f32` for `bf16`/`f16`): add in its dtype.
+                (Some(sum), Some(grad)) => {
+                    let dtype = sum.dtype();
+                    Some(sum + grad.cast(dtype))
+                }
+                (sum, grad) => sum.or(grad),
+            };
+            pending[slot] = total.map(|t| if t.dtype() == bucket.dtype { t } else { t.cast(bucket.dtype) });
         }
         let flat = flat::assemble(layout, bucket, pending, 0..bucket.padded_numel, &self.0.device);
         pending[bucket.slots.clone()].iter_mut().for_each(|p| *p = None);
@@ -231,7 +243,7 @@ impl BucketReducer {
         let started_in_backward = state.next;
         if let Some(learned) = state.learned.as_ref().filter(|_| state.armed) {
             while let Some(&next) = learned.order.get(state.next) {
-                state.started[next] = Some(self.start(next, &mut state.pending));
+                state.started[next] = Some(self.start(next, &mut state.pending, &mut state.seeded));
                 state.next += 1;
             }
         }
