@@ -506,20 +506,37 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             norms: norms.as_ref(),
         };
 
-        // 3. Burn's optimizer on each parameter's piece of the owned range, then all-gather.
+        // 3. Burn's optimizer on each parameter's piece of the owned range; each bucket's
+        //    all-gather starts as soon as the bucket is stepped and runs while the next one is
+        //    (on backends whose asynchronous calls overlap), then all are waited for.
         let values = self.plan.read_values(&model, &layout)?;
-        let mut full = Vec::with_capacity(layout.buckets().len());
-        for (bucket, grad) in layout.buckets().iter().zip(grads) {
+        let mut publishing = Vec::with_capacity(layout.buckets().len());
+        for (index, (bucket, grad)) in layout.buckets().iter().zip(grads).enumerate() {
             let range = self.plan.owned_range(bucket, self.comm.rank());
             let param = self.update_range(lr, &clip, bucket, range, &values, grad, &has_grad, &device);
             let param_bytes = tensor_bytes(&param);
             temp.alloc(param_bytes);
-            let updated = self.plan.publish(self.comm.as_ref(), param)?;
-            temp.free(param_bytes);
-            temp.alloc(tensor_bytes(&updated));
-            full.push(updated);
+            publishing.push((param_bytes, self.plan.publish_async(self.comm.as_ref(), param, index)));
         }
         drop(values);
+        let mut full = Vec::with_capacity(publishing.len());
+        let mut failed = None;
+        for (param_bytes, work) in publishing {
+            // Wait for every call, also after a failure: none may be left running.
+            match work.wait() {
+                Ok(updated) => {
+                    temp.free(param_bytes);
+                    temp.alloc(tensor_bytes(&updated));
+                    full.push(updated);
+                }
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
         self.temporary_peak_bytes = match self.plan.fsdp() {
             // Stage 3: the gathered parameters and full gradients of the forward and backward
             // that produced `grads` dominate; the step itself holds only shards.

@@ -104,13 +104,15 @@ impl StagePlan {
         }
     }
 
-    /// This rank's updated range -> what the model is rebuilt from: the whole bucket
-    /// (all-gathered at stages 1-2) or the range itself (stages 0 and 3).
-    pub(crate) fn publish(&self, comm: &dyn Collective, updated: Tensor<1>) -> Result<Tensor<1>, ShardError> {
-        Ok(match self {
-            StagePlan::One | StagePlan::Two => comm.all_gather(updated)?,
-            StagePlan::Zero | StagePlan::Three(_) => updated,
-        })
+    /// Starts sending this rank's updated range of bucket `index` to where the model is rebuilt
+    /// from: the whole bucket, all-gathered at stages 1-2 (one call per bucket, started as soon
+    /// as the bucket is stepped, so it runs while the next bucket is stepped), or the range
+    /// itself (stages 0 and 3, nothing to send).
+    pub(crate) fn publish_async(&self, comm: &dyn Collective, updated: Tensor<1>, index: usize) -> Work<Tensor<1>> {
+        match self {
+            StagePlan::One | StagePlan::Two => comm.all_gather_async(updated, publish_tag(index)),
+            StagePlan::Zero | StagePlan::Three(_) => Work::done(Ok(updated)),
+        }
     }
 
     /// Whether "which parameters got a gradient" must be agreed on by the ranks: at stages 0-2
@@ -152,6 +154,12 @@ impl StagePlan {
             _ => flat::scatter_into(model, layout, buckets, keep),
         }
     }
+}
+
+/// Names the all-gather of bucket `index`'s updated shards: even, so never 0 ("untagged") nor
+/// a bucket reduction's tag (odd).
+fn publish_tag(index: usize) -> u64 {
+    (index as u64 + 1) << 1
 }
 
 /// Stage 3: the updated shard of each slot that was stepped, cut from the updated buckets.
