@@ -94,7 +94,10 @@ impl Gpt {
             // after its backward. Without sharding this only runs the closure.
             x = burn_shard::fsdp::unit(&x, || block.forward(x.clone(), mask.clone()));
         }
-        self.head.forward(self.ln_f.forward(x))
+        // The layers after the last block are a unit too, so their gradients are reduced right
+        // after their own backward instead of at the end of the backward pass (the hooks of
+        // parameters used outside every unit run last).
+        burn_shard::fsdp::unit(&x, || self.head.forward(self.ln_f.forward(x.clone())))
     }
 
     /// Mean cross-entropy (nats per token) of predicting `targets` (`[batch, seq]`).
