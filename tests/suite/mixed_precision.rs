@@ -73,7 +73,9 @@ fn bf16_training_with_master_weights_matches_the_f32_master_reference() {
     // Weights whose every update rounds away in plain bf16 but that the reference moves by
     // two or more ulps: a run without master weights would leave them unchanged.
     let stuck: Vec<usize> = (0..start.len())
-        .filter(|&i| bf16_ulp(start[i]) / 2.0 > 1.5 * LR as f32 && (ref_params[i] - start[i]).abs() >= 2.0 * bf16_ulp(start[i]))
+        .filter(|&i| {
+            bf16_ulp(start[i]) / 2.0 > 1.5 * LR as f32 && (ref_params[i] - start[i]).abs() >= 2.0 * bf16_ulp(start[i])
+        })
         .collect();
     assert!(
         stuck.len() >= 10,

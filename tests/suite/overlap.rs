@@ -389,7 +389,11 @@ fn bf16_micro_batch_sums_reduced_inside_backward_equal_the_step_time_reduction()
             assert!(overlapped[2 * step + 1] > 0, "stage {stage}: {overlapped:?}");
         }
         let moved = params_of(&base).iter().zip(&params).filter(|(a, b)| a != b).count();
-        assert!(moved > params.len() / 2, "stage {stage}: {moved} of {} moved", params.len());
+        assert!(
+            moved > params.len() / 2,
+            "stage {stage}: {moved} of {} moved",
+            params.len()
+        );
         let differ = params.iter().zip(&params_off).filter(|(a, b)| a != b).count();
         let diff = max_abs_diff(&params, &params_off);
         assert_eq!(differ, 0, "stage {stage}: {differ} parameters differ, by up to {diff}");

@@ -7,7 +7,8 @@
 //! the rank's `BucketReducer` (`reducer.rs`). Inside a [`unit`](fn@crate::fsdp::unit) scope the unit's
 //! input is a second, gradient-less parent, so Burn's backward (deepest nodes first) runs the
 //! hook right after the unit's backward; without units the hooks run at the end of backward and
-//! nothing overlaps (the results are the same). A bucket whose gradients are all in is started
+//! nothing overlaps (the results are the same), so the layers after the last block are best a
+//! unit too. A bucket whose gradients are all in is started
 //! with one asynchronous collective on the rank's communication thread; buckets are started in
 //! one order on every rank, learned once, so the collectives line up.
 //!

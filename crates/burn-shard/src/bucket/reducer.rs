@@ -220,7 +220,13 @@ impl BucketReducer {
                 }
                 (sum, grad) => sum.or(grad),
             };
-            pending[slot] = total.map(|t| if t.dtype() == bucket.dtype { t } else { t.cast(bucket.dtype) });
+            pending[slot] = total.map(|t| {
+                if t.dtype() == bucket.dtype {
+                    t
+                } else {
+                    t.cast(bucket.dtype)
+                }
+            });
         }
         let flat = flat::assemble(layout, bucket, pending, 0..bucket.padded_numel, &self.0.device);
         pending[bucket.slots.clone()].iter_mut().for_each(|p| *p = None);
