@@ -211,11 +211,6 @@ where
 }
 
 /// `module` with every float parameter cast to `dtype` (ids and require-grad kept).
-/// The distance between `x` and the next bf16 (8 significant bits).
-pub fn bf16_ulp(x: f32) -> f32 {
-    2f32.powi(x.abs().max(2f32.powi(-100)).log2().floor() as i32 - 7)
-}
-
 pub fn cast<M: Module>(module: M, dtype: burn::tensor::DType) -> M {
     struct Cast(burn::tensor::DType);
     impl ModuleMapper for Cast {

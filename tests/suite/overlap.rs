@@ -14,7 +14,7 @@ use burn::prelude::*;
 use burn::tensor::DType;
 use burn::tensor::activation::gelu;
 use burn_shard::fsdp::unit;
-use burn_shard::{IntoOptimizer, ShardConfig, ShardedOptimizer, Stage};
+use burn_shard::{IntoOptimizer, LossScaler, ShardConfig, ShardedOptimizer, Stage};
 use burn_shard_comm::{Collective, CollectiveKind, CommStats, InProcessGroup, run_ranks};
 
 use crate::common::{cast, max_abs_diff, params_of, scratch};
@@ -299,15 +299,17 @@ fn train_with_split_steps(
             let skip = skip_at_first_step.filter(|_| step == 0);
             if split.contains(&step) {
                 let first = tokens(step, rows.start..rows.start + 1, &device);
-                let grads = GradientsParams::from_grads(model.loss(first, skip).div_scalar(2.0).backward(), &model);
+                let loss = optim.scale_loss(model.loss(first, skip).div_scalar(2.0));
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
                 optim.accumulate(&model, grads).unwrap();
                 overlapped.push(optim.overlapped_buckets());
                 let second = tokens(step, rows.start + 1..rows.end, &device);
-                let grads = GradientsParams::from_grads(model.loss(second, skip).div_scalar(2.0).backward(), &model);
+                let loss = optim.scale_loss(model.loss(second, skip).div_scalar(2.0));
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
                 model = optim.step(1e-2, model, grads).unwrap();
             } else {
-                let grads =
-                    GradientsParams::from_grads(model.loss(tokens(step, rows, &device), skip).backward(), &model);
+                let loss = optim.scale_loss(model.loss(tokens(step, rows, &device), skip));
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
                 model = optim.step(1e-2, model, grads).unwrap();
             }
             overlapped.push(optim.overlapped_buckets());
@@ -367,36 +369,37 @@ fn micro_batch_sums_of_buckets_left_to_the_step_are_reduced_by_the_step() {
 }
 
 #[test]
-fn bf16_micro_batch_sums_reduced_inside_backward_equal_the_step_time_reduction() {
-    // bf16 parameters: `accumulate` keeps each micro-batch sum in f32 and, once learned,
+fn half_precision_micro_batch_sums_reduced_inside_backward_equal_the_step_time_reduction() {
+    // bf16/f16 parameters: `accumulate` keeps each micro-batch sum in f32 and, once learned,
     // hands it to the stepping backward's buckets (the seed path). The bucket adds it to the
-    // backward's gradient once, in f32, and rounds to bf16 before the reduction, as the step
-    // does: bitwise the same, whatever order the two parts of the embedding's gradient (read
-    // twice) arrive in. (f16 shares the path; it needs a loss scaler, tested in
-    // `loss_scaling`.)
+    // backward's gradient once, in f32, and rounds to the parameters' dtype before the
+    // reduction, as the step does: bitwise the same, whatever order the two parts of the
+    // embedding's gradient (read twice) arrive in. f16 trains with a fixed loss scale.
     let (base, _) = tower(false);
-    let base = cast(base, DType::BF16);
-    for stage in STAGES {
-        let on = ShardConfig::new(stage).with_bucket_numel(BUCKET_NUMEL);
-        let off = on.clone().with_overlap_comm(false);
-        let split = [0, 1, 2, 3];
-        let (overlapped, params) = train_with_split_steps(&base, stage, on, 2, 4, &split, None);
-        let (_, params_off) = train_with_split_steps(&base, stage, off, 2, 4, &split, None);
-        // Per step: after `accumulate`, after `step`. The first step learns.
-        assert_eq!(overlapped[..2], [0, 0], "stage {stage}: {overlapped:?}");
-        for step in 1..4 {
-            assert_eq!(overlapped[2 * step], 0, "stage {stage}: {overlapped:?}");
-            assert!(overlapped[2 * step + 1] > 0, "stage {stage}: {overlapped:?}");
+    for dtype in [DType::BF16, DType::F16] {
+        let base = cast(base.clone(), dtype);
+        for stage in STAGES {
+            let case = format!("{dtype:?} stage {stage}");
+            let mut on = ShardConfig::new(stage).with_bucket_numel(BUCKET_NUMEL);
+            if dtype == DType::F16 {
+                on = on.with_loss_scaler(LossScaler::fixed(1024.0));
+            }
+            let off = on.clone().with_overlap_comm(false);
+            let split = [0, 1, 2, 3];
+            let (overlapped, params) = train_with_split_steps(&base, stage, on, 2, 4, &split, None);
+            let (_, params_off) = train_with_split_steps(&base, stage, off, 2, 4, &split, None);
+            // Per step: after `accumulate`, after `step`. The first step learns.
+            assert_eq!(overlapped[..2], [0, 0], "{case}: {overlapped:?}");
+            for step in 1..4 {
+                assert_eq!(overlapped[2 * step], 0, "{case}: {overlapped:?}");
+                assert!(overlapped[2 * step + 1] > 0, "{case}: {overlapped:?}");
+            }
+            let moved = params_of(&base).iter().zip(&params).filter(|(a, b)| a != b).count();
+            assert!(moved > params.len() / 2, "{case}: {moved} of {} moved", params.len());
+            let differ = params.iter().zip(&params_off).filter(|(a, b)| a != b).count();
+            let diff = max_abs_diff(&params, &params_off);
+            assert_eq!(differ, 0, "{case}: {differ} parameters differ, by up to {diff}");
         }
-        let moved = params_of(&base).iter().zip(&params).filter(|(a, b)| a != b).count();
-        assert!(
-            moved > params.len() / 2,
-            "stage {stage}: {moved} of {} moved",
-            params.len()
-        );
-        let differ = params.iter().zip(&params_off).filter(|(a, b)| a != b).count();
-        let diff = max_abs_diff(&params, &params_off);
-        assert_eq!(differ, 0, "stage {stage}: {differ} parameters differ, by up to {diff}");
     }
 }
 

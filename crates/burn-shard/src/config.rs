@@ -57,8 +57,10 @@ pub struct ShardConfig {
     pub loss_scaler: Option<LossScaler>,
     /// Stages 0-2: reduce each bucket inside backward, as soon as its gradients are complete,
     /// where the collective overlaps with compute (default `true`; DeepSpeed's
-    /// `overlap_comm`, see [`crate::bucket`]'s rules). `false` reduces every bucket in `step`
-    /// and keeps every gradient in `GradientsParams` until then. The same results either way,
+    /// `overlap_comm`, see [`crate::bucket`]'s rules); there, stages 1-2 also start each
+    /// bucket's all-gather in `step` as soon as the bucket is updated, while the next one is.
+    /// `false` reduces every bucket in `step`, keeps every gradient in `GradientsParams` until
+    /// then, and runs every collective to completion before the next. The same results either way,
     /// as long as every backward's gradients reach `step`/`accumulate` or are dropped with
     /// [`ShardedOptimizer::discard_gradients`].
     pub overlap_comm: bool,

@@ -506,9 +506,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             norms: norms.as_ref(),
         };
 
-        // 3. Burn's optimizer on each parameter's piece of the owned range; each bucket's
-        //    all-gather starts as soon as the bucket is stepped and runs while the next one is
-        //    (on backends whose asynchronous calls overlap), then all are waited for.
+        // 3. Burn's optimizer on each parameter's piece of the owned range, then all-gather.
+        //    Where backward reduces buckets (the collectives overlap compute), each bucket's
+        //    all-gather is started as soon as the bucket is stepped and runs while the next one
+        //    is; all are waited for before the model is rebuilt.
+        let overlap = self.bucket_reducer.is_some();
         let values = self.plan.read_values(&model, &layout)?;
         let mut publishing = Vec::with_capacity(layout.buckets().len());
         for (index, (bucket, grad)) in layout.buckets().iter().zip(grads).enumerate() {
@@ -516,7 +518,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             let param = self.update_range(lr, &clip, bucket, range, &values, grad, &has_grad, &device);
             let param_bytes = tensor_bytes(&param);
             temp.alloc(param_bytes);
-            publishing.push((param_bytes, self.plan.publish_async(self.comm.as_ref(), param, index)));
+            publishing.push((
+                param_bytes,
+                self.plan.publish(self.comm.as_ref(), param, index, overlap),
+            ));
         }
         drop(values);
         let mut full = Vec::with_capacity(publishing.len());

@@ -104,13 +104,21 @@ impl StagePlan {
         }
     }
 
-    /// Starts sending this rank's updated range of bucket `index` to where the model is rebuilt
-    /// from: the whole bucket, all-gathered at stages 1-2 (one call per bucket, started as soon
-    /// as the bucket is stepped, so it runs while the next bucket is stepped), or the range
-    /// itself (stages 0 and 3, nothing to send).
-    pub(crate) fn publish_async(&self, comm: &dyn Collective, updated: Tensor<1>, index: usize) -> Work<Tensor<1>> {
+    /// This rank's updated range of bucket `index` -> what the model is rebuilt from: the whole
+    /// bucket, all-gathered at stages 1-2, or the range itself (stages 0 and 3, nothing to
+    /// send). With `overlap`, the all-gather is started and left running (the step starts each
+    /// bucket's as soon as the bucket is stepped, so it runs while the next one is); without,
+    /// it completes before this returns.
+    pub(crate) fn publish(
+        &self,
+        comm: &dyn Collective,
+        updated: Tensor<1>,
+        index: usize,
+        overlap: bool,
+    ) -> Work<Tensor<1>> {
         match self {
-            StagePlan::One | StagePlan::Two => comm.all_gather_async(updated, publish_tag(index)),
+            StagePlan::One | StagePlan::Two if overlap => comm.all_gather_async(updated, publish_tag(index)),
+            StagePlan::One | StagePlan::Two => Work::done(comm.all_gather(updated)),
             StagePlan::Zero | StagePlan::Three(_) => Work::done(Ok(updated)),
         }
     }

@@ -160,10 +160,10 @@ impl BucketReducer {
         self.state().armed
     }
 
-    /// Makes `sums` (per slot, `[numel]`: the micro-batch sums `accumulate` kept unreduced) the
-    /// start of the pending gradients, so the backward expected to end in a step reduces them
-    /// with its own, in one collective per bucket (DDP reduces what `no_sync` backwards
-    /// accumulated in `.grad` the same way). Call it only when [`BucketReducer::armed`].
+    /// Takes `sums` (per slot, `[numel]`: the micro-batch sums `accumulate` kept unreduced) into
+    /// the buckets, so the backward expected to end in a step reduces them with its own
+    /// gradients, added once when each bucket starts, in one collective per bucket (DDP reduces
+    /// what `no_sync` backwards accumulated in `.grad` the same way). Call it only when [`BucketReducer::armed`].
     /// Sums of slots whose bucket stays with the step are left in `sums`.
     pub(crate) fn seed(&self, sums: &mut SlotValues) {
         let mut guard = self.state();
