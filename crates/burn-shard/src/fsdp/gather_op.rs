@@ -34,7 +34,7 @@ use burn::backend::autodiff::{
         strategy::{BalancedCheckpointing, CheckpointStrategy},
     },
     grads::Gradients,
-    ops::{Backward, Ops, OpsKind},
+    ops::{Backward, Ops, OpsKind, unary},
 };
 use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
@@ -92,6 +92,10 @@ pub trait FsdpOps: Backend {
         unit_input: FloatTensor<Self>,
         spec: GatherSpec,
     ) -> FloatTensor<Self>;
+    /// `output` of a [`unit`](super::unit), unchanged: under autodiff a compute-bound identity,
+    /// so Burn's balanced checkpointing saves it for backward instead of recomputing it from
+    /// the units before (see [`super::unit`]).
+    fn fsdp_unit_boundary(output: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
 /// Moves a backend's float primitives into and out of the plain `Tensor<1>` the collectives
@@ -116,6 +120,10 @@ impl FsdpOps for Flex {
 
     fn fsdp_all_gather_in_unit(placeholder: FlexTensor, _unit_input: FlexTensor, spec: GatherSpec) -> FlexTensor {
         Self::fsdp_all_gather(placeholder, spec)
+    }
+
+    fn fsdp_unit_boundary(output: FlexTensor) -> FlexTensor {
+        output
     }
 }
 
@@ -157,6 +165,10 @@ impl FsdpOps for burn_cubecl::CubeBackend {
         spec: GatherSpec,
     ) -> FloatTensor<Self> {
         Self::fsdp_all_gather(placeholder, spec)
+    }
+
+    fn fsdp_unit_boundary(output: FloatTensor<Self>) -> FloatTensor<Self> {
+        output
     }
 }
 
@@ -202,6 +214,23 @@ impl<B: Backend + FsdpOps + FlatPrimitive, C: CheckpointStrategy> FsdpOps for Au
             drop(unit_input);
             gather_kept::<B, C>(placeholder, spec)
         }
+    }
+
+    fn fsdp_unit_boundary(output: FloatTensor<Self>) -> FloatTensor<Self> {
+        let prep = UnitBoundaryBackward.prepare::<C>([output.node()]).compute_bound();
+        prep.stateless(output.into_primitive())
+    }
+}
+
+/// Backward of the unit boundary: the gradient passes through.
+#[derive(Debug)]
+struct UnitBoundaryBackward;
+
+impl<B: Backend> Backward<B, 1> for UnitBoundaryBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| grad);
     }
 }
 

@@ -60,6 +60,7 @@ impl Reparameterization for ShardedParam {
     fn apply<const D: usize>(&self, placeholder: Tensor<D>) -> Tensor<D> {
         let out = match current_unit() {
             Some((input, scope)) => {
+                super::unit::note_gather();
                 let spec = GatherSpec {
                     unit_scope: Some(scope),
                     ..self.spec.clone()
