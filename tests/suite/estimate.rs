@@ -236,7 +236,7 @@ fn estimate_model_refuses_a_model_without_autodiff() {
 }
 
 /// The main example's GPT (tiny-shakespeare defaults: 4 blocks of width 128, vocabulary 65,
-/// context 64): what `cargo shakespeare -- --estimate --world-size 4` prints equals what 4
+/// context 64): what `cargo shakespeare --estimate --world-size 4` prints equals what 4
 /// ranks measure training it, up to padding, and the ZeRO f32 formula.
 #[test]
 fn the_example_gpt_estimate_matches_its_measured_memory() {

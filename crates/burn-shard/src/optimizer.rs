@@ -237,8 +237,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// gradient on a rank counts as a zero gradient there; one that received a gradient on no
     /// rank is left as it is, optimizer state included, exactly as Burn's `ModuleOptimizer`
     /// leaves it: its step count, moments and master do not move, so a parameter first used at
-    /// a later step (a conditional branch, an expert, a parameter unfrozen mid-run) takes the
-    /// first Adam step of its own when it is.
+    /// a later step (a conditional branch, an expert) takes the first Adam step of its own when
+    /// it is. Only parameters trainable at `init` are in the layout: one frozen then and made
+    /// trainable later needs a new `init`.
     ///
     /// At stages 0-2 with [`ShardConfig::overlap_comm`](crate::ShardConfig::overlap_comm) (the
     /// default, where the collective overlaps), buckets are reduced inside backward from the

@@ -17,6 +17,10 @@
 //! compute-bound instead: consumers keep the gathered weight until backward and nothing is
 //! re-gathered (ZeRO-2-like memory, two thirds of the traffic).
 //!
+//! A unit's output goes through a compute-bound identity op ([`FsdpOps::fsdp_unit_boundary`])
+//! that Burn's balanced checkpointing saves instead of recomputing, so backward recomputes one
+//! unit at a time (see [`super::unit`]).
+//!
 //! When a [`unit`](super::unit) scope is active, the unit's input is a second, gradient-less
 //! parent. The op's depth in the graph then follows the unit, and Burn's backward, which runs
 //! nodes by decreasing depth, hands the unit's gradients to the reducer right after the unit's
