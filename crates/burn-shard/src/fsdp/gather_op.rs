@@ -221,6 +221,10 @@ impl<B: Backend + FsdpOps + FlatPrimitive, C: CheckpointStrategy> FsdpOps for Au
     }
 
     fn fsdp_unit_boundary(output: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !output.is_tracked() {
+            // Nothing to recompute from (an evaluation pass): no node.
+            return output;
+        }
         let prep = UnitBoundaryBackward.prepare::<C>([output.node()]).compute_bound();
         prep.stateless(output.into_primitive())
     }

@@ -147,8 +147,9 @@ impl Schedule {
 
     /// Starts group `key`: on its first entry in this pass its gathers become ready and the
     /// next group's are started. A group entered again in the same pass (backward with
-    /// gradient checkpointing recomputes earlier units in between) gathers alone: fetching it
-    /// whole again would move its bytes twice.
+    /// gradient checkpointing recomputing an earlier unit in between, where that unit's output
+    /// is no checkpoint boundary: see [`super::unit`]) gathers alone: fetching it whole again
+    /// would move its bytes twice.
     fn enter(&mut self, ctx: &FsdpContext, key: GroupKey, scope: Option<u64>) {
         self.finish_current(Some(key));
         // Unused gathers of the previous group are freed here: one unit at a time.

@@ -29,7 +29,8 @@ thread_local! {
 /// scope results are identical, but each parameter is gathered and reduce-scattered alone and
 /// Burn may run the gathers' backwards only at the end of the backward pass, keeping every
 /// full gradient until then. At stage 3, when `forward` returns a `Tensor<D>` (the rank of
-/// `input`), that output is also where Burn's balanced checkpointing stops recomputing: it is
+/// `input`) of `input`'s shape, that output is also where Burn's balanced checkpointing stops
+/// recomputing: it is
 /// kept for backward (one activation per unit), so backward recomputes one unit at a time and
 /// re-gathers each unit's parameters in that unit's group. With no sharding active it only
 /// calls `forward`, so model code can use it unconditionally.
@@ -54,12 +55,14 @@ pub fn unit<const D: usize, R: 'static>(input: &Tensor<D>, forward: impl FnOnce(
     let gathered = GATHERED.with(Cell::get);
     drop(restore);
     match gathered {
-        true => checkpoint_boundary::<D, R>(output),
+        true => checkpoint_boundary(input.dims(), output),
         false => output,
     }
 }
 
-/// A stage-3 unit's output (when it is a `Tensor<D>`) through [`FsdpOps::fsdp_unit_boundary`].
+/// A stage-3 unit's output through [`FsdpOps::fsdp_unit_boundary`], when it is a `Tensor<D>`
+/// of the input's shape `dims` (a block on the residual stream; a head's logits, which nothing
+/// after it recomputes from, would only be kept longer).
 ///
 /// Why: under Burn's balanced checkpointing a residual stream is a chain of memory-bound adds,
 /// so recomputing one unit's input in backward would recompute every unit before it, and
@@ -67,9 +70,10 @@ pub fn unit<const D: usize, R: 'static>(input: &Tensor<D>, forward: impl FnOnce(
 /// ungrouped and unprefetched, see [`super::schedule`]). A compute-bound identity at each
 /// unit's output makes Burn save it instead, so backward recomputes within one unit at a time:
 /// the checkpoint per block of activation checkpointing as FSDP users know it.
-fn checkpoint_boundary<const D: usize, R: 'static>(output: R) -> R {
+fn checkpoint_boundary<const D: usize, R: 'static>(dims: [usize; D], output: R) -> R {
     let mut output = Some(output);
     if let Some(slot) = (&mut output as &mut dyn Any).downcast_mut::<Option<Tensor<D>>>()
+        && slot.as_ref().is_some_and(|t| t.dims() == dims)
         && let Some(tensor) = slot.take()
     {
         *slot = Some(Tensor::from_dispatch(<Dispatch as FsdpOps>::fsdp_unit_boundary(
@@ -85,7 +89,7 @@ pub(crate) fn note_gather() {
 }
 
 /// Puts back the enclosing unit, also when `forward` panics; the enclosing scope has gathered
-/// whatever this one did.
+/// whatever this one did (outside every scope the flag is cleared).
 struct Restore {
     unit: Option<(DispatchTensor, u64)>,
     gathered: bool,
@@ -94,9 +98,10 @@ struct Restore {
 impl Drop for Restore {
     fn drop(&mut self) {
         let previous = self.unit.take();
+        let outermost = previous.is_none();
         UNIT_INPUT.with(|u| *u.borrow_mut() = previous);
         let outer = self.gathered;
-        GATHERED.with(|g| g.set(g.get() || outer));
+        GATHERED.with(|g| g.set(!outermost && (g.get() || outer)));
     }
 }
 
