@@ -61,6 +61,31 @@ impl<T> Work<T> {
             }
         }
     }
+
+    /// Waits for every started call of `works` (`None`: nothing started there), also after one
+    /// has failed, since none may be left running while the rank moves on, and returns their
+    /// results in the same positions, or the first error.
+    ///
+    /// # Errors
+    /// The first failed call's error, as [`Work::wait`] returns it.
+    pub fn wait_all(works: impl IntoIterator<Item = Option<Work<T>>>) -> Result<Vec<Option<T>>, CommError> {
+        let mut failed = None;
+        let results: Vec<Option<T>> = works
+            .into_iter()
+            .map(|work| match work.map(Work::wait) {
+                Some(Ok(out)) => Some(out),
+                Some(Err(e)) => {
+                    failed.get_or_insert(e);
+                    None
+                }
+                None => None,
+            })
+            .collect();
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(results),
+        }
+    }
 }
 
 /// Time one rank spent in collectives, in nanoseconds: how long calls ran (`busy`) and how

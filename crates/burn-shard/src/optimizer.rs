@@ -9,7 +9,7 @@ use burn::optim::GradientsParams;
 use burn::optim::grad_clipping::GradientClipping;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use burn_shard_comm::{Collective, ReduceOp};
+use burn_shard_comm::{Collective, ReduceOp, Work};
 
 use crate::bucket::reducer::{BucketReducer, Early};
 use crate::buffers::Buffers;
@@ -525,23 +525,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             ));
         }
         drop(values);
-        let mut full = Vec::with_capacity(publishing.len());
-        let mut failed = None;
-        for (param_bytes, work) in publishing {
-            // Wait for every call, also after a failure: none may be left running.
-            match work.wait() {
-                Ok(updated) => {
-                    temp.free(param_bytes);
-                    temp.alloc(tensor_bytes(&updated));
-                    full.push(updated);
-                }
-                Err(e) => {
-                    failed.get_or_insert(e);
-                }
-            }
-        }
-        if let Some(e) = failed {
-            return Err(e.into());
+        let (param_bytes, works): (Vec<usize>, Vec<_>) = publishing.into_iter().unzip();
+        let full: Vec<Tensor<1>> = Work::wait_all(works.into_iter().map(Some))?
+            .into_iter()
+            .flatten()
+            .collect();
+        for (param_bytes, updated) in param_bytes.into_iter().zip(&full) {
+            temp.free(param_bytes);
+            temp.alloc(tensor_bytes(updated));
         }
         self.temporary_peak_bytes = match self.plan.fsdp() {
             // Stage 3: the gathered parameters and full gradients of the forward and backward

@@ -253,19 +253,7 @@ impl BucketReducer {
                 state.next += 1;
             }
         }
-        let mut reduced = Vec::with_capacity(buckets);
-        let mut failed = None;
-        for work in &mut state.started {
-            // Wait for every call, also after a failure: none may be left running.
-            reduced.push(match work.take().map(Work::wait) {
-                Some(Ok(grad)) => Some(grad),
-                Some(Err(e)) => {
-                    failed.get_or_insert(e);
-                    None
-                }
-                None => None,
-            });
-        }
+        let reduced = Work::wait_all(state.started.iter_mut().map(Option::take));
         let present = std::mem::replace(&mut state.present, vec![false; layout.slots().len()]);
         state.next = 0;
         if is_step && state.learned.is_none() {
@@ -286,11 +274,8 @@ impl BucketReducer {
             .is_some_and(|l| l.accumulates == state.accumulates);
         state.seen.iter_mut().for_each(|s| *s = 0);
         state.completed_at.iter_mut().for_each(|c| *c = None);
-        if let Some(e) = failed {
-            return Err(e.into());
-        }
         Ok(Early {
-            reduced,
+            reduced: reduced?,
             present,
             started_in_backward,
         })
