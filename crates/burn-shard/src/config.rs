@@ -4,22 +4,25 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::grad_clipping::GradientClipping;
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::DType;
 use burn_shard_comm::Collective;
 
-use crate::bucket::hook::AttachHooks;
-use crate::bucket::reducer::BucketReducer;
-use crate::buffers::Buffers;
-use crate::census::{Census, EntryKind};
-use crate::flat;
-use crate::fsdp::context::FsdpContext;
-use crate::fsdp::sharded_param::Sharder;
-use crate::layout::FlatLayout;
-use crate::loss_scale::LossScaler;
-use crate::master::MasterWeightStep;
-use crate::optimizer::{StepOptions, check_one_norm_clipping};
-use crate::stage_plan::StagePlan;
-use crate::{IntoOptimizer, ShardError, ShardedOptimizer, Stage};
+use crate::error::ShardError;
+use crate::hooks::bucket_hook::AttachHooks;
+use crate::hooks::sharded_param::Sharder;
+use crate::model::buffers::Buffers;
+use crate::model::census::{Census, EntryKind};
+use crate::model::flat;
+use crate::model::layout::{FlatLayout, check_same_layout};
+use crate::optim::into_optimizer::IntoOptimizer;
+use crate::optim::loss_scale::LossScaler;
+use crate::optim::master::MasterWeightStep;
+use crate::overlap::bucket_reducer::{BucketReducer, reduces_in_backward};
+use crate::overlap::context::FsdpContext;
+use crate::stage::Stage;
+use crate::step::optimizer::ShardedOptimizer;
+use crate::step::optimizer::{StepOptions, check_one_norm_clipping};
+use crate::step::stage_plan::StagePlan;
 
 /// Default bucket size: 256 Ki elements (1 MiB of `f32`, the size of PyTorch DDP's first
 /// bucket). Buckets are what stages 0-2 reduce inside backward: a bucket starts once all its
@@ -208,12 +211,10 @@ impl ShardConfig {
             Stage::Three => return self.shard_parameters(model, optim, options, comm, census, buffers),
         };
         let layout = Arc::new(layout);
-        let (model, reducer) = match self.overlap_comm
-            && crate::bucket::reduces_in_backward(comm.as_ref(), &device)
-            && !layout.slots().is_empty()
-        {
-            true => {
-                let reducer = BucketReducer::new(comm.clone(), layout.clone(), plan.clone(), device);
+        let overlaps = self.overlap_comm && reduces_in_backward(comm.as_ref(), &device) && !layout.slots().is_empty();
+        let (model, reducer) = match plan.bucket_reduction() {
+            Some(reduction) if overlaps => {
+                let reducer = BucketReducer::new(comm.clone(), layout.clone(), reduction, device);
                 let hooks = AttachHooks {
                     reducer: reducer.clone(),
                     layout: &layout,
@@ -221,7 +222,7 @@ impl ShardConfig {
                 };
                 (model.apply_reparameterization(hooks), Some(reducer))
             }
-            false => (model, None),
+            _ => (model, None),
         };
         let optim =
             ShardedOptimizer::new(optim, comm, layout, plan, census, buffers, options).with_bucket_reducer(reducer);
@@ -311,27 +312,4 @@ fn refuse_sharded(census: &Census) -> Result<(), ShardError> {
         ))),
         None => Ok(()),
     }
-}
-
-/// All-gathers every rank's layout fingerprint (as four exact 16-bit pieces in f32) and fails
-/// on the first rank that differs.
-pub(crate) fn check_same_layout(comm: &dyn Collective, ours: u64, device: &Device) -> Result<(), ShardError> {
-    let pieces: Vec<f32> = (0..4).map(|i| ((ours >> (16 * i)) & 0xffff) as f32).collect();
-    let all = comm.all_gather(Tensor::<1>::from_data(TensorData::new(pieces, [4]), device))?;
-    let all: Vec<f32> = all.into_data().convert::<f32>().iter::<f32>().collect();
-    for (peer, p) in all.chunks(4).enumerate() {
-        let theirs = p
-            .iter()
-            .enumerate()
-            .fold(0u64, |acc, (i, v)| acc | ((*v as u64) << (16 * i)));
-        if theirs != ours {
-            return Err(ShardError::LayoutMismatch {
-                rank: comm.rank(),
-                peer,
-                ours,
-                theirs,
-            });
-        }
-    }
-    Ok(())
 }

@@ -26,7 +26,11 @@ use burn::tensor::Tensor;
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 
 use crate::config::DEFAULT_BUCKET_NUMEL;
-use crate::{FlatLayout, MemoryReport, ShardConfig, ShardError, Stage};
+use crate::config::ShardConfig;
+use crate::error::ShardError;
+use crate::model::layout::FlatLayout;
+use crate::model::memory::MemoryReport;
+use crate::stage::Stage;
 
 /// The four stages, in order.
 pub const STAGES: [Stage; 4] = [Stage::Zero, Stage::One, Stage::Two, Stage::Three];

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::ShardError;
+use crate::error::ShardError;
 
 /// What is partitioned across ranks (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations
 /// Toward Training Trillion Parameter Models", §5).

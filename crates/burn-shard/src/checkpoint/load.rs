@@ -14,9 +14,12 @@ use super::files::{RankFiles, digest};
 use super::meta::{CheckpointMeta, EntryMeta, dtype_name};
 use super::pieces::{Holding, piece, stepped};
 use super::{CheckpointError, SCHEDULER};
-use crate::fsdp::exchange;
-use crate::master::MasterWeightStep;
-use crate::{ShardError, ShardedOptimizer, Stage, flat};
+use crate::error::ShardError;
+use crate::hooks::exchange;
+use crate::model::flat;
+use crate::optim::master::MasterWeightStep;
+use crate::stage::Stage;
+use crate::step::optimizer::ShardedOptimizer;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Loads the checkpoint in `dir` into `model` (the one `init` returned) and this optimizer,
@@ -109,7 +112,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             Vec<Option<O::State<1>>>,
             Vec<Option<Tensor<1>>>,
             serde_json::Value,
-            Option<crate::LossScaler>,
+            Option<crate::optim::loss_scale::LossScaler>,
         ),
         ShardError,
     > {
@@ -218,7 +221,7 @@ fn read_scheduler(dir: &Path) -> Result<LrSchedulerRecord, CheckpointError> {
 /// The model's entries and the checkpoint's must be the same: paths, shapes and dtypes.
 fn check_same_model(
     meta: &CheckpointMeta,
-    entries: &[(burn::module::ParamId, &crate::census::Entry, Holding)],
+    entries: &[(burn::module::ParamId, &crate::model::census::Entry, Holding)],
 ) -> Result<(), ShardError> {
     let by_path: HashMap<&str, &EntryMeta> = meta.entries.iter().map(|e| (e.path.as_str(), e)).collect();
     for (_, entry, _) in entries {

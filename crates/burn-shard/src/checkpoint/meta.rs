@@ -28,7 +28,7 @@ pub struct CheckpointMeta {
     /// The loss scaler's state (scale, finite steps since growth, skipped steps) when the run
     /// used one; absent otherwise (and in checkpoints written before it existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub loss_scaler: Option<crate::LossScaler>,
+    pub loss_scaler: Option<crate::optim::loss_scale::LossScaler>,
 }
 
 /// One float entry of the model.

@@ -31,6 +31,7 @@ mod save;
 
 use std::path::{Path, PathBuf};
 
+pub use crate::error::CheckpointError;
 pub use consolidate::{ConsolidateReport, consolidate, consolidate_optimizer, consolidate_safetensors};
 pub use meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Piece};
 pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, reshard};
@@ -41,87 +42,6 @@ pub(crate) const META: &str = "meta.json";
 pub(crate) const SCHEDULER: &str = "scheduler.bpk";
 /// The completion marker, written last.
 pub(crate) const COMPLETE: &str = "COMPLETE";
-
-/// Why a checkpoint could not be saved, read or applied. Every message names the file or the
-/// parameter, and what to do.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum CheckpointError {
-    /// A file could not be read or written.
-    #[error("{path}: {message}")]
-    Io {
-        /// The file or directory.
-        path: PathBuf,
-        /// The operating system's message.
-        message: String,
-    },
-    /// The checkpoint directory does not exist.
-    #[error("{dir} does not exist; pass a checkpoint directory (one that has meta.json and COMPLETE)")]
-    NotFound {
-        /// The directory.
-        dir: PathBuf,
-    },
-    /// The directory has no completion marker: a save that did not finish, or not a checkpoint.
-    #[error(
-        "{dir} is not a complete checkpoint (no COMPLETE marker): its save did not finish; use an earlier checkpoint"
-    )]
-    Incomplete {
-        /// The directory.
-        dir: PathBuf,
-    },
-    /// The target directory of a save exists already.
-    #[error("{dir} exists already; save each checkpoint into a new directory (e.g. one per step)")]
-    Exists {
-        /// The directory.
-        dir: PathBuf,
-    },
-    /// A file's contents do not match what the metadata says (truncated, altered, unreadable).
-    #[error("{file} is corrupt: {reason}; restore it or use an earlier checkpoint")]
-    Corrupt {
-        /// The file.
-        file: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
-    /// A file the metadata lists is not there.
-    #[error("{file} is missing from the checkpoint; copy every rank's file into the directory")]
-    Missing {
-        /// The file.
-        file: PathBuf,
-    },
-    /// Written by another format version.
-    #[error("{file} has checkpoint format {found}, this build reads {supported}")]
-    Version {
-        /// The metadata file.
-        file: PathBuf,
-        /// Its version.
-        found: u32,
-        /// The version this build reads.
-        supported: u32,
-    },
-    /// Another rank failed in the same collective checkpoint operation (its own error says why).
-    #[error("rank(s) {ranks:?} failed in {op}: see that rank's error; nothing was changed here")]
-    PeerFailed {
-        /// The operation.
-        op: String,
-        /// The ranks that failed.
-        ranks: Vec<usize>,
-    },
-    /// An argument is out of range.
-    #[error("{0}")]
-    InvalidArgument(String),
-    /// The checkpoint is of another model.
-    #[error("the checkpoint does not fit the model: {0}; load it into the model it was saved from")]
-    ModelMismatch(String),
-}
-
-impl CheckpointError {
-    pub(crate) fn io(path: &Path, err: impl std::fmt::Display) -> Self {
-        CheckpointError::Io {
-            path: path.to_path_buf(),
-            message: err.to_string(),
-        }
-    }
-}
 
 /// `dir` with `.partial` appended: where a save writes before it is complete.
 pub(crate) fn partial_dir(dir: &Path) -> PathBuf {

@@ -4,8 +4,8 @@
 use std::ops::Range;
 
 use super::meta::Piece;
-use crate::Stage;
-use crate::layout::FlatLayout;
+use crate::model::layout::FlatLayout;
+use crate::stage::Stage;
 
 /// Where an entry's elements live in a run.
 #[derive(Clone, Copy, Debug)]

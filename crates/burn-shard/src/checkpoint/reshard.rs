@@ -7,7 +7,7 @@ use super::meta::CheckpointMeta;
 use super::pieces::{Holding, pieces};
 use super::save::{begin, finish};
 use super::{COMPLETE, CheckpointError};
-use crate::Stage;
+use crate::stage::Stage;
 
 /// The state of one rank file, as [`inspect`] found it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -13,12 +13,15 @@ use super::files::{RankFile, digest, read_digest};
 use super::meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, dtype_name};
 use super::pieces::{Holding, piece, pieces};
 use super::{COMPLETE, CheckpointError, META, SCHEDULER, partial_dir};
-use crate::bucket::reducer::BucketReducer;
-use crate::census::{Entry, EntryKind};
-use crate::fsdp::exchange;
-use crate::layout::SUPPORTED;
-use crate::master::MasterWeightStep;
-use crate::{ShardError, ShardedOptimizer, Stage, flat};
+use crate::error::ShardError;
+use crate::hooks::exchange;
+use crate::model::census::{Entry, EntryKind};
+use crate::model::flat;
+use crate::model::layout::SUPPORTED;
+use crate::optim::master::MasterWeightStep;
+use crate::overlap::bucket_reducer::BucketReducer;
+use crate::stage::Stage;
+use crate::step::optimizer::ShardedOptimizer;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Saves `model` (the one `step` returned) and this optimizer into the new directory `dir`,

@@ -5,7 +5,7 @@ use std::fmt;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 
-use crate::flat::tensor_bytes;
+use crate::model::flat::tensor_bytes;
 
 /// Bytes one rank holds, measured from live tensors (shape × dtype size), not from a formula.
 ///

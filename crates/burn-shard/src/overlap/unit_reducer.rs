@@ -41,9 +41,9 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Shape, Tensor};
 use burn_shard_comm::{ReduceOp, Work};
 
-use super::collectives::{dtype_group, group_tag, pad_to, reduce_scatter_grad};
-use super::context::FsdpContext;
-use super::gather_op::GatherSpec;
+use crate::overlap::collectives::{dtype_group, group_tag, pad_to, reduce_scatter_grad};
+use crate::overlap::context::FsdpContext;
+use crate::overlap::spec::GatherSpec;
 
 /// This rank's shard of a parameter's mean gradient, ready to be registered.
 pub(crate) struct Reduced {

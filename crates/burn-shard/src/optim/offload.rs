@@ -23,7 +23,9 @@ use burn::optim::{LearningRate, Optimizer};
 use burn::tensor::{Device, Tensor};
 use burn_shard_kernels::FusedAdam;
 
-use crate::{IntoOptimizer, MasterWeightStep, ShardError};
+use crate::error::ShardError;
+use crate::optim::into_optimizer::IntoOptimizer;
+use crate::optim::master::MasterWeightStep;
 
 /// Offloads the optimizer of a sharded model to host memory (ZeRO-Offload): wrap the optimizer
 /// config given to [`ShardConfig::init`](crate::ShardConfig::init) in it.

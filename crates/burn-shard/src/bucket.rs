@@ -2,9 +2,9 @@
 //! (stage 2) inside backward, as soon as its gradients are complete, while backward computes
 //! the rest (PyTorch DDP's bucketed reducer, DeepSpeed ZeRO-2's `overlap_comm`).
 //!
-//! `ShardConfig::init` attaches a `BucketHook` (`hook.rs`) to every trainable parameter: `val()`
+//! `ShardConfig::init` attaches a `BucketHook` (`hooks/bucket_hook.rs`) to every trainable parameter: `val()`
 //! passes the parameter through an identity op whose backward hands the parameter's gradient to
-//! the rank's `BucketReducer` (`reducer.rs`). Inside a [`unit`](fn@crate::fsdp::unit) scope the unit's
+//! the rank's `BucketReducer` (`overlap/bucket_reducer.rs`). Inside a [`unit`](fn@crate::fsdp::unit) scope the unit's
 //! input is a second, gradient-less parent, so Burn's backward (deepest nodes first) runs the
 //! hook right after the unit's backward; without units the hooks run at the end of backward and
 //! nothing overlaps (the results are the same), so the layers after the last block are best a
@@ -41,16 +41,6 @@
 //! Only where the collective overlaps (`Collective::overlaps_compute`: the in-process backend)
 //! and the parameters live on Burn's CPU `Flex` device, with more than one rank: elsewhere an
 //! early start would only move the wait, and the step reduces as before.
-
-pub(crate) mod hook;
-pub(crate) mod reducer;
-
-use burn::backend::DispatchDevice;
-use burn::tensor::Device;
-use burn_shard_comm::Collective;
-
-/// Whether stages 0-2 reduce inside backward for this collective and device (see the module
-/// docs).
-pub(crate) fn reduces_in_backward(comm: &dyn Collective, device: &Device) -> bool {
-    comm.world_size() > 1 && comm.overlaps_compute() && matches!(device.as_dispatch(), DispatchDevice::Flex(_))
-}
+//!
+//! Where the code is: `hooks/bucket_hook.rs` (the hook), `overlap/bucket_reducer.rs` (the
+//! reducer), `step/` (the optimizer call that finishes it).

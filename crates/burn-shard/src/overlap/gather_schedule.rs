@@ -4,7 +4,7 @@
 //! synchronisation of the ranks per parameter, and nothing overlaps compute. The schedule
 //! gathers per unit instead, with the groups learned from the previous pass (a model gathers
 //! in the same order at every step):
-//! - a *group* is what one unit gathers in forward (inside one [`unit`](super::unit) scope), or
+//! - a *group* is what one unit gathers in forward (inside one [`unit`](crate::fsdp::unit) scope), or
 //!   what the same unit re-gathers in backward; its key is the phase and its first parameter;
 //! - the first gather of a known group fetches the whole group with one all-gather of its
 //!   concatenated shards (one per dtype), then starts the all-gather of the group that came
@@ -24,16 +24,9 @@ use std::collections::{HashMap, HashSet};
 use burn::tensor::{DType, Tensor};
 use burn_shard_comm::Work;
 
-use super::collectives::{dtype_group, group_tag};
-use super::context::FsdpContext;
-use super::gather_op::GatherSpec;
-
-/// Where a gather runs: in forward (`param.val()`), or re-gathered in backward.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Phase {
-    Forward,
-    Backward,
-}
+use crate::overlap::collectives::{dtype_group, group_tag};
+use crate::overlap::context::FsdpContext;
+use crate::overlap::spec::{GatherSpec, Phase};
 
 /// A group: the phase and the tag of the group's first parameter.
 type GroupKey = (Phase, u64);
@@ -148,7 +141,7 @@ impl Schedule {
     /// Starts group `key`: on its first entry in this pass its gathers become ready and the
     /// next group's are started. A group entered again in the same pass (backward with
     /// gradient checkpointing recomputing an earlier unit in between, where that unit's output
-    /// is no checkpoint boundary: see [`super::unit`]) gathers alone: fetching it whole again
+    /// is no checkpoint boundary: see [`crate::fsdp::unit`]) gathers alone: fetching it whole again
     /// would move its bytes twice.
     fn enter(&mut self, ctx: &FsdpContext, key: GroupKey, scope: Option<u64>) {
         self.finish_current(Some(key));

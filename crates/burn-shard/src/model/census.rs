@@ -81,6 +81,13 @@ impl Census {
     }
 }
 
+/// The `Reparameterization::NAME` of burn-shard's stage 0-2 gradient hook
+/// (`hooks/bucket_hook.rs`): defined here, where the census recognises it, so the hooks import
+/// the model layer and not the other way round.
+pub(crate) const BUCKET_HOOK_NAME: &str = "burn_shard_bucket_hook";
+/// The `Reparameterization::NAME` of a stage-3 shard (`hooks/sharded_param.rs`).
+pub(crate) const SHARD_NAME: &str = "fsdp_shard";
+
 /// The no-op reparameterization the census attaches.
 #[derive(Module, Debug)]
 struct Probe;
@@ -137,7 +144,7 @@ impl ModuleVisitor for CensusVisitor {
         if container_type == "Reparameterization" {
             let kind = match name {
                 PROBE_NAME => EntryKind::Param,
-                crate::bucket::hook::HOOK_NAME | crate::fsdp::sharded_param::SHARD_NAME => EntryKind::Sharded,
+                BUCKET_HOOK_NAME | SHARD_NAME => EntryKind::Sharded,
                 _ => EntryKind::Reparameterized,
             };
             self.settle(kind);

@@ -1,7 +1,7 @@
 //! The stage-3 autodiff op: a differentiable all-gather of a parameter shard.
 //!
 //! Forward: all-gather the shard into the full parameter. Backward: the gradient of the full
-//! parameter, once every consumer has added its part, goes to the [`reducer`](super::reduce),
+//! parameter, once every consumer has added its part, goes to the [`reducer`](crate::overlap::unit_reducer),
 //! which reduce-scatters it with the rest of its unit into the shard's gradient (mean over
 //! ranks). The op is registered *memory-bound* with a retro-forward: a
 //! consumer that needs the full weight in its own backward (a matmul) records "recompute"
@@ -19,9 +19,9 @@
 //!
 //! A unit's output goes through a compute-bound identity op ([`FsdpOps::fsdp_unit_boundary`])
 //! that Burn's balanced checkpointing saves instead of recomputing, so backward recomputes one
-//! unit at a time (see [`super::unit`]).
+//! unit at a time (see [`crate::fsdp::unit`]).
 //!
-//! When a [`unit`](super::unit) scope is active, the unit's input is a second, gradient-less
+//! When a [`unit`](crate::fsdp::unit) scope is active, the unit's input is a second, gradient-less
 //! parent. The op's depth in the graph then follows the unit, and Burn's backward, which runs
 //! nodes by decreasing depth, hands the unit's gradients to the reducer right after the unit's
 //! backward instead of at the very end.
@@ -44,42 +44,10 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Flex, backend_extension};
-use burn::module::ParamId;
 use burn::tensor::{Shape, Tensor};
 
-use super::context::FsdpContext;
-use super::schedule::Phase;
-
-/// What one gather needs: the shared context, this rank's shard and the parameter's shapes.
-#[derive(Clone, Debug)]
-pub struct GatherSpec {
-    pub(crate) ctx: FsdpContext,
-    /// The parameter's id.
-    pub(crate) id: ParamId,
-    /// This rank's shard: `[chunk]`, the parameter's dtype, plain (not tracked by autodiff).
-    /// Ops keep the clone they were given, so a re-gather in backward uses the values of the
-    /// forward even if the optimizer has replaced the shard since.
-    pub(crate) shard: Tensor<1>,
-    /// Shape of the full parameter.
-    pub(crate) full_shape: Shape,
-    /// Shape of the shard's gradient, registered on the placeholder: `[1, .., 1, chunk]`
-    /// (same rank as the parameter).
-    pub(crate) shard_shape: Shape,
-    /// Elements of the full parameter.
-    pub(crate) numel: usize,
-    /// Elements of each rank's shard, `ceil(numel / world_size)`.
-    pub(crate) chunk: usize,
-    /// Names the parameter in its collectives (a hash of its module path, equal on every rank),
-    /// so ranks that reach different parameters of equal size fail instead of mixing them.
-    pub(crate) tag: u64,
-    /// Identifies the value of `shard` (a new number each time a shard is created or
-    /// replaced), so a gather uses a grouped result only if it gathered this very shard.
-    pub(crate) version: u64,
-    /// Forward gather or backward re-gather: the schedule keeps their groups apart.
-    pub(crate) phase: Phase,
-    /// The [`unit`](super::unit) scope the forward gather runs in, if any.
-    pub(crate) unit_scope: Option<u64>,
-}
+use crate::overlap::context::FsdpContext;
+use crate::overlap::spec::{GatherSpec, Phase};
 
 /// The stage-3 collectives as backend operations (CPU `Flex` backend, and the CubeCL backend
 /// (CUDA, wgpu, CubeCL's CPU runtime) with the `cube` feature; the autodiff decorator adds the
@@ -96,9 +64,9 @@ pub trait FsdpOps: Backend {
         unit_input: FloatTensor<Self>,
         spec: GatherSpec,
     ) -> FloatTensor<Self>;
-    /// `output` of a [`unit`](super::unit), unchanged: under autodiff a compute-bound identity,
+    /// `output` of a [`unit`](crate::fsdp::unit), unchanged: under autodiff a compute-bound identity,
     /// so Burn's balanced checkpointing saves it for backward instead of recomputing it from
-    /// the units before (see [`super::unit`]).
+    /// the units before (see [`crate::fsdp::unit`]).
     fn fsdp_unit_boundary(output: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
@@ -268,7 +236,7 @@ impl<B: Backend + FsdpOps + FlatPrimitive> Backward<B, 2> for GatherInUnitBackwa
 
 /// Hands the gather's full gradient to the reducer (when the placeholder, the first parent,
 /// wants one) and registers every shard the reducer has ready on its parameter's placeholder:
-/// this one's, or those of the unit reduced before (see [`super::reduce`]).
+/// this one's, or those of the unit reduced before (see [`crate::overlap::unit_reducer`]).
 fn hand_to_reducer<B: Backend + FlatPrimitive, const N: usize>(grads: &mut Gradients, ops: Ops<GatherSpec, N>) {
     let grad = grads.consume::<B>(&ops.node);
     let Some(placeholder) = ops.parents.first().and_then(|p| p.as_ref()).map(|p| p.id) else {

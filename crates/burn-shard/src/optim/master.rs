@@ -13,8 +13,8 @@ use burn::optim::{
 use burn::tensor::{DType, Device, Tensor};
 use burn_shard_kernels::FusedAdam;
 
-use crate::ShardError;
-use crate::flat::tensor_bytes;
+use crate::error::ShardError;
+use crate::model::flat::tensor_bytes;
 
 /// Whether parameters of `dtype` are trained through an `f32` master copy (`bf16`, `f16`);
 /// `f32` and `f64` parameters are stepped directly.

@@ -8,10 +8,10 @@ use burn::backend::autodiff::NodeId;
 use burn::tensor::Tensor;
 use burn_shard_comm::{Collective, CommError};
 
-use super::collectives::all_gather_full;
-use super::gather_op::GatherSpec;
-use super::reduce::{Reduced, Reducer};
-use super::schedule::Schedule;
+use crate::overlap::collectives::all_gather_full;
+use crate::overlap::gather_schedule::Schedule;
+use crate::overlap::spec::GatherSpec;
+use crate::overlap::unit_reducer::{Reduced, Reducer};
 
 /// Shared by the sharded parameters of one model on one rank. Cheap to clone.
 #[derive(Clone)]
@@ -49,7 +49,7 @@ impl FsdpContext {
     }
 
     /// The full `[numel]` parameter of `spec`: taken from its unit's grouped all-gather when the
-    /// schedule fetched it, else all-gathered alone (see [`super::schedule`]).
+    /// schedule fetched it, else all-gathered alone (see [`crate::overlap::gather_schedule`]).
     pub(crate) fn gather(&self, spec: &GatherSpec) -> Tensor<1> {
         let mut schedule = self.0.schedule.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(full) = schedule.take(self, spec) {
@@ -63,7 +63,7 @@ impl FsdpContext {
 
     /// Takes the complete full gradient (`[numel]`) of `spec`'s parameter, whose autodiff leaf
     /// is `node`, for its unit's grouped reduce-scatter; returns the shards ready to register
-    /// now (see [`super::reduce`]).
+    /// now (see [`crate::overlap::unit_reducer`]).
     pub(crate) fn reduce(&self, spec: &GatherSpec, node: NodeId, grad: Tensor<1>) -> Vec<Reduced> {
         let mut reducer = self.0.reducer.lock().unwrap_or_else(|p| p.into_inner());
         reducer.add(self, spec, node, grad)

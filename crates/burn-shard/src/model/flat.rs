@@ -9,8 +9,8 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 
-use crate::ShardError;
-use crate::layout::{Bucket, FlatLayout};
+use crate::error::ShardError;
+use crate::model::layout::{Bucket, FlatLayout};
 
 /// One flat `[numel]` tensor per layout slot; `None` where the value is absent (a parameter
 /// that received no gradient this step), which reads as zeros.
@@ -62,7 +62,7 @@ pub(crate) fn assemble(
 /// `dtype` when the value is absent.
 pub(crate) fn slot_piece(
     value: &Option<Tensor<1>>,
-    slot: &crate::layout::ParamSlot,
+    slot: &crate::model::layout::ParamSlot,
     part: Range<usize>,
     dtype: burn::tensor::DType,
     device: &Device,

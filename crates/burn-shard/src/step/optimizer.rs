@@ -11,20 +11,22 @@ use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, ReduceOp, Work};
 
-use crate::bucket::reducer::{BucketReducer, Early};
-use crate::buffers::Buffers;
-use crate::census::Census;
-use crate::flat::{self, tensor_bytes};
-use crate::fsdp::context::FsdpContext;
-use crate::fsdp::exchange;
-use crate::grad_norm::{self, GradNorms};
-use crate::groups::Groups;
-use crate::layout::{Bucket, FlatLayout};
-use crate::loss_scale::LossScaler;
-use crate::master::MasterWeightStep;
-use crate::memory::{MemoryReport, PeakTracker, module_param_bytes};
-use crate::stage_plan::StagePlan;
-use crate::{IntoOptimizer, ShardError, Stage};
+use crate::error::ShardError;
+use crate::hooks::exchange;
+use crate::model::buffers::Buffers;
+use crate::model::census::Census;
+use crate::model::flat::{self, tensor_bytes};
+use crate::model::layout::{Bucket, FlatLayout};
+use crate::model::memory::{MemoryReport, PeakTracker, module_param_bytes};
+use crate::optim::groups::Groups;
+use crate::optim::into_optimizer::IntoOptimizer;
+use crate::optim::loss_scale::LossScaler;
+use crate::optim::master::MasterWeightStep;
+use crate::overlap::bucket_reducer::{BucketReducer, Early};
+use crate::overlap::context::FsdpContext;
+use crate::stage::Stage;
+use crate::step::grad_norm::{self, GradNorms};
+use crate::step::stage_plan::StagePlan;
 
 /// A Burn optimizer whose state (stages 1-3), gradients (stages 2-3) and parameters (stage 3)
 /// are partitioned over the ranks of a [`Collective`]. Built by
@@ -121,7 +123,7 @@ impl StepOptions {
         let mut h = DefaultHasher::new();
         self.max_grad_norm.map(f32::to_bits).hash(&mut h);
         self.loss_scaler.as_ref().map(LossScaler::fingerprint).hash(&mut h);
-        crate::groups::clipping_key(self.clipping.as_ref()).hash(&mut h);
+        crate::optim::groups::clipping_key(self.clipping.as_ref()).hash(&mut h);
         h.finish()
     }
 }
@@ -179,7 +181,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.overlapped_buckets = early.started_in_backward;
         for (mine, kept) in early.reduced.iter_mut().zip(&mut self.reduced_sums) {
             // bf16/f16 sums in f32, rounded once by the step, as `accumulate`'s own sums.
-            *mine = match (mine.take().map(crate::master::widen_half), kept.take()) {
+            *mine = match (mine.take().map(crate::optim::master::widen_half), kept.take()) {
                 (Some(a), Some(b)) => Some(a + b),
                 (a, b) => a.or(b),
             };
@@ -222,7 +224,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         for slot in self.groups.add(group, optim, grad_clipping, &self.layout) {
             self.states[slot] = None;
         }
-        crate::config::check_same_layout(self.comm.as_ref(), self.groups.fingerprint(), &self.device)?;
+        crate::model::layout::check_same_layout(self.comm.as_ref(), self.groups.fingerprint(), &self.device)?;
         Ok(self)
     }
 
@@ -291,7 +293,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// structure, see [`crate::fsdp`]'s reducer). Every rank calls this at the same point.
     fn take_reduced<M: Module>(&self, model: &M, grads: &mut GradientsParams) {
         if let Some(fsdp) = self.plan.fsdp() {
-            crate::fsdp::reduce::add_to_grads(model, fsdp.finish_reduce(), grads);
+            crate::overlap::unit_reducer::add_to_grads(model, fsdp.finish_reduce(), grads);
         }
     }
 
@@ -362,7 +364,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 for (sum, grad) in self.accumulated.iter_mut().zip(parts) {
                     // bf16/f16 sums in f32: one rounding per step, as one backward on the
                     // concatenated batch, not one per micro-batch.
-                    let grad = grad.map(crate::master::widen_half);
+                    let grad = grad.map(crate::optim::master::widen_half);
                     *sum = match (sum.take(), grad) {
                         (Some(sum), Some(grad)) => Some(sum + grad),
                         (sum, grad) => sum.or(grad),
@@ -446,7 +448,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             grad_parts[bucket.slots.clone()].iter_mut().for_each(|g| *g = None);
             let early = early_reduced.get_mut(index).and_then(Option::take);
             reduced.push(match (early, in_step) {
-                (Some(early), Some(in_step)) => (early + crate::master::widen_half(in_step)).cast(bucket.dtype),
+                (Some(early), Some(in_step)) => (early + crate::optim::master::widen_half(in_step)).cast(bucket.dtype),
                 (Some(grad), None) => grad.cast(bucket.dtype),
                 (None, Some(grad)) => grad,
                 (None, None) => Tensor::zeros([self.plan.reduced_numel(bucket)], (&device, bucket.dtype)),
@@ -584,7 +586,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             let lr = lr.lr_from_param(slot.id, Some(&slot.path));
             let optim = self.groups.optim(index);
             let state = self.states[index].take();
-            let (param, state) = if crate::master::needs_master(bucket.dtype) {
+            let (param, state) = if crate::optim::master::needs_master(bucket.dtype) {
                 // bf16/f16: the optimizer updates the f32 master; the model gets it rounded.
                 let master = self.masters[index]
                     .take()
@@ -612,7 +614,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     fn unscale(&self, grad: Tensor<1>) -> Tensor<1> {
         match &self.loss_scaler {
             Some(scaler) => {
-                let grad = crate::master::widen_half(grad);
+                let grad = crate::optim::master::widen_half(grad);
                 grad.mul_scalar(1.0 / scaler.scale())
             }
             None => grad,

@@ -6,8 +6,8 @@ use burn::optim::{AdaGrad, Adam, AdamConfig, AdamW, AdamWConfig, Adan, LearningR
 use burn::tensor::{Device, Tensor};
 use burn_shard_kernels::{FusedAdam, FusedAdamConfig};
 
-use crate::ShardError;
-use crate::master::MasterWeightStep;
+use crate::error::ShardError;
+use crate::optim::master::MasterWeightStep;
 
 /// An optimizer for the flat shards of a [`ShardedOptimizer`](crate::ShardedOptimizer).
 ///

@@ -4,18 +4,56 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use burn::backend::DispatchDevice;
 use burn::tensor::{Device, Tensor, TensorData};
-use burn_shard_comm::{Collective, Work};
+use burn_shard_comm::{Collective, CommError, ReduceOp, Work};
 
-use crate::ShardError;
-use crate::flat::{self, SlotValues};
-use crate::layout::FlatLayout;
-use crate::stage_plan::StagePlan;
+use crate::error::ShardError;
+use crate::model::flat::{self, SlotValues};
+use crate::model::layout::{Bucket, FlatLayout};
+
+/// How stages 0-2 reduce a bucket: the one thing the reducer needs to know of the stage
+/// (`StagePlan::bucket_reduction` decides it; stage 3 has none, it reduces per unit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BucketReduction {
+    /// Stages 0-1: every rank keeps the whole averaged bucket (`[padded_numel]`).
+    AllReduce,
+    /// Stage 2: each rank keeps its shard of the averaged bucket (`[shard_numel]`).
+    ReduceScatter,
+}
+
+impl BucketReduction {
+    /// The `[padded_numel]` gradient of a bucket averaged over ranks, as far as this rank keeps
+    /// it.
+    pub(crate) fn reduce(self, comm: &dyn Collective, flat: Tensor<1>) -> Result<Tensor<1>, CommError> {
+        match self {
+            BucketReduction::AllReduce => comm.all_reduce(flat, ReduceOp::Avg),
+            BucketReduction::ReduceScatter => comm.reduce_scatter(flat, ReduceOp::Avg),
+        }
+    }
+
+    /// [`BucketReduction::reduce`] started asynchronously (inside backward); `tag` names the
+    /// bucket in the collective.
+    pub(crate) fn reduce_async(self, comm: &dyn Collective, flat: Tensor<1>, tag: u64) -> Work<Tensor<1>> {
+        match self {
+            BucketReduction::AllReduce => comm.all_reduce_async(flat, ReduceOp::Avg, tag),
+            BucketReduction::ReduceScatter => comm.reduce_scatter_async(flat, ReduceOp::Avg, tag),
+        }
+    }
+
+    /// Elements of what [`BucketReduction::reduce`] returns for `bucket`.
+    pub(crate) fn reduced_numel(self, bucket: &Bucket) -> usize {
+        match self {
+            BucketReduction::AllReduce => bucket.padded_numel,
+            BucketReduction::ReduceScatter => bucket.shard_numel,
+        }
+    }
+}
 
 /// What one optimizer call takes from the reducer: the buckets reduced during the backwards
 /// since the previous call, and which slots contributed to them.
 pub(crate) struct Early {
-    /// Per bucket: its reduced gradient as [`StagePlan::reduce`] returns it, or `None` when the
+    /// Per bucket: its reduced gradient as [`BucketReduction::reduce`] returns it, or `None` when the
     /// bucket was not reduced early.
     pub(crate) reduced: Vec<Option<Tensor<1>>>,
     /// Per layout slot: whether a gradient of it went into an early reduction on this rank.
@@ -70,7 +108,7 @@ struct State {
     present: Vec<bool>,
 }
 
-/// Shared by the [`BucketHook`](super::hook::BucketHook)s of one model on one rank and its
+/// Shared by the [`BucketHook`](crate::hooks::bucket_hook::BucketHook)s of one model on one rank and its
 /// optimizer. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct BucketReducer(Arc<Inner>);
@@ -78,7 +116,7 @@ pub(crate) struct BucketReducer(Arc<Inner>);
 struct Inner {
     comm: Arc<dyn Collective>,
     layout: Arc<FlatLayout>,
-    plan: StagePlan,
+    reduction: BucketReduction,
     /// The parameters' plain device, where absent gradients are zeros.
     device: Device,
     state: Mutex<State>,
@@ -94,7 +132,12 @@ impl fmt::Debug for BucketReducer {
 }
 
 impl BucketReducer {
-    pub(crate) fn new(comm: Arc<dyn Collective>, layout: Arc<FlatLayout>, plan: StagePlan, device: Device) -> Self {
+    pub(crate) fn new(
+        comm: Arc<dyn Collective>,
+        layout: Arc<FlatLayout>,
+        reduction: BucketReduction,
+        device: Device,
+    ) -> Self {
         let (slots, buckets) = (layout.slots().len(), layout.buckets().len());
         let state = State {
             seen: vec![0; slots],
@@ -108,7 +151,7 @@ impl BucketReducer {
         Self(Arc::new(Inner {
             comm,
             layout,
-            plan,
+            reduction,
             device,
             state: Mutex::new(state),
         }))
@@ -230,7 +273,9 @@ impl BucketReducer {
         }
         let flat = flat::assemble(layout, bucket, pending, 0..bucket.padded_numel, &self.0.device);
         pending[bucket.slots.clone()].iter_mut().for_each(|p| *p = None);
-        self.0.plan.reduce_async(self.0.comm.as_ref(), flat, bucket_tag(index))
+        self.0
+            .reduction
+            .reduce_async(self.0.comm.as_ref(), flat, bucket_tag(index))
     }
 
     /// Ends the backwards since the last optimizer call, at the start of `step` (`is_step`) or
@@ -308,4 +353,10 @@ impl BucketReducer {
 /// Names bucket `index`'s reduction in the collectives: never 0 ("untagged").
 fn bucket_tag(index: usize) -> u64 {
     (index as u64) << 1 | 1
+}
+
+/// Whether stages 0-2 reduce inside backward for this collective and device (see the
+/// [`bucket`](crate::bucket) docs).
+pub(crate) fn reduces_in_backward(comm: &dyn Collective, device: &Device) -> bool {
+    comm.world_size() > 1 && comm.overlaps_compute() && matches!(device.as_dispatch(), DispatchDevice::Flex(_))
 }

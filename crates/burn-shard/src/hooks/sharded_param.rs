@@ -11,7 +11,7 @@
 //! The shard itself (`[chunk]` elements, plain, not tracked by autodiff) lives in the attached
 //! [`ShardedParam`]. Its `Module` impl is written by hand: module traversal does not see the
 //! shard as a parameter (it would count twice), and the sharded optimizer reads and replaces
-//! shards through [`super::exchange`].
+//! shards through [`crate::hooks::exchange`].
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,16 +23,14 @@ use burn::module::{
 };
 use burn::tensor::{Device, Shape, Tensor};
 
-use super::context::FsdpContext;
-use super::exchange;
-use super::gather_op::{FsdpOps, GatherSpec};
-use super::schedule::Phase;
-use super::unit::current_unit;
-use crate::census::{Census, EntryKind};
-use crate::layout::ParamSlot;
-
-/// The name Burn's visitors see a shard under (the census recognises it).
-pub(crate) const SHARD_NAME: &str = "fsdp_shard";
+use crate::hooks::exchange;
+use crate::hooks::gather_op::FsdpOps;
+use crate::hooks::unit::current_unit;
+use crate::model::census::{Census, EntryKind, SHARD_NAME};
+use crate::model::layout::ParamSlot;
+use crate::overlap::context::FsdpContext;
+use crate::overlap::spec::GatherSpec;
+use crate::overlap::spec::Phase;
 
 /// The reparameterization of a stage-3 parameter: it holds this rank's shard, and `param.val()`
 /// all-gathers the full value on demand (see the module docs).
@@ -60,7 +58,7 @@ impl Reparameterization for ShardedParam {
     fn apply<const D: usize>(&self, placeholder: Tensor<D>) -> Tensor<D> {
         let out = match current_unit() {
             Some((input, scope)) => {
-                super::unit::note_gather();
+                crate::hooks::unit::note_gather();
                 let spec = GatherSpec {
                     unit_scope: Some(scope),
                     ..self.spec.clone()

@@ -16,7 +16,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ShardError;
+use crate::error::ShardError;
 
 /// Loss scale for `f16` training: multiply the loss by [`LossScaler::scale`] (or call
 /// `ShardedOptimizer::scale_loss`) before `backward`; the sharded step unscales, checks for

@@ -12,9 +12,9 @@ use burn::optim::grad_clipping::GradientClipping;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, ReduceOp};
 
-use crate::ShardError;
-use crate::layout::FlatLayout;
-use crate::stage_plan::StagePlan;
+use crate::error::ShardError;
+use crate::model::layout::FlatLayout;
+use crate::step::stage_plan::StagePlan;
 
 /// L2 norms of the gradient averaged over the ranks.
 #[derive(Clone, Debug)]

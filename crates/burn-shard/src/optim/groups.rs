@@ -10,7 +10,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use burn::module::ParamGroup;
 use burn::optim::grad_clipping::GradientClipping;
 
-use crate::layout::FlatLayout;
+use crate::model::layout::FlatLayout;
 
 /// One optimizer and its clipping (the base group's matches every parameter).
 struct Group<O> {

@@ -17,11 +17,11 @@ use burn::module::{
 };
 use burn::tensor::{Device, Tensor};
 
-use super::reducer::BucketReducer;
-use crate::census::{Census, EntryKind};
-use crate::fsdp::gather_op::FlatPrimitive;
-use crate::fsdp::unit::current_unit;
-use crate::layout::FlatLayout;
+use crate::hooks::gather_op::FlatPrimitive;
+use crate::hooks::unit::current_unit;
+use crate::model::census::{BUCKET_HOOK_NAME, Census, EntryKind};
+use crate::model::layout::FlatLayout;
+use crate::overlap::bucket_reducer::BucketReducer;
 
 /// What one hook needs: the rank's reducer and the parameter's place in the layout.
 #[derive(Clone, Debug)]
@@ -109,9 +109,6 @@ impl<B: Backend + FlatPrimitive, const N: usize> Backward<B, N> for HookBackward
     }
 }
 
-/// The name Burn's visitors see the hook under (the census recognises it).
-pub(crate) const HOOK_NAME: &str = "burn_shard_bucket_hook";
-
 /// The reparameterization that puts a [`BucketReducer`] hook on a parameter.
 #[derive(Clone, Debug)]
 pub struct BucketHook {
@@ -119,7 +116,7 @@ pub struct BucketHook {
 }
 
 impl Reparameterization for BucketHook {
-    const NAME: &'static str = HOOK_NAME;
+    const NAME: &'static str = BUCKET_HOOK_NAME;
 
     fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
         // Only a trainable value on the Flex autodiff device has a gradient to hand over; an

@@ -5,9 +5,10 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::ops::Range;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_shard_comm::Collective;
 
-use crate::ShardError;
+use crate::error::ShardError;
 
 /// One trainable parameter's place in the flat buffers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -284,4 +285,27 @@ impl ModuleVisitor for SlotCollector {
             },
         });
     }
+}
+
+/// All-gathers every rank's layout fingerprint (as four exact 16-bit pieces in f32) and fails
+/// on the first rank that differs.
+pub(crate) fn check_same_layout(comm: &dyn Collective, ours: u64, device: &Device) -> Result<(), ShardError> {
+    let pieces: Vec<f32> = (0..4).map(|i| ((ours >> (16 * i)) & 0xffff) as f32).collect();
+    let all = comm.all_gather(Tensor::<1>::from_data(TensorData::new(pieces, [4]), device))?;
+    let all: Vec<f32> = all.into_data().convert::<f32>().iter::<f32>().collect();
+    for (peer, p) in all.chunks(4).enumerate() {
+        let theirs = p
+            .iter()
+            .enumerate()
+            .fold(0u64, |acc, (i, v)| acc | ((*v as u64) << (16 * i)));
+        if theirs != ours {
+            return Err(ShardError::LayoutMismatch {
+                rank: comm.rank(),
+                peer,
+                ours,
+                theirs,
+            });
+        }
+    }
+    Ok(())
 }

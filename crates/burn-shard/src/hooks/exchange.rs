@@ -1,6 +1,6 @@
 //! Reading and replacing the shards a stage-3 model holds.
 //!
-//! A shard lives inside its parameter's [`ShardedParam`](super::sharded_param::ShardedParam),
+//! A shard lives inside its parameter's [`ShardedParam`](crate::hooks::sharded_param::ShardedParam),
 //! which module traversal does not show as a parameter. The sharded optimizer reaches the shards
 //! through Burn's own traversal instead: it visits (or maps) the model with an exchange active
 //! on its thread, and each `ShardedParam`'s hand-written `visit` (or `map`) reports (or replaces)
@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, ParamId};
 use burn::tensor::Tensor;
 
-use super::gather_op::GatherSpec;
+use crate::overlap::spec::GatherSpec;
 
 enum Exchange {
     /// Shards reported by `visit`.
@@ -84,7 +84,7 @@ pub(crate) fn on_map(spec: &mut GatherSpec) {
         if let Some(Exchange::Replace(shards)) = e.borrow_mut().as_mut()
             && let Some(shard) = shards.remove(&spec.id)
         {
-            super::sharded_param::set_shard(spec, shard);
+            crate::hooks::sharded_param::set_shard(spec, shard);
         }
     });
 }

@@ -5,7 +5,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 
 use burn::tensor::{DType, Tensor};
 
-use super::context::FsdpContext;
+use crate::overlap::context::FsdpContext;
 
 /// This rank's `[chunk]` shard -> the full `[numel]` parameter (padding dropped).
 /// On a collective error the error is recorded and zeros are returned (the step then fails).

@@ -8,13 +8,15 @@ use std::ops::Range;
 
 use burn::module::{Module, ParamId};
 use burn::tensor::Tensor;
-use burn_shard_comm::{Collective, ReduceOp, Work};
+use burn_shard_comm::{Collective, Work};
 
-use crate::flat::{self, SlotValues};
-use crate::fsdp::context::FsdpContext;
-use crate::fsdp::exchange;
-use crate::layout::{Bucket, FlatLayout};
-use crate::{ShardError, Stage};
+use crate::error::ShardError;
+use crate::hooks::exchange;
+use crate::model::flat::{self, SlotValues};
+use crate::model::layout::{Bucket, FlatLayout};
+use crate::overlap::bucket_reducer::BucketReduction;
+use crate::overlap::context::FsdpContext;
+use crate::stage::Stage;
 
 /// The stage, with what stage 3 needs (the context its gather ops share); the only record of
 /// which stage runs.
@@ -49,35 +51,31 @@ impl StagePlan {
         }
     }
 
+    /// How a bucket's gradient is reduced at stages 0-2; `None` at stage 3, where backward
+    /// reduced it already, per unit.
+    pub(crate) fn bucket_reduction(&self) -> Option<BucketReduction> {
+        match self {
+            StagePlan::Zero | StagePlan::One => Some(BucketReduction::AllReduce),
+            StagePlan::Two => Some(BucketReduction::ReduceScatter),
+            StagePlan::Three(_) => None,
+        }
+    }
+
     /// The `[padded_numel]` gradient of a bucket, averaged over ranks, as far as this rank
     /// keeps it: whole (stages 0-1), this rank's shard (stage 2), or as it is (stage 3, where
     /// backward already reduced it).
     pub(crate) fn reduce(&self, comm: &dyn Collective, flat: Tensor<1>) -> Result<Tensor<1>, ShardError> {
-        Ok(match self {
-            StagePlan::Zero | StagePlan::One => comm.all_reduce(flat, ReduceOp::Avg)?,
-            StagePlan::Two => comm.reduce_scatter(flat, ReduceOp::Avg)?,
-            StagePlan::Three(_) => flat,
-        })
-    }
-
-    /// [`StagePlan::reduce`] started asynchronously (stages 0-2, inside backward: see
-    /// [`crate::bucket`]); `tag` names the bucket in the collective. Stage 3 reduces inside its
-    /// own backward and never calls this.
-    pub(crate) fn reduce_async(&self, comm: &dyn Collective, flat: Tensor<1>, tag: u64) -> Work<Tensor<1>> {
-        match self {
-            StagePlan::Zero | StagePlan::One => comm.all_reduce_async(flat, ReduceOp::Avg, tag),
-            StagePlan::Two => comm.reduce_scatter_async(flat, ReduceOp::Avg, tag),
-            StagePlan::Three(_) => Work::done(Ok(flat)),
+        match self.bucket_reduction() {
+            Some(reduction) => Ok(reduction.reduce(comm, flat)?),
+            None => Ok(flat),
         }
     }
 
     /// Elements of what [`StagePlan::reduce`] returns for `bucket`: the padded bucket, or this
     /// rank's shard of it at stage 2.
     pub(crate) fn reduced_numel(&self, bucket: &Bucket) -> usize {
-        match self {
-            StagePlan::Two => bucket.shard_numel,
-            _ => bucket.padded_numel,
-        }
+        self.bucket_reduction()
+            .map_or(bucket.padded_numel, |r| r.reduced_numel(bucket))
     }
 
     /// The elements of `bucket` this rank updates: its shard at stages 1-2, the whole bucket at

@@ -31,9 +31,9 @@ use burn::module::{Module, ParamId};
 use burn::tensor::{DType, Tensor};
 use burn_shard_comm::{Collective, ReduceOp};
 
-use crate::ShardError;
-use crate::census::Census;
-use crate::flat;
+use crate::error::ShardError;
+use crate::model::census::Census;
+use crate::model::flat;
 
 /// The buffers of one model: ids in traversal order with their element counts.
 #[derive(Clone, Debug, Default)]

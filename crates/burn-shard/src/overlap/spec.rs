@@ -1,0 +1,45 @@
+//! What one stage-3 gather or re-gather needs, shared by the ops that issue it (`hooks`) and
+//! the schedule and reducer that group it (`overlap`).
+
+use burn::module::ParamId;
+use burn::tensor::{Shape, Tensor};
+
+use super::context::FsdpContext;
+
+/// Where a gather runs: in forward (`param.val()`), or re-gathered in backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Phase {
+    Forward,
+    Backward,
+}
+
+/// What one gather needs: the shared context, this rank's shard and the parameter's shapes.
+#[derive(Clone, Debug)]
+pub struct GatherSpec {
+    pub(crate) ctx: FsdpContext,
+    /// The parameter's id.
+    pub(crate) id: ParamId,
+    /// This rank's shard: `[chunk]`, the parameter's dtype, plain (not tracked by autodiff).
+    /// Ops keep the clone they were given, so a re-gather in backward uses the values of the
+    /// forward even if the optimizer has replaced the shard since.
+    pub(crate) shard: Tensor<1>,
+    /// Shape of the full parameter.
+    pub(crate) full_shape: Shape,
+    /// Shape of the shard's gradient, registered on the placeholder: `[1, .., 1, chunk]`
+    /// (same rank as the parameter).
+    pub(crate) shard_shape: Shape,
+    /// Elements of the full parameter.
+    pub(crate) numel: usize,
+    /// Elements of each rank's shard, `ceil(numel / world_size)`.
+    pub(crate) chunk: usize,
+    /// Names the parameter in its collectives (a hash of its module path, equal on every rank),
+    /// so ranks that reach different parameters of equal size fail instead of mixing them.
+    pub(crate) tag: u64,
+    /// Identifies the value of `shard` (a new number each time a shard is created or
+    /// replaced), so a gather uses a grouped result only if it gathered this very shard.
+    pub(crate) version: u64,
+    /// Forward gather or backward re-gather: the schedule keeps their groups apart.
+    pub(crate) phase: Phase,
+    /// The [`unit`](super::unit) scope the forward gather runs in, if any.
+    pub(crate) unit_scope: Option<u64>,
+}
