@@ -305,3 +305,98 @@ fn clipping_twice_by_norm_or_by_a_bad_norm_is_refused_at_init() {
         assert!(err.to_string().contains(expected), "{err}");
     }
 }
+
+/// A model of one `f32` parameter of `numel` elements whose loss is `Σ p·c`, so its gradient is
+/// exactly `c` on every rank (and after averaging).
+#[derive(Module, Debug)]
+struct Linear1 {
+    p: Param<Tensor<1>>,
+}
+
+/// One SGD step (learning rate 1) at `stage` on `world_size` ranks with `max_grad_norm`: the
+/// pre-clip global norm every rank reported, and the update `p_before - p_after` of rank 0.
+fn norm_and_update(stage: Stage, world_size: usize, coefficient: &[f32], max_norm: f32) -> (Vec<f64>, Vec<f32>) {
+    let numel = coefficient.len();
+    let results = burn_shard_comm::run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let p = Tensor::<1>::zeros([numel], &device).require_grad();
+        let model = Linear1 {
+            p: Param::from_tensor(p),
+        };
+        let config = ShardConfig::new(stage).with_max_grad_norm(max_norm);
+        let (model, mut optim) = config.init(model, SgdConfig::new().build(), comm).expect("init");
+        let c = Tensor::<1>::from_data(TensorData::new(coefficient.to_vec(), [numel]), &device);
+        let loss = model.p.val().mul(c).sum();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let model = optim.step(1.0, model, grads).expect("step");
+        let update = params_of(&model.materialize()).iter().map(|v| -v).collect::<Vec<f32>>();
+        (optim.last_grad_norm().expect("measured"), update)
+    })
+    .unwrap();
+    let norms = results.iter().map(|(n, _)| *n).collect();
+    (norms, results.into_iter().next().unwrap().1)
+}
+
+/// The global norm is exact to `f32` rounding however long a parameter is, and the same at every
+/// stage and world size: a sequential `f32` sum of squares stops growing past `2^24` terms (the
+/// reported case: `2^25` gradients of 1 measured `4096` instead of `5792.6`, 1.41x too small, at
+/// stage 0 and on one rank). Swept over stages 0-3 and world sizes 1-4, against the `f64` norm.
+#[test]
+fn the_global_norm_of_a_long_parameter_is_exact_at_every_stage_and_world_size() {
+    let numel = (1 << 25) + 3;
+    let mut rng = Rng::new(5);
+    // Values in [0.5, 1.5): every square adds to the sum, none dominates it.
+    let coefficient: Vec<f32> = (0..numel).map(|_| 1.0 + 0.5 * rng.next_f32()).collect();
+    let exact = coefficient
+        .iter()
+        .map(|&c| f64::from(c) * f64::from(c))
+        .sum::<f64>()
+        .sqrt();
+    for stage in burn_shard::estimate::STAGES {
+        for world_size in 1..=4 {
+            let (norms, _) = norm_and_update(stage, world_size, &coefficient, f32::INFINITY);
+            for (rank, norm) in norms.iter().enumerate() {
+                let relative = (norm - exact).abs() / exact;
+                assert!(
+                    relative < 1e-6,
+                    "stage {stage}, N={world_size}, rank {rank}: norm {norm} vs exact {exact} (relative {relative:e})"
+                );
+            }
+        }
+    }
+}
+
+/// A finite gradient whose squares overflow `f32` (elements of `1e30`) has a finite norm and is
+/// clipped: the update's norm is `max_norm` (SGD, learning rate 1), not the gradient itself
+/// (the reported case: an infinite norm, and the gradient applied unclipped).
+#[test]
+fn a_finite_gradient_whose_squares_overflow_f32_is_clipped_at_every_stage_and_world_size() {
+    let numel = 1000;
+    let coefficient: Vec<f32> = (0..numel).map(|i| if i % 2 == 0 { 1e30 } else { -3e29 }).collect();
+    let exact = coefficient
+        .iter()
+        .map(|&c| f64::from(c) * f64::from(c))
+        .sum::<f64>()
+        .sqrt();
+    let max_norm = 2.0;
+    for stage in burn_shard::estimate::STAGES {
+        for world_size in 1..=4 {
+            let (norms, update) = norm_and_update(stage, world_size, &coefficient, max_norm);
+            let name = format!("stage {stage}, N={world_size}");
+            for norm in norms {
+                assert!((norm - exact).abs() / exact < 1e-6, "{name}: norm {norm} vs {exact}");
+            }
+            let update_norm = update.iter().map(|&u| f64::from(u) * f64::from(u)).sum::<f64>().sqrt();
+            assert!(
+                (update_norm - f64::from(max_norm)).abs() < 1e-4,
+                "{name}: the update's norm is {update_norm}"
+            );
+            // The direction is the gradient's: element 0 is positive, element 1 negative, ratio 1e30/-3e29.
+            assert!(
+                (update[0] / update[1] + 1e30 / 3e29).abs() < 1e-3,
+                "{name}: update {:?}",
+                &update[..2]
+            );
+        }
+    }
+}

@@ -86,6 +86,11 @@ fn rank_run(
             around.0 = params_of(&model.clone().materialize());
         }
         model = optim.step(LR, model, grads).expect("step");
+        assert_eq!(
+            optim.last_step_applied(),
+            !overflow,
+            "rank {rank}, step {step}: last_step_applied must say whether the scaler skipped the step"
+        );
         let norm = optim.last_grad_norm().expect("measured");
         if overflow {
             around.1 = params_of(&model.clone().materialize());

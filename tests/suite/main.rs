@@ -5,6 +5,7 @@ mod checkpoint;
 mod clipping;
 mod comm;
 mod common;
+mod editing;
 mod equivalence;
 mod estimate;
 mod examples;

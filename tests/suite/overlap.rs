@@ -68,6 +68,12 @@ impl Tower {
     /// Mean cross-entropy of predicting the next token of `idx` (`[batch, SEQ]`), block `skip`
     /// left out.
     fn loss(&self, idx: Tensor<2, Int>, skip: Option<usize>) -> Tensor<1> {
+        self.loss_with(idx, skip, false)
+    }
+
+    /// [`Tower::loss`]; with `frozen_body`, the blocks' output is detached (a warm-up that
+    /// trains only the embedding and the head).
+    fn loss_with(&self, idx: Tensor<2, Int>, skip: Option<usize>, frozen_body: bool) -> Tensor<1> {
         let [b, t] = idx.dims();
         let mut x = self.embed.forward(idx.clone());
         for (_, block) in self.blocks.iter().enumerate().filter(|(i, _)| Some(*i) != skip) {
@@ -75,6 +81,9 @@ impl Tower {
                 let h = block.up.forward(block.norm.forward(x.clone()));
                 x.clone() + block.down.forward(gelu(h))
             });
+        }
+        if frozen_body {
+            x = x.detach();
         }
         // The embedding is read twice (tied into the output, as GPT-2's and Llama's heads): its
         // gradient arrives in two parts.
@@ -513,6 +522,98 @@ fn a_dropped_backward_is_discarded_and_a_second_init_is_refused_on_every_rank() 
         for error in errors {
             let error = error.expect("refused");
             assert!(error.contains("earlier ShardConfig::init"), "stage {stage}: {error}");
+        }
+    }
+}
+
+/// Trains `steps` steps on `n` ranks with `micro(step)` micro-batches per step (each rank's
+/// `ROWS` rows split among them; the first ones given to `accumulate`), the body frozen at
+/// `frozen(step)`. Returns rank 0's calls per step and the final parameters.
+fn train_changing(
+    base: &Tower,
+    stage: Stage,
+    config: ShardConfig,
+    n: usize,
+    steps: usize,
+    micro: impl Fn(usize) -> usize + Sync,
+    frozen: impl Fn(usize) -> bool + Sync,
+) -> (Vec<StepCalls>, usize, Vec<f32>) {
+    let device = device(false);
+    let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+        let rank = comm.rank();
+        let (mut model, mut optim) = init(base, &config, stage, comm, &device);
+        let mut calls = Vec::new();
+        for step in 0..steps {
+            let k = micro(step);
+            let before = optim.comm().stats();
+            // `ROWS · 3` rows per rank per step, split evenly into `k` micro-batches.
+            let rows = ROWS * 3;
+            for m in 0..k {
+                let start = rank * rows + m * rows / k;
+                let end = rank * rows + (m + 1) * rows / k;
+                let loss = model.loss_with(tokens(step, start..end, &device), None, frozen(step));
+                let loss = loss.mul_scalar((end - start) as f32 / rows as f32);
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                if m + 1 < k {
+                    optim.accumulate(&model, grads).unwrap();
+                } else {
+                    model = optim.step(1e-2, model, grads).unwrap();
+                }
+            }
+            calls.push(StepCalls {
+                overlapped: optim.overlapped_buckets(),
+                reductions: reductions(&optim.comm().stats().since(&before)),
+            });
+        }
+        (calls, optim.layout().buckets().len(), params_of(&model))
+    })
+    .unwrap();
+    runs.into_iter().next().unwrap()
+}
+
+/// When the backward changes after the first step, the reducer learns again within two steps:
+/// from then on every bucket is reduced inside backward and a step sends the bytes of one
+/// reduction (the reported cases: micro-batches changed from 2 to 3 after the first step sent
+/// 1.49x a step's bytes with nothing overlapped for the rest of the run; a first step that
+/// trained only the head left overlap at 0 forever). Results equal the step-time reduction's.
+#[test]
+fn the_bucket_reducer_learns_again_when_the_backward_changes() {
+    let (base, _) = tower(false);
+    let steps = 5;
+    type Case = (&'static str, fn(usize) -> usize, fn(usize) -> bool);
+    let cases: [Case; 2] = [
+        (
+            "2 micro-batches, then 3",
+            |step| if step == 0 { 2 } else { 3 },
+            |_| false,
+        ),
+        ("the body frozen at the first step", |_| 1, |step| step == 0),
+    ];
+    for stage in STAGES {
+        for n in [2, 4] {
+            let on = ShardConfig::new(stage).with_bucket_numel(BUCKET_NUMEL);
+            let off = on.clone().with_overlap_comm(false);
+            // The learning step of an unchanging run: every bucket reduced once, in the step, and
+            // the step's flags: what one step must send.
+            let (plain, _, _) = train_changing(&base, stage, on.clone(), n, 1, |_| 1, |_| false);
+            let one_reduction = plain[0].reductions;
+            for (name, micro, frozen) in cases {
+                let ctx = format!("{name}, stage {stage}, N={n}");
+                let (calls, buckets, params) = train_changing(&base, stage, on.clone(), n, steps, micro, frozen);
+                let (_, _, params_off) = train_changing(&base, stage, off.clone(), n, steps, micro, frozen);
+                for (step, call) in calls.iter().enumerate().skip(3) {
+                    assert_eq!(
+                        call.overlapped, buckets,
+                        "{ctx}, step {step}: every bucket inside backward: {calls:?}"
+                    );
+                    assert_eq!(
+                        call.reductions, one_reduction,
+                        "{ctx}, step {step}: the calls and bytes of one reduction: {calls:?}"
+                    );
+                }
+                let diff = max_abs_diff(&params, &params_off);
+                assert!(diff <= 1e-6, "{ctx}: drifts from the step-time reduction by {diff}");
+            }
         }
     }
 }

@@ -421,8 +421,28 @@ fn collectives_per_step(
     reshard: bool,
     steps: usize,
 ) -> Vec<(u64, u64, u64, u64, usize)> {
-    let device = Device::flex().autodiff();
-    let base = Net3::new(vocab, width, &device);
+    collectives_per_step_of(
+        &Net3::new(vocab, width, &Device::flex().autodiff()),
+        n,
+        reshard,
+        steps,
+        1,
+    )
+    .0
+}
+
+/// [`collectives_per_step`] of `base` with `forwards` forward passes per step (their losses
+/// summed, one backward): rank 0's (all-gather calls, bytes, reduce-scatter calls, bytes,
+/// gradients) per step, and its full parameters after the last step.
+#[allow(clippy::type_complexity)]
+fn collectives_per_step_of(
+    base: &Net3,
+    n: usize,
+    reshard: bool,
+    steps: usize,
+    forwards: usize,
+) -> (Vec<(u64, u64, u64, u64, usize)>, Vec<f32>) {
+    let vocab = base.embed.dims()[0];
     let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
         let device = Device::flex().autodiff();
         let config = ShardConfig::new(Stage::Three).with_reshard_after_forward(reshard);
@@ -432,8 +452,15 @@ fn collectives_per_step(
         let mut per_step = Vec::new();
         for _ in 0..steps {
             let before = optim.comm().stats();
-            let x = Tensor::<2>::ones([3, vocab], &device).require_grad();
-            let l = model.forward(x).powi_scalar(2).mean();
+            let l = (0..forwards)
+                .map(|f| {
+                    let x = Tensor::<2>::ones([3, vocab], &device)
+                        .mul_scalar(1.0 + f as f32)
+                        .require_grad();
+                    model.forward(x).powi_scalar(2).mean()
+                })
+                .reduce(|a, b| a + b)
+                .expect("at least one forward");
             let grads = GradientsParams::from_grads(l.backward(), &model);
             let with_grad = grads.len();
             model = optim.step(1e-3, model, grads).unwrap();
@@ -441,10 +468,66 @@ fn collectives_per_step(
             let (ag, rs) = (st.get(CollectiveKind::AllGather), st.get(CollectiveKind::ReduceScatter));
             per_step.push((ag.calls, ag.bytes_sent, rs.calls, rs.bytes_sent, with_grad));
         }
-        per_step
+        (per_step, params_of(&model.materialize()))
     })
     .unwrap();
     runs.into_iter().next().unwrap()
+}
+
+/// Two forwards per step (two losses summed, as a contrastive pair) gather each pass grouped
+/// as the first: from the second step on, forward's all-gathers are twice one forward's, one per
+/// unit per pass (the reported case: 8 all-gathers per step where 6 were due, the second pass
+/// gathering each parameter alone). Parameters equal stage 0's with the same two forwards.
+#[test]
+fn stage3_two_forwards_per_step_are_each_gathered_per_unit() {
+    let base = Net3::new(8, 12, &Device::flex().autodiff());
+    for n in [2usize, 3] {
+        // Without resharding nothing is re-gathered in backward: the all-gathers are forward's.
+        let (one, _) = collectives_per_step_of(&base, n, false, 3, 1);
+        let (two, params) = collectives_per_step_of(&base, n, false, 3, 2);
+        for step in 1..3 {
+            assert_eq!(
+                two[step].0,
+                2 * one[step].0,
+                "N={n}, step {step}: all-gather calls: {two:?} vs {one:?}"
+            );
+            assert_eq!(two[step].1, 2 * one[step].1, "N={n}, step {step}: all-gather bytes");
+        }
+        let (with_reshard, resharded) = collectives_per_step_of(&base, n, true, 3, 2);
+        assert_eq!(
+            with_reshard[2].0, with_reshard[1].0,
+            "N={n}: the same calls at every step from the second: {with_reshard:?}"
+        );
+        let reference = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+            let device = Device::flex().autodiff();
+            let (mut model, mut optim) = ShardConfig::new(Stage::Zero)
+                .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
+                .unwrap();
+            for _ in 0..3 {
+                let l = (0..2)
+                    .map(|f| {
+                        let x = Tensor::<2>::ones([3, 8], &device)
+                            .mul_scalar(1.0 + f as f32)
+                            .require_grad();
+                        model.forward(x).powi_scalar(2).mean()
+                    })
+                    .reduce(|a, b| a + b)
+                    .unwrap();
+                let grads = GradientsParams::from_grads(l.backward(), &model);
+                model = optim.step(1e-3, model, grads).unwrap();
+            }
+            params_of(&model)
+        })
+        .unwrap()
+        .remove(0);
+        for (name, p) in [("reshard", &resharded), ("no reshard", &params)] {
+            let diff = max_abs_diff(p, &reference);
+            assert!(
+                diff <= 1e-5,
+                "N={n}, {name}: two forwards at stage 3 drift from stage 0 by {diff}"
+            );
+        }
+    }
 }
 
 #[test]

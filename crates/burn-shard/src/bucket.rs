@@ -23,6 +23,11 @@
 //! it, and the optimizer takes the reduced buckets from the reducer
 //! (`BucketReducer::finish`).
 //!
+//! What was learned is revised: when a step's backwards differ from the learned ones (another
+//! number of `accumulate` calls, a parameter that gets gradients only now or no longer, as after
+//! a warm-up with a frozen body), the ranks agree on it in the all-reduce the step makes anyway,
+//! forget what they learned, and the next step learns again, so overlap is back within two steps.
+//!
 //! A wrong expectation costs overlap, never results. Buckets still incomplete when the optimizer
 //! is called are started then, in the same order on every rank (absent gradients as zeros, as
 //! the step treats them); a gradient that arrives after its bucket was started, and every

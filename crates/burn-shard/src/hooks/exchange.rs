@@ -13,11 +13,14 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, ParamId};
 use burn::tensor::Tensor;
 
+use crate::overlap::collectives::{all_gather_full, pad_to};
 use crate::overlap::spec::GatherSpec;
 
 enum Exchange {
     /// Shards reported by `visit`.
     Collect(HashMap<ParamId, Tensor<1>>),
+    /// Whole sharded states reported by `visit` (to gather full values from).
+    CollectSpecs(HashMap<ParamId, GatherSpec>),
     /// Shards `map` puts in place of the current ones.
     Replace(HashMap<ParamId, Tensor<1>>),
 }
@@ -58,6 +61,35 @@ pub(crate) fn collect_shards<M: Module>(model: &M) -> HashMap<ParamId, Tensor<1>
     }
 }
 
+/// The sharded state of every stage-3 parameter `model` holds, by parameter id.
+pub(crate) fn collect_specs<M: Module>(model: &M) -> HashMap<ParamId, GatherSpec> {
+    struct Nothing;
+    impl ModuleVisitor for Nothing {}
+    let active = Active::start(Exchange::CollectSpecs(HashMap::new()));
+    model.visit(&mut Nothing);
+    match active.finish() {
+        Some(Exchange::CollectSpecs(specs)) => specs,
+        _ => HashMap::new(),
+    }
+}
+
+/// The full value of `spec`'s parameter, all-gathered (a collective: every rank calls it for
+/// the same parameters in the same order), in its full shape, plain. A failed collective is
+/// recorded in the context (`FsdpContext::take_error`) and gives zeros.
+pub(crate) fn full_value<const D: usize>(spec: &GatherSpec) -> Tensor<D> {
+    all_gather_full(&spec.ctx, spec.shard.clone(), spec.numel, spec.tag).reshape(spec.full_shape.clone())
+}
+
+/// This rank's `[chunk]` shard of `full` (the parameter's full value, any shape), in the shard's
+/// dtype and on its device: the inverse of [`full_value`].
+pub(crate) fn shard_of<const D: usize>(spec: &GatherSpec, full: Tensor<D>) -> Tensor<1> {
+    let (n, r) = (spec.ctx.comm().world_size(), spec.ctx.comm().rank());
+    let flat = pad_to(full.reshape([spec.numel]), spec.chunk * n).narrow(0, r * spec.chunk, spec.chunk);
+    // A new buffer: a view would keep the whole full value alive.
+    let shard = Tensor::<1>::from_data(flat.into_data(), &spec.shard.device());
+    shard.cast(spec.shard.dtype())
+}
+
 /// `model` with the shards of the parameters in `shards` replaced (each `[chunk]`, the
 /// parameter's dtype, plain); the other parameters and buffers are unchanged.
 pub(crate) fn replace_shards<M: Module>(model: M, shards: HashMap<ParamId, Tensor<1>>) -> M {
@@ -71,10 +103,14 @@ pub(crate) fn replace_shards<M: Module>(model: M, shards: HashMap<ParamId, Tenso
 
 /// Called by `ShardedParam::visit`.
 pub(crate) fn on_visit(spec: &GatherSpec) {
-    EXCHANGE.with(|e| {
-        if let Some(Exchange::Collect(shards)) = e.borrow_mut().as_mut() {
+    EXCHANGE.with(|e| match e.borrow_mut().as_mut() {
+        Some(Exchange::Collect(shards)) => {
             shards.insert(spec.id, spec.shard.clone());
         }
+        Some(Exchange::CollectSpecs(specs)) => {
+            specs.insert(spec.id, spec.clone());
+        }
+        _ => {}
     });
 }
 

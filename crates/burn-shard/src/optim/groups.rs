@@ -35,27 +35,24 @@ impl<O> Groups<O> {
     }
 
     /// Adds a group that takes precedence over the earlier ones for the slots `selector`
-    /// matches (Burn's rule: the last matching group wins). Returns those slots' indices.
+    /// matches (Burn's rule: the last matching group wins).
     pub(crate) fn add(
         &mut self,
         selector: ParamGroup,
         optim: O,
         clipping: Option<GradientClipping>,
         layout: &FlatLayout,
-    ) -> Vec<usize> {
+    ) {
         let index = self.groups.len();
-        let matched: Vec<usize> = layout
+        for (slot, _) in layout
             .slots()
             .iter()
             .enumerate()
             .filter(|(_, slot)| selector.matches(&slot.id, Some(&slot.path)))
-            .map(|(i, _)| i)
-            .collect();
-        for &slot in &matched {
+        {
             self.of_slot[slot] = index;
         }
         self.groups.push(Group { optim, clipping });
-        matched
     }
 
     /// The base optimizer (the one `ShardConfig::init` was given).

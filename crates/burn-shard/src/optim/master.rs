@@ -148,3 +148,13 @@ macro_rules! provided {
 }
 
 provided!(Sgd, AdaGrad, RmsProp, Adan, Lion);
+
+/// `master` (`f32`, `[n]`) with each element whose parameter (`param`, `bf16`/`f16`, `[n]`) no
+/// longer equals the master rounded to the parameter's dtype replaced by the parameter's value:
+/// an edit made since the last step is taken, while unedited elements keep their sub-ulp
+/// progress. On `master`'s device (the host with `Offloaded`).
+pub(crate) fn follow_edits(master: Tensor<1>, param: &Tensor<1>) -> Tensor<1> {
+    let param = param.clone().to_device(&master.device());
+    let edited = master.clone().cast(param.dtype()).not_equal(param.clone());
+    master.mask_where(edited, param.cast(DType::F32))
+}

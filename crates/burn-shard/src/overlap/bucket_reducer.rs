@@ -60,6 +60,11 @@ pub(crate) struct Early {
     pub(crate) present: Vec<bool>,
     /// Buckets started inside backward (the rest were started by `finish`).
     pub(crate) started_in_backward: usize,
+    /// Whether this rank's backwards since the last step differed from the learned ones (another
+    /// number of `accumulate` calls, or other gradient counts per parameter: a changed number
+    /// of micro-batches, a layer trained only now). The step agrees on it with the other ranks
+    /// and then calls [`BucketReducer::forget`], so the next step learns again.
+    pub(crate) differs: bool,
 }
 
 /// What the first step learned about the backward (see [`super`]).
@@ -298,6 +303,11 @@ impl BucketReducer {
                 state.next += 1;
             }
         }
+        let differs = is_step
+            && state
+                .learned
+                .as_ref()
+                .is_some_and(|l| l.accumulates != state.accumulates || l.counts != state.seen);
         let reduced = Work::wait_all(state.started.iter_mut().map(Option::take));
         let present = std::mem::replace(&mut state.present, vec![false; layout.slots().len()]);
         state.next = 0;
@@ -323,7 +333,17 @@ impl BucketReducer {
             reduced: reduced?,
             present,
             started_in_backward,
+            differs,
         })
+    }
+
+    /// Drops what was learned, so the backwards up to the next step pass through to it and that
+    /// step learns again (as the first one did). Every rank calls it at the same step: the step
+    /// decides from [`Early::differs`] agreed over the ranks.
+    pub(crate) fn forget(&self) {
+        let mut state = self.state();
+        state.learned = None;
+        state.armed = false;
     }
 
     /// The buckets whose every slot received a gradient through its hook (`seen`), ordered by

@@ -76,11 +76,18 @@ pub(crate) struct Schedule {
     groups: HashMap<GroupKey, Vec<u64>>,
     next: HashMap<GroupKey, GroupKey>,
     current: Option<Current>,
-    /// Groups entered in this pass.
-    entered: HashSet<GroupKey>,
+    /// Groups entered in this pass; forward groups with the unit scope of the entry. Every
+    /// forward of a unit runs in a new scope, so a forward group entered again under another
+    /// scope is another forward in the same step (two losses, a contrastive pair) that needs the
+    /// whole group again. Backward groups are entered once per pass (a second entry may be a
+    /// recompute of part of the unit).
+    entered: HashSet<(GroupKey, Option<u64>)>,
     /// Fetched gathers of the current group not yet taken: tag -> (version, `[numel]`).
     ready: HashMap<u64, (u64, Tensor<1>)>,
     in_flight: Option<GroupGather>,
+    /// How many times each forward group was fetched in the previous pass (once per forward in
+    /// the step): a forward group is prefetched only while this pass has fetched it fewer times.
+    fetches_last_pass: HashMap<GroupKey, usize>,
 }
 
 impl Schedule {
@@ -133,21 +140,25 @@ impl Schedule {
     /// what was fetched. A dropped in-flight gather still completes on every rank.
     pub(crate) fn end_pass(&mut self) {
         self.finish_current(None);
+        self.fetches_last_pass = self.fetches();
         self.entered.clear();
         self.ready.clear();
         self.in_flight = None;
     }
 
-    /// Starts group `key`: on its first entry in this pass its gathers become ready and the
-    /// next group's are started. A group entered again in the same pass (backward with
-    /// gradient checkpointing recomputing an earlier unit in between, where that unit's output
-    /// is no checkpoint boundary: see [`crate::fsdp::unit`]) gathers alone: fetching it whole again
-    /// would move its bytes twice.
+    /// Starts group `key` (in forward, under unit scope `scope`): on its first entry in this
+    /// pass (in forward, under that scope: a second forward in the step fetches each group as the
+    /// first did) its gathers become ready and the next group's are started. A backward group
+    /// entered again in the same pass (gradient checkpointing recomputing an earlier unit in
+    /// between, where that unit's output is no checkpoint boundary: see [`crate::fsdp::unit`])
+    /// gathers alone: fetching it whole again would move its bytes twice. Only the first entry of
+    /// the pass is learned.
     fn enter(&mut self, ctx: &FsdpContext, key: GroupKey, scope: Option<u64>) {
         self.finish_current(Some(key));
         // Unused gathers of the previous group are freed here: one unit at a time.
         self.ready.clear();
-        let first = self.entered.insert(key);
+        let first = !self.entered.iter().any(|(k, _)| *k == key);
+        let fetch = self.entered.insert((key, scope.filter(|_| key.0 == Phase::Forward)));
         self.current = Some(Current {
             key,
             scope,
@@ -155,7 +166,7 @@ impl Schedule {
             tags: Vec::new(),
         });
         let in_flight = self.in_flight.take();
-        if !first {
+        if !fetch {
             return;
         }
         let fetched = match in_flight {
@@ -166,9 +177,17 @@ impl Schedule {
         if let Some(g) = fetched {
             self.finish(ctx, g);
         }
+        // A forward group is prefetched while this pass has fetched it fewer times than the last
+        // (one fetch per forward: after the last forward's last unit nothing is, though the
+        // first forward's last unit was followed by the second's first); a backward group
+        // already entered may be a recompute, which gathers alone.
+        let fetched = |k: &GroupKey| self.entered.iter().filter(|(e, _)| e == k).count();
         if let Some(&next) = self.next.get(&key)
             && next.0 == key.0
-            && !self.entered.contains(&next)
+            && match next.0 {
+                Phase::Forward => fetched(&next) < self.fetches_last_pass.get(&next).copied().unwrap_or(1),
+                Phase::Backward => fetched(&next) == 0,
+            }
         {
             self.in_flight = self.start_group(ctx, next);
         }
@@ -186,6 +205,15 @@ impl Schedule {
             Some(next) => self.next.insert(done.key, next),
             None => self.next.remove(&done.key),
         };
+    }
+
+    /// How many times each group was fetched in this pass so far.
+    fn fetches(&self) -> HashMap<GroupKey, usize> {
+        let mut counts = HashMap::new();
+        for (key, _) in &self.entered {
+            *counts.entry(*key).or_insert(0) += 1;
+        }
+        counts
     }
 
     /// Starts the all-gathers of group `key` as learned (one per dtype, in first-seen order);

@@ -1,16 +1,18 @@
 //! The L2 norm of the averaged gradient over all ranks, per parameter and global, and the
 //! clipping that uses it.
 //!
-//! Each rank sums the squares of the pieces of each parameter in the range it owns (the whole
-//! bucket at stage 0, its shard at stages 1-3), so every element is counted once and the zero
-//! padding of buckets and shards is never read. At stages 1-3 the per-parameter sums are then
-//! all-reduced (one collective of one `f32` per parameter); at stage 0 every rank holds the whole
-//! averaged gradient and the sums are already global. Every rank thus gets the same norms, and
-//! one non-finite element on any rank makes the global norm non-finite on all of them.
+//! Each rank measures the pieces of each parameter in the range it owns (the whole bucket at
+//! stage 0, its shard at stages 1-3), so every element is counted once and the zero padding of
+//! buckets and shards is never read: per piece, its largest magnitude `m` and the pairwise sum
+//! of `(g/m)²` (see [`measure`]). At stages 1-3 these pairs are all-gathered (one collective of
+//! two `f32` per parameter and rank); at stage 0 every rank holds the whole averaged gradient
+//! and its pairs are already global. Every rank combines the same pairs in `f64`, so every rank
+//! gets the same norms, exact to `f32` rounding at any size and finite for any finite gradient,
+//! and one non-finite element on any rank makes the global norm non-finite on all of them.
 
 use burn::optim::grad_clipping::GradientClipping;
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use burn_shard_comm::{Collective, ReduceOp};
+use burn_shard_comm::Collective;
 
 use crate::error::ShardError;
 use crate::model::layout::FlatLayout;
@@ -27,11 +29,18 @@ pub(crate) struct GradNorms {
 }
 
 /// Measures the norms. `grads[b]` is bucket `b`'s averaged gradient over this rank's owned
-/// range (`plan.owned_range`), of any float dtype (squares are summed in `f32`, in `f64` for
-/// `f64` gradients; the per-parameter sums are exchanged in `f32`).
+/// range (`plan.owned_range`), of any float dtype.
+///
+/// Exact to `f32` rounding at any size, and free of overflow for any finite gradient: each
+/// owned piece `g` is divided by its largest magnitude `m` (so every square is at most 1), its
+/// squares are summed pairwise in blocks of [`SUM_BLOCK`] elements on the device, in `f64`
+/// where the device has it (a sequential `f32` sum stops growing past `2^24` terms), and the
+/// pairs `(m, Σ(g/m)²)` of every rank are
+/// combined on the host in `f64` as `Σ m²·Σ(g/m)²` (the scaled sum of LAPACK's `xNRM2` and
+/// Blue's algorithm, ACM TOMS 4(1), 1978). A non-finite element makes the norm non-finite.
 ///
 /// # Errors
-/// [`ShardError::Comm`] when the all-reduce of the per-parameter sums fails.
+/// [`ShardError::Comm`] when the all-gather of the per-parameter pairs fails.
 pub(crate) fn measure(
     layout: &FlatLayout,
     plan: &StagePlan,
@@ -46,7 +55,8 @@ pub(crate) fn measure(
             total: 0.0,
         });
     }
-    let mut sums: Vec<Option<Tensor<1>>> = vec![None; slots];
+    // Per slot: [m, Σ(g/m)²] of this rank's piece, in f32 (zeros where it owns none).
+    let mut pairs: Vec<Option<Tensor<1>>> = vec![None; slots];
     for (bucket, grad) in layout.buckets().iter().zip(grads) {
         let range = plan.owned_range(bucket, comm.rank());
         for index in bucket.slots.clone() {
@@ -55,25 +65,71 @@ pub(crate) fn measure(
                 let piece = grad
                     .clone()
                     .narrow(0, slot.offset + part.start - range.start, part.len());
-                // f32 for bf16/f16/f32 pieces (as Burn's clip_by_norm); f64 pieces sum in f64.
-                let piece = match piece.dtype() {
-                    DType::F64 => piece,
-                    _ => piece.cast(DType::F32),
-                };
-                sums[index] = Some(piece.square().sum().cast(DType::F32));
+                pairs[index] = Some(scaled_square_sum(piece));
             }
         }
     }
-    let zero = || Tensor::<1>::from_data(TensorData::new(vec![0.0f32], [1]), device);
-    let mut sums = Tensor::cat(sums.into_iter().map(|s| s.unwrap_or_else(zero)).collect(), 0);
+    let zeros = || Tensor::<1>::from_data(TensorData::new(vec![0.0f32; 2], [2]), device);
+    let mut pairs = Tensor::cat(pairs.into_iter().map(|p| p.unwrap_or_else(zeros)).collect(), 0);
     if plan.owned_ranges_partition() && comm.world_size() > 1 {
-        sums = comm.all_reduce(sums, ReduceOp::Sum)?;
+        pairs = comm.all_gather(pairs)?;
     }
-    let sums: Vec<f32> = sums.into_data().convert::<f32>().iter::<f32>().collect();
+    let pairs: Vec<f32> = pairs.into_data().convert::<f32>().iter::<f32>().collect();
+    // pairs: rank-major, [rank][slot][m, s].
+    let mut squares = vec![0.0f64; slots];
+    for rank in pairs.chunks(2 * slots) {
+        for (sum, pair) in squares.iter_mut().zip(rank.chunks(2)) {
+            let (m, s) = (f64::from(pair[0]), f64::from(pair[1]));
+            *sum += m * m * s;
+        }
+    }
     Ok(GradNorms {
-        total: sums.iter().map(|&s| f64::from(s)).sum::<f64>().sqrt(),
-        per_slot: sums.iter().map(|s| s.sqrt()).collect(),
+        total: squares.iter().sum::<f64>().sqrt(),
+        per_slot: squares.iter().map(|s| s.sqrt() as f32).collect(),
     })
+}
+
+/// Elements summed sequentially at a time by [`pairwise_sum`]: `2^10`, so each level's
+/// rounding error is bounded by `2^10` units of `f32` rounding however long the gradient.
+pub(crate) const SUM_BLOCK: usize = 1 << 10;
+
+/// `[m, Σ(g/m)²]` (`[2]`, `f32`) of a gradient piece `g` of any float dtype, with `m` its
+/// largest magnitude (at least `f32::MIN_POSITIVE`, so a zero piece gives `[MIN_POSITIVE, 0]`).
+/// Scaled, squared and summed in `f64` where the device has it (Burn's CPU backend, CUDA), so
+/// the sum is exact to `f32` rounding; in `f32` elsewhere (wgpu), where the pairwise sum's
+/// rounding (about `1e-6` relative) remains.
+fn scaled_square_sum(piece: Tensor<1>) -> Tensor<1> {
+    let accumulate = match piece.device().supports_dtype(DType::F64) {
+        true => DType::F64,
+        false => DType::F32,
+    };
+    let piece = piece.cast(accumulate);
+    let m = piece.clone().abs().max().clamp_min(f32::MIN_POSITIVE);
+    let scaled = piece.div(m.clone());
+    let sum = pairwise_sum(scaled.square());
+    Tensor::cat(vec![m.cast(DType::F32), sum.cast(DType::F32)], 0)
+}
+
+/// The sum of `x` (`[n]`) as `[1]`: blocks of [`SUM_BLOCK`] summed first, then their sums,
+/// recursively (a pairwise sum with a wide base), so no partial sum adds more than
+/// `SUM_BLOCK` terms.
+pub(crate) fn pairwise_sum(x: Tensor<1>) -> Tensor<1> {
+    let n = x.dims()[0];
+    if n <= SUM_BLOCK {
+        return x.sum();
+    }
+    let blocks = n / SUM_BLOCK;
+    let head = x
+        .clone()
+        .narrow(0, 0, blocks * SUM_BLOCK)
+        .reshape([blocks, SUM_BLOCK])
+        .sum_dim(1)
+        .reshape([blocks]);
+    let head = pairwise_sum(head);
+    match n - blocks * SUM_BLOCK {
+        0 => head,
+        rest => head.add(x.narrow(0, blocks * SUM_BLOCK, rest).sum()),
+    }
 }
 
 /// The factor clipping by global norm multiplies every gradient by:

@@ -76,6 +76,9 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// `f32` master copy of each `bf16`/`f16` slot's piece owned by this rank (`None` for
     /// `f32` slots and before the slot's first gradient).
     pub(crate) masters: Vec<Option<Tensor<1>>>,
+    /// Per layout slot: whether its master takes the elements edited since the last step
+    /// ([`ShardedOptimizer::reset_master_weights`]) when the slot is next stepped.
+    masters_follow_edits: Vec<bool>,
     /// Running-state buffers, averaged over the ranks at every step.
     buffers: Buffers,
     /// Clip by global norm to this (`ShardConfig::with_max_grad_norm`).
@@ -85,6 +88,9 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// Global norm of the averaged, unscaled gradient before clipping, from the last step that
     /// measured it.
     last_grad_norm: Option<f64>,
+    /// Whether the last `step` updated the parameters (`false` when the loss scaler skipped
+    /// it, and before the first step).
+    last_step_applied: bool,
     /// Gradients of the micro-batches given to `accumulate` since the last step, summed, per
     /// layout slot (flat; `f32` for `bf16`/`f16` gradients, else the gradient's dtype).
     pub(crate) accumulated: flat::SlotValues,
@@ -148,10 +154,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             census,
             states: vec![None; slots],
             masters: vec![None; slots],
+            masters_follow_edits: vec![false; slots],
             buffers,
             max_grad_norm: options.max_grad_norm,
             loss_scaler: options.loss_scaler,
             last_grad_norm: None,
+            last_step_applied: false,
             accumulated: vec![None; slots],
             accumulating_bytes: 0,
             accumulated_bytes: 0,
@@ -195,9 +203,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Steps the parameters `group` matches with `optim` and `grad_clipping` instead, as Burn's
     /// `ModuleOptimizer::with_group`: a parameter takes the last group that matches it (by
     /// `ParamId` or module path, e.g. `ParamGroup::from_regex(r"(bias|gamma|beta)$")` for the
-    /// recipe "no weight decay on biases and norm weights"), the optimizer state of the
-    /// parameters it matches starts afresh, and `grad_clipping` `None` means no per-parameter
-    /// clipping for the group. A collective: every rank calls it with the same groups (checked).
+    /// recipe "no weight decay on biases and norm weights"), and `grad_clipping` `None` means no
+    /// per-parameter clipping for the group. The parameters it matches keep their optimizer state
+    /// (step count, moments, `f32` masters), as with Burn: a run resumed with
+    /// [`ShardedOptimizer::load_checkpoint`] continues the same whether its groups are added
+    /// before or after the load. A collective: every rank calls it with the same groups (checked).
     ///
     /// # Errors
     /// [`ShardError::InvalidConfig`] when `optim` is a Burn config that carries its own
@@ -221,9 +231,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
         check_one_norm_clipping(self.max_grad_norm, grad_clipping.as_ref())?;
         let optim = optim.into_optimizer()?;
-        for slot in self.groups.add(group, optim, grad_clipping, &self.layout) {
-            self.states[slot] = None;
-        }
+        // The matched slots keep their optimizer state (step count, moments, masters), as with
+        // Burn's `ModuleOptimizer::with_group`: a group added after `load_checkpoint` resumes.
+        self.groups.add(group, optim, grad_clipping, &self.layout);
         crate::model::layout::check_same_layout(self.comm.as_ref(), self.groups.fingerprint(), &self.device)?;
         Ok(self)
     }
@@ -401,6 +411,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     ) -> Result<M, ShardError> {
         let layout = self.layout.clone();
         let mut temp = PeakTracker::default();
+        self.last_step_applied = false;
         // Stage 3: the gradients were reduce-scattered inside backward (the last units' may
         // still be in flight); a collective that failed there left its error behind.
         self.take_reduced(&model, &mut grads);
@@ -424,6 +435,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.accumulated_bytes = std::mem::take(&mut self.accumulating_bytes);
         let Some(device) = device else {
             // No trainable parameter (a frozen teacher): only the buffers move.
+            self.last_step_applied = true;
             return self.buffers.sync(self.comm.as_ref(), model);
         };
         let (has_grad, reduce_in_step) = self.with_gradient(&grad_parts, early.as_ref(), &device)?;
@@ -548,6 +560,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         };
         let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
         let model = self.plan.write_values(model, &layout, &full, &keep);
+        self.last_step_applied = true;
         self.buffers.sync(self.comm.as_ref(), model)
     }
 
@@ -588,9 +601,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             let state = self.states[index].take();
             let (param, state) = if crate::optim::master::needs_master(bucket.dtype) {
                 // bf16/f16: the optimizer updates the f32 master; the model gets it rounded.
-                let master = self.masters[index]
-                    .take()
-                    .unwrap_or_else(|| param.clone().cast(DType::F32));
+                let follow = std::mem::take(&mut self.masters_follow_edits[index]);
+                let master = match self.masters[index].take() {
+                    Some(master) if follow => crate::optim::master::follow_edits(master, &param),
+                    Some(master) => master,
+                    None => param.clone().cast(DType::F32),
+                };
                 let (master, param, state) = optim.step_with_master(lr, master, param, grad, state);
                 self.masters[index] = Some(master);
                 (param, state)
@@ -640,6 +656,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// bucket when buckets were reduced inside backward (whether some rank has unreduced
     /// gradients of it): one small collective of `slots` (+ `buckets`) elements. At stage 3 a
     /// gradient exists on every rank or on none. Without `early` every bucket is reduced.
+    /// The same all-reduce carries whether some rank's backwards differed from the ones the
+    /// bucket reducer learned ([`Early::differs`]); if so, every rank's reducer forgets them
+    /// here, and the next step learns again.
     fn with_gradient(
         &self,
         grads: &flat::SlotValues,
@@ -658,7 +677,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let unreduced = buckets.iter().map(|b| local[b.slots.clone()].iter().any(|&g| g));
         let unreduced: Vec<bool> = unreduced.collect();
         local.iter_mut().zip(&early.present).for_each(|(g, e)| *g |= e);
-        let mut flags = self.any_rank(&[local, unreduced].concat(), device)?;
+        let mut flags = self.any_rank(&[local, unreduced, vec![early.differs]].concat(), device)?;
+        if flags.pop() == Some(true)
+            && let Some(reducer) = &self.bucket_reducer
+        {
+            reducer.forget();
+        }
         let in_step = flags.split_off(grads.len());
         Ok((flags, in_step))
     }
@@ -754,6 +778,26 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.last_grad_norm
     }
 
+    /// Whether the last [`ShardedOptimizer::step`] updated the parameters: `false` when the
+    /// [`LossScaler`] skipped it because the gradient overflowed on some rank (the same answer
+    /// on every rank), and before the first step. PyTorch's `GradScaler` users compare the scale
+    /// before and after `update()` for the same purpose.
+    ///
+    /// A learning-rate schedule that should advance on applied steps only (warm-up counted in
+    /// updates, not in batches) advances when this is `true`:
+    ///
+    /// ```ignore
+    /// let lr = lr_at(applied, steps);            // the schedule's index: applied steps
+    /// model = optim.step(lr, model, grads)?;
+    /// if optim.last_step_applied() { applied += 1; }
+    /// ```
+    ///
+    /// With a Burn `LrScheduler`, keep a clone from before `scheduler.step()` and put it back
+    /// when the step was skipped.
+    pub fn last_step_applied(&self) -> bool {
+        self.last_step_applied
+    }
+
     /// The loss scaler (current scale, steps skipped), when one was configured.
     pub fn loss_scaler(&self) -> Option<&LossScaler> {
         self.loss_scaler.as_ref()
@@ -798,11 +842,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         &self.masters
     }
 
-    /// Drops the `f32` master weights, so the next step takes them from the model's parameters
-    /// again. Call it after loading new values into a `bf16`/`f16` model (a checkpoint, an
-    /// edit); the step otherwise keeps updating the old masters and overwrites the new values.
+    /// Makes the `f32` masters follow values changed outside the optimizer: when a
+    /// `bf16`/`f16` parameter is next stepped, each element whose value no longer equals its
+    /// master rounded to the parameter's dtype (an edit, new values loaded) takes the
+    /// parameter's value; every other element keeps its master and the sub-ulp progress in it.
+    /// Call it after changing such a model's values yourself ([`ShardedOptimizer::map_params`]
+    /// calls it); without it the step keeps updating the old masters and overwrites the edit.
+    /// Costs one comparison of each stepped piece with its master at that step.
     pub fn reset_master_weights(&mut self) {
-        self.masters.iter_mut().for_each(|m| *m = None);
+        self.masters_follow_edits.iter_mut().for_each(|f| *f = true);
     }
 
     /// Burn's optimizer state of each parameter of the layout ([`FlatLayout::slots`] order), for
