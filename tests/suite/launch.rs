@@ -30,8 +30,10 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn rendezvous_msg(result: Result<impl std::fmt::Debug, CommError>) -> String {
-    match result {
+/// The message of a rendezvous error, as `burn_shard_comm` reports it (the rendezvous crate's
+/// own errors convert into `CommError` with the same message).
+fn rendezvous_msg(result: Result<impl std::fmt::Debug, impl Into<CommError>>) -> String {
+    match result.map_err(Into::into) {
         Err(CommError::Rendezvous(msg)) => msg,
         other => panic!("expected a rendezvous error, got {other:?}"),
     }
@@ -220,7 +222,7 @@ fn job_vars(rank: usize, world_size: usize, port: u16) -> Vec<(&'static str, Str
 }
 
 fn env_error(vars: &[(&'static str, String)]) -> (&'static str, String) {
-    match RendezvousEnv::from_vars(vars.iter().cloned()) {
+    match RendezvousEnv::from_vars(vars.iter().cloned()).map_err(CommError::from) {
         Err(e @ CommError::Env { var, .. }) => (var, e.to_string()),
         other => panic!("expected an environment error for {vars:?}, got {other:?}"),
     }

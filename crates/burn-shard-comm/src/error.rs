@@ -126,3 +126,16 @@ pub enum CommError {
     #[error("rendezvous: {0}")]
     Rendezvous(String),
 }
+
+/// The rendezvous crate's errors are the variants of the same names here, with the same messages:
+/// `?` turns one into the other.
+impl From<burn_shard_rendezvous::RendezvousError> for CommError {
+    fn from(e: burn_shard_rendezvous::RendezvousError) -> Self {
+        use burn_shard_rendezvous::RendezvousError;
+        match e {
+            RendezvousError::InvalidWorldSize(world_size) => Self::InvalidWorldSize(world_size),
+            RendezvousError::Env { var, problem } => Self::Env { var, problem },
+            RendezvousError::Rendezvous(message) => Self::Rendezvous(message),
+        }
+    }
+}

@@ -10,7 +10,8 @@
 //!   every misuse (mismatched calls, a rank that dies) is an error within a bounded time.
 //! - `NcclComm` (feature `cuda`): NCCL through cudarc, one rank per GPU, in place on Burn's
 //!   CUDA tensors. `NcclComm::from_env` joins a job started by `burn-shard-run` (or `torchrun`)
-//!   through the [`Rendezvous`], a TCP key-value store hosted by rank 0.
+//!   through the [`Rendezvous`], a TCP key-value store hosted by rank 0 (crate
+//!   `burn-shard-rendezvous`, re-exported here).
 //! - `MpiComm` (feature `mpi`): MPI through rsmpi, one rank per CPU process started by
 //!   `mpirun`, on any number of machines.
 //!
@@ -28,18 +29,17 @@ mod launch;
 mod mpi_comm;
 #[cfg(feature = "cuda")]
 mod nccl;
-mod rendezvous;
 mod ring;
 mod stats;
 mod work;
 
+pub use burn_shard_rendezvous::{
+    MAX_KEY_BYTES, MAX_VALUE_BYTES, RENDEZVOUS_DEFAULT_TIMEOUT, Rendezvous, RendezvousEnv, StoreClient, StoreServer,
+};
 pub use collective::{Collective, ReduceOp};
 pub use error::CommError;
 pub use in_process::{InProcessComm, InProcessGroup};
 pub use launch::{RankFailure, run_ranks};
-pub use rendezvous::{
-    MAX_KEY_BYTES, MAX_VALUE_BYTES, RENDEZVOUS_DEFAULT_TIMEOUT, Rendezvous, RendezvousEnv, StoreClient, StoreServer,
-};
 pub use stats::{CollectiveKind, CommStats, OpStats};
 pub use work::Work;
 

@@ -3,6 +3,8 @@
 use std::ffi::OsString;
 use std::time::Duration;
 
+use burn_shard_rendezvous::{LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE};
+
 use crate::LaunchError;
 
 /// Default port of the rendezvous on node 0 (torchrun's default too).
@@ -147,12 +149,12 @@ impl LaunchConfig {
     /// The variables set for `local_rank`'s process.
     pub fn rank_env(&self, local_rank: usize) -> Vec<(&'static str, String)> {
         vec![
-            ("RANK", self.rank(local_rank).to_string()),
-            ("WORLD_SIZE", self.world_size().to_string()),
-            ("LOCAL_RANK", local_rank.to_string()),
-            ("LOCAL_WORLD_SIZE", self.nproc_per_node.to_string()),
-            ("MASTER_ADDR", self.master_addr.clone()),
-            ("MASTER_PORT", self.master_port.to_string()),
+            (RANK, self.rank(local_rank).to_string()),
+            (WORLD_SIZE, self.world_size().to_string()),
+            (LOCAL_RANK, local_rank.to_string()),
+            (LOCAL_WORLD_SIZE, self.nproc_per_node.to_string()),
+            (MASTER_ADDR, self.master_addr.clone()),
+            (MASTER_PORT, self.master_port.to_string()),
         ]
     }
 }

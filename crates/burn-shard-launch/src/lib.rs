@@ -3,12 +3,15 @@
 //!
 //! On each node, [`launch`] starts `nproc_per_node` copies of a program with `RANK`,
 //! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` set — what
-//! `burn_shard_comm::NcclComm::from_env` and `RendezvousEnv::from_env` read — prefixes their
-//! output with `[rank R]`, and stops every rank of the node as soon as one fails, so a crash is
-//! an error with the rank's name instead of a job that hangs in its next collective.
+//! `burn_shard_comm::NcclComm::from_env` and [`RendezvousEnv::from_env`] read; the names are the
+//! rendezvous crate's constants — prefixes their output with `[rank R]`, and stops every rank of
+//! the node as soon as one fails, so a crash is an error with the rank's name instead of a job
+//! that hangs in its next collective.
 //!
-//! This crate does not depend on Burn: the launcher builds in seconds and starts any program.
-//! Linux only (process groups, `waitid`).
+//! This crate does not depend on Burn (only on `burn-shard-rendezvous`, std only): the launcher
+//! builds in seconds and starts any program. Linux only (process groups, `waitid`).
+//!
+//! [`RendezvousEnv::from_env`]: burn_shard_rendezvous::RendezvousEnv::from_env
 
 mod cli;
 mod config;

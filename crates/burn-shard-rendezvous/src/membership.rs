@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 const VERDICT_GRACE: Duration = Duration::from_secs(5);
 
 use super::{StoreClient, StoreServer, seconds};
-use crate::CommError;
+use crate::RendezvousError;
 
 const MEMBERS_KEY: &str = "burn-shard/members";
 const MEMBER_PREFIX: &str = "burn-shard/member/";
@@ -76,12 +76,17 @@ impl Verdict {
 /// registered, up to `timeout` after this rank registered.
 ///
 /// # Errors
-/// [`CommError::Rendezvous`], on every rank that is still waiting, when a `RANK` registered
+/// [`RendezvousError::Rendezvous`], on every rank that is still waiting, when a `RANK` registered
 /// twice, when a rank's `WORLD_SIZE` differs from rank 0's (a `RANK` out of rank 0's range
 /// included), or when not all ranks registered within `timeout` (naming the missing ones); on
 /// this rank alone when it is such a duplicate or mismatch and the others had already
 /// completed the job without it; or when the store is lost.
-pub(super) fn join(store: &StoreClient, rank: usize, world_size: usize, timeout: Duration) -> Result<(), CommError> {
+pub(super) fn join(
+    store: &StoreClient,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+) -> Result<(), RendezvousError> {
     let deadline = Instant::now() + timeout;
     let registration = register(store, rank, world_size, deadline)?;
     let verdict = match &registration.problem {
@@ -101,9 +106,9 @@ pub(super) fn join(store: &StoreClient, rank: usize, world_size: usize, timeout:
             // Lets rank 0's store close once every process has read the failure; if this fails,
             // the store just stays up until its timeout.
             let _ = store.add(TOLD_KEY, 1);
-            Err(CommError::Rendezvous(problem))
+            Err(RendezvousError::Rendezvous(problem))
         }
-        (Verdict::Ok, Some(problem)) => Err(CommError::Rendezvous(format!(
+        (Verdict::Ok, Some(problem)) => Err(RendezvousError::Rendezvous(format!(
             "{problem} (the job's other ranks had all joined before this process, and run without it)"
         ))),
     }
@@ -118,7 +123,12 @@ struct Registration {
 }
 
 /// Records this rank in the store; the last rank to register validly decides success.
-fn register(store: &StoreClient, rank: usize, world_size: usize, deadline: Instant) -> Result<Registration, CommError> {
+fn register(
+    store: &StoreClient,
+    rank: usize,
+    world_size: usize,
+    deadline: Instant,
+) -> Result<Registration, RendezvousError> {
     let member = store.add(MEMBERS_KEY, 1)?;
     store.set(
         &format!("{MEMBER_PREFIX}{member}"),
@@ -183,14 +193,14 @@ fn register(store: &StoreClient, rank: usize, world_size: usize, deadline: Insta
 
 /// Writes `proposal` as the job's verdict if no rank has yet, else reads the verdict written.
 /// `wait` bounds the wait for a verdict claimed by another rank but not yet written.
-fn decide(store: &StoreClient, proposal: Verdict, wait: Duration) -> Result<Verdict, CommError> {
+fn decide(store: &StoreClient, proposal: Verdict, wait: Duration) -> Result<Verdict, RendezvousError> {
     if store.add(VERDICT_CLAIM_KEY, 1)? == 1 {
         store.set(VERDICT_KEY, &proposal.encode())?;
         return Ok(proposal);
     }
     match store.try_get(VERDICT_KEY, wait)? {
         Some(verdict) => Ok(Verdict::decode(&verdict)),
-        None => Err(CommError::Rendezvous(format!(
+        None => Err(RendezvousError::Rendezvous(format!(
             "another rank claimed the rendezvous's verdict but did not write it within {}: it failed or was \
              stopped while joining; see its output",
             seconds(wait)
@@ -200,7 +210,7 @@ fn decide(store: &StoreClient, proposal: Verdict, wait: Duration) -> Result<Verd
 
 /// The problem of a job whose ranks did not all register within `timeout`, naming the missing
 /// ranks of `0..world_size`.
-fn missing(store: &StoreClient, world_size: usize, timeout: Duration) -> Result<String, CommError> {
+fn missing(store: &StoreClient, world_size: usize, timeout: Duration) -> Result<String, RendezvousError> {
     let joined = store.add(JOINED_KEY, 0)?;
     let mut absent = Vec::new();
     let mut absent_count = 0usize;
@@ -269,12 +279,12 @@ fn everyone_told(server: &StoreServer) -> bool {
     told >= members.max(largest_world)
 }
 
-fn parse_world_size(bytes: &[u8]) -> Result<usize, CommError> {
+fn parse_world_size(bytes: &[u8]) -> Result<usize, RendezvousError> {
     std::str::from_utf8(bytes)
         .ok()
         .and_then(|text| text.parse().ok())
         .ok_or_else(|| {
-            CommError::Rendezvous(format!(
+            RendezvousError::Rendezvous(format!(
                 "the rendezvous holds WORLD_SIZE {:?}, not a number: all ranks must run the same burn-shard version",
                 String::from_utf8_lossy(bytes)
             ))

@@ -2,20 +2,20 @@
 
 use std::collections::HashMap;
 
-use crate::CommError;
+use crate::RendezvousError;
 
 /// `RANK`: this process's rank in `0..WORLD_SIZE`.
-pub(crate) const RANK: &str = "RANK";
+pub const RANK: &str = "RANK";
 /// `WORLD_SIZE`: number of ranks in the job, over all nodes.
-pub(crate) const WORLD_SIZE: &str = "WORLD_SIZE";
+pub const WORLD_SIZE: &str = "WORLD_SIZE";
 /// `LOCAL_RANK`: this process's index on its node; the GPU it uses.
-pub(crate) const LOCAL_RANK: &str = "LOCAL_RANK";
+pub const LOCAL_RANK: &str = "LOCAL_RANK";
 /// `LOCAL_WORLD_SIZE`: number of ranks on this node.
-pub(crate) const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
 /// `MASTER_ADDR`: host name or IP address of rank 0's machine, where the rendezvous runs.
-pub(crate) const MASTER_ADDR: &str = "MASTER_ADDR";
+pub const MASTER_ADDR: &str = "MASTER_ADDR";
 /// `MASTER_PORT`: TCP port of the rendezvous on rank 0's machine.
-pub(crate) const MASTER_PORT: &str = "MASTER_PORT";
+pub const MASTER_PORT: &str = "MASTER_PORT";
 
 /// Where this process sits in a multi-process job: the variables that `burn-shard-run` and
 /// PyTorch's `torchrun` set for every process they start.
@@ -40,13 +40,13 @@ impl RendezvousEnv {
     /// `MASTER_PORT` from this process's environment.
     ///
     /// # Errors
-    /// [`CommError::Env`] naming the first variable that is missing, not UTF-8, not a number,
+    /// [`RendezvousError::Env`] naming the first variable that is missing, not UTF-8, not a number,
     /// or out of range (e.g. `RANK >= WORLD_SIZE`).
-    pub fn from_env() -> Result<Self, CommError> {
+    pub fn from_env() -> Result<Self, RendezvousError> {
         Self::parse(|var| match std::env::var(var) {
             Ok(value) => Ok(Some(value)),
             Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(std::env::VarError::NotUnicode(raw)) => Err(CommError::Env {
+            Err(std::env::VarError::NotUnicode(raw)) => Err(RendezvousError::Env {
                 var,
                 problem: format!("is not UTF-8 ({raw:?})"),
             }),
@@ -58,7 +58,9 @@ impl RendezvousEnv {
     ///
     /// # Errors
     /// As [`RendezvousEnv::from_env`].
-    pub fn from_vars<K: AsRef<str>, V: AsRef<str>>(vars: impl IntoIterator<Item = (K, V)>) -> Result<Self, CommError> {
+    pub fn from_vars<K: AsRef<str>, V: AsRef<str>>(
+        vars: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<Self, RendezvousError> {
         let vars: HashMap<String, String> = vars
             .into_iter()
             .map(|(k, v)| (k.as_ref().to_string(), v.as_ref().to_string()))
@@ -66,19 +68,19 @@ impl RendezvousEnv {
         Self::parse(|var| Ok(vars.get(var).cloned()))
     }
 
-    fn parse(get: impl Fn(&'static str) -> Result<Option<String>, CommError>) -> Result<Self, CommError> {
-        let required = |var: &'static str| -> Result<String, CommError> {
+    fn parse(get: impl Fn(&'static str) -> Result<Option<String>, RendezvousError>) -> Result<Self, RendezvousError> {
+        let required = |var: &'static str| -> Result<String, RendezvousError> {
             match get(var)? {
                 Some(value) => Ok(value.trim().to_string()),
-                None => Err(CommError::Env {
+                None => Err(RendezvousError::Env {
                     var,
                     problem: "is not set".into(),
                 }),
             }
         };
-        let number = |var: &'static str| -> Result<usize, CommError> {
+        let number = |var: &'static str| -> Result<usize, RendezvousError> {
             let text = required(var)?;
-            text.parse().map_err(|_| CommError::Env {
+            text.parse().map_err(|_| RendezvousError::Env {
                 var,
                 problem: format!("is {text:?}, expected a non-negative integer"),
             })
@@ -87,7 +89,7 @@ impl RendezvousEnv {
             if value < limit {
                 Ok(value)
             } else {
-                Err(CommError::Env {
+                Err(RendezvousError::Env {
                     var,
                     problem: format!("is {value} but {limit_var} is {limit} (valid values: 0..{limit_var})"),
                 })
@@ -95,7 +97,7 @@ impl RendezvousEnv {
         };
         let world_size = number(WORLD_SIZE)?;
         if world_size == 0 {
-            return Err(CommError::Env {
+            return Err(RendezvousError::Env {
                 var: WORLD_SIZE,
                 problem: "is 0, expected at least 1".into(),
             });
@@ -103,7 +105,7 @@ impl RendezvousEnv {
         let rank = below(RANK, number(RANK)?, WORLD_SIZE, world_size)?;
         let local_world_size = number(LOCAL_WORLD_SIZE)?;
         if local_world_size == 0 || local_world_size > world_size {
-            return Err(CommError::Env {
+            return Err(RendezvousError::Env {
                 var: LOCAL_WORLD_SIZE,
                 problem: format!("is {local_world_size} but WORLD_SIZE is {world_size}, expected 1..=WORLD_SIZE"),
             });
@@ -116,7 +118,7 @@ impl RendezvousEnv {
             .and_then(|a| a.strip_suffix(']'))
             .unwrap_or(&addr);
         if master_addr.is_empty() {
-            return Err(CommError::Env {
+            return Err(RendezvousError::Env {
                 var: MASTER_ADDR,
                 problem: "is empty, expected the host name or IP address of rank 0's machine".into(),
             });
@@ -125,7 +127,7 @@ impl RendezvousEnv {
         let master_port = match port.parse::<u16>() {
             Ok(p) if p > 0 => p,
             _ => {
-                return Err(CommError::Env {
+                return Err(RendezvousError::Env {
                     var: MASTER_PORT,
                     problem: format!("is {port:?}, expected a TCP port in 1..=65535"),
                 });

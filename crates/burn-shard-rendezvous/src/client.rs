@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::seconds;
 use super::wire::{self, Request};
-use crate::CommError;
+use crate::RendezvousError;
 
 /// Longest single connection attempt; attempts repeat until the caller's timeout.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -45,9 +45,9 @@ impl StoreClient {
     /// `timeout` also bounds every later `set` and `add`.
     ///
     /// # Errors
-    /// [`CommError::Rendezvous`] when nothing answered at `addr` within `timeout`, or when
+    /// [`RendezvousError::Rendezvous`] when nothing answered at `addr` within `timeout`, or when
     /// another program, not a rendezvous store, answered there.
-    pub fn connect(addr: &str, timeout: Duration) -> Result<Self, CommError> {
+    pub fn connect(addr: &str, timeout: Duration) -> Result<Self, RendezvousError> {
         let deadline = Instant::now() + timeout;
         let mut last_error = String::from("no address to try");
         loop {
@@ -66,7 +66,7 @@ impl StoreClient {
                                 });
                             }
                             Ok(Err(stranger)) => {
-                                return Err(CommError::Rendezvous(format!(
+                                return Err(RendezvousError::Rendezvous(format!(
                                     "{candidate} ({addr}) answered, but not as a burn-shard rendezvous ({stranger}): \
                                      another program (or another burn-shard version) holds that port; choose a free \
                                      MASTER_PORT, the same on every rank"
@@ -80,7 +80,7 @@ impl StoreClient {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(CommError::Rendezvous(format!(
+                return Err(RendezvousError::Rendezvous(format!(
                     "no rendezvous at {addr} after {} (last error: {last_error}): is rank 0 running, \
                      and are MASTER_ADDR and MASTER_PORT the same on every rank?",
                     seconds(timeout)
@@ -105,13 +105,13 @@ impl StoreClient {
     /// Sets `key` to `value` (replacing any value) and wakes every rank waiting for it.
     ///
     /// # Errors
-    /// [`CommError::Rendezvous`] when the key is over [`MAX_KEY_BYTES`](super::MAX_KEY_BYTES)
+    /// [`RendezvousError::Rendezvous`] when the key is over [`MAX_KEY_BYTES`](super::MAX_KEY_BYTES)
     /// or the value over [`MAX_VALUE_BYTES`](super::MAX_VALUE_BYTES) bytes, or the store is
     /// gone or silent for the connect timeout.
-    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
         check_key(key)?;
         if value.len() > wire::MAX_VALUE_BYTES {
-            return Err(CommError::Rendezvous(format!(
+            return Err(RendezvousError::Rendezvous(format!(
                 "the value for '{key}' has {} bytes, over the store's limit of {} bytes",
                 value.len(),
                 wire::MAX_VALUE_BYTES
@@ -128,11 +128,11 @@ impl StoreClient {
     /// The value of `key`, waiting up to `timeout` for some rank to set it.
     ///
     /// # Errors
-    /// [`CommError::Rendezvous`] when the key is still unset after `timeout` (the message names
+    /// [`RendezvousError::Rendezvous`] when the key is still unset after `timeout` (the message names
     /// the key and the wait), or the store is gone.
-    pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, CommError> {
+    pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, RendezvousError> {
         self.try_get(key, timeout)?.ok_or_else(|| {
-            CommError::Rendezvous(format!(
+            RendezvousError::Rendezvous(format!(
                 "key '{key}' was not set within {}: the rank that publishes it (usually rank 0) \
                  has not got that far; see its output for an error",
                 seconds(timeout)
@@ -141,7 +141,7 @@ impl StoreClient {
     }
 
     /// Like [`StoreClient::get`], with `None` instead of an error when the key stays unset.
-    pub(super) fn try_get(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, CommError> {
+    pub(super) fn try_get(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, RendezvousError> {
         check_key(key)?;
         let request = Request::Get {
             key: key.to_string(),
@@ -170,9 +170,9 @@ impl StoreClient {
     /// reads it. Counters are stored as 8 little-endian bytes.
     ///
     /// # Errors
-    /// [`CommError::Rendezvous`] when `key` holds a value set by [`StoreClient::set`] that is not
+    /// [`RendezvousError::Rendezvous`] when `key` holds a value set by [`StoreClient::set`] that is not
     /// 8 bytes long, or the store is gone.
-    pub fn add(&self, key: &str, delta: i64) -> Result<i64, CommError> {
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64, RendezvousError> {
         check_key(key)?;
         let request = Request::Add {
             key: key.to_string(),
@@ -186,7 +186,7 @@ impl StoreClient {
             Ok(())
         })?;
         match status {
-            wire::NOT_COUNTER => Err(CommError::Rendezvous(format!(
+            wire::NOT_COUNTER => Err(RendezvousError::Rendezvous(format!(
                 "key '{key}' holds a value that is not a counter; use another key for add"
             ))),
             status => self.expect_ok(status, "add", key).map(|()| sum),
@@ -197,12 +197,12 @@ impl StoreClient {
     /// `barrier` on their own client meets the others' `n`-th call).
     ///
     /// # Errors
-    /// [`CommError::InvalidWorldSize`] when `world_size == 0`; [`CommError::Rendezvous`] when not
+    /// [`RendezvousError::InvalidWorldSize`] when `world_size == 0`; [`RendezvousError::Rendezvous`] when not
     /// every rank arrived within `timeout` (the message says how many did) or more than
     /// `world_size` ranks arrived (ranks disagree on `WORLD_SIZE`, or two jobs share the store).
-    pub fn barrier(&self, world_size: usize, timeout: Duration) -> Result<(), CommError> {
+    pub fn barrier(&self, world_size: usize, timeout: Duration) -> Result<(), RendezvousError> {
         if world_size == 0 {
-            return Err(CommError::InvalidWorldSize(world_size));
+            return Err(RendezvousError::InvalidWorldSize(world_size));
         }
         let n = self.barriers.fetch_add(1, Ordering::Relaxed);
         let count_key = format!("burn-shard/barrier/{n}/count");
@@ -210,7 +210,7 @@ impl StoreClient {
         let arrived = self.add(&count_key, 1)?;
         let world = world_size as i64;
         if arrived > world {
-            return Err(CommError::Rendezvous(format!(
+            return Err(RendezvousError::Rendezvous(format!(
                 "{arrived} ranks entered barrier #{n} but world_size is {world_size}: WORLD_SIZE differs \
                  between ranks, or two jobs use the same MASTER_ADDR:MASTER_PORT"
             )));
@@ -223,7 +223,7 @@ impl StoreClient {
             return Ok(());
         }
         let arrived = self.add(&count_key, 0).unwrap_or(arrived);
-        Err(CommError::Rendezvous(format!(
+        Err(RendezvousError::Rendezvous(format!(
             "only {arrived} of {world_size} ranks reached barrier #{n} within {}: a rank failed or is \
              stuck before it (see the output of the missing ranks)",
             seconds(timeout)
@@ -239,10 +239,10 @@ impl StoreClient {
         request: &Request,
         reply_timeout: Duration,
         read_rest: impl FnOnce(&mut TcpStream, u8) -> io::Result<()>,
-    ) -> Result<u8, CommError> {
+    ) -> Result<u8, RendezvousError> {
         let mut connection = self.connection.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(why) = &connection.broken {
-            return Err(CommError::Rendezvous(why.clone()));
+            return Err(RendezvousError::Rendezvous(why.clone()));
         }
         let stream = &mut connection.stream;
         // Both directions bounded: a store that stopped reading would otherwise block the send.
@@ -270,15 +270,15 @@ impl StoreClient {
                 ),
             };
             connection.broken = Some(why.clone());
-            CommError::Rendezvous(why)
+            RendezvousError::Rendezvous(why)
         })
     }
 
-    fn expect_ok(&self, status: u8, op: &str, key: &str) -> Result<(), CommError> {
+    fn expect_ok(&self, status: u8, op: &str, key: &str) -> Result<(), RendezvousError> {
         if status == wire::OK {
             Ok(())
         } else {
-            Err(CommError::Rendezvous(format!(
+            Err(RendezvousError::Rendezvous(format!(
                 "the rendezvous at {} answered {op} '{key}' with unknown status {status}: \
                  all ranks must run the same burn-shard version",
                 self.addr
@@ -300,9 +300,9 @@ fn hello(mut stream: TcpStream, timeout: Duration) -> io::Result<Result<TcpStrea
     Ok(Ok(stream))
 }
 
-fn check_key(key: &str) -> Result<(), CommError> {
+fn check_key(key: &str) -> Result<(), RendezvousError> {
     if key.len() > wire::MAX_KEY_BYTES {
-        return Err(CommError::Rendezvous(format!(
+        return Err(RendezvousError::Rendezvous(format!(
             "a key of {} bytes is over the store's limit of {} bytes",
             key.len(),
             wire::MAX_KEY_BYTES

@@ -6,10 +6,13 @@
 //! and sets, waits for and counts keys. [`RendezvousEnv`] reads the launcher's variables and
 //! [`Rendezvous`] does both steps for this process, then checks that the job's ranks add up
 //! (each `RANK` once, one `WORLD_SIZE`, nobody missing). Standard library only: no serde, no
-//! async. The keys it uses start with `burn-shard/`.
+//! async, no Burn (its own dependencies are `thiserror` and `tracing`), so the launcher
+//! `burn-shard-run` uses it too, for the variables' names. The keys it uses start with
+//! `burn-shard/`.
 
 mod client;
 mod env;
+mod error;
 mod membership;
 mod server;
 mod wire;
@@ -18,11 +21,10 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 pub use client::StoreClient;
-pub use env::RendezvousEnv;
+pub use env::{LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RANK, RendezvousEnv, WORLD_SIZE};
+pub use error::RendezvousError;
 pub use server::StoreServer;
 pub use wire::{MAX_KEY_BYTES, MAX_VALUE_BYTES};
-
-use crate::CommError;
 
 /// Default time to wait for the rendezvous and for keys (60 s): long enough for the last
 /// process of a job to start, short enough that a missing rank is reported soon.
@@ -70,7 +72,7 @@ impl Rendezvous {
     /// (the others have already started without it).
     ///
     /// # Errors
-    /// [`CommError::Rendezvous`] when:
+    /// [`RendezvousError::Rendezvous`] when:
     /// - rank 0 cannot bind the port or resolve `MASTER_ADDR`;
     /// - a rank finds no store within `timeout` (rank 0 is not running, or `MASTER_ADDR` or
     ///   `MASTER_PORT` differ between ranks);
@@ -85,7 +87,7 @@ impl Rendezvous {
     /// On rank 0, a failed join returns at once, but the store keeps answering in the background
     /// (holding `MASTER_PORT`) for at most `timeout` more, until every process the job is known
     /// to have has read the problem: so ranks still starting report it rather than a lost store.
-    pub fn new(env: RendezvousEnv, timeout: Duration) -> Result<Self, CommError> {
+    pub fn new(env: RendezvousEnv, timeout: Duration) -> Result<Self, RendezvousError> {
         let server = if env.rank == 0 {
             Some(StoreServer::bind(listen_addr(&env)?)?)
         } else {
@@ -117,8 +119,8 @@ impl Rendezvous {
     /// [`RENDEZVOUS_DEFAULT_TIMEOUT`].
     ///
     /// # Errors
-    /// [`CommError::Env`] for missing or malformed variables, else as [`Rendezvous::new`].
-    pub fn from_env() -> Result<Self, CommError> {
+    /// [`RendezvousError::Env`] for missing or malformed variables, else as [`Rendezvous::new`].
+    pub fn from_env() -> Result<Self, RendezvousError> {
         Self::new(RendezvousEnv::from_env()?, RENDEZVOUS_DEFAULT_TIMEOUT)
     }
 
@@ -142,7 +144,7 @@ impl Rendezvous {
     ///
     /// # Errors
     /// As [`StoreClient::barrier`]: the message says how many ranks arrived within `timeout`.
-    pub fn barrier(&self, timeout: Duration) -> Result<(), CommError> {
+    pub fn barrier(&self, timeout: Duration) -> Result<(), RendezvousError> {
         self.client.barrier(self.env.world_size, timeout)
     }
 }
@@ -150,11 +152,11 @@ impl Rendezvous {
 /// The address rank 0 listens on: every interface, in the family of `MASTER_ADDR` (binding to
 /// `MASTER_ADDR` itself would fail where a host name resolves to a loopback alias, as Debian's
 /// `127.0.1.1`, and other nodes could not reach it).
-fn listen_addr(env: &RendezvousEnv) -> Result<SocketAddr, CommError> {
+fn listen_addr(env: &RendezvousEnv) -> Result<SocketAddr, RendezvousError> {
     let resolved: Vec<SocketAddr> = (env.master_addr.as_str(), env.master_port)
         .to_socket_addrs()
         .map_err(|e| {
-            CommError::Rendezvous(format!(
+            RendezvousError::Rendezvous(format!(
                 "rank 0 cannot resolve MASTER_ADDR {:?}: {e}; set it to this machine's host name or IP address",
                 env.master_addr
             ))

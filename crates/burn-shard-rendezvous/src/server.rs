@@ -9,7 +9,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use super::wire::{self, Request};
-use crate::CommError;
+use crate::RendezvousError;
 
 /// How often the accept loop looks at the stop flag.
 const ACCEPT_POLL: Duration = Duration::from_millis(10);
@@ -57,22 +57,22 @@ impl StoreServer {
     /// [`StoreServer::local_addr`]) and serves until dropped.
     ///
     /// # Errors
-    /// [`CommError::Rendezvous`] when the address cannot be bound (port in use, address not of
+    /// [`RendezvousError::Rendezvous`] when the address cannot be bound (port in use, address not of
     /// this machine), naming the port to change.
-    pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<Self, CommError> {
+    pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<Self, RendezvousError> {
         let listener = TcpListener::bind(&addr).map_err(|e| {
-            CommError::Rendezvous(format!(
+            RendezvousError::Rendezvous(format!(
                 "rank 0 cannot host the rendezvous on {addr:?}: {e}; choose a free MASTER_PORT \
                  (the same on every rank), or stop the job that holds this one"
             ))
         })?;
         let local = listener
             .local_addr()
-            .map_err(|e| CommError::Rendezvous(format!("the rendezvous socket has no address: {e}")))?;
+            .map_err(|e| RendezvousError::Rendezvous(format!("the rendezvous socket has no address: {e}")))?;
         // Non-blocking accept, so the loop can see the stop flag without a wake-up connection.
         listener
             .set_nonblocking(true)
-            .map_err(|e| CommError::Rendezvous(format!("rendezvous socket: {e}")))?;
+            .map_err(|e| RendezvousError::Rendezvous(format!("rendezvous socket: {e}")))?;
         let shared = Arc::new(Shared::default());
         let accept = thread::Builder::new()
             .name("rendezvous-accept".into())
@@ -80,7 +80,7 @@ impl StoreServer {
                 let shared = shared.clone();
                 move || accept_loop(listener, shared)
             })
-            .map_err(|e| CommError::Rendezvous(format!("cannot start the rendezvous thread: {e}")))?;
+            .map_err(|e| RendezvousError::Rendezvous(format!("cannot start the rendezvous thread: {e}")))?;
         tracing::debug!(%local, "rendezvous store listening");
         Ok(Self {
             addr: local,

@@ -1,0 +1,63 @@
+//! Aborting the group ([`MpiComm::abort_group`], behind `Collective::abort`): the notices a
+//! failing rank sends to every other rank on the control communicator, how a rank picks one up,
+//! and [`MpiComm::reject`] for a precondition every rank checks.
+
+use ::mpi::request::StaticScope;
+use ::mpi::traits::*;
+
+use super::comm::{MpiComm, State};
+use super::pinned::Pinned;
+use super::process::mpi_calls;
+use crate::CommError;
+
+/// Tag of the abort notices on the control communicator.
+const ABORT_TAG: i32 = 1;
+
+impl MpiComm {
+    /// Reads one pending abort notice from another rank, if any, and aborts this rank with it.
+    pub(super) fn receive_notice(&self, state: &State) {
+        if let Some(probed) = state.control.any_process().immediate_matched_probe_with_tag(ABORT_TAG) {
+            let (bytes, status) = probed.matched_receive_vec::<u8>();
+            let reason = String::from_utf8_lossy(&bytes).into_owned();
+            self.mark_aborted(format!("rank {} aborted: {reason}", status.source_rank()));
+        }
+    }
+
+    /// Sends `reason` to every other rank's control communicator. Never blocks: the sends are
+    /// not waited for (a peer may have failed too), and their buffers are never freed.
+    pub(super) fn send_notices(&self, state: &State, reason: &str) {
+        for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+            let notice = Pinned::new(reason.as_bytes().to_vec());
+            // SAFETY: the notice is never taken back, so it stays allocated for as long as
+            // MPI may send it; the forgotten request only leaks MPI's bookkeeping of it.
+            let request = unsafe {
+                state.control.process_at_rank(peer as i32).immediate_send_with_tag(
+                    StaticScope,
+                    notice.as_static(),
+                    ABORT_TAG,
+                )
+            };
+            std::mem::forget(request);
+        }
+    }
+
+    /// Fails (and aborts the group, so the peers fail too) on a precondition every rank checks.
+    pub(super) fn reject(&self, err: CommError) -> CommError {
+        self.abort_group(&format!("rank {}: {err}", self.rank));
+        err
+    }
+
+    /// `Collective::abort`: marks this rank aborted and sends `reason` to every other rank.
+    pub(super) fn abort_group(&self, reason: &str) {
+        if !self.mark_aborted(reason.to_string()) {
+            return; // already aborted: the notices went out then, or the peers know
+        }
+        // A call of another thread polling with the lock held sees the flag and returns.
+        let _calls = mpi_calls();
+        if ::mpi::environment::is_finalized() {
+            return;
+        }
+        let state = self.state();
+        self.send_notices(&state, reason);
+    }
+}
