@@ -80,10 +80,14 @@ impl ShardArgs {
         }
     }
 
-    /// Turns a `--resume` that names a `--save-dir` into its newest complete checkpoint.
+    /// Turns a `--resume` that names a `--save-dir` into its newest complete checkpoint (of
+    /// the directory's current lineage: see `burn_shard::checkpoint::list`), and refuses a run
+    /// without `--resume` whose `--save-dir` already holds checkpoints (its saves would mix
+    /// with another run's).
     ///
     /// # Errors
-    /// The directory cannot be listed, or holds no complete checkpoint.
+    /// The directory cannot be listed, or holds no complete checkpoint; a fresh run's
+    /// `--save-dir` holds some.
     pub fn resolve_resume(&mut self) -> Result<(), String> {
         if let Some(dir) = &self.resume
             && !dir.join("meta.json").exists()
@@ -91,6 +95,17 @@ impl ShardArgs {
             let newest = burn_shard::checkpoint::list(dir).map_err(|e| e.to_string())?.pop();
             self.resume =
                 Some(newest.ok_or_else(|| format!("--resume {}: no complete checkpoint there", dir.display()))?);
+        }
+        if let (None, Some(root)) = (&self.resume, &self.save_dir)
+            && root.is_dir()
+            && let Some(newest) = burn_shard::checkpoint::list(root).map_err(|e| e.to_string())?.pop()
+        {
+            return Err(format!(
+                "--save-dir {} already holds checkpoints (newest: {}); continue them with --resume {0}, \
+                 roll back with --resume {0}/step-N (the later ones are then moved aside), or pass another --save-dir",
+                root.display(),
+                newest.display()
+            ));
         }
         Ok(())
     }

@@ -141,7 +141,9 @@ impl Progress {
 }
 
 /// Loads `args.resume` (if any) into `model` and `optim`; returns the model and the step to
-/// start from (the checkpoint payload's `"step"`, 0 without `--resume`).
+/// start from (the checkpoint payload's `"step"`, 0 without `--resume`). When `--save-dir`
+/// holds checkpoints after the resumed one (a rollback), they move into
+/// `--save-dir/abandoned-<run id>/` and a line says so (a collective: every rank calls it).
 ///
 /// # Errors
 /// The checkpoint's errors (corrupt, another model, ...), or a checkpoint at or past `steps`.
@@ -164,6 +166,25 @@ pub fn resume<M: Module, O: MasterWeightStep>(
     }
     if optim.comm().rank() == 0 {
         println!("resumed from {} at step {start}", dir.display());
+    }
+    // A rollback: the later checkpoints of --save-dir belong to the abandoned run. They move
+    // aside now (never deleted), so this run's saves, `keep_last` and `--resume DIR` see its
+    // own lineage only.
+    if let Some(root) = &args.save_dir {
+        let moved = optim.set_aside_abandoned(root)?;
+        if let (0, Some(first)) = (optim.comm().rank(), moved.first()) {
+            let names: Vec<String> = moved
+                .iter()
+                .filter_map(|p| Some(p.file_name()?.to_string_lossy().into_owned()))
+                .collect();
+            println!(
+                "{} is not the newest checkpoint of {}: moved the later ones ({}) into {}",
+                dir.display(),
+                root.display(),
+                names.join(", "),
+                first.parent().unwrap_or(root).display()
+            );
+        }
     }
     Ok((model, start))
 }

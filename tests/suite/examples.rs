@@ -531,3 +531,118 @@ fn max_grad_norm_reaches_the_optimizer() {
     assert!(clipped.abs() < 0.01, "clipped to 1e-9 the loss moved by {clipped}");
     assert!(free < -0.05, "unclipped the loss moved by {free}");
 }
+
+/// The examples' `--world-size`, `--stage` and checkpoint options alone.
+#[derive(clap::Parser)]
+struct CheckpointCli {
+    #[command(flatten)]
+    shard: burn_shard_examples::cli::ShardArgs,
+}
+
+/// A training run through the examples' `resume` and `save_if_due` (`TinyMlp`, 12 steps, one
+/// step per global batch): resolves `--resume` first as the examples do. Returns the error of
+/// the resolution or the run, as text.
+fn checkpointed_run(options: &[&str], steps: usize) -> Result<(), String> {
+    use burn::optim::AdamWConfig;
+    use burn_shard::Stage;
+    use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
+    use burn_shard_examples::training::{Progress, resume, save_if_due};
+
+    use crate::common::{IN, OUT, TinyMlp, mse, rank_rows, rows, sharded_step};
+    let mut args = CheckpointCli::parse_from(std::iter::once("example").chain(options.iter().copied())).shard;
+    args.resolve_resume()?;
+    let stage = args.stage_or(Stage::Two);
+    let base = TinyMlp::new(&Device::flex().autodiff());
+    let results = run_ranks(InProcessGroup::new(args.world_size).unwrap(), |comm| {
+        let rank = comm.rank();
+        let device = Device::flex().autodiff();
+        let (model, mut optim) = args
+            .shard_config(stage)
+            .init(base.clone().fork(&device), AdamWConfig::new(), comm)?;
+        let (mut model, start) = resume(&args, &mut optim, model, steps)?;
+        let progress = Progress::new(rank, steps, start);
+        let (lo, hi) = rank_rows(rank, args.world_size, 12);
+        for step in start..steps {
+            let (x, y) = crate::common::batch(step, 12);
+            let loss = mse(&model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
+            model = sharded_step(&mut optim, model, loss, 1e-2).0;
+            save_if_due(&args, &optim, &model, step + 1, steps, &progress)?;
+        }
+        Ok::<_, burn_shard::ShardError>(())
+    })
+    .map_err(|e| e.to_string())?;
+    results
+        .into_iter()
+        .collect::<Result<Vec<()>, _>>()
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Issue #30, 1, through the examples' options: run A saves steps 4, 8 and 12 into DIR; run B
+/// resumes from DIR/step-000004 into the same DIR with `--save-every 4` (A's names) or 3, and
+/// `--keep 2`. B's saves succeed, A's later checkpoints are moved into DIR/abandoned-*/,
+/// `--resume DIR` takes B's step 12. A run without `--resume` into DIR is refused.
+#[test]
+fn a_rollback_into_the_save_dir_continues_the_new_lineage() {
+    use burn_shard::checkpoint::{ABANDONED_PREFIX, CheckpointMeta, list};
+    for (world_size, stage) in [("1", "0"), ("3", "3")] {
+        for every in ["4", "3"] {
+            let root = scratch("examples-tests", &format!("rollback-{world_size}-{stage}-{every}"));
+            let dir = root.to_str().unwrap();
+            let common = ["--world-size", world_size, "--stage", stage, "--save-dir", dir];
+            let with = |extra: &[&str]| -> Vec<String> { common.iter().chain(extra).map(|s| s.to_string()).collect() };
+            let run = |extra: &[&str]| {
+                let options = with(extra);
+                checkpointed_run(&options.iter().map(String::as_str).collect::<Vec<_>>(), 12)
+            };
+            run(&["--save-every", "4"]).expect("run A");
+            let a_run = CheckpointMeta::read(&root.join("step-000012"))
+                .unwrap()
+                .lineage
+                .unwrap()
+                .run;
+            let refused = run(&["--save-every", "4"]).expect_err("a fresh run into a used --save-dir");
+            assert!(refused.contains("already holds checkpoints"), "{refused}");
+            let step4 = root.join("step-000004");
+            run(&[
+                "--save-every",
+                every,
+                "--keep",
+                "2",
+                "--resume",
+                step4.to_str().unwrap(),
+            ])
+            .expect("run B: every save succeeds");
+            let case = format!("world size {world_size}, stage {stage}, --save-every {every}");
+            let listed: Vec<String> = list(&root)
+                .unwrap()
+                .iter()
+                .map(|d| d.file_name().unwrap().to_string_lossy().into_owned())
+                .collect();
+            let expected = match every {
+                "4" => ["step-000008", "step-000012"],
+                _ => ["step-000009", "step-000012"],
+            };
+            assert_eq!(listed, expected, "{case}");
+            // `--resume DIR` takes B's newest.
+            let mut resumed = CheckpointCli::parse_from(["example", "--resume", dir]).shard;
+            resumed.resolve_resume().unwrap();
+            let newest = resumed.resume.unwrap();
+            assert_eq!(newest, root.join("step-000012"), "{case}");
+            let lineage = CheckpointMeta::read(&newest).unwrap().lineage.unwrap();
+            assert_eq!(lineage.parent.as_deref(), Some("step-000004"), "{case}");
+            assert_ne!(lineage.run, a_run, "{case}");
+            // A's later checkpoints are still on disk, moved aside.
+            let aside: Vec<_> = std::fs::read_dir(&root)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(ABANDONED_PREFIX))
+                .collect();
+            assert_eq!(aside.len(), 1, "{case}: {aside:?}");
+            for step in ["step-000008", "step-000012"] {
+                let meta = CheckpointMeta::read(&aside[0].join(step)).unwrap();
+                assert_eq!(meta.lineage.unwrap().run, a_run, "{case}: {step} is A's");
+            }
+        }
+    }
+}

@@ -11,7 +11,8 @@ use burn::optim::{RecordState, StateSource};
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::files::{RankFiles, digest};
-use super::meta::{CheckpointMeta, EntryMeta, dtype_name};
+use super::lineage::name_of;
+use super::meta::{CheckpointMeta, EntryMeta, Lineage, dtype_name};
 use super::pieces::{Holding, piece, stepped};
 use super::{CheckpointError, SCHEDULER};
 use crate::error::ShardError;
@@ -31,6 +32,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// step count, `f32` masters) from whichever rank files hold them. The same world size and
     /// stage continue bitwise as if never interrupted. Entries are matched by module path, so a
     /// rebuilt model (new `ParamId`s) loads too.
+    ///
+    /// A new run starts here: the next checkpoints record `dir` as their parent, and the next
+    /// save into a directory holding later checkpoints of another lineage sets them aside (see
+    /// [`ShardedOptimizer::save_checkpoint`]). Loading changes nothing on disk.
     ///
     /// # Errors
     /// [`CheckpointError::Incomplete`], [`CheckpointError::Missing`],
@@ -81,7 +86,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 true => Ok((read, Some(read_scheduler(dir)?))),
                 false => Ok((read, None)),
             });
-        let ((values, shards, states, masters, payload, scaler), record) = self.agree(loaded, "load_checkpoint")?;
+        let ((values, shards, states, masters, payload, scaler, lineage), record) =
+            self.agree(loaded, "load_checkpoint")?;
+        // A new run starts here: its checkpoints continue the loaded one's history.
+        self.lineage = Lineage::resumed_from(&name_of(dir), lineage.as_ref());
         // The scale continues where it was (every rank reads the same one, so all fail
         // together on a bad one); a run without a scaler ignores a saved one.
         if let (Some(mine), Some(saved)) = (&mut self.loss_scaler, scaler) {
@@ -113,6 +121,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             Vec<Option<Tensor<1>>>,
             serde_json::Value,
             Option<crate::optim::loss_scale::LossScaler>,
+            Option<Lineage>,
         ),
         ShardError,
     > {
@@ -188,6 +197,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             masters,
             meta.payload.clone(),
             meta.loss_scaler.clone(),
+            meta.lineage.clone(),
         ))
     }
 }

@@ -9,20 +9,38 @@
 //!   parameter);
 //! - `rank-R.sha256`: that file's SHA-256 and size, written by its rank after the file;
 //! - `meta.json` (rank 0): format version, world size, stage, for every entry its module path,
-//!   full shape, dtype and which rank holds which element range, the files' digests, and the
-//!   caller's payload (step, data position, seed, scheduler state);
+//!   full shape, dtype and which rank holds which element range, the files' digests, the
+//!   caller's payload (step, data position, seed, scheduler state) and the lineage;
 //! - `scheduler.bpk` (rank 0, when saved with a scheduler): Burn's `LrSchedulerRecord`;
 //! - `COMPLETE`: written last. A directory without it is not a checkpoint.
 //!
 //! Every piece is a range of the flattened entry, so a reader at another world size or stage
 //! takes the ranges it needs from whichever files hold them: no conversion step. Saving writes
 //! into `DIR.partial` and renames it to `DIR` once every rank is done, so a failed save leaves
-//! no half checkpoint and never touches an earlier one. Files are verified against their
-//! digests before they are read. Ranks must see one filesystem (the usual shared checkpoint
-//! directory).
+//! no half checkpoint and never touches an earlier one: a failed save removes its
+//! `DIR.partial` (rank 0, once every rank is done with it), and a save that finds a `*.partial`
+//! next to its target (left by a crashed process) removes it and says so with
+//! `tracing::warn!`. Files are verified against their digests before they are read. Ranks
+//! must see one filesystem (the usual shared checkpoint directory), and one run saves into a
+//! directory at a time.
+//!
+//! # Lineage
+//!
+//! A run starts at `init` or at a load, with a new id; each checkpoint records its run's id, the
+//! checkpoint that run resumed from, and the history before it ([`Lineage`]). A run resumed from
+//! a checkpoint that is not the newest in a directory it saves into (a rollback: resume from
+//! `step-4` of a directory holding `step-8` and `step-12`) starts a new branch there: before its
+//! first save into the directory it moves the checkpoints that sort after the one it resumed
+//! from and are not of its history into `DIR/abandoned-<run id>/` (never deleting them; rank 0
+//! moves, every rank agrees; a `tracing::warn!` names them). [`list`], [`keep_last`] and the
+//! examples' `--resume DIR` see only the lineage of the newest checkpoint of a directory, so
+//! `keep_last` never removes an abandoned checkpoint nor one of another lineage. A fresh run
+//! moves nothing (saving over an existing checkpoint is refused). Checkpoints written before
+//! lineages existed load as before, and count as one unnamed run.
 
 mod consolidate;
 mod files;
+mod lineage;
 mod load;
 mod meta;
 mod pieces;
@@ -33,7 +51,8 @@ use std::path::{Path, PathBuf};
 
 pub use crate::error::CheckpointError;
 pub use consolidate::{ConsolidateReport, consolidate, consolidate_optimizer, consolidate_safetensors};
-pub use meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Piece};
+pub use lineage::ABANDONED_PREFIX;
+pub use meta::{Branch, CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Lineage, Piece};
 pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, reshard};
 
 /// The metadata file.

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use super::files::{RankFile, RankFiles, digest, read_digest};
+use super::lineage::{complete_dirs, discard, lineage_of, name_of};
 use super::meta::CheckpointMeta;
 use super::pieces::{Holding, pieces};
 use super::save::{begin, finish};
@@ -92,88 +93,107 @@ pub fn reshard(
     }
     let meta = CheckpointMeta::read(dir)?;
     let partial = begin(out)?;
-    let mut files = RankFiles::new(dir, &meta);
-    let mut entries = meta.entries.clone();
-    for entry in &mut entries {
-        entry.pieces = pieces(Stage::Three, Holding::Chunks, entry.numel(), world_size);
-    }
-    for rank in 0..world_size {
-        let mut file = RankFile::default();
-        for (old, new) in meta.entries.iter().zip(&entries) {
-            let Some(piece) = new.pieces.iter().find(|p| p.rank == rank) else {
-                continue;
-            };
-            let range = piece.start..piece.end;
-            let first = old
-                .pieces
-                .first()
-                .map(|p| p.rank)
-                .ok_or_else(|| CheckpointError::Corrupt {
-                    file: dir.join(super::META),
-                    reason: format!("`{}` has no pieces", old.path),
-                })?;
-            let path = &old.path;
-            let mut names = vec![format!("param/{path}")];
-            let state = format!("state/{path}/");
-            names.extend(
-                files
-                    .tensors_under(first, &state)?
-                    .into_iter()
-                    .map(|f| format!("{state}{f}")),
-            );
-            if files
-                .tensors_under(first, &format!("master/{path}"))?
-                .iter()
-                .any(String::is_empty)
-            {
-                names.push(format!("master/{path}"));
-            }
-            for name in names {
-                let data = files.read_range(old, &name, range.clone())?;
-                file.push(name, data);
-            }
-            for (field, value) in files.scalars_under(first, &state)? {
-                file.push_scalar(format!("{state}{field}"), value);
-            }
+    // A failed rewrite leaves nothing behind.
+    let written = (|| -> Result<CheckpointMeta, CheckpointError> {
+        let mut files = RankFiles::new(dir, &meta);
+        let mut entries = meta.entries.clone();
+        for entry in &mut entries {
+            entry.pieces = pieces(Stage::Three, Holding::Chunks, entry.numel(), world_size);
         }
-        file.write(&partial, rank)?;
+        for rank in 0..world_size {
+            let mut file = RankFile::default();
+            for (old, new) in meta.entries.iter().zip(&entries) {
+                let Some(piece) = new.pieces.iter().find(|p| p.rank == rank) else {
+                    continue;
+                };
+                let range = piece.start..piece.end;
+                let first = old
+                    .pieces
+                    .first()
+                    .map(|p| p.rank)
+                    .ok_or_else(|| CheckpointError::Corrupt {
+                        file: dir.join(super::META),
+                        reason: format!("`{}` has no pieces", old.path),
+                    })?;
+                let path = &old.path;
+                let mut names = vec![format!("param/{path}")];
+                let state = format!("state/{path}/");
+                names.extend(
+                    files
+                        .tensors_under(first, &state)?
+                        .into_iter()
+                        .map(|f| format!("{state}{f}")),
+                );
+                if files
+                    .tensors_under(first, &format!("master/{path}"))?
+                    .iter()
+                    .any(String::is_empty)
+                {
+                    names.push(format!("master/{path}"));
+                }
+                for name in names {
+                    let data = files.read_range(old, &name, range.clone())?;
+                    file.push(name, data);
+                }
+                for (field, value) in files.scalars_under(first, &state)? {
+                    file.push_scalar(format!("{state}{field}"), value);
+                }
+            }
+            file.write(&partial, rank)?;
+        }
+        let resharded = CheckpointMeta {
+            world_size,
+            entries,
+            files: (0..world_size)
+                .map(|r| read_digest(&partial, r))
+                .collect::<Result<_, _>>()?,
+            ..meta.clone()
+        };
+        finish(out, &resharded)?;
+        Ok(resharded)
+    })();
+    if written.is_err() {
+        discard(&partial);
     }
-    let resharded = CheckpointMeta {
-        world_size,
-        entries,
-        files: (0..world_size)
-            .map(|r| read_digest(&partial, r))
-            .collect::<Result<_, _>>()?,
-        ..meta.clone()
-    };
-    finish(out, &resharded)?;
-    Ok(resharded)
+    written
 }
 
-/// The complete checkpoints directly inside `root`, oldest first: by the number that ends the
-/// directory's name (`step-123` before `step-1000`), then by name.
+/// The complete checkpoints directly inside `root` of its current lineage, oldest first: by
+/// the number that ends the directory's name (`step-123` before `step-1000`), then by name.
+///
+/// The current lineage is the newest checkpoint's history (see [`Lineage`]): its run's
+/// checkpoints and those of the runs it resumed, up to where each was resumed. Checkpoints of
+/// other lineages (a run that was resumed from an earlier point, another run's) are not
+/// listed; nor are those a resumed run set aside into `root/abandoned-<run>/`. When the newest
+/// checkpoint has no lineage (saved by an earlier version), every complete checkpoint is
+/// listed, as before; directories whose metadata cannot be read always are.
+///
+/// [`Lineage`]: super::Lineage
 ///
 /// # Errors
 /// [`CheckpointError::Io`] when `root` cannot be listed.
 pub fn list(root: impl AsRef<Path>) -> Result<Vec<PathBuf>, CheckpointError> {
-    let root = root.as_ref();
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
-        .map_err(|e| CheckpointError::io(root, e))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join(COMPLETE).is_file())
-        .collect();
-    let step = |p: &PathBuf| -> Option<u64> {
-        let name = p.file_name()?.to_str()?;
-        let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
-        name[name.len() - digits..].parse().ok()
+    let dirs = complete_dirs(root.as_ref())?;
+    let Some(newest) = dirs.last() else {
+        return Ok(dirs);
     };
-    dirs.sort_by(|a, b| step(a).cmp(&step(b)).then_with(|| a.cmp(b)));
-    Ok(dirs)
+    let Some(Some(current)) = lineage_of(newest) else {
+        return Ok(dirs);
+    };
+    let upto = name_of(newest);
+    Ok(dirs
+        .into_iter()
+        .filter(|dir| match lineage_of(dir) {
+            None => true,
+            Some(other) => current.contains(Some(&upto), &name_of(dir), other.as_ref()),
+        })
+        .collect())
 }
 
-/// Removes all but the `keep` newest complete checkpoints of `root` (see [`list`]); returns
-/// the removed ones. Incomplete directories (a save in progress or failed) are left alone. Call
-/// it on one rank, after a save has returned.
+/// Removes all but the `keep` newest complete checkpoints of `root`'s current lineage (see
+/// [`list`]); returns the removed ones. Checkpoints of other lineages, those set aside into
+/// `root/abandoned-<run>/`, and incomplete directories (a save in progress or failed) are left
+/// alone. Call it on one rank, after a save has returned.
 ///
 /// # Errors
 /// [`CheckpointError::Io`].

@@ -1,7 +1,7 @@
 //! Saving: every rank writes its pieces, rank 0 the metadata, and the directory appears whole.
 
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::{Module, ParamId};
@@ -10,7 +10,8 @@ use burn::tensor::{Tensor, TensorData};
 use burn_shard_comm::ReduceOp;
 
 use super::files::{RankFile, digest, read_digest};
-use super::meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, dtype_name};
+use super::lineage::{abandoned_dir, clear_leftovers, discard, name_of, set_aside, to_set_aside};
+use super::meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Lineage, dtype_name};
 use super::pieces::{Holding, piece, pieces};
 use super::{COMPLETE, CheckpointError, META, SCHEDULER, partial_dir};
 use crate::error::ShardError;
@@ -34,9 +35,16 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// at stage 3 its shard of every sharded parameter; rank 0 the buffers and other whole
     /// entries, and `meta.json`. See the [module docs](crate::checkpoint) for the layout.
     ///
+    /// A run resumed from a checkpoint (see [`ShardedOptimizer::load_checkpoint`]) first sets
+    /// aside, in `dir`'s parent, the complete checkpoints that sort after the one it resumed
+    /// from and are not of its history: they move into `abandoned-<run id>/` there (see the
+    /// [module docs](crate::checkpoint#lineage)). Before writing, rank 0 removes what crashed
+    /// saves left there (`*.partial`); a failed save removes its own `DIR.partial`.
+    ///
     /// # Errors
-    /// [`CheckpointError::Exists`] when `dir` exists, [`CheckpointError::Io`] when a file
-    /// cannot be written (then `dir` is not created, and no earlier checkpoint is touched),
+    /// [`CheckpointError::Exists`] when `dir` exists (and is not set aside),
+    /// [`CheckpointError::Io`] when a file cannot be written (then `dir` is not created,
+    /// `DIR.partial` is removed, and no earlier checkpoint is touched),
     /// [`CheckpointError::PeerFailed`] on the ranks that did not fail themselves, wrapped in
     /// [`ShardError::Checkpoint`]; [`ShardError::Comm`]. Every rank returns an error when one
     /// rank fails, and the group stays usable: training can go on.
@@ -66,6 +74,35 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.save_impl(model, dir.as_ref(), payload, Some(scheduler))
     }
 
+    /// Sets aside now what this run's next save into the checkpoint directory `root` would
+    /// (see [`ShardedOptimizer::save_checkpoint`]): after a load, the complete checkpoints of
+    /// `root` that sort after the loaded one and are not of its history move into
+    /// `root/abandoned-<run id>/`; nothing for a fresh run. A collective: rank 0 moves, every
+    /// rank returns the same new paths (or the same failure). Call it after resuming to have
+    /// the move, and the `tracing::warn!` that names it, at the start of the run rather than at
+    /// its first save.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Io`] when `root` cannot be listed or a checkpoint cannot be moved
+    /// (those moved before stay moved), [`CheckpointError::PeerFailed`] on the other ranks,
+    /// wrapped in [`ShardError::Checkpoint`]; [`ShardError::Comm`].
+    pub fn set_aside_abandoned(&self, root: impl AsRef<Path>) -> Result<Vec<PathBuf>, ShardError> {
+        let root = root.as_ref();
+        let lineage = self.agreed_lineage()?;
+        let planned = self.agree(
+            to_set_aside(root, &lineage).map_err(ShardError::from),
+            "set_aside_abandoned",
+        )?;
+        let moved = match self.comm.rank() {
+            0 => set_aside(root, &lineage, &planned).map_err(ShardError::from),
+            _ => Ok(planned
+                .iter()
+                .map(|d| abandoned_dir(root, &lineage.run).join(name_of(d)))
+                .collect()),
+        };
+        self.agree(moved, "set_aside_abandoned")
+    }
+
     fn save_impl<M: Module>(
         &self,
         model: &M,
@@ -75,42 +112,104 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     ) -> Result<(), ShardError> {
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         let partial = partial_dir(dir);
-        // 1. Every rank checks the target (one filesystem: they agree); rank 0 prepares it.
+        let root = parent_of(dir);
+        let lineage = self.agreed_lineage()?;
+        // 1. Every rank checks the target and finds what to set aside (one filesystem: they
+        //    agree).
         let pending = self.accumulated.iter().flatten().count()
             + self.reduced_present.iter().filter(|&&p| p).count()
             + self.bucket_reducer.as_ref().map_or(0, BucketReducer::pending_slots);
-        let prepared = match (dir.exists(), rank) {
+        let checked = match pending {
             // The sums would not be saved: refuse rather than lose them on resume.
-            _ if pending > 0 => Err(ShardError::InvalidConfig(format!(
+            0 => to_set_aside(&root, &lineage)
+                .and_then(|aside| {
+                    let name = name_of(dir);
+                    match dir.exists() && !aside.iter().any(|a| name_of(a) == name) {
+                        true => Err(CheckpointError::Exists { dir: dir.to_path_buf() }),
+                        false => Ok(aside),
+                    }
+                })
+                .map_err(ShardError::from),
+            _ => Err(ShardError::InvalidConfig(format!(
                 "{pending} parameters hold gradients given to accumulate() and not yet applied; save the \
                  checkpoint after step()"
             ))),
-            (true, _) => Err(CheckpointError::Exists { dir: dir.to_path_buf() }.into()),
-            (false, 0) => begin(dir).map(drop).map_err(ShardError::from),
-            (false, _) => Ok(()),
         };
-        self.agree(prepared, "save_checkpoint")?;
-        // 2. Every rank writes its file; rank 0 also the scheduler's.
-        let written = self
-            .write_rank_file(model, &partial)
-            .and_then(|()| match (rank, scheduler) {
-                (0, Some(record)) => {
-                    let bytes = record
-                        .into_bytes()
-                        .map_err(|e| CheckpointError::io(&partial.join(SCHEDULER), e))?;
-                    Ok(write_atomically(&partial.join(SCHEDULER), &bytes)?)
-                }
-                _ => Ok(()),
-            });
-        self.agree(written, "save_checkpoint")?;
-        // 3. Rank 0 completes the directory.
-        let finished = match rank {
-            0 => self
-                .metadata(&partial, world_size, payload)
-                .and_then(|meta| Ok(finish(dir, &meta)?)),
+        let aside = self.agree(checked, "save_checkpoint")?;
+        // 2. Rank 0 sets aside the abandoned checkpoints, clears leftovers and creates
+        //    `DIR.partial`. From here on a failure removes `DIR.partial` (rank 0, once every
+        //    rank is done with it).
+        let prepared = match rank {
+            0 => set_aside(&root, &lineage, &aside)
+                .and_then(|_| begin(dir))
+                .map(drop)
+                .map_err(ShardError::from),
             _ => Ok(()),
         };
-        self.agree(finished, "save_checkpoint")
+        let saved = self.agree(prepared, "save_checkpoint").and_then(|()| {
+            // 3. Every rank writes its file; rank 0 also the scheduler's.
+            let written = self
+                .write_rank_file(model, &partial)
+                .and_then(|()| match (rank, scheduler) {
+                    (0, Some(record)) => {
+                        let bytes = record
+                            .into_bytes()
+                            .map_err(|e| CheckpointError::io(&partial.join(SCHEDULER), e))?;
+                        Ok(write_atomically(&partial.join(SCHEDULER), &bytes)?)
+                    }
+                    _ => Ok(()),
+                });
+            self.agree(written, "save_checkpoint")?;
+            // 4. Rank 0 completes the directory.
+            let finished = match rank {
+                0 => self
+                    .metadata(&partial, world_size, payload, &lineage)
+                    .and_then(|meta| Ok(finish(dir, &meta)?)),
+                _ => Ok(()),
+            };
+            self.agree(finished, "save_checkpoint")
+        });
+        if let Err(e) = &saved {
+            if rank == 0 {
+                discard(&partial);
+            }
+            // Every rank reached the failure through `agree`: none returns before the removal
+            // (unless the group itself failed).
+            if !matches!(e, ShardError::Comm(_)) {
+                let _ = self.comm.barrier();
+            }
+        }
+        saved
+    }
+
+    /// This run's lineage with rank 0's run id on every rank (each rank draws its own id at
+    /// `init` and at a load; rank 0's is the one saved). A collective.
+    fn agreed_lineage(&self) -> Result<Lineage, ShardError> {
+        let mine = u64::from_str_radix(&self.lineage.run, 16).unwrap_or_default();
+        // Four 16-bit pieces: exact in f32; the other ranks add zeros.
+        let pieces: Vec<f32> = (0..4)
+            .map(|i| match self.comm.rank() {
+                0 => ((mine >> (16 * i)) & 0xffff) as f32,
+                _ => 0.0,
+            })
+            .collect();
+        let device = burn::tensor::Device::flex();
+        let summed = self
+            .comm
+            .all_reduce(
+                Tensor::<1>::from_data(TensorData::new(pieces, [4]), &device),
+                ReduceOp::Sum,
+            )?
+            .into_data()
+            .convert::<f32>();
+        let run = summed
+            .iter::<f32>()
+            .enumerate()
+            .fold(0u64, |id, (i, piece)| id | ((piece as u64) << (16 * i)));
+        Ok(Lineage {
+            run: format!("{run:016x}"),
+            ..self.lineage.clone()
+        })
     }
 
     /// Ends one step of a collective file operation on every rank with the same outcome: the
@@ -192,10 +291,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         partial: &Path,
         world_size: usize,
         payload: &serde_json::Value,
+        lineage: &Lineage,
     ) -> Result<CheckpointMeta, ShardError> {
         let stage = self.stage();
         Ok(CheckpointMeta {
             format_version: FORMAT_VERSION,
+            lineage: Some(lineage.clone()),
             loss_scaler: self.loss_scaler.clone(),
             world_size,
             stage: stage.number(),
@@ -293,12 +394,14 @@ fn entry_meta<O: MasterWeightStep>(
     }
 }
 
-/// Starts a checkpoint directory: refuses an existing `dir`, clears what a failed save left in
-/// `DIR.partial`, and creates that. Returns `DIR.partial`.
-pub(crate) fn begin(dir: &Path) -> Result<std::path::PathBuf, CheckpointError> {
+/// Starts a checkpoint directory: refuses an existing `dir`, removes what saves that did not
+/// finish left next to it (`*.partial`, see [`clear_leftovers`]) and creates `DIR.partial`.
+/// Returns `DIR.partial`.
+pub(crate) fn begin(dir: &Path) -> Result<PathBuf, CheckpointError> {
     if dir.exists() {
         return Err(CheckpointError::Exists { dir: dir.to_path_buf() });
     }
+    clear_leftovers(&parent_of(dir));
     let partial = partial_dir(dir);
     if partial.exists() {
         // What a save that failed left behind.
@@ -306,6 +409,14 @@ pub(crate) fn begin(dir: &Path) -> Result<std::path::PathBuf, CheckpointError> {
     }
     std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
     Ok(partial)
+}
+
+/// The directory that holds the checkpoint directory `dir` (`.` for a bare name).
+fn parent_of(dir: &Path) -> PathBuf {
+    match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
 }
 
 /// Completes a checkpoint whose rank files are in `DIR.partial`: writes `meta.json`, then the

@@ -108,6 +108,9 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     overlapped_buckets: usize,
     gradients_bytes: usize,
     temporary_peak_bytes: usize,
+    /// This run's history, saved with its checkpoints: a new run id at `init` and at every
+    /// load, and the checkpoint loaded (see [`crate::checkpoint::Lineage`]).
+    pub(crate) lineage: crate::checkpoint::Lineage,
 }
 
 /// What `ShardConfig` asks of the step beyond the stage (global-norm clipping, loss scaling),
@@ -169,6 +172,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             overlapped_buckets: 0,
             gradients_bytes: 0,
             temporary_peak_bytes: 0,
+            lineage: crate::checkpoint::Lineage::fresh(),
         }
     }
 
