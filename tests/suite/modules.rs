@@ -78,7 +78,7 @@ pub enum Layer {
     SwiGlu(SwiGlu),
 }
 
-/// Every `burn::nn` module with parameters or buffers that the sweep covers, in README order.
+/// Every `burn::nn` module with parameters or buffers that the sweep covers, in the order of docs/training.md.
 pub const MODULES: [&str; 27] = [
     "Linear",
     "Embedding",
@@ -427,21 +427,21 @@ sweep_tests! {
     swiglu_trains_exactly_at_every_stage => "SwiGlu",
 }
 
-/// README.md's "What works at stage 3" list names exactly the modules the sweep trains.
+/// docs/training.md's "What works at stage 3" list names exactly the modules the sweep trains.
 #[test]
-fn readme_lists_the_modules_the_sweep_covers() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
-    let section = readme
+fn training_guide_lists_the_modules_the_sweep_covers() {
+    let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/training.md")).unwrap();
+    let section = guide
         .split("### What works at stage 3")
         .nth(1)
-        .expect("README has a `### What works at stage 3` section")
+        .expect("docs/training.md has a `### What works at stage 3` section")
         .split("\n#")
         .next()
         .unwrap();
     for name in MODULES {
         assert!(
             section.contains(&format!("`{name}`")),
-            "README's stage-3 list lacks `{name}`"
+            "docs/training.md's stage-3 list lacks `{name}`"
         );
     }
 }

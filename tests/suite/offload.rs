@@ -385,7 +385,7 @@ mod on_wgpu {
     }
 
     /// Ψ = 512·512 + 512 + 512·512 + 512 = 525_312 parameters: per-rank bytes with and without
-    /// offload at every stage, for f32 and (where the adapter has it) f16 (the README's table).
+    /// offload at every stage, for f32 and (where the adapter has it) f16 (the table in docs/training.md).
     #[test]
     fn offload_moves_the_optimizer_state_of_a_wider_model_to_the_host() {
         let Some(wgpu) = crate::fused_adam_wgpu::device() else {
