@@ -1,6 +1,7 @@
 //! The burn-shard test suite: one binary, one module per area.
 
 mod accumulation;
+mod architecture;
 mod checkpoint;
 mod clipping;
 mod comm;

@@ -109,8 +109,8 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     gradients_bytes: usize,
     temporary_peak_bytes: usize,
     /// This run's history, saved with its checkpoints: a new run id at `init` and at every
-    /// load, and the checkpoint loaded (see [`crate::checkpoint::Lineage`]).
-    pub(crate) lineage: crate::checkpoint::Lineage,
+    /// load, and the checkpoint loaded (see [`crate::run::Lineage`]).
+    pub(crate) lineage: crate::run::Lineage,
 }
 
 /// What `ShardConfig` asks of the step beyond the stage (global-norm clipping, loss scaling),
@@ -172,7 +172,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             overlapped_buckets: 0,
             gradients_bytes: 0,
             temporary_peak_bytes: 0,
-            lineage: crate::checkpoint::Lineage::fresh(),
+            lineage: crate::run::Lineage::fresh(),
         }
     }
 
