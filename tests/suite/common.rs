@@ -210,18 +210,25 @@ where
     }
 }
 
+/// `param` with its value replaced by `f(value)` as a fresh leaf, its id and require-grad kept:
+/// what a Burn mapper that computes new values must do (a computed tensor is no leaf, and would
+/// get no gradient).
+pub fn remap<const D: usize>(param: Param<Tensor<D>>, f: impl FnOnce(Tensor<D>) -> Tensor<D>) -> Param<Tensor<D>> {
+    let (id, value, mapper) = param.consume();
+    let require_grad = value.is_require_grad();
+    let mut value = f(value).detach();
+    if require_grad {
+        value = value.require_grad();
+    }
+    Param::from_mapped_value(id, value, mapper)
+}
+
 /// `module` with every float parameter cast to `dtype` (ids and require-grad kept).
 pub fn cast<M: Module>(module: M, dtype: burn::tensor::DType) -> M {
     struct Cast(burn::tensor::DType);
     impl ModuleMapper for Cast {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let (id, value, mapper) = param.consume();
-            let require_grad = value.is_require_grad();
-            let mut value = value.cast(self.0).detach();
-            if require_grad {
-                value = value.require_grad();
-            }
-            Param::from_mapped_value(id, value, mapper)
+            remap(param, |value| value.cast(self.0))
         }
     }
     module.map(&mut Cast(dtype))

@@ -33,13 +33,7 @@ const LIMIT: f32 = 0.01;
 
 impl ModuleMapper for Clamp {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let (id, value, mapper) = param.consume();
-        let require_grad = value.is_require_grad();
-        let mut value = value.clamp(-LIMIT, LIMIT).detach();
-        if require_grad {
-            value = value.require_grad();
-        }
-        Param::from_mapped_value(id, value, mapper)
+        remap(param, |value| value.clamp(-LIMIT, LIMIT))
     }
 }
 
@@ -136,20 +130,15 @@ impl ModuleMapper for PruneL1 {
         if !self.inside_l1 || D != 2 {
             return param;
         }
-        // As any Burn mapper that computes a new value: a fresh leaf, trainable as before.
-        let (id, value, mapper) = param.consume();
-        let require_grad = value.is_require_grad();
-        let shape = value.shape();
-        let numel = shape.num_elements();
-        let keep: Vec<f32> = (0..numel).map(|i| if i < PRUNED { 0.0 } else { 1.0 }).collect();
-        let mask = Tensor::<1>::from_data(TensorData::new(keep, [numel]), &value.device())
-            .reshape(shape)
-            .cast(value.dtype());
-        let mut value = (value * mask).detach();
-        if require_grad {
-            value = value.require_grad();
-        }
-        Param::from_mapped_value(id, value, mapper)
+        remap(param, |value| {
+            let shape = value.shape();
+            let numel = shape.num_elements();
+            let keep: Vec<f32> = (0..numel).map(|i| if i < PRUNED { 0.0 } else { 1.0 }).collect();
+            let mask = Tensor::<1>::from_data(TensorData::new(keep, [numel]), &value.device())
+                .reshape(shape)
+                .cast(value.dtype());
+            value * mask
+        })
     }
 }
 

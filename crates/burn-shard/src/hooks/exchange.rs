@@ -17,9 +17,7 @@ use crate::overlap::collectives::{all_gather_full, pad_to};
 use crate::overlap::spec::GatherSpec;
 
 enum Exchange {
-    /// Shards reported by `visit`.
-    Collect(HashMap<ParamId, Tensor<1>>),
-    /// Whole sharded states reported by `visit` (to gather full values from).
+    /// Sharded states reported by `visit`.
     CollectSpecs(HashMap<ParamId, GatherSpec>),
     /// Shards `map` puts in place of the current ones.
     Replace(HashMap<ParamId, Tensor<1>>),
@@ -49,18 +47,6 @@ impl Drop for Active {
     }
 }
 
-/// Every shard `model` holds, by parameter id (`[chunk]`, plain tensors; cheap clones).
-pub(crate) fn collect_shards<M: Module>(model: &M) -> HashMap<ParamId, Tensor<1>> {
-    struct Nothing;
-    impl ModuleVisitor for Nothing {}
-    let active = Active::start(Exchange::Collect(HashMap::new()));
-    model.visit(&mut Nothing);
-    match active.finish() {
-        Some(Exchange::Collect(shards)) => shards,
-        _ => HashMap::new(),
-    }
-}
-
 /// The sharded state of every stage-3 parameter `model` holds, by parameter id.
 pub(crate) fn collect_specs<M: Module>(model: &M) -> HashMap<ParamId, GatherSpec> {
     struct Nothing;
@@ -71,6 +57,14 @@ pub(crate) fn collect_specs<M: Module>(model: &M) -> HashMap<ParamId, GatherSpec
         Some(Exchange::CollectSpecs(specs)) => specs,
         _ => HashMap::new(),
     }
+}
+
+/// Every shard `model` holds, by parameter id (`[chunk]`, plain tensors; cheap clones).
+pub(crate) fn collect_shards<M: Module>(model: &M) -> HashMap<ParamId, Tensor<1>> {
+    collect_specs(model)
+        .into_iter()
+        .map(|(id, spec)| (id, spec.shard))
+        .collect()
 }
 
 /// The full value of `spec`'s parameter, all-gathered (a collective: every rank calls it for
@@ -103,14 +97,10 @@ pub(crate) fn replace_shards<M: Module>(model: M, shards: HashMap<ParamId, Tenso
 
 /// Called by `ShardedParam::visit`.
 pub(crate) fn on_visit(spec: &GatherSpec) {
-    EXCHANGE.with(|e| match e.borrow_mut().as_mut() {
-        Some(Exchange::Collect(shards)) => {
-            shards.insert(spec.id, spec.shard.clone());
-        }
-        Some(Exchange::CollectSpecs(specs)) => {
+    EXCHANGE.with(|e| {
+        if let Some(Exchange::CollectSpecs(specs)) = e.borrow_mut().as_mut() {
             specs.insert(spec.id, spec.clone());
         }
-        _ => {}
     });
 }
 
