@@ -91,7 +91,7 @@ pub(crate) fn measure(
 
 /// Elements summed sequentially at a time by [`pairwise_sum`]: `2^10`, so each level's
 /// rounding error is bounded by `2^10` units of `f32` rounding however long the gradient.
-pub(crate) const SUM_BLOCK: usize = 1 << 10;
+const SUM_BLOCK: usize = 1 << 10;
 
 /// `[m, Σ(g/m)²]` (`[2]`, `f32`) of a gradient piece `g` of any float dtype, with `m` its
 /// largest magnitude (at least `f32::MIN_POSITIVE`, so a zero piece gives `[MIN_POSITIVE, 0]`).
@@ -113,7 +113,7 @@ fn scaled_square_sum(piece: Tensor<1>) -> Tensor<1> {
 /// The sum of `x` (`[n]`) as `[1]`: blocks of [`SUM_BLOCK`] summed first, then their sums,
 /// recursively (a pairwise sum with a wide base), so no partial sum adds more than
 /// `SUM_BLOCK` terms.
-pub(crate) fn pairwise_sum(x: Tensor<1>) -> Tensor<1> {
+fn pairwise_sum(x: Tensor<1>) -> Tensor<1> {
     let n = x.dims()[0];
     if n <= SUM_BLOCK {
         return x.sum();
