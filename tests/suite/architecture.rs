@@ -37,6 +37,7 @@ const CORE_LAYERS: &[&[&str]] = &[
     &["error"],
     &["run"],
     &["stage"],
+    &["backend"],
     &["model"],
     &["optim"],
     &["overlap"],

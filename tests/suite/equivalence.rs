@@ -38,19 +38,31 @@ fn sharded_run_on<O: IntoOptimizer + Clone + Send + Sync>(
         train_rank(comm, device, base, optim.clone(), config.clone())
     })
     .expect("no rank panics");
-    let losses = results[0].0.clone();
-    (losses, results.into_iter().map(|r| r.1).collect())
+    let losses = results[0].losses.clone();
+    (losses, results.into_iter().map(|r| r.params).collect())
+}
+
+/// What one rank of [`train_rank`] ends with.
+pub(crate) struct RankRun {
+    /// The globally averaged loss of each step.
+    pub(crate) losses: Vec<f32>,
+    /// The final parameters, every rank's the same.
+    pub(crate) params: Vec<f32>,
+    /// `ShardedOptimizer::overlapped_buckets` at the last step: buckets reduced inside backward.
+    pub(crate) overlapped_buckets: usize,
+    /// Buckets of the optimizer's layout.
+    pub(crate) buckets: usize,
 }
 
 /// One rank of a sharded run on any backend: `STEPS` steps on this rank's share of the global
-/// batch; returns the globally averaged losses and the final parameters.
+/// batch.
 pub(crate) fn train_rank<O: IntoOptimizer, C: Collective + 'static>(
     comm: C,
     device: &Device,
     base: &TinyMlp,
     optim: O,
     config: ShardConfig,
-) -> (Vec<f32>, Vec<f32>) {
+) -> RankRun {
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let model = base.clone().fork(device);
     let (mut model, mut optim) = config.init(model, optim, comm).expect("init");
@@ -68,8 +80,14 @@ pub(crate) fn train_rank<O: IntoOptimizer, C: Collective + 'static>(
         model = next;
         losses.push(global);
     }
+    let (overlapped_buckets, buckets) = (optim.overlapped_buckets(), optim.layout().buckets().len());
     // Stage 3 unshards with a collective, so every rank does it.
-    (losses, params_of(&model.materialize()))
+    RankRun {
+        losses,
+        params: params_of(&model.materialize()),
+        overlapped_buckets,
+        buckets,
+    }
 }
 
 /// `exact_at_one`: world size 1 must reproduce the reference bit for bit (true when the sharded
@@ -294,33 +312,63 @@ fn gpt_on_shakespeare_matches_single_device() {
     }
 }
 
-/// Stages 0-3 on Burn's CubeCL backend through wgpu (lavapipe on CI): stage 3's gather op and
-/// the fused Adam kernel on CubeCL tensors, against single-device training on the CPU.
+/// Stages 0-3 and world sizes 1-3 on Burn's CubeCL backend through wgpu (lavapipe on CI), built
+/// as GPU users build Burn (`fusion` on: the suite's default features) and without `fusion`
+/// (`--no-default-features --features wgpu`): stage 3's gather op, the stage 0-2 bucket hooks
+/// reducing inside backward, and the fused Adam kernel, all on CubeCL tensors, against
+/// single-device training on the CPU.
 #[cfg(feature = "wgpu")]
 #[test]
 fn sharded_training_on_wgpu_matches_single_device_on_the_cpu() {
     let Some(wgpu) = crate::fused_adam_wgpu::device() else {
         return;
     };
+    assert_eq!(
+        burn_shard_kernels::fusion_on(),
+        cfg!(feature = "fusion"),
+        "CubeCL devices run Fusion<CubeBackend> exactly when the build turns Burn's `fusion` on"
+    );
     let device = Device::flex().autodiff();
     device.seed(7);
     let base = TinyMlp::new(&device);
     let cfg = AdamWConfig::new().with_weight_decay(0.1);
     let (ref_losses, ref_params) = reference_run(&base, cfg.init(), STEPS, GLOBAL_BATCH, LR);
     let wgpu = wgpu.autodiff();
-    // Stage 3 steps its local shards with the CubeCL kernel (the gather op would panic on a
-    // backend it is not implemented for).
-    let paths = step_paths(&wgpu, &base, cfg.clone(), Stage::Three);
-    assert_eq!(paths, [burn_shard_kernels::StepPath::CubeKernel; 2]);
-    for stage in [Stage::Zero, Stage::Two, Stage::Three] {
-        let (losses, params) = sharded_run_on(&wgpu, &base, cfg.clone(), 2, ShardConfig::new(stage));
-        let ctx = format!("wgpu, world_size 2, stage {stage}");
-        assert_eq!(params[0], params[1], "{ctx}: ranks must hold identical parameters");
-        for (step, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
-            let rel = (a - b).abs() / b.abs().max(1e-12);
-            assert!(rel <= 1e-4, "{ctx}: step {step} loss {a} vs reference {b}");
+    // The local shards are stepped by the CubeCL kernel, not by Burn's optimizer.
+    for stage in [Stage::One, Stage::Three] {
+        let paths = step_paths(&wgpu, &base, cfg.clone(), stage);
+        assert_eq!(paths, [burn_shard_kernels::StepPath::CubeKernel; 2], "stage {stage}");
+    }
+    for world_size in 1..=3 {
+        for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+            let ctx = format!(
+                "wgpu (fusion {}), world_size {world_size}, stage {stage}",
+                cfg!(feature = "fusion")
+            );
+            let runs = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                train_rank(comm, &wgpu, &base, cfg.clone(), ShardConfig::new(stage))
+            })
+            .expect("no rank panics");
+            for run in &runs {
+                assert_eq!(
+                    run.params, runs[0].params,
+                    "{ctx}: ranks must hold identical parameters"
+                );
+                // Stages 0-2 reduce every bucket inside backward once the first step learned
+                // the order (the in-process backend overlaps on any device with the hook).
+                let inside = if world_size > 1 && stage != Stage::Three {
+                    run.buckets
+                } else {
+                    0
+                };
+                assert_eq!(run.overlapped_buckets, inside, "{ctx}: buckets reduced inside backward");
+            }
+            for (step, (a, b)) in runs[0].losses.iter().zip(&ref_losses).enumerate() {
+                let rel = (a - b).abs() / b.abs().max(1e-12);
+                assert!(rel <= 1e-4, "{ctx}: step {step} loss {a} vs reference {b}");
+            }
+            let diff = max_abs_diff(&runs[0].params, &ref_params);
+            assert!(diff <= 1e-4, "{ctx}: max |param - reference| = {diff:e}");
         }
-        let diff = max_abs_diff(&params[0], &ref_params);
-        assert!(diff <= 1e-4, "{ctx}: max |param - reference| = {diff:e}");
     }
 }

@@ -247,7 +247,8 @@ fn training(comm: &Arc<MpiComm>) -> String {
     let (ref_losses, ref_params) = reference_run(&base, optim.init(), STEPS, GLOBAL_BATCH, LR);
     let mut report = Vec::new();
     for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
-        let (losses, params) = train_rank(comm.clone(), &device, &base, optim.clone(), ShardConfig::new(stage));
+        let run = train_rank(comm.clone(), &device, &base, optim.clone(), ShardConfig::new(stage));
+        let (losses, params) = (run.losses, run.params);
 
         let loss_rel = losses
             .iter()

@@ -7,10 +7,12 @@
 //! scalar launch of the same kernel at an element offset. The end of the file is `FusedAdam`'s
 //! host side of this path (moments in, kernel launch, state out).
 
+use burn::backend::ops::FloatTensorOps;
 use burn::optim::{AdamState, LearningRate};
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
+use burn_shard_cube::{from_cube, into_cube};
 use cubecl::prelude::*;
 
 use crate::AdamScalars;
@@ -136,22 +138,13 @@ pub fn cube_supports(device: &burn::tensor::Device, dtype: DType) -> bool {
         DType::BF16 => FloatKind::BF16,
         _ => return false,
     };
-    match Tensor::<1>::zeros([1], device).try_into_primitive::<CubeBackend>() {
-        Ok(probe) => probe.client.properties().supports_type(ElemType::Float(kind)),
-        Err(_) => false,
-    }
+    burn_shard_cube::cube_device(device).is_some_and(|d| d.client().properties().supports_type(ElemType::Float(kind)))
 }
 
-/// Whether `tensor` lives on Burn's CubeCL backend (so the kernel can run on it).
+/// Whether `tensor` lives on Burn's CubeCL backend (so the kernel can run on it), with Burn's
+/// `fusion` feature on or off.
 pub(crate) fn applies<const D: usize>(tensor: &Tensor<D>) -> bool {
-    !tensor.is_autodiff() && tensor.dtype() == DType::F32 && is_cube_tensor(tensor)
-}
-
-/// Whether `tensor` is a plain CubeCL tensor. A CubeCL device also serves tensors wrapped by
-/// Burn's `fusion` feature, which the kernels cannot take: those fall back to Burn's optimizer.
-fn is_cube_tensor<const D: usize>(tensor: &Tensor<D>) -> bool {
-    matches!(tensor.device().as_dispatch(), burn::backend::DispatchDevice::Cube(_))
-        && tensor.clone().try_into_primitive::<CubeBackend>().is_ok()
+    tensor.dtype() == DType::F32 && burn_shard_cube::is_cube(tensor)
 }
 
 /// `t` (shape `[n]`, dtype `dtype`) as a CubeCL buffer the kernels may index as `n` contiguous
@@ -167,7 +160,7 @@ fn buffer(t: Tensor<1>, n: usize, dtype: DType, write: bool) -> CubeTensor {
         (n, dtype),
         "fused Adam: buffer of the wrong length or dtype"
     );
-    let mut cube = t.try_into_primitive::<CubeBackend>().expect("checked by `applies`");
+    let mut cube = into_cube(t).expect("checked by `applies`");
     // The allocator may round a buffer up, so "holds n elements" is a lower bound.
     let holds_n = |c: &CubeTensor| c.is_contiguous() && c.handle.size() as usize >= n * dtype.size();
     if !holds_n(&cube) {
@@ -175,8 +168,7 @@ fn buffer(t: Tensor<1>, n: usize, dtype: DType, write: bool) -> CubeTensor {
     }
     if write && !cube.can_mut() {
         // Shared (e.g. still held by the caller): write into a copy instead.
-        let copy = Tensor::<1>::from_primitive::<CubeBackend>(cube).add_scalar(0.0);
-        cube = copy.try_into_primitive::<CubeBackend>().expect("same backend");
+        cube = CubeBackend::float_add_scalar(cube, 0.0f32.into());
     }
     assert!(
         holds_n(&cube) && cube.meta.num_elements() == n,
@@ -259,7 +251,7 @@ fn arg(t: &CubeTensor, len: usize) -> BufferArg {
 }
 
 fn tensor(t: CubeTensor) -> Tensor<1> {
-    Tensor::<1>::from_primitive::<CubeBackend>(t)
+    from_cube(t)
 }
 
 /// One fused step in place on flat `[n]` tensors of the CubeCL backend; returns the updated
@@ -302,10 +294,9 @@ pub(crate) fn adam_step(
 /// Whether the mixed-precision kernel takes `tensor` as the parameter or gradient of a master
 /// on `device`: same device, not tracked, `f32`, `bf16` or `f16`.
 pub(crate) fn applies_with_master<const D: usize>(tensor: &Tensor<D>, device: &burn::tensor::Device) -> bool {
-    !tensor.is_autodiff()
-        && matches!(tensor.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    matches!(tensor.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && tensor.device() == *device
-        && is_cube_tensor(tensor)
+        && burn_shard_cube::is_cube(tensor)
 }
 
 /// One mixed-precision step in place on flat `[n]` tensors of the CubeCL backend: `master`,

@@ -29,6 +29,8 @@ pub use optimizer::FusedAdam;
 pub use path::StepPath;
 
 #[cfg(feature = "cube")]
+pub use burn_shard_cube::fusion_on;
+#[cfg(feature = "cube")]
 pub use cube::cube_supports;
 #[cfg(feature = "wgpu")]
 pub use cube::wgpu_cpu_device;

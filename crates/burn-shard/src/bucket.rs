@@ -44,7 +44,8 @@
 //! such calls before backward (as the examples average the loss) or after the optimizer call.
 //!
 //! Only where the collective overlaps (`Collective::overlaps_compute`: the in-process backend)
-//! and the parameters live on Burn's CPU `Flex` device, with more than one rank: elsewhere an
+//! and the parameters live on a device with the hook (Burn's CPU `Flex` device; a CubeCL device
+//! with the `cube` feature, Burn's `fusion` on or off), with more than one rank: elsewhere an
 //! early start would only move the wait, and the step reduces as before.
 //!
 //! Where the code is: `hooks/bucket_hook.rs` (the hook), `overlap/bucket_reducer.rs` (the

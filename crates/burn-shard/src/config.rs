@@ -185,6 +185,9 @@ impl ShardConfig {
             None => flat::plain_device(&model)?,
         };
         optim.check_device(&device)?;
+        if self.stage == Stage::Three {
+            crate::backend::check_stage3_device(&device)?;
+        }
         let options = StepOptions {
             max_grad_norm: self.max_grad_norm,
             loss_scaler: self.loss_scaler.clone(),

@@ -12,6 +12,16 @@ pub enum ShardError {
     /// A collective failed (mismatch, dead peer, timeout): see the inner error.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// The model's device is on a backend that lacks an op the configuration needs.
+    #[error("the model's device ({backend}) has no {missing} in this build: {fix}")]
+    UnsupportedBackend {
+        /// The device, as Burn prints it.
+        backend: String,
+        /// The op that is missing.
+        missing: String,
+        /// What to do instead.
+        fix: String,
+    },
     /// A parameter the stage cannot train, named with the reason and the fix.
     #[error("parameter `{path}` cannot be trained at stage {stage}: {reason}")]
     UnsupportedParam {

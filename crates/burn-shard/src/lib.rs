@@ -36,9 +36,10 @@
 //! - empty parameters are left as they are.
 
 // Layers, bottom to top; each imports only the ones above it in this list (checked by the test
-// suite's `architecture` module): error, run, stage < model < optim < overlap < hooks < step <
+// suite's `architecture` module): error, run, stage, backend < model < optim < overlap < hooks < step <
 // checkpoint < config < estimate. `bucket` and `fsdp` are the public pages of the two overlap
 // systems and re-export what users name.
+mod backend;
 mod error;
 mod run;
 mod stage;

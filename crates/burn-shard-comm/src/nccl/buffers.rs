@@ -5,7 +5,6 @@
 use std::ffi::c_void;
 
 use burn::tensor::{DType, Tensor};
-use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
@@ -75,9 +74,10 @@ pub(super) fn nccl_dtype(dtype: DType) -> Result<ncclsys::ncclDataType_t, CommEr
 }
 
 pub(super) fn cube(t: Tensor<1>) -> Result<CubeTensor, CommError> {
-    t.inner()
-        .try_into_primitive::<CubeBackend>()
-        .map_err(|_| CommError::Backend("NCCL collectives take tensors on a CUDA device (Device::cuda(i))".to_string()))
+    // With Burn's `fusion` on, this submits what the fusion stream queued up to `t` first.
+    burn_shard_cube::into_cube(t.inner()).ok_or_else(|| {
+        CommError::Backend("NCCL collectives take tensors on a CUDA device (Device::cuda(i))".to_string())
+    })
 }
 
 /// Raw device address (offset included) and the guard that pins the allocation, checked to span

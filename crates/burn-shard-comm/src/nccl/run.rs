@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::tensor::Tensor;
-use burn_cubecl::CubeBackend;
 use cudarc::driver::CudaStream;
 use cudarc::nccl::result::{NcclError, NcclStatus};
 use cudarc::nccl::sys as ncclsys;
@@ -157,7 +156,7 @@ impl NcclComm {
             .into_iter()
             .map(|buffer| {
                 self.stats.record(kind, buffer.sent_bytes);
-                Tensor::from_primitive::<CubeBackend>(buffer.dst)
+                burn_shard_cube::from_cube::<1>(buffer.dst)
             })
             .collect()
     }

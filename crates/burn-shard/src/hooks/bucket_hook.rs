@@ -10,7 +10,7 @@ use burn::backend::autodiff::{
 };
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, Dispatch, DispatchDevice, Flex, backend_extension};
+use burn::backend::{Backend, Dispatch, Flex, backend_extension};
 use burn::module::{
     Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor, Param,
     Reparameterization, Reparameterizer,
@@ -33,9 +33,10 @@ pub struct HookSpec {
     numel: usize,
 }
 
-/// The hook as a backend operation: the identity on the CPU `Flex` backend; the autodiff
-/// decorator adds the backward that hands the gradient over.
-#[backend_extension(Autodiff, Flex)]
+/// The hook as a backend operation: the identity on the CPU `Flex` backend and (with the `cube`
+/// feature) on the CubeCL backend, fusion on or off; the autodiff decorator adds the backward
+/// that hands the gradient over.
+#[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cube"))]
 pub trait BucketHookOps: Backend {
     /// `param`, unchanged.
     fn bucket_hook(param: FloatTensor<Self>, spec: HookSpec) -> FloatTensor<Self>;
@@ -53,6 +54,21 @@ impl BucketHookOps for Flex {
     }
 
     fn bucket_hook_in_unit(param: FlexTensor, _unit_input: FlexTensor, _spec: HookSpec) -> FlexTensor {
+        param
+    }
+}
+
+#[cfg(feature = "cube")]
+impl BucketHookOps for burn_cubecl::Cube {
+    fn bucket_hook(param: FloatTensor<Self>, _spec: HookSpec) -> FloatTensor<Self> {
+        param
+    }
+
+    fn bucket_hook_in_unit(
+        param: FloatTensor<Self>,
+        _unit_input: FloatTensor<Self>,
+        _spec: HookSpec,
+    ) -> FloatTensor<Self> {
         param
     }
 }
@@ -119,11 +135,10 @@ impl Reparameterization for BucketHook {
     const NAME: &'static str = BUCKET_HOOK_NAME;
 
     fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
-        // Only a trainable value on the Flex autodiff device has a gradient to hand over; an
-        // evaluation copy (`valid()`), a frozen parameter or a model moved to another device
-        // passes unchanged (the op exists for Flex alone).
-        let on_flex = matches!(base.device().without_autodiff().as_dispatch(), DispatchDevice::Flex(_));
-        if !(base.is_require_grad() && on_flex) {
+        // Only a trainable value on an autodiff device with the op has a gradient to hand
+        // over; an evaluation copy (`valid()`), a frozen parameter or a model moved to a
+        // backend without the op passes unchanged.
+        if !(base.is_require_grad() && crate::backend::has_ops(&base.device())) {
             return base;
         }
         let out = match current_unit() {

@@ -117,18 +117,19 @@ impl FlatPrimitive for Flex {
     }
 }
 
-/// The same operations on the CubeCL backend. The collectives take and return Burn tensors, so
-/// only the reshapes are backend calls; the transient-memory probes watch host buffers and are
+/// The same operations on the CubeCL backend, implemented for `burn_cubecl::Cube`: the type
+/// Burn's dispatch uses, `Fusion<CubeBackend>` with Burn's default `fusion` feature and
+/// `CubeBackend` without it. The collectives take and return Burn tensors, so only the
+/// reshapes are backend calls (deferred on the fusion stream like any other op); the transient-memory probes watch host buffers and are
 /// CPU-only (GPU memory is the allocator's to report).
 #[cfg(feature = "cube")]
-impl FsdpOps for burn_cubecl::CubeBackend {
+impl FsdpOps for burn_cubecl::Cube {
     fn fsdp_all_gather(_placeholder: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
-        use burn_cubecl::CubeBackend;
         let full = spec.ctx.gather(&spec);
         let full = full
-            .try_into_primitive::<CubeBackend>()
+            .try_into_primitive::<Self>()
             .expect("a CubeCL tensor stays on CubeCL");
-        CubeBackend::float_reshape(full, spec.full_shape.clone())
+        Self::float_reshape(full, spec.full_shape.clone())
     }
 
     fn fsdp_all_gather_in_unit(
@@ -146,23 +147,20 @@ impl FsdpOps for burn_cubecl::CubeBackend {
 
 /// Device memory is its allocator's to report: nothing is watched.
 #[cfg(feature = "cube")]
-impl FlatPrimitive for burn_cubecl::CubeBackend {
+impl FlatPrimitive for burn_cubecl::Cube {
     fn into_flat(full: FloatTensor<Self>, numel: usize, _ctx: &FsdpContext) -> Tensor<1> {
-        use burn_cubecl::CubeBackend;
-        Tensor::<1>::from_primitive::<CubeBackend>(CubeBackend::float_reshape(full, Shape::new([numel])))
+        Tensor::<1>::from_primitive::<Self>(Self::float_reshape(full, Shape::new([numel])))
     }
 
     fn from_flat(shard: Tensor<1>, shape: Shape) -> FloatTensor<Self> {
-        use burn_cubecl::CubeBackend;
         let shard = shard
-            .try_into_primitive::<CubeBackend>()
+            .try_into_primitive::<Self>()
             .expect("a CubeCL tensor stays on CubeCL");
-        CubeBackend::float_reshape(shard, shape)
+        Self::float_reshape(shard, shape)
     }
 
     fn to_flat(grad: FloatTensor<Self>, numel: usize) -> Tensor<1> {
-        use burn_cubecl::CubeBackend;
-        Tensor::<1>::from_primitive::<CubeBackend>(CubeBackend::float_reshape(grad, Shape::new([numel])))
+        Tensor::<1>::from_primitive::<Self>(Self::float_reshape(grad, Shape::new([numel])))
     }
 }
 

@@ -4,7 +4,6 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use burn::backend::DispatchDevice;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, CommError, ReduceOp, Work};
 
@@ -378,5 +377,5 @@ fn bucket_tag(index: usize) -> u64 {
 /// Whether stages 0-2 reduce inside backward for this collective and device (see the
 /// [`bucket`](crate::bucket) docs).
 pub(crate) fn reduces_in_backward(comm: &dyn Collective, device: &Device) -> bool {
-    comm.world_size() > 1 && comm.overlaps_compute() && matches!(device.as_dispatch(), DispatchDevice::Flex(_))
+    comm.world_size() > 1 && comm.overlaps_compute() && crate::backend::has_ops(device)
 }
