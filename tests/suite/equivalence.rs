@@ -314,7 +314,7 @@ fn gpt_on_shakespeare_matches_single_device() {
 
 /// Stages 0-3 and world sizes 1-3 on Burn's CubeCL backend through wgpu (lavapipe on CI), built
 /// as GPU users build Burn (`fusion` on: the suite's default features) and without `fusion`
-/// (`--no-default-features --features wgpu`): stage 3's gather op, the stage 0-2 bucket hooks
+/// (`--no-default-features --features wgpu,autotune`): stage 3's gather op, the stage 0-2 bucket hooks
 /// reducing inside backward, and the fused Adam kernel, all on CubeCL tensors, against
 /// single-device training on the CPU.
 #[cfg(feature = "wgpu")]

@@ -98,3 +98,38 @@ fn cubecl_master_weight_kernel_on_wgpu_matches_a_float64_reference() {
     }
     check_master_kernel(&device, &dtypes, &[0, 1, 5, 6, 7, 4099, 65_539]);
 }
+
+/// The kernel steps its buffers in place only where nothing else holds them: a parameter, a
+/// gradient and moments that the caller still holds keep their values (with Burn's `fusion`
+/// on, a shared fusion tensor comes out as a second handle of one buffer and is copied before
+/// writing), and a lazily computed parameter (still queued on the fusion stream) is stepped
+/// from its computed value.
+#[test]
+fn the_cubecl_kernel_never_writes_a_buffer_another_tensor_holds() {
+    let Some(device) = device() else { return };
+    for n in [5usize, 4099] {
+        for (name, cfg) in variants() {
+            let optim = cfg.init();
+            let mut rng = Rng::new(n as u64 + 3);
+            let (p0, g0) = (rng.vec(n), rng.vec(n));
+            let values = |t: &Tensor<1>| -> Vec<f32> { t.clone().into_data().convert::<f32>().iter::<f32>().collect() };
+            // Lazy: `p0 · 2 / 2` is queued, not computed, when the step takes it.
+            let p = Tensor::<1>::from_data(TensorData::new(p0.clone(), [n]), &device)
+                .mul_scalar(2.0)
+                .div_scalar(2.0);
+            let held_p = p.clone();
+            let grad = Tensor::<1>::from_data(TensorData::new(g0.clone(), [n]), &device);
+            let held_grad = grad.clone();
+            let (p1, state) = optim.step(1e-2, p, grad, None);
+            let state = state.expect("stepped");
+            let held_m = state.momentum.moment_1.clone();
+            let m1 = values(&held_m);
+            let (p2, _) = optim.step(1e-2, p1.clone(), held_grad.clone(), Some(state));
+            assert_eq!(values(&held_p), p0, "{name} n={n}: a held parameter was written");
+            assert_eq!(values(&held_grad), g0, "{name} n={n}: a held gradient was written");
+            assert_eq!(values(&held_m), m1, "{name} n={n}: held moments were written");
+            let (v1, v2) = (values(&p1), values(&p2));
+            assert!(v1 != p0 && v2 != v1, "{name} n={n}: each step moves the parameter");
+        }
+    }
+}

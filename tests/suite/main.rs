@@ -6,6 +6,7 @@ mod checkpoint;
 mod clipping;
 mod comm;
 mod common;
+mod config;
 mod editing;
 mod equivalence;
 mod estimate;

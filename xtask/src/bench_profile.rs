@@ -8,8 +8,8 @@
 //! by the phase it fell in: at stage 3 the all-gathers run in forward and backward and the
 //! reduce-scatters in backward (backwards that do not match the learned structure leave
 //! the last unit's to the step); at stages 0-2 every collective runs in the step. Burn's Flex CPU
-//! backend executes each op eagerly when it is called (no fusion, no queue: `burn-dispatch`
-//! without its `fusion` feature, and Flex's own views only defer copies, never arithmetic), so
+//! backend executes each op eagerly when it is called (no queue: Burn's `fusion`, on in this
+//! build, wraps only CubeCL devices, and Flex's own views only defer copies, never arithmetic), so
 //! a phase's work has finished when its call returns and no read-back is needed to close it.
 //! Stage 3's gradient checkpointing recomputes forward ops during `backward`: that work counts
 //! as backward, as it does in PyTorch.

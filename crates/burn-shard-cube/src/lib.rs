@@ -8,40 +8,44 @@
 //! so this crate cannot choose: it follows [`burn_cubecl::Cube`], the type Burn's dispatch uses,
 //! and implements [`CubePrimitive`] for both possibilities.
 //!
-//! - [`into_cube`] hands out the raw tensor. With fusion it first runs what the fusion stream of
-//!   the calling thread has queued up to this tensor (`resolve_tensor_float`: the operations are
-//!   submitted to the device, nothing waits for the device to finish).
-//! - [`from_cube`] turns a raw tensor back into a Burn tensor. With fusion it registers a
-//!   deferred operation that publishes the buffer on the fusion stream, so later operations are
-//!   ordered after it (Burn 0.22.1 has no public constructor of a fusion tensor; this is the
-//!   route its own backend extensions take, `burn_fusion::custom`).
+//! - [`into_cube`] hands out the raw tensor. With fusion it first drains the fusion stream the
+//!   tensor lives on (`resolve_tensor_float`: the queued operations are submitted to the device;
+//!   nothing waits for the device to finish).
+//! - [`from_cube`] turns a raw tensor back into a Burn tensor. With fusion it registers the
+//!   buffer's handle with the fusion server and records an init operation on the calling
+//!   thread's stream, the route `Fusion::float_from_data` takes, so later operations are ordered
+//!   after it.
+//!
+//! A buffer handed out by [`into_cube`] is written in place only where nothing else holds it
+//! (`CubeTensor::can_mut`): with fusion, a tensor that other fusion tensors still share comes
+//! out as a second handle of the same buffer, so `can_mut` is false and writers copy first.
 
 use std::any::TypeId;
-use std::sync::Mutex;
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, BackendTypes};
 use burn::tensor::{Device, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{Cube, CubeBackend, CubeDevice};
-use burn_fusion::custom::{CustomOpIr, OperationFn, OperationIr, StreamId, TensorIr};
-use burn_fusion::{ExecutionError, Fusion, FusionBackend, get_client};
+use burn_fusion::stream::StreamId;
+use burn_fusion::{Fusion, FusionBackend, NoOp, get_client};
+use burn_ir::{InitOperationIr, OperationIr, OperationOutput};
 
 /// A backend whose float tensors convert to and from raw [`CubeTensor`]s: `CubeBackend`, and
 /// `Fusion<CubeBackend>` (whichever [`burn_cubecl::Cube`] is in this build).
 pub trait CubePrimitive: Backend {
     /// The raw tensor behind `tensor` (see [`into_cube`]).
-    fn into_base(tensor: FloatTensor<Self>) -> CubeTensor;
+    fn into_raw(tensor: FloatTensor<Self>) -> CubeTensor;
     /// `tensor` as this backend's float primitive (see [`from_cube`]).
-    fn from_base(tensor: CubeTensor) -> FloatTensor<Self>;
+    fn from_raw(tensor: CubeTensor) -> FloatTensor<Self>;
 }
 
 impl CubePrimitive for CubeBackend {
-    fn into_base(tensor: CubeTensor) -> CubeTensor {
+    fn into_raw(tensor: CubeTensor) -> CubeTensor {
         tensor
     }
 
-    fn from_base(tensor: CubeTensor) -> CubeTensor {
+    fn from_raw(tensor: CubeTensor) -> CubeTensor {
         tensor
     }
 }
@@ -53,35 +57,18 @@ where
     B: FusionBackend + BackendTypes<FloatTensorPrimitive = CubeTensor>,
     CubeDevice: Into<<B as BackendTypes>::Device>,
 {
-    fn into_base(tensor: FloatTensor<Self>) -> CubeTensor {
+    fn into_raw(tensor: FloatTensor<Self>) -> CubeTensor {
         tensor.client.clone().resolve_tensor_float::<B>(tensor)
     }
 
-    fn from_base(tensor: CubeTensor) -> FloatTensor<Self> {
+    fn from_raw(tensor: CubeTensor) -> FloatTensor<Self> {
         let client = get_client::<B>(&tensor.device.clone().into());
-        let id = client.create_empty_handle();
-        let output = TensorIr::uninit(id, tensor.meta.shape().clone(), tensor.dtype);
-        let desc = CustomOpIr {
-            id: "burn_shard_from_cube".into(),
-            inputs: Vec::new(),
-            outputs: vec![output],
-            scalars: Vec::new(),
-        };
-        // The operation runs once, on the fusion server; it hands over the buffer it holds.
-        let held = Mutex::new(Some(tensor));
-        let publish = OperationFn(move |handles: &mut burn_fusion::custom::HandleContainer<_>| {
-            let tensor = held
-                .lock()
-                .map_err(|_| ExecutionError::generic("burn-shard: a raw CubeCL tensor's lock was poisoned"))?
-                .take()
-                .ok_or_else(|| ExecutionError::generic("burn-shard: a raw CubeCL tensor was published twice"))?;
-            handles.register_float_tensor::<B>(&id, tensor);
-            Ok(())
-        });
+        let (shape, dtype) = (tensor.meta.shape().clone(), tensor.dtype);
+        let handle = B::float_tensor_handle(tensor);
+        let desc = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
         client
-            .register(StreamId::current(), OperationIr::Custom(desc), publish)
-            .pop()
-            .expect("one output registered")
+            .register(StreamId::current(), OperationIr::Init(desc), NoOp::<B>::new())
+            .output()
     }
 }
 
@@ -98,14 +85,14 @@ pub fn is_cube<const D: usize>(tensor: &Tensor<D>) -> bool {
 }
 
 /// The raw CubeCL tensor behind `tensor` (any shape; the layout is kept), or `None` when it is
-/// not a plain float tensor of the CubeCL backend. With fusion, the operations queued on this
-/// thread's fusion stream are submitted first so the buffer holds its value.
+/// not a plain float tensor of the CubeCL backend. With fusion, the fusion stream the tensor
+/// lives on is drained first (its queued operations submitted), so the buffer holds its value.
 pub fn into_cube<const D: usize>(tensor: Tensor<D>) -> Option<CubeTensor> {
     if !is_cube(&tensor) {
         return None;
     }
     let primitive = tensor.try_into_primitive::<Cube>().ok()?;
-    Some(<Cube as CubePrimitive>::into_base(primitive))
+    Some(<Cube as CubePrimitive>::into_raw(primitive))
 }
 
 /// `tensor` as a Burn tensor of rank `D` on its CubeCL device.
@@ -114,7 +101,7 @@ pub fn into_cube<const D: usize>(tensor: Tensor<D>) -> Option<CubeTensor> {
 /// When `tensor`'s rank is not `D`.
 pub fn from_cube<const D: usize>(tensor: CubeTensor) -> Tensor<D> {
     assert_eq!(tensor.meta.shape().num_dims(), D, "from_cube: rank of the raw tensor");
-    Tensor::<D>::from_primitive::<Cube>(<Cube as CubePrimitive>::from_base(tensor))
+    Tensor::<D>::from_primitive::<Cube>(<Cube as CubePrimitive>::from_raw(tensor))
 }
 
 /// The CubeCL device behind a Burn device, or `None` for another backend.

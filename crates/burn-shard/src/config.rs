@@ -32,6 +32,11 @@ pub const DEFAULT_BUCKET_NUMEL: usize = 256 * 1024;
 
 /// How to shard: the ZeRO stage and the bucket size.
 ///
+/// A Burn [`Config`](burn::config::Config): it nests in a user's `#[derive(Config)]` training
+/// config and is saved with it in `config.json` (`stage` as its number; a field left out of
+/// the file takes its default, as [`ShardConfig::new`] sets it; `max_grad_norm` may be
+/// `"inf"`, which JSON has no number for).
+///
 /// ```ignore
 /// let comm = /* this rank's Collective, e.g. from InProcessGroup */;
 /// // Burn's AdamWConfig: the fused Adam step where the backend has one, Burn's AdamW elsewhere.
@@ -40,23 +45,27 @@ pub const DEFAULT_BUCKET_NUMEL: usize = 256 * 1024;
 /// let grads = GradientsParams::from_grads(loss.backward(), &model);
 /// model = optim.step(lr, model, grads)?;
 /// ```
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ShardConfig {
     /// ZeRO stage.
     pub stage: Stage,
     /// Maximum elements per bucket (a larger parameter gets its own bucket). Default
     /// `DEFAULT_BUCKET_NUMEL` (256 Ki elements).
+    #[serde(default = "defaults::bucket_numel")]
     pub bucket_numel: usize,
     /// Stage 3 only: free each gathered parameter after forward and re-gather it in backward
     /// (default `true`, FSDP's `reshard_after_forward`). `false` keeps gathered parameters
     /// from forward to backward: more memory, one all-gather per parameter instead of two.
+    #[serde(default = "defaults::yes")]
     pub reshard_after_forward: bool,
     /// Clip the averaged gradient to this global L2 norm (over every parameter of every rank)
     /// before the optimizer step, as PyTorch's `clip_grad_norm_`; `None` (default): no
     /// global clipping. `f32::INFINITY` measures the norm without clipping. The pre-clip norm
     /// is [`ShardedOptimizer::last_grad_norm`].
+    #[serde(default, with = "defaults::norm")]
     pub max_grad_norm: Option<f32>,
     /// Loss scaling, required for `f16` parameters (default `None`).
+    #[serde(default)]
     pub loss_scaler: Option<LossScaler>,
     /// Stages 0-2: reduce each bucket inside backward, as soon as its gradients are complete,
     /// where the collective overlaps with compute (default `true`; DeepSpeed's
@@ -66,7 +75,55 @@ pub struct ShardConfig {
     /// then, and runs every collective to completion before the next. The same results either way,
     /// as long as every backward's gradients reach `step`/`accumulate` or are dropped with
     /// [`ShardedOptimizer::discard_gradients`].
+    #[serde(default = "defaults::yes")]
     pub overlap_comm: bool,
+}
+
+impl burn::config::Config for ShardConfig {}
+
+/// What a field left out of a saved [`ShardConfig`] becomes, and `max_grad_norm` in JSON.
+mod defaults {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(super) fn bucket_numel() -> usize {
+        super::DEFAULT_BUCKET_NUMEL
+    }
+
+    pub(super) fn yes() -> bool {
+        true
+    }
+
+    /// `max_grad_norm`: a number, `null` (no clipping) or `"inf"` (measure without clipping:
+    /// serde_json would write `f32::INFINITY` as `null`, which reads back as no clipping).
+    pub(super) mod norm {
+        use super::*;
+
+        #[derive(Serialize, Deserialize)]
+        #[serde(untagged)]
+        enum Norm {
+            Number(f32),
+            Text(String),
+        }
+
+        pub(crate) fn serialize<S: Serializer>(value: &Option<f32>, s: S) -> Result<S::Ok, S::Error> {
+            match value {
+                Some(v) if v.is_infinite() && *v > 0.0 => Norm::Text("inf".into()).serialize(s),
+                Some(v) => Norm::Number(*v).serialize(s),
+                None => s.serialize_none(),
+            }
+        }
+
+        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f32>, D::Error> {
+            match Option::<Norm>::deserialize(d)? {
+                None => Ok(None),
+                Some(Norm::Number(v)) => Ok(Some(v)),
+                Some(Norm::Text(t)) if t == "inf" => Ok(Some(f32::INFINITY)),
+                Some(Norm::Text(t)) => Err(serde::de::Error::custom(format!(
+                    "max_grad_norm must be a positive number, null or \"inf\", got \"{t}\""
+                ))),
+            }
+        }
+    }
 }
 
 impl ShardConfig {
@@ -136,7 +193,8 @@ impl ShardConfig {
     /// [`ShardError::UnsupportedParam`] (stage 3: a trainable parameter
     /// that carries a reparameterization of its own), [`ShardError::UnsupportedDtype`],
     /// [`ShardError::DuplicateParam`], [`ShardError::LayoutMismatch`] (ranks built different
-    /// models), [`ShardError::Comm`].
+    /// models), [`ShardError::UnsupportedBackend`] (stage 3 on a device without burn-shard's
+    /// gather op: LibTorch, NdArray, or CubeCL without the `cube` feature), [`ShardError::Comm`].
     pub fn init<M: Module, O: IntoOptimizer, C: Collective + 'static>(
         &self,
         model: M,

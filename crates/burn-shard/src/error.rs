@@ -13,10 +13,10 @@ pub enum ShardError {
     #[error(transparent)]
     Comm(#[from] CommError),
     /// The model's device is on a backend that lacks an op the configuration needs.
-    #[error("the model's device ({backend}) has no {missing} in this build: {fix}")]
+    #[error("the model's device ({device}) has no {missing} in this build: {fix}")]
     UnsupportedBackend {
-        /// The device, as Burn prints it.
-        backend: String,
+        /// The model's device (without autodiff), as Burn prints it.
+        device: String,
         /// The op that is missing.
         missing: String,
         /// What to do instead.

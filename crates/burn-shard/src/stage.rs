@@ -11,7 +11,10 @@ use crate::error::ShardError;
 /// Per-rank model-state bytes for `Ψ` fp32 parameters trained with Adam on `N` ranks:
 /// stage 0: `16Ψ` (params 4Ψ, grads 4Ψ, Adam moments 8Ψ); stage 1: `8Ψ + 8Ψ/N`;
 /// stage 2: `4Ψ + 12Ψ/N`; stage 3: `16Ψ/N`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// In a Burn config (`config.json`) a stage is its number, `0` to `3`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "u8", into = "u8")]
 pub enum Stage {
     /// Plain data parallelism: gradients all-reduced, everything replicated.
     Zero,
@@ -49,6 +52,12 @@ impl Stage {
     /// Whether only this rank's shard of the parameters is kept between uses.
     pub fn shards_parameters(self) -> bool {
         self >= Stage::Three
+    }
+}
+
+impl From<Stage> for u8 {
+    fn from(stage: Stage) -> u8 {
+        stage.number()
     }
 }
 

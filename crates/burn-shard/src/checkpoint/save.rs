@@ -116,9 +116,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let lineage = self.agreed_lineage()?;
         // 1. Every rank checks the target and finds what to set aside (one filesystem: they
         //    agree).
-        let pending = self.accumulated.iter().flatten().count()
-            + self.reduced_present.iter().filter(|&&p| p).count()
-            + self.bucket_reducer.as_ref().map_or(0, BucketReducer::pending_slots);
+        let pending = self.pending.count() + self.bucket_reducer.as_ref().map_or(0, BucketReducer::pending_slots);
         let checked = match pending {
             // The sums would not be saved: refuse rather than lose them on resume.
             0 => to_set_aside(&root, &lineage)

@@ -120,8 +120,9 @@ impl FlatPrimitive for Flex {
 /// The same operations on the CubeCL backend, implemented for `burn_cubecl::Cube`: the type
 /// Burn's dispatch uses, `Fusion<CubeBackend>` with Burn's default `fusion` feature and
 /// `CubeBackend` without it. The collectives take and return Burn tensors, so only the
-/// reshapes are backend calls (deferred on the fusion stream like any other op); the transient-memory probes watch host buffers and are
-/// CPU-only (GPU memory is the allocator's to report).
+/// reshapes are backend calls (deferred on the fusion stream like any other op); the
+/// transient-memory probes watch host buffers and are CPU-only (GPU memory is the allocator's
+/// to report).
 #[cfg(feature = "cube")]
 impl FsdpOps for burn_cubecl::Cube {
     fn fsdp_all_gather(_placeholder: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {

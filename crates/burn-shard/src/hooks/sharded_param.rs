@@ -13,7 +13,6 @@
 //! shard as a parameter (it would count twice), and the sharded optimizer reads and replaces
 //! shards through [`crate::hooks::exchange`].
 
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::backend::Dispatch;
@@ -28,6 +27,7 @@ use crate::hooks::gather_op::FsdpOps;
 use crate::hooks::unit::current_unit;
 use crate::model::census::{Census, EntryKind, SHARD_NAME};
 use crate::model::layout::ParamSlot;
+use crate::overlap::call_tag::CallTag;
 use crate::overlap::context::FsdpContext;
 use crate::overlap::spec::GatherSpec;
 use crate::overlap::spec::Phase;
@@ -208,7 +208,7 @@ impl Reparameterizer for &mut Sharder {
             shard_shape: Shape::new(shard_dims),
             numel,
             chunk,
-            tag: path_tag(path),
+            tag: CallTag::Param(path).value(),
             version: next_version(),
             phase: Phase::Forward,
             unit_scope: None,
@@ -232,12 +232,4 @@ pub(crate) fn set_shard(spec: &mut GatherSpec, shard: Tensor<1>) {
 fn next_version() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
-/// Names a parameter in its collectives: a hash of its module path, equal on every rank and
-/// never 0 (which means "untagged").
-fn path_tag(path: &str) -> u64 {
-    let mut h = DefaultHasher::new();
-    path.hash(&mut h);
-    h.finish() | 1
 }

@@ -10,6 +10,7 @@ use burn_shard_comm::{Collective, CommError, ReduceOp, Work};
 use crate::error::ShardError;
 use crate::model::flat::{self, SlotValues};
 use crate::model::layout::{Bucket, FlatLayout};
+use crate::overlap::call_tag::CallTag;
 
 /// How stages 0-2 reduce a bucket: the one thing the reducer needs to know of the stage
 /// (`StagePlan::bucket_reduction` decides it; stage 3 has none, it reduces per unit).
@@ -279,7 +280,7 @@ impl BucketReducer {
         pending[bucket.slots.clone()].iter_mut().for_each(|p| *p = None);
         self.0
             .reduction
-            .reduce_async(self.0.comm.as_ref(), flat, bucket_tag(index))
+            .reduce_async(self.0.comm.as_ref(), flat, CallTag::BucketReduction(index).value())
     }
 
     /// Ends the backwards since the last optimizer call, at the start of `step` (`is_step`) or
@@ -367,11 +368,6 @@ impl BucketReducer {
             .map(|b| b as usize)
             .collect())
     }
-}
-
-/// Names bucket `index`'s reduction in the collectives: never 0 ("untagged").
-fn bucket_tag(index: usize) -> u64 {
-    (index as u64) << 1 | 1
 }
 
 /// Whether stages 0-2 reduce inside backward for this collective and device (see the

@@ -1,8 +1,6 @@
 //! Buffer layouts of the stage-3 collectives: a parameter of `numel` elements is split into
 //! `world_size` chunks of `chunk = ceil(numel / N)` elements, the last one zero-padded.
 
-use std::hash::{DefaultHasher, Hash, Hasher};
-
 use burn::tensor::{DType, Tensor};
 
 use crate::overlap::context::FsdpContext;
@@ -45,17 +43,6 @@ pub(crate) fn pad_to(full: Tensor<1>, padded: usize) -> Tensor<1> {
     }
     let (device, dtype) = (full.device(), full.dtype());
     Tensor::cat(vec![full, Tensor::zeros([padded - numel], (&device, dtype))], 0)
-}
-
-/// Names a grouped collective in the collectives' checks by its parameters' tags: ranks that
-/// group different parameters into equal lengths fail instead of mixing them. Never 0
-/// ("untagged").
-pub(crate) fn group_tag(tags: impl IntoIterator<Item = u64>) -> u64 {
-    let mut h = DefaultHasher::new();
-    for tag in tags {
-        tag.hash(&mut h);
-    }
-    h.finish() | 1
 }
 
 /// The group of `dtype` among `groups` (one per dtype, in first-seen order: a grouped collective

@@ -24,7 +24,8 @@ use std::collections::{HashMap, HashSet};
 use burn::tensor::{DType, Tensor};
 use burn_shard_comm::Work;
 
-use crate::overlap::collectives::{dtype_group, group_tag};
+use crate::overlap::call_tag::CallTag;
+use crate::overlap::collectives::dtype_group;
 use crate::overlap::context::FsdpContext;
 use crate::overlap::spec::{GatherSpec, Phase};
 
@@ -248,7 +249,8 @@ impl Schedule {
         let parts = by_dtype
             .into_iter()
             .map(|(_, members, shards, width)| {
-                let tag = group_tag(members.iter().map(|m| m.tag));
+                let tags: Vec<u64> = members.iter().map(|m| m.tag).collect();
+                let tag = CallTag::Group(&tags).value();
                 let flat = Tensor::cat(shards, 0);
                 (members, width, ctx.comm().all_gather_async(flat, tag))
             })

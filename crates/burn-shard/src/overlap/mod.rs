@@ -5,6 +5,7 @@
 //!   [`crate::bucket`]);
 //! - `context`: what stage 3's ops share per rank (collective, first error, transient memory),
 //!   owning its `gather_schedule` and `unit_reducer`;
+//! - `call_tag`: how every collective call is named for the collectives' cross-rank check;
 //! - `spec`: what one stage-3 gather needs (`GatherSpec`);
 //! - `collectives`: the buffer layouts of stage 3's collectives;
 //! - `gather_schedule`: per-unit grouped all-gathers with prefetch;
@@ -13,6 +14,7 @@
 //! Imports `model`, `error` and `stage` of this crate.
 
 pub(crate) mod bucket_reducer;
+pub(crate) mod call_tag;
 pub(crate) mod collectives;
 pub(crate) mod context;
 pub(crate) mod gather_schedule;

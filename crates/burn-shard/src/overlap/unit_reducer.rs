@@ -41,7 +41,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Shape, Tensor};
 use burn_shard_comm::{ReduceOp, Work};
 
-use crate::overlap::collectives::{dtype_group, group_tag, pad_to, reduce_scatter_grad};
+use crate::overlap::call_tag::CallTag;
+use crate::overlap::collectives::{dtype_group, pad_to, reduce_scatter_grad};
 use crate::overlap::context::FsdpContext;
 use crate::overlap::spec::GatherSpec;
 
@@ -329,7 +330,7 @@ fn start(ctx: &FsdpContext, grads: Vec<FullGrad>) -> InFlight {
             Part {
                 work: ctx
                     .comm()
-                    .reduce_scatter_async(flat, ReduceOp::Avg, group_tag(group.tags)),
+                    .reduce_scatter_async(flat, ReduceOp::Avg, CallTag::Group(&group.tags).value()),
                 members: group.members,
                 width,
                 dtype: group.dtype,

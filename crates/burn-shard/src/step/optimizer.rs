@@ -26,6 +26,7 @@ use crate::overlap::bucket_reducer::{BucketReducer, Early};
 use crate::overlap::context::FsdpContext;
 use crate::stage::Stage;
 use crate::step::grad_norm::{self, GradNorms};
+use crate::step::pending::PendingGradients;
 use crate::step::stage_plan::StagePlan;
 
 /// A Burn optimizer whose state (stages 1-3), gradients (stages 2-3) and parameters (stage 3)
@@ -91,19 +92,12 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// Whether the last `step` updated the parameters (`false` when the loss scaler skipped
     /// it, and before the first step).
     last_step_applied: bool,
-    /// Gradients of the micro-batches given to `accumulate` since the last step, summed, per
-    /// layout slot (flat; `f32` for `bf16`/`f16` gradients, else the gradient's dtype).
-    pub(crate) accumulated: flat::SlotValues,
-    /// Peak bytes of `accumulated` since the last step, and during the cycle before it.
-    accumulating_bytes: usize,
-    accumulated_bytes: usize,
+    /// The micro-batch sums the next step adds (`accumulate`, and buckets reduced inside
+    /// micro-batch backwards).
+    pub(crate) pending: PendingGradients,
     /// Stages 0-2 reducing inside backward (see [`crate::bucket`]); `None` where they reduce in
     /// the step alone.
     pub(crate) bucket_reducer: Option<BucketReducer>,
-    /// Buckets reduced inside the backwards of micro-batches given to `accumulate` (when the
-    /// reducer expected a step), summed until the step; and which slots they hold.
-    pub(crate) reduced_sums: Vec<Option<Tensor<1>>>,
-    pub(crate) reduced_present: Vec<bool>,
     /// Buckets whose reduction started inside backward before the last optimizer call.
     overlapped_buckets: usize,
     gradients_bytes: usize,
@@ -163,12 +157,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             loss_scaler: options.loss_scaler,
             last_grad_norm: None,
             last_step_applied: false,
-            accumulated: vec![None; slots],
-            accumulating_bytes: 0,
-            accumulated_bytes: 0,
+            pending: PendingGradients::new(slots, buckets),
             bucket_reducer: None,
-            reduced_sums: vec![None; buckets],
-            reduced_present: vec![false; slots],
             overlapped_buckets: 0,
             gradients_bytes: 0,
             temporary_peak_bytes: 0,
@@ -191,16 +181,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         };
         let mut early = reducer.finish(is_step)?;
         self.overlapped_buckets = early.started_in_backward;
-        for (mine, kept) in early.reduced.iter_mut().zip(&mut self.reduced_sums) {
-            // bf16/f16 sums in f32, rounded once by the step, as `accumulate`'s own sums.
-            *mine = match (mine.take().map(crate::optim::master::widen_half), kept.take()) {
-                (Some(a), Some(b)) => Some(a + b),
-                (a, b) => a.or(b),
-            };
-        }
-        for (present, kept) in early.present.iter_mut().zip(&mut self.reduced_present) {
-            *present |= std::mem::take(kept);
-        }
+        self.pending.merge_reduced_into(&mut early);
         Ok(Some(early))
     }
 
@@ -332,9 +313,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Drops the micro-batch sums kept until the next step: unreduced (`accumulate`) and
     /// reduced inside backward.
     pub(crate) fn drop_kept_sums(&mut self) {
-        self.accumulated.iter_mut().for_each(|g| *g = None);
-        self.reduced_sums.iter_mut().for_each(|g| *g = None);
-        self.reduced_present.iter_mut().for_each(|p| *p = false);
+        self.pending.clear();
     }
 
     /// Stage 3: returns the first error a collective met inside forward or backward (gathers
@@ -363,41 +342,18 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// As [`ShardedOptimizer::step`].
     pub fn accumulate<M: Module>(&mut self, model: &M, mut grads: GradientsParams) -> Result<(), ShardError> {
         self.take_reduced(model, &mut grads);
-        let result = self
-            .take_early(false)
-            .map(|early| {
-                if let Some(early) = early {
-                    // Reduced already: kept reduced, added by the step.
-                    self.reduced_sums = early.reduced;
-                    self.reduced_present = early.present;
-                }
-            })
-            .and_then(|()| self.check_collectives())
-            .and_then(|()| flat::take_grads(model, &self.layout, &mut grads))
-            .map(|(parts, _)| {
-                for (sum, grad) in self.accumulated.iter_mut().zip(parts) {
-                    // bf16/f16 sums in f32: one rounding per step, as one backward on the
-                    // concatenated batch, not one per micro-batch.
-                    let grad = grad.map(crate::optim::master::widen_half);
-                    *sum = match (sum.take(), grad) {
-                        (Some(sum), Some(grad)) => Some(sum + grad),
-                        (sum, grad) => sum.or(grad),
-                    };
-                }
-                let held: usize = self
-                    .accumulated
-                    .iter()
-                    .chain(&self.reduced_sums)
-                    .flatten()
-                    .map(tensor_bytes)
-                    .sum();
-                self.accumulating_bytes = self.accumulating_bytes.max(held);
-                if let Some(reducer) = self.bucket_reducer.as_ref().filter(|r| r.armed()) {
-                    // The next backward is expected to end in a step: its buckets carry these
-                    // sums, so the step has nothing left to reduce.
-                    reducer.seed(&mut self.accumulated);
-                }
-            });
+        let result = self.take_early(false).and_then(|early| {
+            self.check_collectives()?;
+            let (parts, _) = flat::take_grads(model, &self.layout, &mut grads)?;
+            // Reduced already: kept reduced, added by the step.
+            self.pending.keep(early, parts);
+            if let Some(reducer) = self.bucket_reducer.as_ref().filter(|r| r.armed()) {
+                // The next backward is expected to end in a step: its buckets carry these
+                // sums, so the step has nothing left to reduce.
+                reducer.seed(self.pending.unreduced_mut());
+            }
+            Ok(())
+        });
         if let Err(e) = &result {
             self.comm.abort(&format!(
                 "rank {} failed in ShardedOptimizer::accumulate: {e}",
@@ -425,18 +381,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
         let (mut grad_parts, device) = flat::take_grads(&model, &layout, &mut grads)?;
         drop(grads);
-        let slots = layout.slots().iter();
-        for ((grad, sum), slot) in grad_parts.iter_mut().zip(&mut self.accumulated).zip(slots) {
-            if let Some(sum) = sum.take() {
-                let dtype = sum.dtype();
-                let total = match grad.take() {
-                    Some(grad) => sum + grad.cast(dtype),
-                    None => sum,
-                };
-                *grad = Some(total.cast(slot.dtype));
-            }
-        }
-        self.accumulated_bytes = std::mem::take(&mut self.accumulating_bytes);
+        self.pending.add_to_step(&mut grad_parts, layout.slots().iter());
         let Some(device) = device else {
             // No trainable parameter (a frozen teacher): only the buffers move.
             self.last_step_applied = true;
@@ -738,7 +683,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 }
                 None => module_param_bytes(model, |_| false),
             },
-            gradients_bytes: self.gradients_bytes + self.accumulated_bytes,
+            gradients_bytes: self.gradients_bytes + self.pending.last_cycle_bytes(),
             optimizer_state_bytes,
             host_bytes,
             temporary_peak_bytes: self.temporary_peak_bytes,

@@ -15,6 +15,7 @@ use crate::hooks::exchange;
 use crate::model::flat::{self, SlotValues};
 use crate::model::layout::{Bucket, FlatLayout};
 use crate::overlap::bucket_reducer::BucketReduction;
+use crate::overlap::call_tag::CallTag;
 use crate::overlap::context::FsdpContext;
 use crate::stage::Stage;
 
@@ -115,7 +116,9 @@ impl StagePlan {
         overlap: bool,
     ) -> Work<Tensor<1>> {
         match self {
-            StagePlan::One | StagePlan::Two if overlap => comm.all_gather_async(updated, publish_tag(index)),
+            StagePlan::One | StagePlan::Two if overlap => {
+                comm.all_gather_async(updated, CallTag::BucketPublish(index).value())
+            }
             StagePlan::One | StagePlan::Two => Work::done(comm.all_gather(updated)),
             StagePlan::Zero | StagePlan::Three(_) => Work::done(Ok(updated)),
         }
@@ -160,12 +163,6 @@ impl StagePlan {
             _ => flat::scatter_into(model, layout, buckets, keep),
         }
     }
-}
-
-/// Names the all-gather of bucket `index`'s updated shards: even, so never 0 ("untagged") nor
-/// a bucket reduction's tag (odd).
-fn publish_tag(index: usize) -> u64 {
-    (index as u64 + 1) << 1
 }
 
 /// Stage 3: the updated shard of each slot that was stepped, cut from the updated buckets.
