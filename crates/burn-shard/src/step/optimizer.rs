@@ -363,6 +363,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         result
     }
 
+    /// The step, one phase after the other: collect the gradients, (1) reduce them, (2) cut
+    /// the owned ranges and measure norms (a skipped step ends there), (3) update and publish
+    /// the parameters, then rebuild the model and average the buffers.
     fn step_with<M: Module>(
         &mut self,
         lr: &ModuleLearningRate,
@@ -388,16 +391,46 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             return self.buffers.sync(self.comm.as_ref(), model);
         };
         let (has_grad, reduce_in_step) = self.with_gradient(&grad_parts, early.as_ref(), &device)?;
-        let mut early_reduced = early.map(|e| e.reduced).unwrap_or_default();
+        let early_reduced = early.map(|e| e.reduced).unwrap_or_default();
 
-        // 1. Reduce the gradients bucket by bucket; keep what this stage holds. A bucket
-        //    reduced inside backward is reduced here only for gradients that reached the step
-        //    unreduced on some rank (see `crate::bucket`).
+        let reduced = self.reduce_buckets(grad_parts, early_reduced, &reduce_in_step, &device, &mut temp)?;
+        let grads = self.owned_gradients(reduced);
+        let Measured::Apply(norms) = self.measure(&grads, &device)? else {
+            return self.buffers.sync(self.comm.as_ref(), model);
+        };
+        let clip = Clip {
+            global: match (self.max_grad_norm, &norms) {
+                (Some(max), Some(norms)) => grad_norm::global_clip_coef(max, norms.total),
+                _ => 1.0,
+            },
+            norms: norms.as_ref(),
+        };
+        let full = self.update_and_publish(lr, &clip, &model, grads, &has_grad, &device, &mut temp)?;
+        self.record_temporary_peak(&temp);
+        let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
+        let model = self.plan.write_values(model, &layout, &full, &keep);
+        self.last_step_applied = true;
+        self.buffers.sync(self.comm.as_ref(), model)
+    }
+
+    /// Phase 1: reduces the gradients bucket by bucket and keeps what this stage holds (one
+    /// `[reduced_numel]` tensor per bucket, in the bucket's dtype). A bucket reduced inside
+    /// backward (`early`) is reduced here only for gradients that reached the step unreduced
+    /// on some rank (see `crate::bucket`).
+    fn reduce_buckets(
+        &mut self,
+        mut grad_parts: flat::SlotValues,
+        mut early: Vec<Option<Tensor<1>>>,
+        reduce_in_step: &[bool],
+        device: &Device,
+        temp: &mut PeakTracker,
+    ) -> Result<Vec<Tensor<1>>, ShardError> {
+        let layout = self.layout.clone();
         let mut reduced = Vec::with_capacity(layout.buckets().len());
         for (index, bucket) in layout.buckets().iter().enumerate() {
             let in_step = match reduce_in_step[index] {
                 true => {
-                    let flat = flat::assemble(&layout, bucket, &grad_parts, 0..bucket.padded_numel, &device);
+                    let flat = flat::assemble(&layout, bucket, &grad_parts, 0..bucket.padded_numel, device);
                     let flat_bytes = tensor_bytes(&flat);
                     temp.alloc(flat_bytes);
                     let grad = self.plan.reduce(self.comm.as_ref(), flat)?;
@@ -407,19 +440,21 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 false => None,
             };
             grad_parts[bucket.slots.clone()].iter_mut().for_each(|g| *g = None);
-            let early = early_reduced.get_mut(index).and_then(Option::take);
+            let early = early.get_mut(index).and_then(Option::take);
             reduced.push(match (early, in_step) {
                 (Some(early), Some(in_step)) => (early + crate::optim::master::widen_half(in_step)).cast(bucket.dtype),
                 (Some(grad), None) => grad.cast(bucket.dtype),
                 (None, Some(grad)) => grad,
-                (None, None) => Tensor::zeros([self.plan.reduced_numel(bucket)], (&device, bucket.dtype)),
+                (None, None) => Tensor::zeros([self.plan.reduced_numel(bucket)], (device, bucket.dtype)),
             });
         }
         self.gradients_bytes = reduced.iter().map(tensor_bytes).sum();
+        Ok(reduced)
+    }
 
-        // 2. The owned range of each bucket's gradient, unscaled; its norms where clipping or
-        //    loss scaling needs them (one small all-reduce at stages 1-3).
-        let grads: Vec<Tensor<1>> = layout
+    /// Phase 2a: the owned range of each bucket's reduced gradient, unscaled.
+    fn owned_gradients(&self, reduced: Vec<Tensor<1>>) -> Vec<Tensor<1>> {
+        self.layout
             .buckets()
             .iter()
             .zip(reduced)
@@ -427,14 +462,19 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 let range = self.plan.owned_range(bucket, self.comm.rank());
                 self.unscale(self.plan.gradient_of_range(grad, range))
             })
-            .collect();
+            .collect()
+    }
+
+    /// Phase 2b: the gradients' norms where clipping or loss scaling needs them (one small
+    /// all-reduce at stages 1-3), and the loss scaler's verdict.
+    fn measure(&mut self, grads: &[Tensor<1>], device: &Device) -> Result<Measured, ShardError> {
         let norms = match self.needs_norms() {
             true => Some(grad_norm::measure(
-                &layout,
+                &self.layout,
                 &self.plan,
                 self.comm.as_ref(),
-                &grads,
-                &device,
+                grads,
+                device,
             )?),
             false => None,
         };
@@ -442,7 +482,6 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         if let (Some(scaler), Some(norms)) = (&mut self.loss_scaler, &norms)
             && !scaler.update(norms.total)
         {
-            // An overflow on some rank: every rank saw the same non-finite norm and skips.
             tracing::warn!(
                 rank = self.comm.rank(),
                 scale = scaler.scale(),
@@ -451,7 +490,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             if let Some(fsdp) = self.plan.fsdp() {
                 fsdp.reset_transient_peak();
             }
-            return self.buffers.sync(self.comm.as_ref(), model);
+            return Ok(Measured::Skipped);
         }
         if let Some(norms) = norms.as_ref().filter(|n| !n.total.is_finite()) {
             // Without a loss scaler nothing skips: say so, as PyTorch's clip_grad_norm_ would
@@ -462,24 +501,32 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 "non-finite gradient norm: the step applies it (configure a LossScaler to skip such steps)"
             );
         }
-        let clip = Clip {
-            global: match (self.max_grad_norm, &norms) {
-                (Some(max), Some(norms)) => grad_norm::global_clip_coef(max, norms.total),
-                _ => 1.0,
-            },
-            norms: norms.as_ref(),
-        };
+        Ok(Measured::Apply(norms))
+    }
 
-        // 3. Burn's optimizer on each parameter's piece of the owned range, then all-gather.
-        //    Where backward reduces buckets (the collectives overlap compute), each bucket's
-        //    all-gather is started as soon as the bucket is stepped and runs while the next one
-        //    is; all are waited for before the model is rebuilt.
+    /// Phase 3: Burn's optimizer on each parameter's piece of the owned range, then the
+    /// all-gather of the updated shards; returns each bucket's updated values as this stage
+    /// holds them. Where backward reduces buckets (the collectives overlap compute), each
+    /// bucket's all-gather is started as soon as the bucket is stepped and runs while the next
+    /// one is; all are waited for before returning.
+    #[allow(clippy::too_many_arguments)]
+    fn update_and_publish<M: Module>(
+        &mut self,
+        lr: &ModuleLearningRate,
+        clip: &Clip,
+        model: &M,
+        grads: Vec<Tensor<1>>,
+        has_grad: &[bool],
+        device: &Device,
+        temp: &mut PeakTracker,
+    ) -> Result<Vec<Tensor<1>>, ShardError> {
+        let layout = self.layout.clone();
         let overlap = self.bucket_reducer.is_some();
-        let values = self.plan.read_values(&model, &layout)?;
+        let values = self.plan.read_values(model, &layout)?;
         let mut publishing = Vec::with_capacity(layout.buckets().len());
         for (index, (bucket, grad)) in layout.buckets().iter().zip(grads).enumerate() {
             let range = self.plan.owned_range(bucket, self.comm.rank());
-            let param = self.update_range(lr, &clip, bucket, range, &values, grad, &has_grad, &device);
+            let param = self.update_range(lr, clip, bucket, range, &values, grad, has_grad, device);
             let param_bytes = tensor_bytes(&param);
             temp.alloc(param_bytes);
             publishing.push((
@@ -497,9 +544,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             temp.free(param_bytes);
             temp.alloc(tensor_bytes(updated));
         }
+        Ok(full)
+    }
+
+    /// The step's peak of temporary bytes, for `memory_report`.
+    fn record_temporary_peak(&mut self, temp: &PeakTracker) {
         self.temporary_peak_bytes = match self.plan.fsdp() {
             // Stage 3: the gathered parameters and full gradients of the forward and backward
-            // that produced `grads` dominate; the step itself holds only shards.
+            // that produced the gradients dominate; the step itself holds only shards.
             Some(fsdp) => {
                 let peak = fsdp.transient_peak().max(temp.peak());
                 fsdp.reset_transient_peak();
@@ -507,10 +559,6 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             }
             None => temp.peak(),
         };
-        let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
-        let model = self.plan.write_values(model, &layout, &full, &keep);
-        self.last_step_applied = true;
-        self.buffers.sync(self.comm.as_ref(), model)
     }
 
     /// Steps each parameter's piece of `range` of `bucket` with its own optimizer state (so
@@ -809,6 +857,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     pub fn slot_states(&self) -> &[Option<O::State<1>>] {
         &self.states
     }
+}
+
+/// What the step's measuring phase decided.
+enum Measured {
+    /// An overflow: every rank saw the same non-finite norm and skips the step.
+    Skipped,
+    /// Apply the step, with the norms where clipping or loss scaling measured them.
+    Apply(Option<GradNorms>),
 }
 
 /// How this step clips: the global-norm factor and the norms per-parameter clipping reads.
