@@ -1,8 +1,8 @@
 //! The code's shape, checked so it stays as `docs/ARCHITECTURE.md` describes it: the core crate's
-//! layers import only downward, and the architecture document names every source file of the
-//! workspace and no file that is gone.
+//! layers import only downward, its modules import each other without cycles, and the
+//! architecture document names every source file of the workspace and no file that is gone.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -114,6 +114,102 @@ fn core_layers_import_only_downward() {
         upward.is_empty(),
         "upward imports in burn-shard:\n{}",
         upward.join("\n")
+    );
+}
+
+/// The module a source file of `crates/burn-shard/src` defines (`overlap/mod.rs` ->
+/// `overlap`, `step/optimizer.rs` -> `step::optimizer`).
+fn module_of(file: &str) -> String {
+    let stem = file.trim_end_matches(".rs");
+    stem.trim_end_matches("/mod").replace('/', "::")
+}
+
+/// The modules of `modules` that a line of code in `module` names, through `crate::a::b::..`
+/// (the longest prefix that is a module) or `super::x`.
+fn named_modules(code: &str, module: &str, modules: &BTreeSet<String>) -> Vec<String> {
+    let mut named = Vec::new();
+    let path_at = |rest: &str| -> Vec<String> {
+        let end = rest
+            .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+            .unwrap_or(rest.len());
+        rest[..end]
+            .split("::")
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    for (at, m) in code.match_indices("crate::") {
+        if code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+            continue;
+        }
+        let parts = path_at(&code[at + m.len()..]);
+        if let Some(target) = (1..=parts.len())
+            .rev()
+            .map(|k| parts[..k].join("::"))
+            .find(|p| modules.contains(p))
+        {
+            named.push(target);
+        }
+    }
+    let parent = module.rsplit_once("::").map_or("", |(p, _)| p);
+    for (at, m) in code.match_indices("super::") {
+        let parts = path_at(&code[at + m.len()..]);
+        if let Some(first) = parts.first() {
+            let target = if parent.is_empty() {
+                first.clone()
+            } else {
+                format!("{parent}::{first}")
+            };
+            if modules.contains(&target) {
+                named.push(target);
+            }
+        }
+    }
+    named.retain(|t| t != module);
+    named
+}
+
+/// No two modules of burn-shard import each other, directly or through others: each file's
+/// place in the layers says what it may use, and a loop would make two files one concern.
+#[test]
+fn core_modules_import_without_cycles() {
+    let src = root().join("crates/burn-shard/src");
+    let files = rust_files(&src);
+    let modules: BTreeSet<String> = files.iter().map(|f| module_of(f)).collect();
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in &files {
+        let module = module_of(file);
+        let text = fs::read_to_string(src.join(file)).unwrap();
+        let targets = edges.entry(module.clone()).or_default();
+        for (_, code) in code_lines(&text) {
+            targets.extend(named_modules(code, &module, &modules));
+        }
+    }
+    // A module is on a cycle when it reaches itself; report each cycle's path once.
+    let mut cycles = BTreeSet::new();
+    for start in &modules {
+        let mut stack = vec![(start.clone(), vec![start.clone()])];
+        let mut seen = BTreeSet::new();
+        while let Some((at, path)) = stack.pop() {
+            for next in edges.get(&at).into_iter().flatten() {
+                if next == start {
+                    let mut cycle = path.clone();
+                    let first = cycle.iter().enumerate().min_by_key(|(_, m)| m.as_str()).unwrap().0;
+                    cycle.rotate_left(first);
+                    cycles.insert(cycle.join(" -> "));
+                } else if seen.insert(next.clone()) {
+                    let mut longer = path.clone();
+                    longer.push(next.clone());
+                    stack.push((next.clone(), longer));
+                }
+            }
+        }
+    }
+    assert!(modules.contains("step::optimizer") && edges["step::optimizer"].contains("step::stage_plan"));
+    assert!(
+        cycles.is_empty(),
+        "import cycles in burn-shard:\n{}",
+        cycles.into_iter().collect::<Vec<_>>().join("\n")
     );
 }
 

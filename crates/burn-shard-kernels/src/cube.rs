@@ -367,15 +367,25 @@ pub(crate) fn adam_step_master(
 /// `(master, param, exp_avg, exp_avg_sq, max_exp_avg_sq)` after a mixed-precision step.
 pub(crate) type MasterStep = (Tensor<1>, Tensor<1>, Tensor<1>, Tensor<1>, Option<Tensor<1>>);
 
-/// Burn's wgpu device on a CPU adapter (Mesa's lavapipe), the device CI runs the kernel on.
+/// Burn's wgpu device on a Vulkan CPU adapter (Mesa's lavapipe), the device CI runs the kernel
+/// on. Burn's `Device::wgpu` takes Vulkan first, so where Vulkan has a CPU adapter this is it.
+///
+/// Vulkan only, although wgpu also finds Mesa's OpenGL CPU adapter (llvmpipe) on machines with
+/// Mesa's GL libraries and no Vulkan driver: there the suite's multi-rank wgpu tests ran for
+/// minutes each and then stopped for good inside CubeCL (2026-12-03: the fusion stream's
+/// fused-matmul autotune waiting on `Client::exclusive` while the device thread waited in
+/// `StreamId::executes`), and that adapter has no `f16` shaders.
 ///
 /// # Errors
-/// A message naming the fix when no such adapter exists (install `mesa-vulkan-drivers`).
+/// A message naming the fix when no Vulkan CPU adapter exists (install `mesa-vulkan-drivers`).
 #[cfg(feature = "wgpu")]
 pub fn wgpu_cpu_device() -> Result<burn::tensor::Device, String> {
     use cubecl::device::WgpuDeviceKind;
-    cubecl::Device::wgpu(WgpuDeviceKind::Cpu).map_err(|e| {
-        format!("no wgpu CPU adapter ({e:?}); install Mesa's lavapipe: apt-get install mesa-vulkan-drivers libvulkan1")
+    cubecl::Device::vulkan(WgpuDeviceKind::Cpu).map_err(|e| {
+        format!(
+            "no Vulkan CPU adapter ({e:?}); install Mesa's lavapipe: apt-get install mesa-vulkan-drivers libvulkan1 \
+             (or `cargo xtask setup --no-llvm --no-mpi --no-minilm`)"
+        )
     })?;
     Ok(burn::tensor::Device::wgpu(burn::tensor::DeviceKind::Cpu))
 }

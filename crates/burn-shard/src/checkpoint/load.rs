@@ -19,7 +19,6 @@ use crate::error::ShardError;
 use crate::hooks::exchange;
 use crate::model::flat;
 use crate::optim::master::MasterWeightStep;
-use crate::stage::Stage;
 use crate::step::optimizer::ShardedOptimizer;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
@@ -95,14 +94,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         if let (Some(mine), Some(saved)) = (&mut self.loss_scaler, scaler) {
             mine.resume(&saved)?;
         }
-        self.states = states;
-        self.masters = masters;
+        self.slots.states = states;
+        self.slots.masters = masters;
         // Micro-batch sums of the model before the load do not belong to the loaded one.
         self.drop_kept_sums();
         let model = flat::replace_values(model, values);
-        let model = match self.stage() {
-            Stage::Three => exchange::replace_shards(model, shards),
-            _ => model,
+        let model = match self.stage().shards_parameters() {
+            true => exchange::replace_shards(model, shards),
+            false => model,
         };
         Ok((model, payload, record))
     }
@@ -133,9 +132,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let device = flat::plain_device(model)?;
         // Every value must land: the model must be the one `init` (or `step`) returned.
         let present = flat::ids_of(model);
-        let shards_present = match stage {
-            Stage::Three => exchange::collect_shards(model).into_keys().collect(),
-            _ => std::collections::HashSet::new(),
+        let shards_present = match stage.shards_parameters() {
+            true => exchange::collect_shards(model).into_keys().collect(),
+            false => std::collections::HashSet::new(),
         };
         for (id, entry, holding) in &entries {
             let found = match holding {
@@ -179,9 +178,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             };
             // The optimizer steps the range, or at stage 3 the whole shard with its padding
             // (zeros: their gradient is zero, so they stay zero).
-            let stepped = match stage {
-                Stage::Three => self.layout.slots()[index].numel,
-                _ => range.len(),
+            let stepped = match stage.shards_parameters() {
+                true => self.layout.slots()[index].numel,
+                false => range.len(),
             };
             states[index] = read_state::<O>(&mut files, saved, range.clone(), stepped, &O::state_device(&device))?;
             let master = format!("master/{}", entry.path);

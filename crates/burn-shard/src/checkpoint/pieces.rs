@@ -29,13 +29,14 @@ pub(crate) fn piece(
     world_size: usize,
 ) -> Option<Range<usize>> {
     let range = match holding {
+        // Stages 0-2 (stage 3 shards every parameter: `Chunks`).
         Holding::Slot(layout, index) => {
             let slot = &layout.slots()[index];
-            match stage {
-                Stage::One | Stage::Two => slot
+            match stage.shards_optimizer_state() {
+                true => slot
                     .within(&layout.buckets()[slot.bucket].shard_range(rank))
                     .unwrap_or(0..0),
-                Stage::Zero | Stage::Three => whole_on_rank_0(numel, rank),
+                false => whole_on_rank_0(numel, rank),
             }
         }
         Holding::Chunks => {
@@ -60,8 +61,8 @@ pub(crate) fn stepped(
     rank: usize,
     world_size: usize,
 ) -> Option<Range<usize>> {
-    match (stage, holding) {
-        (Stage::Zero, Holding::Slot(..)) => (numel > 0).then_some(0..numel),
+    match holding {
+        Holding::Slot(..) if !stage.shards_optimizer_state() => (numel > 0).then_some(0..numel),
         _ => piece(stage, holding, numel, rank, world_size),
     }
 }

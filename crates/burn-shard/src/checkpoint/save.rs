@@ -252,9 +252,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .map(|(id, _, _)| *id)
             .collect();
         let mut values = flat::values_by_id(model, &whole_ids);
-        let mut shards = match stage {
-            Stage::Three => exchange::collect_shards(model),
-            _ => HashMap::new(),
+        let mut shards = match stage.shards_parameters() {
+            true => exchange::collect_shards(model),
+            false => HashMap::new(),
         };
         for (id, entry, holding) in &entries {
             let Some(range) = piece(stage, *holding, entry.numel(), rank, world_size) else {
@@ -328,11 +328,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .entries()
             .filter(|(_, e)| e.numel() > 0 && SUPPORTED.contains(&e.dtype))
             .map(|(id, entry)| {
-                let holding = match (self.stage(), self.layout.slot_of(&id)) {
-                    (Stage::Three, _) if entry.kind == EntryKind::Param => Holding::Chunks,
-                    (Stage::Three, _) => Holding::Whole,
-                    (_, Some(index)) => Holding::Slot(&self.layout, index),
-                    (_, None) => Holding::Whole,
+                let holding = match (self.stage().shards_parameters(), self.layout.slot_of(&id)) {
+                    (true, _) if entry.kind == EntryKind::Param => Holding::Chunks,
+                    (true, _) => Holding::Whole,
+                    (false, Some(index)) => Holding::Slot(&self.layout, index),
+                    (false, None) => Holding::Whole,
                 };
                 (id, entry, holding)
             })
@@ -342,7 +342,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// This rank's optimizer state and master of slot `index`, trimmed to `len` elements (a
     /// stage-3 shard's padding is not saved).
     fn push_optimizer_piece(&self, file: &mut RankFile, index: usize, path: &str, len: usize) {
-        if let Some(state) = &self.states[index] {
+        if let Some(state) = &self.slots.states[index] {
             let mut sink = StateSink::default();
             state.state_flatten("", &mut sink);
             for (field, data) in sink.tensors {
@@ -352,7 +352,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 file.push_scalar(format!("state/{path}/{field}"), value);
             }
         }
-        if let Some(master) = &self.masters[index] {
+        if let Some(master) = &self.slots.masters[index] {
             file.push(format!("master/{path}"), trim(master.clone().into_data(), len));
         }
     }

@@ -13,8 +13,8 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, ParamId};
 use burn::tensor::Tensor;
 
+use crate::hooks::gather_op::GatherSpec;
 use crate::overlap::collectives::{all_gather_full, pad_to};
-use crate::overlap::spec::GatherSpec;
 
 enum Exchange {
     /// Sharded states reported by `visit`.
@@ -63,7 +63,7 @@ pub(crate) fn collect_specs<M: Module>(model: &M) -> HashMap<ParamId, GatherSpec
 pub(crate) fn collect_shards<M: Module>(model: &M) -> HashMap<ParamId, Tensor<1>> {
     collect_specs(model)
         .into_iter()
-        .map(|(id, spec)| (id, spec.shard))
+        .map(|(id, spec)| (id, spec.param.shard))
         .collect()
 }
 
@@ -110,7 +110,7 @@ pub(crate) fn on_map(spec: &mut GatherSpec) {
         if let Some(Exchange::Replace(shards)) = e.borrow_mut().as_mut()
             && let Some(shard) = shards.remove(&spec.id)
         {
-            crate::hooks::sharded_param::set_shard(spec, shard);
+            spec.set_shard(shard);
         }
     });
 }

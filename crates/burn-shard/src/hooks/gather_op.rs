@@ -28,6 +28,7 @@
 
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::backend::autodiff::{
     Autodiff, NodeId,
@@ -47,7 +48,51 @@ use burn::backend::{Backend, Flex, backend_extension};
 use burn::tensor::{Shape, Tensor};
 
 use crate::overlap::context::FsdpContext;
-use crate::overlap::spec::{GatherSpec, Phase};
+use crate::overlap::spec::{ParamSpec, Phase};
+
+/// What a gather op carries: the rank's shared context and what the gather is of. Dereferences
+/// to its [`ParamSpec`] (shard, shapes, tag, version, phase, unit scope).
+#[derive(Clone, Debug)]
+pub struct GatherSpec {
+    pub(crate) ctx: FsdpContext,
+    pub(crate) param: ParamSpec,
+}
+
+impl GatherSpec {
+    /// Puts `shard` in place as the parameter's current shard, under a new version.
+    pub(crate) fn set_shard(&mut self, shard: Tensor<1>) {
+        self.param.shard = shard;
+        self.param.version = Self::next_version();
+        self.ctx.register(&self.param);
+    }
+
+    /// A number no shard value had before (process-wide, so clones of a model never collide).
+    pub(crate) fn next_version() -> u64 {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// This gather, run in `phase` (a backward re-gather of a forward gather).
+    fn in_phase(&self, phase: Phase) -> Self {
+        let mut spec = self.clone();
+        spec.param.phase = phase;
+        spec
+    }
+}
+
+impl std::ops::Deref for GatherSpec {
+    type Target = ParamSpec;
+
+    fn deref(&self) -> &ParamSpec {
+        &self.param
+    }
+}
+
+impl std::ops::DerefMut for GatherSpec {
+    fn deref_mut(&mut self) -> &mut ParamSpec {
+        &mut self.param
+    }
+}
 
 /// The stage-3 collectives as backend operations (CPU `Flex` backend, and the CubeCL backend
 /// (CUDA, wgpu, CubeCL's CPU runtime) with the `cube` feature; the autodiff decorator adds the
@@ -297,10 +342,7 @@ fn gather<B: Backend + FsdpOps + FlatPrimitive, C: CheckpointStrategy>(
     let retro = Regather::<B> {
         placeholder: placeholder.id(),
         unit_input: None,
-        spec: GatherSpec {
-            phase: Phase::Backward,
-            ..spec.clone()
-        },
+        spec: spec.in_phase(Phase::Backward),
         _backend: PhantomData,
     };
     let prep = <GatherBackward as Backward<B, 1>>::prepare::<C>(GatherBackward, [placeholder.node()])
@@ -321,10 +363,7 @@ fn gather_in_unit<B: Backend + FsdpOps + FlatPrimitive, C: CheckpointStrategy>(
     let retro = Regather::<B> {
         placeholder: placeholder.id(),
         unit_input: input_tracked.then(|| unit_input.id()),
-        spec: GatherSpec {
-            phase: Phase::Backward,
-            ..spec.clone()
-        },
+        spec: spec.in_phase(Phase::Backward),
         _backend: PhantomData,
     };
     let prep = <GatherInUnitBackward as Backward<B, 2>>::prepare::<C>(

@@ -13,8 +13,6 @@
 //! shard as a parameter (it would count twice), and the sharded optimizer reads and replaces
 //! shards through [`crate::hooks::exchange`].
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use burn::backend::Dispatch;
 use burn::module::{
     Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor, Param,
@@ -23,14 +21,13 @@ use burn::module::{
 use burn::tensor::{Device, Shape, Tensor};
 
 use crate::hooks::exchange;
-use crate::hooks::gather_op::FsdpOps;
+use crate::hooks::gather_op::{FsdpOps, GatherSpec};
 use crate::hooks::unit::current_unit;
 use crate::model::census::{Census, EntryKind, SHARD_NAME};
 use crate::model::layout::ParamSlot;
 use crate::overlap::call_tag::CallTag;
 use crate::overlap::context::FsdpContext;
-use crate::overlap::spec::GatherSpec;
-use crate::overlap::spec::Phase;
+use crate::overlap::spec::{ParamSpec, Phase};
 
 /// The reparameterization of a stage-3 parameter: it holds this rank's shard, and `param.val()`
 /// all-gathers the full value on demand (see the module docs).
@@ -59,10 +56,8 @@ impl Reparameterization for ShardedParam {
         let out = match current_unit() {
             Some((input, scope)) => {
                 crate::hooks::unit::note_gather();
-                let spec = GatherSpec {
-                    unit_scope: Some(scope),
-                    ..self.spec.clone()
-                };
+                let mut spec = self.spec.clone();
+                spec.unit_scope = Some(scope);
                 <Dispatch as FsdpOps>::fsdp_all_gather_in_unit(placeholder.into_dispatch(), input, spec)
             }
             None => <Dispatch as FsdpOps>::fsdp_all_gather(placeholder.into_dispatch(), self.spec.clone()),
@@ -89,7 +84,7 @@ impl Module for ShardedParam {
         let device = device.clone().without_autodiff();
         if self.spec.shard.device() != device {
             let shard = self.spec.shard.clone().to_device(&device);
-            set_shard(&mut self.spec, shard);
+            self.spec.set_shard(shard);
         }
         self
     }
@@ -200,8 +195,7 @@ impl Reparameterizer for &mut Sharder {
         }
         let mut shard_dims = [1usize; D];
         shard_dims[D - 1] = chunk;
-        let spec = GatherSpec {
-            ctx: self.ctx.clone(),
+        let param = ParamSpec {
             id,
             shard,
             full_shape,
@@ -209,27 +203,18 @@ impl Reparameterizer for &mut Sharder {
             numel,
             chunk,
             tag: CallTag::Param(path).value(),
-            version: next_version(),
+            version: GatherSpec::next_version(),
             phase: Phase::Forward,
             unit_scope: None,
         };
-        self.ctx.register(&spec);
+        self.ctx.register(&param);
+        let spec = GatherSpec {
+            ctx: self.ctx.clone(),
+            param,
+        };
         (
             Param::from_mapped_value(id, placeholder, mapper),
             Some(ShardedParam { spec }),
         )
     }
-}
-
-/// Puts `shard` in place as the parameter's current shard, under a new version.
-pub(crate) fn set_shard(spec: &mut GatherSpec, shard: Tensor<1>) {
-    spec.shard = shard;
-    spec.version = next_version();
-    spec.ctx.register(spec);
-}
-
-/// A number no shard value had before (process-wide, so clones of a model never collide).
-fn next_version() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
 }

@@ -10,6 +10,7 @@ use burn_shard_comm::{Collective, CommError, ReduceOp, Work};
 use crate::error::ShardError;
 use crate::model::flat::{self, SlotValues};
 use crate::model::layout::{Bucket, FlatLayout};
+use crate::overlap::backward_log::BackwardLog;
 use crate::overlap::call_tag::CallTag;
 
 /// How stages 0-2 reduce a bucket: the one thing the reducer needs to know of the stage
@@ -93,11 +94,9 @@ struct State {
     armed: bool,
     /// `accumulate` calls since the last step.
     accumulates: usize,
-    /// Per slot: gradients seen since the last optimizer call.
-    seen: Vec<usize>,
-    /// Per bucket: when its last gradient since the last optimizer call arrived (a counter).
-    completed_at: Vec<Option<u64>>,
-    clock: u64,
+    /// The gradients since the last optimizer call, by slot: how many each slot got, and when
+    /// each bucket's last one arrived.
+    log: BackwardLog,
     /// Per slot: the sum of this backward's gradients waiting for their bucket (`[numel]`, in
     /// the gradient's dtype, added as Burn adds the parts of a parameter read twice).
     pending: SlotValues,
@@ -145,8 +144,6 @@ impl BucketReducer {
     ) -> Self {
         let (slots, buckets) = (layout.slots().len(), layout.buckets().len());
         let state = State {
-            seen: vec![0; slots],
-            completed_at: vec![None; buckets],
             pending: vec![None; slots],
             seeded: vec![None; slots],
             started: (0..buckets).map(|_| None).collect(),
@@ -175,9 +172,7 @@ impl BucketReducer {
         let bucket = layout.slots()[slot].bucket;
         let mut state = self.state();
         let state = &mut *state;
-        state.seen[slot] += 1;
-        state.completed_at[bucket] = Some(state.clock);
-        state.clock += 1;
+        state.log.record(slot as u64);
         let Some(learned) = state.learned.as_ref().filter(|_| state.armed) else {
             return Some(grad);
         };
@@ -193,7 +188,7 @@ impl BucketReducer {
             let complete = layout.buckets()[next]
                 .slots
                 .clone()
-                .all(|s| state.seen[s] >= learned.counts[s]);
+                .all(|s| state.log.count(s as u64) >= learned.counts[s]);
             if !complete {
                 break;
             }
@@ -304,19 +299,18 @@ impl BucketReducer {
             }
         }
         let differs = is_step
-            && state
-                .learned
-                .as_ref()
-                .is_some_and(|l| l.accumulates != state.accumulates || l.counts != state.seen);
+            && state.learned.as_ref().is_some_and(|l| {
+                l.accumulates != state.accumulates || l.counts != state.log.counts(layout.slots().len())
+            });
         let reduced = Work::wait_all(state.started.iter_mut().map(Option::take));
         let present = std::mem::replace(&mut state.present, vec![false; layout.slots().len()]);
         state.next = 0;
         if is_step && state.learned.is_none() {
-            let order = self.agree_order(&state.completed_at, &state.seen)?;
+            let order = self.agree_order(&state.log)?;
             let mut early = vec![false; buckets];
             order.iter().for_each(|&b| early[b] = true);
             state.learned = Some(Learned {
-                counts: state.seen.clone(),
+                counts: state.log.counts(layout.slots().len()),
                 order,
                 early,
                 accumulates: state.accumulates,
@@ -327,8 +321,7 @@ impl BucketReducer {
             .learned
             .as_ref()
             .is_some_and(|l| l.accumulates == state.accumulates);
-        state.seen.iter_mut().for_each(|s| *s = 0);
-        state.completed_at.iter_mut().for_each(|c| *c = None);
+        state.log.clear();
         Ok(Early {
             reduced: reduced?,
             present,
@@ -346,16 +339,17 @@ impl BucketReducer {
         state.armed = false;
     }
 
-    /// The buckets whose every slot received a gradient through its hook (`seen`), ordered by
-    /// when their last gradient arrived, as rank 0 saw them: one broadcast of `buckets` values
-    /// (the order, then -1 for each bucket left out; exact in `f32` below 2^24).
-    fn agree_order(&self, completed_at: &[Option<u64>], seen: &[usize]) -> Result<Vec<usize>, ShardError> {
+    /// The buckets whose every slot received a gradient through its hook (in `log`), ordered
+    /// by when their last gradient arrived, as rank 0 saw them: one broadcast of `buckets`
+    /// values (the order, then -1 for each bucket left out; exact in `f32` below 2^24).
+    fn agree_order(&self, log: &BackwardLog) -> Result<Vec<usize>, ShardError> {
         let layout = &self.0.layout;
         let buckets = layout.buckets();
+        let slots = |b: usize| buckets[b].slots.clone().map(|s| s as u64);
         let mut order: Vec<usize> = (0..buckets.len())
-            .filter(|&b| buckets[b].slots.clone().all(|s| seen[s] > 0))
+            .filter(|&b| slots(b).all(|s| log.count(s) > 0))
             .collect();
-        order.sort_by_key(|&b| (completed_at[b], b));
+        order.sort_by_key(|&b| (log.last_arrival(slots(b)), b));
         let mut ours: Vec<f32> = order.iter().map(|&b| b as f32).collect();
         ours.resize(buckets.len(), -1.0);
         let ours = Tensor::<1>::from_data(TensorData::new(ours, [buckets.len()]), &self.0.device);

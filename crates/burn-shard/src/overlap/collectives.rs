@@ -3,11 +3,11 @@
 
 use burn::tensor::{DType, Tensor};
 
-use crate::overlap::context::FsdpContext;
+use crate::overlap::comm_context::CommContext;
 
 /// This rank's `[chunk]` shard -> the full `[numel]` parameter (padding dropped).
 /// On a collective error the error is recorded and zeros are returned (the step then fails).
-pub(crate) fn all_gather_full(ctx: &FsdpContext, shard: Tensor<1>, numel: usize, tag: u64) -> Tensor<1> {
+pub(crate) fn all_gather_full(ctx: &CommContext, shard: Tensor<1>, numel: usize, tag: u64) -> Tensor<1> {
     let (device, dtype) = (shard.device(), shard.dtype());
     match ctx.comm().all_gather_tagged(shard, tag) {
         Ok(full) if full.dims()[0] == numel => full,
@@ -20,7 +20,7 @@ pub(crate) fn all_gather_full(ctx: &FsdpContext, shard: Tensor<1>, numel: usize,
 }
 
 /// The full `[numel]` gradient -> this rank's `[chunk]` shard of its mean over ranks.
-pub(crate) fn reduce_scatter_grad(ctx: &FsdpContext, full: Tensor<1>, chunk: usize, tag: u64) -> Tensor<1> {
+pub(crate) fn reduce_scatter_grad(ctx: &CommContext, full: Tensor<1>, chunk: usize, tag: u64) -> Tensor<1> {
     let (device, dtype) = (full.device(), full.dtype());
     let padded = pad_to(full, chunk * ctx.comm().world_size());
     match ctx

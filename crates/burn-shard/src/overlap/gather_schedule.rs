@@ -11,7 +11,7 @@
 //!   next last time in the same phase, one unit ahead, which runs on the rank's communication
 //!   thread while this unit computes;
 //! - a gather takes its result from the fetched group when its shard is the one that was
-//!   gathered (same [`GatherSpec::version`]); otherwise, on the first pass, and outside units,
+//!   gathered (same [`ParamSpec::version`]); otherwise, on the first pass, and outside units,
 //!   it is gathered alone.
 //!
 //! Every rank runs the same model code, so every rank learns the same groups and makes the same
@@ -26,8 +26,8 @@ use burn_shard_comm::Work;
 
 use crate::overlap::call_tag::CallTag;
 use crate::overlap::collectives::dtype_group;
-use crate::overlap::context::FsdpContext;
-use crate::overlap::spec::{GatherSpec, Phase};
+use crate::overlap::comm_context::CommContext;
+use crate::overlap::spec::{ParamSpec, Phase};
 
 /// A group: the phase and the tag of the group's first parameter.
 type GroupKey = (Phase, u64);
@@ -93,7 +93,7 @@ pub(crate) struct Schedule {
 
 impl Schedule {
     /// Records a parameter's current shard (called whenever a shard is created or replaced).
-    pub(crate) fn register(&mut self, spec: &GatherSpec) {
+    pub(crate) fn register(&mut self, spec: &ParamSpec) {
         self.registry.insert(
             spec.tag,
             Registered {
@@ -106,7 +106,7 @@ impl Schedule {
 
     /// The full `[numel]` parameter of `spec` if its group fetched it; `None` means: gather it
     /// alone. Also learns the groups and starts the prefetch of the next one.
-    pub(crate) fn take(&mut self, ctx: &FsdpContext, spec: &GatherSpec) -> Option<Tensor<1>> {
+    pub(crate) fn take(&mut self, ctx: &CommContext, spec: &ParamSpec) -> Option<Tensor<1>> {
         let key = match spec.phase {
             Phase::Forward => {
                 let scope = spec.unit_scope?;
@@ -154,7 +154,7 @@ impl Schedule {
     /// between, where that unit's output is no checkpoint boundary: see [`crate::fsdp::unit`])
     /// gathers alone: fetching it whole again would move its bytes twice. Only the first entry of
     /// the pass is learned.
-    fn enter(&mut self, ctx: &FsdpContext, key: GroupKey, scope: Option<u64>) {
+    fn enter(&mut self, ctx: &CommContext, key: GroupKey, scope: Option<u64>) {
         self.finish_current(Some(key));
         // Unused gathers of the previous group are freed here: one unit at a time.
         self.ready.clear();
@@ -219,7 +219,7 @@ impl Schedule {
 
     /// Starts the all-gathers of group `key` as learned (one per dtype, in first-seen order);
     /// `None` for a group not seen yet.
-    fn start_group(&self, ctx: &FsdpContext, key: GroupKey) -> Option<GroupGather> {
+    fn start_group(&self, ctx: &CommContext, key: GroupKey) -> Option<GroupGather> {
         let world_size = ctx.comm().world_size();
         let mut by_dtype: Vec<(DType, Vec<Member>, Vec<Tensor<1>>, usize)> = Vec::new();
         for tag in self.groups.get(&key)? {
@@ -264,7 +264,7 @@ impl Schedule {
 
     /// Waits for a group's all-gathers and takes each parameter out of them (one copy each, so
     /// each full parameter is freed on its own once its consumers are done).
-    fn finish(&mut self, ctx: &FsdpContext, group: GroupGather) {
+    fn finish(&mut self, ctx: &CommContext, group: GroupGather) {
         let world_size = ctx.comm().world_size();
         for (members, width, work) in group.parts {
             let gathered = match work.wait() {

@@ -1,10 +1,8 @@
-//! What one stage-3 gather or re-gather needs, shared by the ops that issue it (`hooks`) and
-//! the schedule and reducer that group it (`overlap`).
+//! What one stage-3 gather or re-gather is of, shared by the ops that issue it (`hooks`, whose
+//! `GatherSpec` adds the rank's context) and the schedule and reducer that group it.
 
 use burn::module::ParamId;
 use burn::tensor::{Shape, Tensor};
-
-use super::context::FsdpContext;
 
 /// Where a gather runs: in forward (`param.val()`), or re-gathered in backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -13,10 +11,9 @@ pub(crate) enum Phase {
     Backward,
 }
 
-/// What one gather needs: the shared context, this rank's shard and the parameter's shapes.
+/// What one gather is of: this rank's shard, the parameter's shapes and names, the phase.
 #[derive(Clone, Debug)]
-pub struct GatherSpec {
-    pub(crate) ctx: FsdpContext,
+pub struct ParamSpec {
     /// The parameter's id.
     pub(crate) id: ParamId,
     /// This rank's shard: `[chunk]`, the parameter's dtype, plain (not tracked by autodiff).
@@ -40,6 +37,6 @@ pub struct GatherSpec {
     pub(crate) version: u64,
     /// Forward gather or backward re-gather: the schedule keeps their groups apart.
     pub(crate) phase: Phase,
-    /// The [`unit`](super::unit) scope the forward gather runs in, if any.
+    /// The [`unit`](crate::fsdp::unit) scope the forward gather runs in, if any.
     pub(crate) unit_scope: Option<u64>,
 }

@@ -41,10 +41,11 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Shape, Tensor};
 use burn_shard_comm::{ReduceOp, Work};
 
+use crate::overlap::backward_log::BackwardLog;
 use crate::overlap::call_tag::CallTag;
 use crate::overlap::collectives::{dtype_group, pad_to, reduce_scatter_grad};
-use crate::overlap::context::FsdpContext;
-use crate::overlap::spec::GatherSpec;
+use crate::overlap::comm_context::CommContext;
+use crate::overlap::spec::ParamSpec;
 
 /// This rank's shard of a parameter's mean gradient, ready to be registered.
 pub(crate) struct Reduced {
@@ -107,13 +108,11 @@ pub(crate) struct Reducer {
     sizes: HashMap<u64, usize>,
     /// Gradients a pass has in all, learned; `None` while learning (see the module docs).
     expected: Option<usize>,
-    /// Gradients since the optimizer last ended a pass.
-    seen: usize,
+    /// The gradients since the optimizer last ended a pass, by tag: a learning pass's one
+    /// backward is its period.
+    log: BackwardLog,
     /// While learning: the unit being counted, `(scope, first tag, gradients)`.
     counting: Option<(u64, u64, usize)>,
-    /// While learning: every gradient's tag, in order (several backwards may precede the
-    /// optimizer's call: the pass is the sequence's period).
-    learned_tags: Vec<u64>,
     pending: Option<Pending>,
     in_flight: Option<InFlight>,
 }
@@ -121,7 +120,7 @@ pub(crate) struct Reducer {
 impl Reducer {
     /// Takes the complete full gradient `grad` (`[numel]`) of `spec`'s parameter, whose autodiff
     /// leaf is `node`, and returns the shards that are ready now (this one's, or earlier ones').
-    pub(crate) fn add(&mut self, ctx: &FsdpContext, spec: &GatherSpec, node: NodeId, grad: Tensor<1>) -> Vec<Reduced> {
+    pub(crate) fn add(&mut self, ctx: &CommContext, spec: &ParamSpec, node: NodeId, grad: Tensor<1>) -> Vec<Reduced> {
         let mut ready = Vec::new();
         let member = Member {
             node,
@@ -130,18 +129,17 @@ impl Reducer {
             chunk: spec.chunk,
             offset: 0,
         };
-        self.seen += 1;
+        self.log.record(spec.tag);
         let Some(expected) = self.expected else {
             // Learning: alone and at once, counting the units.
             debug_assert!(self.pending.is_none() && self.in_flight.is_none(), "drained by finish");
             self.count(spec);
-            self.learned_tags.push(spec.tag);
             let shard = reduce_scatter_grad(ctx, grad, spec.chunk, spec.tag);
             ready.push(Reduced::of(member, shard));
             return ready;
         };
         self.add_grouped(ctx, spec, member, grad, &mut ready);
-        if self.seen.is_multiple_of(expected) {
+        if self.log.len().is_multiple_of(expected) {
             // The pass's last gradient (or the last of several backwards before one step):
             // nothing is left for after backward.
             self.start_pending(ctx, &mut ready);
@@ -154,8 +152,8 @@ impl Reducer {
     /// outside units; shards that become ready go to `ready`.
     fn add_grouped(
         &mut self,
-        ctx: &FsdpContext,
-        spec: &GatherSpec,
+        ctx: &CommContext,
+        spec: &ParamSpec,
         member: Member,
         grad: Tensor<1>,
         ready: &mut Vec<Reduced>,
@@ -188,7 +186,7 @@ impl Reducer {
 
     /// While learning: counts `spec`'s gradient in its unit, recording each unit's size when
     /// the next one starts.
-    fn count(&mut self, spec: &GatherSpec) {
+    fn count(&mut self, spec: &ParamSpec) {
         match (spec.unit_scope, &mut self.counting) {
             (Some(scope), Some((counted, _, n))) if *counted == scope => *n += 1,
             (scope, counting) => {
@@ -204,7 +202,7 @@ impl Reducer {
     /// returns every shard not returned yet, after starting the pending unit and waiting for
     /// all. After a learning pass, one backward's gradient count is learned; after a pass whose
     /// count is not a multiple of it, the next pass learns again.
-    pub(crate) fn finish(&mut self, ctx: &FsdpContext) -> Vec<Reduced> {
+    pub(crate) fn finish(&mut self, ctx: &CommContext) -> Vec<Reduced> {
         let mut ready = Vec::new();
         self.start_pending(ctx, &mut ready);
         ready.extend(self.wait(ctx));
@@ -213,19 +211,18 @@ impl Reducer {
         }
         self.expected = match self.expected {
             // Learning ended: one backward's gradients (none: keep learning).
-            None => (self.seen > 0).then(|| period(&self.learned_tags)),
+            None => (self.log.len() > 0).then(|| self.log.period()),
             // As many as last time (or a multiple: several backwards before this call).
-            Some(expected) if self.seen.is_multiple_of(expected) => Some(expected),
+            Some(expected) if self.log.len().is_multiple_of(expected) => Some(expected),
             // The model's backward changed: learn again.
             Some(_) => None,
         };
-        self.seen = 0;
-        self.learned_tags.clear();
+        self.log.clear();
         ready
     }
 
     /// Starts the reduce-scatter of the pending unit, after taking the one in flight.
-    fn start_pending(&mut self, ctx: &FsdpContext, ready: &mut Vec<Reduced>) {
+    fn start_pending(&mut self, ctx: &CommContext, ready: &mut Vec<Reduced>) {
         let Some(pending) = self.pending.take() else { return };
         self.sizes.insert(pending.first_tag, pending.grads.len());
         ready.extend(self.wait(ctx));
@@ -233,7 +230,7 @@ impl Reducer {
     }
 
     /// Waits for the reduce-scatter in flight and takes each parameter's shard out of it.
-    fn wait(&mut self, ctx: &FsdpContext) -> Vec<Reduced> {
+    fn wait(&mut self, ctx: &CommContext) -> Vec<Reduced> {
         let Some(in_flight) = self.in_flight.take() else {
             return Vec::new();
         };
@@ -278,7 +275,7 @@ struct Group {
 /// Starts one reduce-scatter per dtype of `grads`: each rank's block holds, in order, every
 /// parameter's chunk for that rank (`[world_size, width]` row-major), so the result is this
 /// rank's `[width]` block, split back into the parameters' shards.
-fn start(ctx: &FsdpContext, grads: Vec<FullGrad>) -> InFlight {
+fn start(ctx: &CommContext, grads: Vec<FullGrad>) -> InFlight {
     let world_size = ctx.comm().world_size();
     let Some(sample) = grads.first().map(|g| g.grad.clone()) else {
         return InFlight {
@@ -344,18 +341,9 @@ fn start(ctx: &FsdpContext, grads: Vec<FullGrad>) -> InFlight {
     }
 }
 
-/// The length of the shortest prefix of `tags` that repeats to make all of them: one
-/// backward's gradients when the optimizer's call followed several identical backwards (Burn's
-/// `GradientsAccumulator`, or a model back-propagated through twice per step).
-fn period(tags: &[u64]) -> usize {
-    (1..=tags.len())
-        .find(|&p| tags.len().is_multiple_of(p) && tags.iter().enumerate().all(|(i, t)| *t == tags[i % p]))
-        .unwrap_or(tags.len())
-}
-
 /// Adds the shards `reduced` to `grads` under their parameters' ids, reshaped to the shape of
 /// their gradients at stage 3 (`[1, .., 1, chunk]`); a parameter of `model` that already has a
-/// gradient gets the sum. The optimizer calls this with [`FsdpContext::finish_reduce`] for the
+/// gradient gets the sum. The optimizer calls this with [`FsdpContext::finish_reduce`](crate::overlap::context::FsdpContext::finish_reduce) for the
 /// shards that backward left in flight.
 pub(crate) fn add_to_grads<M: Module>(model: &M, reduced: Vec<Reduced>, grads: &mut GradientsParams) {
     struct Add<'a> {

@@ -23,10 +23,11 @@ use crate::optim::into_optimizer::IntoOptimizer;
 use crate::optim::loss_scale::LossScaler;
 use crate::optim::master::MasterWeightStep;
 use crate::overlap::bucket_reducer::{BucketReducer, Early};
-use crate::overlap::context::FsdpContext;
 use crate::stage::Stage;
 use crate::step::grad_norm::{self, GradNorms};
+use crate::step::last_step::LastStep;
 use crate::step::pending::PendingGradients;
+use crate::step::slot_state::SlotStates;
 use crate::step::stage_plan::StagePlan;
 
 /// A Burn optimizer whose state (stages 1-3), gradients (stages 2-3) and parameters (stage 3)
@@ -71,37 +72,22 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     pub(crate) plan: StagePlan,
     /// The model's float entries as `init` found them (paths, full shapes, kinds).
     pub(crate) census: Census,
-    /// Burn's optimizer state of each layout slot's piece owned by this rank (`None` before
-    /// the slot's first gradient, and for slots outside this rank's range).
-    pub(crate) states: Vec<Option<O::State<1>>>,
-    /// `f32` master copy of each `bf16`/`f16` slot's piece owned by this rank (`None` for
-    /// `f32` slots and before the slot's first gradient).
-    pub(crate) masters: Vec<Option<Tensor<1>>>,
-    /// Per layout slot: whether its master takes the elements edited since the last step
-    /// ([`ShardedOptimizer::reset_master_weights`]) when the slot is next stepped.
-    masters_follow_edits: Vec<bool>,
+    /// Per layout slot: the optimizer state and `f32` master of this rank's piece.
+    pub(crate) slots: SlotStates<O>,
     /// Running-state buffers, averaged over the ranks at every step.
     buffers: Buffers,
     /// Clip by global norm to this (`ShardConfig::with_max_grad_norm`).
     max_grad_norm: Option<f32>,
     /// `f16` loss scaling (`ShardConfig::with_loss_scaler`).
     pub(crate) loss_scaler: Option<LossScaler>,
-    /// Global norm of the averaged, unscaled gradient before clipping, from the last step that
-    /// measured it.
-    last_grad_norm: Option<f64>,
-    /// Whether the last `step` updated the parameters (`false` when the loss scaler skipped
-    /// it, and before the first step).
-    last_step_applied: bool,
+    /// What the last optimizer call measured (norm, applied, overlap, bytes), for the reports.
+    last: LastStep,
     /// The micro-batch sums the next step adds (`accumulate`, and buckets reduced inside
     /// micro-batch backwards).
     pub(crate) pending: PendingGradients,
     /// Stages 0-2 reducing inside backward (see [`crate::bucket`]); `None` where they reduce in
     /// the step alone.
     pub(crate) bucket_reducer: Option<BucketReducer>,
-    /// Buckets whose reduction started inside backward before the last optimizer call.
-    overlapped_buckets: usize,
-    gradients_bytes: usize,
-    temporary_peak_bytes: usize,
     /// This run's history, saved with its checkpoints: a new run id at `init` and at every
     /// load, and the checkpoint loaded (see [`crate::run::Lineage`]).
     pub(crate) lineage: crate::run::Lineage,
@@ -149,19 +135,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             layout,
             plan,
             census,
-            states: vec![None; slots],
-            masters: vec![None; slots],
-            masters_follow_edits: vec![false; slots],
+            slots: SlotStates::new(slots),
             buffers,
             max_grad_norm: options.max_grad_norm,
             loss_scaler: options.loss_scaler,
-            last_grad_norm: None,
-            last_step_applied: false,
+            last: LastStep::default(),
             pending: PendingGradients::new(slots, buckets),
             bucket_reducer: None,
-            overlapped_buckets: 0,
-            gradients_bytes: 0,
-            temporary_peak_bytes: 0,
             lineage: crate::run::Lineage::fresh(),
         }
     }
@@ -180,7 +160,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             return Ok(None);
         };
         let mut early = reducer.finish(is_step)?;
-        self.overlapped_buckets = early.started_in_backward;
+        self.last.overlapped_buckets = early.started_in_backward;
         self.pending.merge_reduced_into(&mut early);
         Ok(Some(early))
     }
@@ -320,7 +300,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// and reduce-scatters cannot return errors through Burn's autodiff; they record them and
     /// use zeros). `step` checks this itself; call it after an evaluation pass run outside it.
     pub fn check_collectives(&self) -> Result<(), ShardError> {
-        match self.plan.fsdp().and_then(FsdpContext::take_error) {
+        match self.plan.fsdp().and_then(|ctx| ctx.take_error()) {
             Some(err) => Err(err.into()),
             None => Ok(()),
         }
@@ -374,7 +354,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     ) -> Result<M, ShardError> {
         let layout = self.layout.clone();
         let mut temp = PeakTracker::default();
-        self.last_step_applied = false;
+        self.last.applied = false;
         // Stage 3: the gradients were reduce-scattered inside backward (the last units' may
         // still be in flight); a collective that failed there left its error behind.
         self.take_reduced(&model, &mut grads);
@@ -387,7 +367,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.pending.add_to_step(&mut grad_parts, layout.slots().iter());
         let Some(device) = device else {
             // No trainable parameter (a frozen teacher): only the buffers move.
-            self.last_step_applied = true;
+            self.last.applied = true;
             return self.buffers.sync(self.comm.as_ref(), model);
         };
         let (has_grad, reduce_in_step) = self.with_gradient(&grad_parts, early.as_ref(), &device)?;
@@ -409,7 +389,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.record_temporary_peak(&temp);
         let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
         let model = self.plan.write_values(model, &layout, &full, &keep);
-        self.last_step_applied = true;
+        self.last.applied = true;
         self.buffers.sync(self.comm.as_ref(), model)
     }
 
@@ -448,7 +428,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 (None, None) => Tensor::zeros([self.plan.reduced_numel(bucket)], (device, bucket.dtype)),
             });
         }
-        self.gradients_bytes = reduced.iter().map(tensor_bytes).sum();
+        self.last.gradients_bytes = reduced.iter().map(tensor_bytes).sum();
         Ok(reduced)
     }
 
@@ -478,7 +458,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             )?),
             false => None,
         };
-        self.last_grad_norm = norms.as_ref().map(|n| n.total);
+        self.last.grad_norm = norms.as_ref().map(|n| n.total);
         if let (Some(scaler), Some(norms)) = (&mut self.loss_scaler, &norms)
             && !scaler.update(norms.total)
         {
@@ -549,7 +529,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
     /// The step's peak of temporary bytes, for `memory_report`.
     fn record_temporary_peak(&mut self, temp: &PeakTracker) {
-        self.temporary_peak_bytes = match self.plan.fsdp() {
+        self.last.temporary_peak_bytes = match self.plan.fsdp() {
             // Stage 3: the gathered parameters and full gradients of the forward and backward
             // that produced the gradients dominate; the step itself holds only shards.
             Some(fsdp) => {
@@ -594,23 +574,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             let grad = grad.clone().narrow(0, slot.offset + part.start - range.start, len);
             let grad = self.clip(index, grad, clip);
             let lr = lr.lr_from_param(slot.id, Some(&slot.path));
-            let optim = self.groups.optim(index);
-            let state = self.states[index].take();
-            let (param, state) = if crate::optim::master::needs_master(bucket.dtype) {
-                // bf16/f16: the optimizer updates the f32 master; the model gets it rounded.
-                let follow = std::mem::take(&mut self.masters_follow_edits[index]);
-                let master = match self.masters[index].take() {
-                    Some(master) if follow => crate::optim::master::follow_edits(master, &param),
-                    Some(master) => master,
-                    None => param.clone().cast(DType::F32),
-                };
-                let (master, param, state) = optim.step_with_master(lr, master, param, grad, state);
-                self.masters[index] = Some(master);
-                (param, state)
-            } else {
-                optim.step(lr, param, grad, state)
-            };
-            self.states[index] = state;
+            let param = self.slots.step(index, self.groups.optim(index), lr, param, grad);
             pieces.push(param);
         }
         flat::join_range(pieces, bucket, range, device)
@@ -703,22 +667,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// host memory, with [`Offload`](crate::Offload)), tensor by tensor.
     pub fn memory_report<M: Module>(&self, model: &M) -> MemoryReport {
         let device = flat::plain_device(model).ok();
-        let (mut optimizer_state_bytes, mut host_bytes) = (0, 0);
-        for state in self.states.iter().flatten() {
-            // A model without tensors has no device to tell apart (nor any state).
-            let (on_device, elsewhere) = match &device {
-                Some(device) => O::state_bytes(state, device),
-                None => (0, 0),
-            };
-            optimizer_state_bytes += on_device;
-            host_bytes += elsewhere;
-        }
-        for master in self.masters.iter().flatten() {
-            match device.as_ref().is_none_or(|d| master.device() == *d) {
-                true => optimizer_state_bytes += tensor_bytes(master),
-                false => host_bytes += tensor_bytes(master),
-            }
-        }
+        let (optimizer_state_bytes, host_bytes) = self.slots.bytes(device.as_ref());
         MemoryReport {
             rank: self.comm.rank(),
             world_size: self.comm.world_size(),
@@ -731,10 +680,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 }
                 None => module_param_bytes(model, |_| false),
             },
-            gradients_bytes: self.gradients_bytes + self.pending.last_cycle_bytes(),
+            gradients_bytes: self.last.gradients_bytes + self.pending.last_cycle_bytes(),
             optimizer_state_bytes,
             host_bytes,
-            temporary_peak_bytes: self.temporary_peak_bytes,
+            temporary_peak_bytes: self.last.temporary_peak_bytes,
         }
     }
 
@@ -745,7 +694,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// `accumulate` as learned (not when a step was expected instead), at stage 3 and where
     /// buckets are reduced in the step.
     pub fn overlapped_buckets(&self) -> usize {
-        self.overlapped_buckets
+        self.last.overlapped_buckets
     }
 
     /// The collective this optimizer reduces over (e.g. to average a loss for logging).
@@ -772,7 +721,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// (`f32::INFINITY` measures without clipping), a [`LossScaler`], or clipping by norm in a
     /// group; `None` otherwise and before the first step. Non-finite after an overflow.
     pub fn last_grad_norm(&self) -> Option<f64> {
-        self.last_grad_norm
+        self.last.grad_norm
     }
 
     /// Whether the last [`ShardedOptimizer::step`] updated the parameters: `false` when the
@@ -792,7 +741,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// With a Burn `LrScheduler`, keep a clone from before `scheduler.step()` and put it back
     /// when the step was skipped.
     pub fn last_step_applied(&self) -> bool {
-        self.last_step_applied
+        self.last.applied
     }
 
     /// The loss scaler (current scale, steps skipped), when one was configured.
@@ -836,7 +785,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// parameters then; after loading new parameter values later, call
     /// [`ShardedOptimizer::reset_master_weights`].
     pub fn master_weights(&self) -> &[Option<Tensor<1>>] {
-        &self.masters
+        &self.slots.masters
     }
 
     /// Makes the `f32` masters follow values changed outside the optimizer: when a
@@ -847,7 +796,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// calls it); without it the step keeps updating the old masters and overwrites the edit.
     /// Costs one comparison of each stepped piece with its master at that step.
     pub fn reset_master_weights(&mut self) {
-        self.masters_follow_edits.iter_mut().for_each(|f| *f = true);
+        self.slots.follow_edits();
     }
 
     /// Burn's optimizer state of each parameter of the layout ([`FlatLayout::slots`] order), for
@@ -855,7 +804,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// range of the bucket (stages 1-2; `None` when the range holds none of it) or this rank's
     /// shard (stage 3). `None` before the parameter's first gradient. Tensors are 1-D.
     pub fn slot_states(&self) -> &[Option<O::State<1>>] {
-        &self.states
+        &self.slots.states
     }
 }
 

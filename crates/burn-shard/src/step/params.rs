@@ -18,8 +18,8 @@ use burn::tensor::{Bool, Int, Tensor};
 
 use crate::error::ShardError;
 use crate::hooks::exchange;
+use crate::hooks::gather_op::GatherSpec;
 use crate::optim::master::MasterWeightStep;
-use crate::overlap::spec::GatherSpec;
 use crate::step::optimizer::ShardedOptimizer;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {

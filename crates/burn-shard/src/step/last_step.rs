@@ -1,0 +1,20 @@
+//! What the last optimizer call measured, for the reports: the gradient norm, whether the
+//! update was applied, how many buckets overlapped backward, and the gradient and transient
+//! bytes behind [`MemoryReport`](crate::MemoryReport).
+
+/// Measurements of the last `step` (or `accumulate`, for `overlapped_buckets`).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct LastStep {
+    /// Global norm of the averaged, unscaled gradient before clipping, from the last step that
+    /// measured it.
+    pub(crate) grad_norm: Option<f64>,
+    /// Whether the last `step` updated the parameters (`false` when the loss scaler skipped
+    /// it, and before the first step).
+    pub(crate) applied: bool,
+    /// Buckets whose reduction started inside backward before the last optimizer call.
+    pub(crate) overlapped_buckets: usize,
+    /// Bytes of the reduced gradients the last step held.
+    pub(crate) gradients_bytes: usize,
+    /// Peak bytes of transient buffers during the last step.
+    pub(crate) temporary_peak_bytes: usize,
+}
