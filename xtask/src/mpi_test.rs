@@ -16,7 +16,7 @@ pub struct Args {
     /// Features of `burn-shard-tests` besides `mpi` (its defaults: Burn's GPU-user build).
     #[arg(long, default_value = "wgpu,fusion")]
     features: String,
-    /// More test names (filters) to run in the same build, after `mpi::`.
+    /// More test names (filters) to run in the same build, after the MPI tests (in a second run).
     #[arg(last = true)]
     more_tests: Vec<String>,
 }
@@ -41,11 +41,20 @@ pub fn run(args: &Args) -> Result<(), String> {
     build.extend(common);
     build.extend(["--bin", "shakespeare", "--test", "suite"]);
     cargo(&build)?;
-    let mut test = vec!["test", "-p", "burn-shard-tests"];
-    test.extend(common);
-    test.extend(["--test", "suite", "--", "mpi::"]);
-    test.extend(args.more_tests.iter().map(String::as_str));
-    cargo(&test)
+    let test = |filters: &[&str]| {
+        let mut test = vec!["test", "-p", "burn-shard-tests"];
+        test.extend(common);
+        test.extend(["--test", "suite", "--"]);
+        test.extend(filters);
+        cargo(&test)
+    };
+    test(&["mpi::"])?;
+    // A second run of the same binary: the MPI tests' timeouts (mpirun, collectives) must not
+    // share the two cores with other long tests.
+    match args.more_tests.is_empty() {
+        true => Ok(()),
+        false => test(&args.more_tests.iter().map(String::as_str).collect::<Vec<_>>()),
+    }
 }
 
 fn cargo(args: &[&str]) -> Result<(), String> {

@@ -368,7 +368,8 @@ pub(crate) fn adam_step_master(
 pub(crate) type MasterStep = (Tensor<1>, Tensor<1>, Tensor<1>, Tensor<1>, Option<Tensor<1>>);
 
 /// Burn's wgpu device on a Vulkan CPU adapter (Mesa's lavapipe), the device CI runs the kernel
-/// on. Burn's `Device::wgpu` takes Vulkan first, so where Vulkan has a CPU adapter this is it.
+/// on: where a Vulkan CPU adapter exists and CubeCL's automatic choice of graphics API (which
+/// Burn's `Device::wgpu` follows) settles on Vulkan.
 ///
 /// Vulkan only, although wgpu also finds Mesa's OpenGL CPU adapter (llvmpipe) on machines with
 /// Mesa's GL libraries and no Vulkan driver: there the suite's multi-rank wgpu tests ran for
@@ -377,16 +378,24 @@ pub(crate) type MasterStep = (Tensor<1>, Tensor<1>, Tensor<1>, Tensor<1>, Option
 /// `StreamId::executes`), and that adapter has no `f16` shaders.
 ///
 /// # Errors
-/// A message naming the fix when no Vulkan CPU adapter exists (install `mesa-vulkan-drivers`).
+/// A message naming the fix when no Vulkan CPU adapter exists (install `mesa-vulkan-drivers`),
+/// or when the automatic choice settles on another API (a GPU reached only through it).
 #[cfg(feature = "wgpu")]
 pub fn wgpu_cpu_device() -> Result<burn::tensor::Device, String> {
     use cubecl::device::WgpuDeviceKind;
+    use cubecl::wgpu::{AutoGraphicsApi, Backend, GraphicsApi};
     cubecl::Device::vulkan(WgpuDeviceKind::Cpu).map_err(|e| {
         format!(
             "no Vulkan CPU adapter ({e:?}); install Mesa's lavapipe: apt-get install mesa-vulkan-drivers libvulkan1 \
              (or `cargo xtask setup --no-llvm --no-mpi --no-minilm`)"
         )
     })?;
+    let api = <AutoGraphicsApi as GraphicsApi>::backend();
+    if api != Backend::Vulkan {
+        return Err(format!(
+            "wgpu's automatic choice settles on {api:?} here, not on the Vulkan CPU adapter the kernel tests need"
+        ));
+    }
     Ok(burn::tensor::Device::wgpu(burn::tensor::DeviceKind::Cpu))
 }
 

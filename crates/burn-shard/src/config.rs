@@ -86,7 +86,7 @@ mod defaults {
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
     pub(super) fn bucket_numel() -> usize {
-        super::DEFAULT_BUCKET_NUMEL
+        crate::config::DEFAULT_BUCKET_NUMEL
     }
 
     pub(super) fn yes() -> bool {

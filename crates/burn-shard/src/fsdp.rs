@@ -16,10 +16,14 @@
 //!   prefetch of the next unit's while this one computes;
 //! - [`unit()`] (`hooks/unit.rs`): marking a unit (e.g. a transformer block) so its reduce-scatter runs right after
 //!   its backward instead of at the end of the whole backward pass;
-//! - `overlap/context.rs`: what the ops share per rank: the collective, the first error, and the
-//!   transient-memory probes.
-//! - `overlap/spec.rs`: what one gather needs (`GatherSpec`), shared by the ops and the
-//!   schedule and reducer that group them.
+//! - `overlap/comm_context.rs`: what every collective of a rank shares: the collective, the first
+//!   error, and the transient-memory probes; `overlap/context.rs` owns it with the schedule and
+//!   the unit reducer;
+//! - `overlap/backward_log.rs`: the gradients' arrival order, from which the reducer learns one
+//!   backward;
+//! - `overlap/spec.rs`: what one gather is of (`ParamSpec`), shared by the ops (whose
+//!   `GatherSpec` in `hooks/gather_op.rs` adds the context) and the schedule and reducer that
+//!   group them.
 
 pub use crate::hooks::sharded_param::ShardedParam;
 pub use crate::hooks::unit;

@@ -4,9 +4,9 @@ use std::path::Path;
 
 use burn_pack::Writer;
 
-use super::CheckpointError;
 use super::files::RankFiles;
 use super::meta::{CheckpointMeta, EntryMeta, parse_dtype};
+use crate::error::CheckpointError;
 
 /// What [`consolidate`] wrote.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,7 +51,7 @@ pub fn consolidate(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<Conso
     let mut tensors = Vec::with_capacity(meta.entries.len());
     for (index, entry) in meta.entries.iter().enumerate() {
         let dtype = parse_dtype(&entry.dtype).ok_or_else(|| CheckpointError::Corrupt {
-            file: dir.join(super::META),
+            file: dir.join(super::names::META),
             reason: format!("unknown dtype {} for `{}`", entry.dtype, entry.path),
         })?;
         let (dir, meta) = (dir.to_path_buf(), shared.clone());
@@ -102,7 +102,7 @@ pub fn consolidate_safetensors(
             burn::tensor::DType::F16 => safetensors::Dtype::F16,
             other => {
                 return Err(CheckpointError::Corrupt {
-                    file: dir.join(super::META),
+                    file: dir.join(super::names::META),
                     reason: format!("`{}` has dtype {other:?}, which safetensors cannot hold", entry.path),
                 });
             }
@@ -113,7 +113,7 @@ pub fn consolidate_safetensors(
     for (entry, dtype, data) in &loaded {
         let view = safetensors::tensor::TensorView::new(*dtype, entry.shape.clone(), data.as_bytes()).map_err(|e| {
             CheckpointError::Corrupt {
-                file: dir.join(super::META),
+                file: dir.join(super::names::META),
                 reason: format!("`{}`: {e}", entry.path),
             }
         })?;

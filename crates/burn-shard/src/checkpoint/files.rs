@@ -9,8 +9,8 @@ use burn::tensor::{DType, TensorData};
 use burn_pack::{Reader, Scalar, Writer};
 use sha2::{Digest, Sha256};
 
-use super::CheckpointError;
 use super::meta::{CheckpointMeta, EntryMeta, FileMeta};
+use crate::error::CheckpointError;
 
 /// `rank-R.bpk`.
 pub(crate) fn rank_file(rank: usize) -> String {
@@ -135,7 +135,7 @@ impl<'a> RankFiles<'a> {
                 .iter()
                 .find(|f| f.name == name)
                 .ok_or_else(|| CheckpointError::Corrupt {
-                    file: self.dir.join(super::META),
+                    file: self.dir.join(super::names::META),
                     reason: format!("lists no digest for {name}"),
                 })?;
             if !self.verified {
@@ -225,7 +225,7 @@ impl<'a> RankFiles<'a> {
             let file = self.dir.join(rank_file(piece.rank));
             if lo != next {
                 return Err(CheckpointError::Corrupt {
-                    file: self.dir.join(super::META),
+                    file: self.dir.join(super::names::META),
                     reason: format!("the pieces of `{}` leave elements {next}..{lo} out", entry.path),
                 });
             }
@@ -253,7 +253,7 @@ impl<'a> RankFiles<'a> {
         match dtype {
             Some(dtype) if next == range.end => Ok(TensorData::from_bytes_vec(out, [range.len()], dtype)),
             _ => Err(CheckpointError::Corrupt {
-                file: self.dir.join(super::META),
+                file: self.dir.join(super::names::META),
                 reason: format!("no piece of `{}` holds elements {next}..{}", entry.path, range.end),
             }),
         }

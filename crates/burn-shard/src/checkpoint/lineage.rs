@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use super::meta::{CheckpointMeta, Lineage, order};
-use super::{COMPLETE, CheckpointError};
+use super::names::COMPLETE;
+use crate::error::CheckpointError;
 
 /// Prefix of the folder inside a checkpoint directory that holds the checkpoints a resumed run
 /// set aside: `abandoned-<run id>`.
@@ -141,7 +142,7 @@ fn holds_only_save_files(dir: &Path) -> bool {
         e.file_type().is_ok_and(|t| t.is_file())
             && (name.starts_with("rank-")
                 || name.ends_with(".tmp")
-                || [super::META, super::SCHEDULER, COMPLETE].contains(&name.as_str()))
+                || [super::names::META, super::names::SCHEDULER, COMPLETE].contains(&name.as_str()))
     })
 }
 

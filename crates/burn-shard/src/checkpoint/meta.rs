@@ -5,7 +5,7 @@ use std::path::Path;
 use burn::tensor::DType;
 use serde::{Deserialize, Serialize};
 
-use super::CheckpointError;
+use crate::error::CheckpointError;
 pub(crate) use crate::run::order;
 pub use crate::run::{Branch, Lineage};
 
@@ -101,10 +101,10 @@ impl CheckpointMeta {
         if !dir.is_dir() {
             return Err(CheckpointError::NotFound { dir: dir.to_path_buf() });
         }
-        if !dir.join(super::COMPLETE).exists() {
+        if !dir.join(super::names::COMPLETE).exists() {
             return Err(CheckpointError::Incomplete { dir: dir.to_path_buf() });
         }
-        let path = dir.join(super::META);
+        let path = dir.join(super::names::META);
         let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::io(&path, e))?;
         let meta: Self = serde_json::from_str(&text).map_err(|e| CheckpointError::Corrupt {
             file: path.clone(),

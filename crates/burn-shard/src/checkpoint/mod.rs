@@ -43,28 +43,13 @@ mod files;
 mod lineage;
 mod load;
 mod meta;
+mod names;
 mod pieces;
 mod reshard;
 mod save;
-
-use std::path::{Path, PathBuf};
 
 pub use crate::error::CheckpointError;
 pub use consolidate::{ConsolidateReport, consolidate, consolidate_optimizer, consolidate_safetensors};
 pub use lineage::ABANDONED_PREFIX;
 pub use meta::{Branch, CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Lineage, Piece};
 pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, reshard};
-
-/// The metadata file.
-pub(crate) const META: &str = "meta.json";
-/// The learning-rate scheduler's record (optional), written by rank 0.
-pub(crate) const SCHEDULER: &str = "scheduler.bpk";
-/// The completion marker, written last.
-pub(crate) const COMPLETE: &str = "COMPLETE";
-
-/// `dir` with `.partial` appended: where a save writes before it is complete.
-pub(crate) fn partial_dir(dir: &Path) -> PathBuf {
-    let mut name = dir.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    name.push(".partial");
-    dir.with_file_name(name)
-}

@@ -31,6 +31,7 @@ pub(crate) fn piece(
     let range = match holding {
         // Stages 0-2 (stage 3 shards every parameter: `Chunks`).
         Holding::Slot(layout, index) => {
+            debug_assert!(!stage.shards_parameters(), "stage 3 holds parameters as chunks");
             let slot = &layout.slots()[index];
             match stage.shards_optimizer_state() {
                 true => slot

@@ -5,9 +5,10 @@ use std::path::{Path, PathBuf};
 use super::files::{RankFile, RankFiles, digest, read_digest};
 use super::lineage::{complete_dirs, discard, lineage_of, name_of};
 use super::meta::CheckpointMeta;
+use super::names::COMPLETE;
 use super::pieces::{Holding, pieces};
 use super::save::{begin, finish};
-use super::{COMPLETE, CheckpointError};
+use crate::error::CheckpointError;
 use crate::stage::Stage;
 
 /// The state of one rank file, as [`inspect`] found it.
@@ -112,7 +113,7 @@ pub fn reshard(
                     .first()
                     .map(|p| p.rank)
                     .ok_or_else(|| CheckpointError::Corrupt {
-                        file: dir.join(super::META),
+                        file: dir.join(super::names::META),
                         reason: format!("`{}` has no pieces", old.path),
                     })?;
                 let path = &old.path;

@@ -69,7 +69,7 @@ pub(crate) fn collect_shards<M: Module>(model: &M) -> HashMap<ParamId, Tensor<1>
 
 /// The full value of `spec`'s parameter, all-gathered (a collective: every rank calls it for
 /// the same parameters in the same order), in its full shape, plain. A failed collective is
-/// recorded in the context (`FsdpContext::take_error`) and gives zeros.
+/// recorded in the context (`CommContext::take_error`) and gives zeros.
 pub(crate) fn full_value<const D: usize>(spec: &GatherSpec) -> Tensor<D> {
     all_gather_full(&spec.ctx, spec.shard.clone(), spec.numel, spec.tag).reshape(spec.full_shape.clone())
 }

@@ -28,7 +28,6 @@
 
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::backend::autodiff::{
     Autodiff, NodeId,
@@ -48,10 +47,11 @@ use burn::backend::{Backend, Flex, backend_extension};
 use burn::tensor::{Shape, Tensor};
 
 use crate::overlap::context::FsdpContext;
-use crate::overlap::spec::{ParamSpec, Phase};
+use crate::overlap::spec::{ParamSpec, Phase, next_version};
 
-/// What a gather op carries: the rank's shared context and what the gather is of. Dereferences
-/// to its [`ParamSpec`] (shard, shapes, tag, version, phase, unit scope).
+/// What a gather op carries: the rank's shared context and what the gather is of. Reads of the
+/// [`ParamSpec`] fields (shard, shapes, tag, version, phase, unit scope) go through `Deref`;
+/// changes go through its methods (a new shard needs a new version and a registration).
 #[derive(Clone, Debug)]
 pub struct GatherSpec {
     pub(crate) ctx: FsdpContext,
@@ -62,14 +62,8 @@ impl GatherSpec {
     /// Puts `shard` in place as the parameter's current shard, under a new version.
     pub(crate) fn set_shard(&mut self, shard: Tensor<1>) {
         self.param.shard = shard;
-        self.param.version = Self::next_version();
+        self.param.version = next_version();
         self.ctx.register(&self.param);
-    }
-
-    /// A number no shard value had before (process-wide, so clones of a model never collide).
-    pub(crate) fn next_version() -> u64 {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        NEXT.fetch_add(1, Ordering::Relaxed)
     }
 
     /// This gather, run in `phase` (a backward re-gather of a forward gather).
@@ -85,12 +79,6 @@ impl std::ops::Deref for GatherSpec {
 
     fn deref(&self) -> &ParamSpec {
         &self.param
-    }
-}
-
-impl std::ops::DerefMut for GatherSpec {
-    fn deref_mut(&mut self) -> &mut ParamSpec {
-        &mut self.param
     }
 }
 

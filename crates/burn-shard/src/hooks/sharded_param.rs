@@ -27,7 +27,7 @@ use crate::model::census::{Census, EntryKind, SHARD_NAME};
 use crate::model::layout::ParamSlot;
 use crate::overlap::call_tag::CallTag;
 use crate::overlap::context::FsdpContext;
-use crate::overlap::spec::{ParamSpec, Phase};
+use crate::overlap::spec::{ParamSpec, Phase, next_version};
 
 /// The reparameterization of a stage-3 parameter: it holds this rank's shard, and `param.val()`
 /// all-gathers the full value on demand (see the module docs).
@@ -57,7 +57,7 @@ impl Reparameterization for ShardedParam {
             Some((input, scope)) => {
                 crate::hooks::unit::note_gather();
                 let mut spec = self.spec.clone();
-                spec.unit_scope = Some(scope);
+                spec.param.unit_scope = Some(scope);
                 <Dispatch as FsdpOps>::fsdp_all_gather_in_unit(placeholder.into_dispatch(), input, spec)
             }
             None => <Dispatch as FsdpOps>::fsdp_all_gather(placeholder.into_dispatch(), self.spec.clone()),
@@ -203,7 +203,7 @@ impl Reparameterizer for &mut Sharder {
             numel,
             chunk,
             tag: CallTag::Param(path).value(),
-            version: GatherSpec::next_version(),
+            version: next_version(),
             phase: Phase::Forward,
             unit_scope: None,
         };

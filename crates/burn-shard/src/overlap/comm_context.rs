@@ -18,6 +18,7 @@ pub(crate) struct CommContext {
 }
 
 impl CommContext {
+    /// The context of `comm`'s rank: no error recorded, no transient buffer watched.
     pub(crate) fn new(comm: Arc<dyn Collective>) -> Self {
         Self {
             comm,
@@ -26,6 +27,7 @@ impl CommContext {
         }
     }
 
+    /// The rank's collective.
     pub(crate) fn comm(&self) -> &dyn Collective {
         self.comm.as_ref()
     }
@@ -38,6 +40,7 @@ impl CommContext {
         slot.get_or_insert(err);
     }
 
+    /// The first error an op recorded since the last call, taken (the step returns it).
     pub(crate) fn take_error(&self) -> Option<CommError> {
         self.first_error.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
@@ -71,6 +74,7 @@ impl CommContext {
         self.transient.lock().unwrap_or_else(|p| p.into_inner()).peak
     }
 
+    /// Starts a new peak from the transient buffers alive now (at each step).
     pub(crate) fn reset_transient_peak(&self) {
         let mut t = self.transient.lock().unwrap_or_else(|p| p.into_inner());
         t.prune();

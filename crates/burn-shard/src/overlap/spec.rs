@@ -1,6 +1,8 @@
 //! What one stage-3 gather or re-gather is of, shared by the ops that issue it (`hooks`, whose
 //! `GatherSpec` adds the rank's context) and the schedule and reducer that group it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use burn::module::ParamId;
 use burn::tensor::{Shape, Tensor};
 
@@ -39,4 +41,11 @@ pub struct ParamSpec {
     pub(crate) phase: Phase,
     /// The [`unit`](crate::fsdp::unit) scope the forward gather runs in, if any.
     pub(crate) unit_scope: Option<u64>,
+}
+
+/// A number no shard value had before (process-wide, so clones of a model never collide): the
+/// [`ParamSpec::version`] of a new or replaced shard.
+pub(crate) fn next_version() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }

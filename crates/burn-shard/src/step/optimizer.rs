@@ -796,7 +796,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// calls it); without it the step keeps updating the old masters and overwrites the edit.
     /// Costs one comparison of each stepped piece with its master at that step.
     pub fn reset_master_weights(&mut self) {
-        self.slots.follow_edits();
+        self.slots.mark_edited();
     }
 
     /// Burn's optimizer state of each parameter of the layout ([`FlatLayout::slots`] order), for

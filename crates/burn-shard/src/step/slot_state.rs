@@ -17,7 +17,7 @@ pub(crate) struct SlotStates<O: MasterWeightStep> {
     /// slots and before the slot's first gradient).
     pub(crate) masters: Vec<Option<Tensor<1>>>,
     /// Per slot: whether its master takes the elements edited since the last step
-    /// ([`SlotStates::follow_edits`]) when the slot is next stepped.
+    /// ([`SlotStates::mark_edited`]) when the slot is next stepped.
     follow_edits: Vec<bool>,
 }
 
@@ -44,6 +44,8 @@ impl<O: MasterWeightStep> SlotStates<O> {
         grad: Tensor<1>,
     ) -> Tensor<1> {
         let state = self.states[index].take();
+        // The piece has its bucket's dtype (stages 0-2 refuse a parameter whose dtype changed;
+        // stage-3 shards keep theirs), so the dtype decides the master as the bucket's would.
         let (param, state) = if master::needs_master(param.dtype()) {
             let follow = std::mem::take(&mut self.follow_edits[index]);
             let master = match self.masters[index].take() {
@@ -61,9 +63,9 @@ impl<O: MasterWeightStep> SlotStates<O> {
         param
     }
 
-    /// Makes every master take the elements edited in its parameter when the slot is next
-    /// stepped (see [`ShardedOptimizer::reset_master_weights`](crate::ShardedOptimizer::reset_master_weights)).
-    pub(crate) fn follow_edits(&mut self) {
+    /// Marks every slot's parameter as edited: its master takes the edited elements when the
+    /// slot is next stepped (see [`ShardedOptimizer::reset_master_weights`](crate::ShardedOptimizer::reset_master_weights)).
+    pub(crate) fn mark_edited(&mut self) {
         self.follow_edits.iter_mut().for_each(|f| *f = true);
     }
 
