@@ -62,17 +62,13 @@ fn code_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
         .filter(|(_, code)| !code.trim().is_empty())
 }
 
-/// Every `crate::name` a line of code names.
-fn crate_paths(code: &str) -> Vec<&str> {
+/// The first segment of every `crate::` path a line of code names (each member of a use tree:
+/// `crate::{a::X, b}` names `a` and `b`).
+fn crate_paths(code: &str) -> Vec<String> {
     code.match_indices("crate::")
         .filter(|(at, _)| !code[..*at].ends_with(|c: char| c.is_alphanumeric() || c == '_'))
-        .map(|(at, m)| {
-            let rest = &code[at + m.len()..];
-            let end = rest
-                .find(|c: char| !(c.is_alphanumeric() || c == '_'))
-                .unwrap_or(rest.len());
-            &rest[..end]
-        })
+        .flat_map(|(at, m)| use_tree_paths(&code[at + m.len()..]))
+        .filter_map(|path| path.into_iter().next())
         .collect()
 }
 
@@ -91,7 +87,7 @@ fn core_layers_import_only_downward() {
         let text = fs::read_to_string(src.join(&file)).unwrap();
         for (line, code) in code_lines(&text) {
             for name in crate_paths(code) {
-                let target = match layer_of(name) {
+                let target = match layer_of(&name) {
                     Some(target) => target,
                     // `crate::ShardError` and the like: root re-exports hide the layer.
                     None if name.starts_with(char::is_uppercase) && component != "lib" => {
