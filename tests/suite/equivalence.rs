@@ -48,9 +48,12 @@ pub(crate) struct RankRun {
     pub(crate) losses: Vec<f32>,
     /// The final parameters, every rank's the same.
     pub(crate) params: Vec<f32>,
-    /// `ShardedOptimizer::overlapped_buckets` at the last step: buckets reduced inside backward.
+    /// `ShardedOptimizer::overlapped_buckets` at the last step: buckets reduced inside backward
+    /// (read by the wgpu test: a build without `wgpu`, such as the cuda check, leaves it unread).
+    #[cfg_attr(not(feature = "wgpu"), allow(dead_code))]
     pub(crate) overlapped_buckets: usize,
     /// Buckets of the optimizer's layout.
+    #[cfg_attr(not(feature = "wgpu"), allow(dead_code))]
     pub(crate) buckets: usize,
 }
 
