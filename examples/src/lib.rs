@@ -1,11 +1,13 @@
 //! Models, data and training-loop pieces used by the burn-shard examples. The models are plain
 //! Burn modules: they know nothing about sharding, which each example applies in one visible
-//! place (`ShardConfig::init` in its `train_rank`).
+//! place (`ShardConfig::init` in its `train_rank`; `finetune_minilm_learner` goes through
+//! burn-train's Learner, where the place is its `ShardedStrategy`).
 
 pub mod bert;
 pub mod char_data;
 pub mod cli;
 pub mod finetune_minilm;
+pub mod finetune_minilm_learner;
 pub mod finetune_stories;
 pub mod gpt;
 pub mod llama;

@@ -18,6 +18,7 @@ mod fused_adam_wgpu;
 mod gpu;
 mod launch;
 mod layout;
+mod learner;
 mod loss_scaling;
 mod memory;
 mod mixed_precision;

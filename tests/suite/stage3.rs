@@ -4,6 +4,7 @@
 
 use burn::module::{Module, Param};
 use burn::nn::loss::{MseLoss, Reduction};
+use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::prelude::*;
@@ -901,4 +902,102 @@ fn calls_and_params<M: Module + Send + Sync>(
     })
     .unwrap();
     runs.into_iter().next().unwrap()
+}
+
+/// A stock `burn::nn::transformer::TransformerEncoder` (its layers' forward cannot be
+/// annotated) with a linear head.
+#[derive(Module, Debug)]
+pub struct EncoderNet {
+    encoder: TransformerEncoder,
+    head: Linear,
+}
+
+impl EncoderNet {
+    fn new(device: &Device) -> Self {
+        Self {
+            encoder: TransformerEncoderConfig::new(8, 16, 2, 3).with_dropout(0.0).init(device),
+            head: LinearConfig::new(8, 3).init(device),
+        }
+    }
+
+    /// As the user wrote it: no `fsdp::unit`.
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.head.forward(self.encoder.forward(TransformerEncoderInput::new(x)))
+    }
+
+    /// The same computation with every layer, and the head, in an `fsdp::unit` scope.
+    fn forward_annotated(&self, x: Tensor<3>) -> Tensor<3> {
+        let mut x = x;
+        for layer in &self.encoder.layers {
+            x = unit(&x, || layer.forward(x.clone(), None, None));
+        }
+        unit(&x, || self.head.forward(x.clone()))
+    }
+}
+
+/// Rank 0's per-step `(all-gather calls, bytes, reduce-scatter calls, bytes)` training
+/// `base` at stage 3 with `config`, annotated or not, and its full parameters at the end.
+fn encoder_collectives(
+    base: &EncoderNet,
+    n: usize,
+    config: ShardConfig,
+    annotated: bool,
+) -> (Vec<(u64, u64, u64, u64)>, Vec<f32>) {
+    let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (mut model, mut optim) = config
+            .init(base.clone().fork(&device), AdamConfig::new().build(), comm)
+            .unwrap();
+        let mut per_step = Vec::new();
+        for step in 0..3 {
+            let values = Rng::new(40 + step).vec(2 * 4 * 8);
+            let x = Tensor::<1>::from_data(TensorData::new(values, [64]), &device).reshape([2, 4, 8]);
+            let before = optim.comm().stats();
+            let out = match annotated {
+                true => model.forward_annotated(x),
+                false => model.forward(x),
+            };
+            let grads = GradientsParams::from_grads(out.powi_scalar(2).mean().backward(), &model);
+            model = optim.step(1e-3, model, grads).unwrap();
+            let st = optim.comm().stats().since(&before);
+            let (ag, rs) = (st.get(CollectiveKind::AllGather), st.get(CollectiveKind::ReduceScatter));
+            per_step.push((ag.calls, ag.bytes_sent, rs.calls, rs.bytes_sent));
+        }
+        (per_step, params_of(&model.materialize()))
+    })
+    .unwrap();
+    runs.into_iter().next().unwrap()
+}
+
+/// Units named by path (`ShardConfig::with_units`) on a model whose forward has no
+/// `fsdp::unit`: from the second step, the same all-gathers and reduce-scatters (calls and
+/// bytes) as the annotated model, far fewer than without units, and the same parameters.
+#[test]
+fn stage3_units_by_path_gather_and_reduce_as_annotated_units() {
+    let base = EncoderNet::new(&Device::flex().autodiff());
+    for n in [2usize, 3] {
+        let plain = ShardConfig::new(Stage::Three);
+        let by_path = plain.clone().with_units(["encoder.layers.*", "head"]);
+        let (annotated, reference) = encoder_collectives(&base, n, plain.clone(), true);
+        let (policy, params) = encoder_collectives(&base, n, by_path, false);
+        let (none, _) = encoder_collectives(&base, n, plain, false);
+        let case = format!("N={n}: annotated {annotated:?}, by path {policy:?}, no units {none:?}");
+        assert_eq!(policy[1..], annotated[1..], "{case}");
+        // 3 layers and the head: 4 units, each one all-gather in forward.
+        assert!(policy[1].0 < none[1].0 && policy[1].2 < none[1].2, "{case}");
+        let diff = max_abs_diff(&params, &reference);
+        assert!(diff <= 1e-5, "{case}: parameters differ by {diff}");
+    }
+    // A pattern that names nothing is refused at init, with the paths to choose from.
+    let err = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        ShardConfig::new(Stage::Three)
+            .with_units(["encoder.layer.*"])
+            .init(base.clone(), AdamConfig::new().build(), comm)
+            .err()
+            .map(|e| e.to_string())
+    })
+    .unwrap();
+    let message = err[0].as_deref().expect("refused");
+    assert!(message.contains("`encoder.layer.*` matches no sharded parameter"), "{message}");
+    assert!(message.contains("encoder.layers.0."), "{message}");
 }

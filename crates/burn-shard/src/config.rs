@@ -10,6 +10,7 @@ use burn_shard_comm::Collective;
 use crate::error::ShardError;
 use crate::hooks::bucket_hook::AttachHooks;
 use crate::hooks::sharded_param::Sharder;
+use crate::model::units::UnitPolicy;
 use crate::model::buffers::Buffers;
 use crate::model::census::{Census, EntryKind};
 use crate::model::flat;
@@ -77,6 +78,12 @@ pub struct ShardConfig {
     /// [`ShardedOptimizer::discard_gradients`].
     #[serde(default = "defaults::yes")]
     pub overlap_comm: bool,
+    /// Stage 3: the units of a model whose `forward` has no [`crate::fsdp::unit`] calls, by
+    /// module path (default none): `["layers.*", "head"]` makes each element of the `Vec` field
+    /// `layers`, and `head`, one unit (`*` is any one path segment; see
+    /// [`ShardConfig::with_units`]). Ignored at stages 0-2.
+    #[serde(default)]
+    pub units: Vec<String>,
 }
 
 impl burn::config::Config for ShardConfig {}
@@ -136,7 +143,33 @@ impl ShardConfig {
             max_grad_norm: None,
             loss_scaler: None,
             overlap_comm: true,
+            units: Vec::new(),
         }
+    }
+
+    /// Stage 3: names the model's units by module path, for a model whose `forward` has no
+    /// [`crate::fsdp::unit`] calls (a stock `burn::nn` module such as `TransformerEncoder`,
+    /// whose `layers` are `layers.0`, `layers.1`, ...): FSDP2's `fully_shard(submodule)` from
+    /// outside the model. Each pattern is a module path whose segments are names or `*` (any
+    /// one segment); a parameter belongs to the unit named by the first pattern that matches
+    /// the start of its path. A unit's parameters are then all-gathered with one collective,
+    /// the next unit's gather is prefetched while the unit computes, and its gradients are
+    /// reduce-scattered with one collective, as with `fsdp::unit`: the same collectives and
+    /// bytes per step (`tests/suite/stage3.rs` measures it).
+    ///
+    /// What only `fsdp::unit` in `forward` gives, because it sees the unit's input and output
+    /// (Burn has no forward hooks a policy could use): each unit's reduce-scatter starting
+    /// during backward, as soon as the unit's backward is done (a policy unit's gradients are
+    /// complete only at the end of backward, so every full gradient is kept until then), and
+    /// the unit's output kept as a checkpoint under Burn's gradient checkpointing (see
+    /// [`crate::fsdp::unit`]). A model's own `fsdp::unit` scopes take precedence over the policy.
+    ///
+    /// # Errors (at `init`)
+    /// [`ShardError::InvalidConfig`] for a pattern with an empty segment, or one that matches
+    /// no sharded parameter.
+    pub fn with_units<S: Into<String>>(mut self, patterns: impl IntoIterator<Item = S>) -> Self {
+        self.units = patterns.into_iter().map(Into::into).collect();
+        self
     }
 
     /// Stages 0-2: whether buckets are reduced inside backward (default `true`, see
@@ -330,8 +363,11 @@ impl ShardConfig {
             ctx: ctx.clone(),
             census: census.clone(),
             slots: Vec::new(),
+            units: UnitPolicy::new(&self.units)?,
         };
         let model = model.apply_reparameterization(&mut sharder);
+        let examples: Vec<String> = census.entries().take(3).map(|(_, e)| e.path.clone()).collect();
+        sharder.units.check_all_used(&examples)?;
         let local = Arc::new(FlatLayout::from_slots(sharder.slots, 1, self.bucket_numel)?);
         let plan = StagePlan::Three(ctx);
         let optim = ShardedOptimizer::new(optim, comm, local, plan, census, buffers, options);

@@ -25,6 +25,7 @@ use crate::hooks::gather_op::{FsdpOps, GatherSpec};
 use crate::hooks::unit::current_unit;
 use crate::model::census::{Census, EntryKind, SHARD_NAME};
 use crate::model::layout::ParamSlot;
+use crate::model::units::UnitPolicy;
 use crate::overlap::call_tag::CallTag;
 use crate::overlap::context::FsdpContext;
 use crate::overlap::spec::{ParamSpec, Phase, next_version};
@@ -60,7 +61,13 @@ impl Reparameterization for ShardedParam {
                 spec.param.unit_scope = Some(scope);
                 <Dispatch as FsdpOps>::fsdp_all_gather_in_unit(placeholder.into_dispatch(), input, spec)
             }
-            None => <Dispatch as FsdpOps>::fsdp_all_gather(placeholder.into_dispatch(), self.spec.clone()),
+            None => {
+                let mut spec = self.spec.clone();
+                // A unit named by `ShardConfig::units`: gathered and reduced with its unit, as
+                // inside an `fsdp::unit` scope (without the unit input: see `ShardConfig::units`).
+                spec.param.unit_scope = spec.policy_unit.map(|unit| spec.ctx.policy_scope(unit));
+                <Dispatch as FsdpOps>::fsdp_all_gather(placeholder.into_dispatch(), spec)
+            }
         };
         Tensor::from_dispatch(out)
     }
@@ -131,6 +138,8 @@ pub(crate) struct Sharder {
     pub(crate) census: Census,
     /// `[chunk]` slots of the trainable shards, for `FlatLayout::from_slots`.
     pub(crate) slots: Vec<ParamSlot>,
+    /// The units of `ShardConfig::units`, numbered as parameters are met.
+    pub(crate) units: UnitPolicy,
 }
 
 impl Reparameterizer for &mut Sharder {
@@ -206,6 +215,7 @@ impl Reparameterizer for &mut Sharder {
             version: next_version(),
             phase: Phase::Forward,
             unit_scope: None,
+            policy_unit: self.units.unit_of(path),
         };
         self.ctx.register(&param);
         let spec = GatherSpec {

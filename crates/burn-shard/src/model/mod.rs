@@ -1,10 +1,11 @@
 //! Facts about the model, independent of hooks and of the step: what each float entry is
 //! (`census`), where each trainable parameter lives in the flat buckets (`layout`), moving
-//! values between parameters and buckets (`flat`), the running-state buffers (`buffers`) and
-//! the bytes held (`memory`). Imports only `error` and `stage` of this crate.
+//! values between parameters and buckets (`flat`), the running-state buffers (`buffers`), the
+//! bytes held (`memory`) and units named by path (`units`). Imports only `error` and `stage` of this crate.
 
 pub(crate) mod buffers;
 pub(crate) mod census;
 pub(crate) mod flat;
 pub(crate) mod layout;
 pub(crate) mod memory;
+pub(crate) mod units;

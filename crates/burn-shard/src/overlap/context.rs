@@ -26,7 +26,14 @@ struct Inner {
     reshard_after_forward: bool,
     schedule: Mutex<Schedule>,
     reducer: Mutex<Reducer>,
+    /// The policy unit whose forward gathers ran last in this pass (`None` at a pass's start),
+    /// and the scopes numbered so far.
+    policy_scope: Mutex<(Option<u32>, u64)>,
 }
+
+/// Scope numbers of policy units have this bit set, so they never equal the scope numbers of
+/// `fsdp::unit` calls (counted from 0 per thread).
+const POLICY_SCOPE: u64 = 1 << 63;
 
 impl Deref for FsdpContext {
     type Target = CommContext;
@@ -53,6 +60,7 @@ impl FsdpContext {
             reshard_after_forward,
             schedule: Mutex::new(Schedule::default()),
             reducer: Mutex::new(Reducer::default()),
+            policy_scope: Mutex::new((None, 0)),
         }))
     }
 
@@ -96,6 +104,22 @@ impl FsdpContext {
     /// Called before the optimizer replaces the shards: nothing gathered so far is used again.
     pub(crate) fn end_pass(&self) {
         self.0.schedule.lock().unwrap_or_else(|p| p.into_inner()).end_pass();
+        // The next forward enters its first unit afresh, even when it is the unit that ran last.
+        self.0.policy_scope.lock().unwrap_or_else(|p| p.into_inner()).0 = None;
+    }
+
+    /// The unit scope of a forward gather of a parameter of policy unit `unit` (see
+    /// [`crate::ShardConfig::units`]): the scope of the unit running, or a new one when the
+    /// gathers move to another unit. That is what an `fsdp::unit` call around the unit's
+    /// forward would give, read from the order of the gathers instead of from the model code.
+    pub(crate) fn policy_scope(&self, unit: u32) -> u64 {
+        let mut state = self.0.policy_scope.lock().unwrap_or_else(|p| p.into_inner());
+        let (running, count) = &mut *state;
+        if *running != Some(unit) {
+            *running = Some(unit);
+            *count += 1;
+        }
+        *count | POLICY_SCOPE
     }
 
     /// Whether gathered parameters are freed after forward and re-gathered in backward

@@ -41,6 +41,9 @@ pub struct ParamSpec {
     pub(crate) phase: Phase,
     /// The [`unit`](crate::fsdp::unit) scope the forward gather runs in, if any.
     pub(crate) unit_scope: Option<u64>,
+    /// The unit [`crate::ShardConfig::units`] puts the parameter in, if any: outside an
+    /// `fsdp::unit` scope, its forward gather runs in that unit's scope.
+    pub(crate) policy_unit: Option<u32>,
 }
 
 /// A number no shard value had before (process-wide, so clones of a model never collide): the

@@ -7,9 +7,11 @@
 //! overlaps. The reducer instead keeps a unit's full gradients until the unit is complete, then
 //! reduce-scatters them with one call per dtype, started asynchronously: it runs on the rank's
 //! communication thread while backward computes the unit before. A unit is complete when it has
-//! as many gradients as the same unit had in the previous pass, or when a gradient of another
-//! unit arrives. At most one reduce-scatter is in flight: starting the next one waits for it,
-//! and its shards are returned for registration on the parameters' autodiff leaves.
+//! as many gradients as the same unit had in the previous pass; units are told apart by their
+//! scope, not by the order of arrival, because the gradients of units named by
+//! `ShardConfig::units` all arrive at the end of backward, interleaved in Burn's traversal
+//! order. At most one reduce-scatter is in flight: starting the next one waits for it, and its
+//! shards are returned for registration on the parameters' autodiff leaves.
 //!
 //! Passes. Until the optimizer's first `step` or `accumulate`, the reducer learns: each gradient
 //! is reduce-scattered alone, at once, as the op's backward runs, while the reducer counts the
@@ -77,7 +79,7 @@ struct FullGrad {
     grad: Tensor<1>,
 }
 
-/// The unit whose gradients are arriving.
+/// A unit whose gradients are arriving.
 struct Pending {
     scope: u64,
     /// Tag of its first gradient: names the unit across passes.
@@ -111,9 +113,10 @@ pub(crate) struct Reducer {
     /// The gradients since the optimizer last ended a pass, by tag: a learning pass's one
     /// backward is its period.
     log: BackwardLog,
-    /// While learning: the unit being counted, `(scope, first tag, gradients)`.
-    counting: Option<(u64, u64, usize)>,
-    pending: Option<Pending>,
+    /// While learning: each unit's scope, first tag and gradients so far, in order of arrival.
+    counting: Vec<(u64, u64, usize)>,
+    /// The units whose gradients are arriving, in order of their first gradient.
+    pending: Vec<Pending>,
     in_flight: Option<InFlight>,
 }
 
@@ -132,7 +135,7 @@ impl Reducer {
         self.log.record(spec.tag);
         let Some(expected) = self.expected else {
             // Learning: alone and at once, counting the units.
-            debug_assert!(self.pending.is_none() && self.in_flight.is_none(), "drained by finish");
+            debug_assert!(self.pending.is_empty() && self.in_flight.is_none(), "drained by finish");
             self.count(spec);
             let shard = reduce_scatter_grad(ctx, grad, spec.chunk, spec.tag);
             ready.push(Reduced::of(member, shard));
@@ -170,31 +173,31 @@ impl Reducer {
             self.in_flight = Some(start(ctx, vec![full]));
             return;
         };
-        if self.pending.as_ref().is_some_and(|p| p.scope != scope) {
-            self.start_pending(ctx, ready);
-        }
-        let pending = self.pending.get_or_insert_with(|| Pending {
-            scope,
-            first_tag: spec.tag,
-            grads: Vec::new(),
-        });
+        let index = match self.pending.iter().position(|p| p.scope == scope) {
+            Some(index) => index,
+            None => {
+                self.pending.push(Pending {
+                    scope,
+                    first_tag: spec.tag,
+                    grads: Vec::new(),
+                });
+                self.pending.len() - 1
+            }
+        };
+        let pending = &mut self.pending[index];
         pending.grads.push(full);
         if self.sizes.get(&pending.first_tag) == Some(&pending.grads.len()) {
-            self.start_pending(ctx, ready);
+            let complete = self.pending.remove(index);
+            self.start_unit(ctx, complete, ready);
         }
     }
 
-    /// While learning: counts `spec`'s gradient in its unit, recording each unit's size when
-    /// the next one starts.
+    /// While learning: counts `spec`'s gradient in its unit (by scope: see the module docs).
     fn count(&mut self, spec: &ParamSpec) {
-        match (spec.unit_scope, &mut self.counting) {
-            (Some(scope), Some((counted, _, n))) if *counted == scope => *n += 1,
-            (scope, counting) => {
-                if let Some((_, first_tag, n)) = counting.take() {
-                    self.sizes.insert(first_tag, n);
-                }
-                self.counting = scope.map(|scope| (scope, spec.tag, 1));
-            }
+        let Some(scope) = spec.unit_scope else { return };
+        match self.counting.iter_mut().find(|(counted, _, _)| *counted == scope) {
+            Some((_, _, n)) => *n += 1,
+            None => self.counting.push((scope, spec.tag, 1)),
         }
     }
 
@@ -206,7 +209,7 @@ impl Reducer {
         let mut ready = Vec::new();
         self.start_pending(ctx, &mut ready);
         ready.extend(self.wait(ctx));
-        if let Some((_, first_tag, n)) = self.counting.take() {
+        for (_, first_tag, n) in self.counting.drain(..) {
             self.sizes.insert(first_tag, n);
         }
         self.expected = match self.expected {
@@ -221,12 +224,18 @@ impl Reducer {
         ready
     }
 
-    /// Starts the reduce-scatter of the pending unit, after taking the one in flight.
+    /// Starts the reduce-scatter of every pending unit, in order.
     fn start_pending(&mut self, ctx: &CommContext, ready: &mut Vec<Reduced>) {
-        let Some(pending) = self.pending.take() else { return };
-        self.sizes.insert(pending.first_tag, pending.grads.len());
+        for pending in std::mem::take(&mut self.pending) {
+            self.start_unit(ctx, pending, ready);
+        }
+    }
+
+    /// Starts the reduce-scatter of `unit`, after taking the one in flight.
+    fn start_unit(&mut self, ctx: &CommContext, unit: Pending, ready: &mut Vec<Reduced>) {
+        self.sizes.insert(unit.first_tag, unit.grads.len());
         ready.extend(self.wait(ctx));
-        self.in_flight = Some(start(ctx, pending.grads));
+        self.in_flight = Some(start(ctx, unit.grads));
     }
 
     /// Waits for the reduce-scatter in flight and takes each parameter's shard out of it.

@@ -1,0 +1,290 @@
+//! One rank's training: burn-train's epoch loop with burn-shard's optimizer in place of the
+//! Learner's, its items sent to the coordinator.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, Sender};
+
+use burn::data::dataloader::DataLoader;
+use burn::data::dataset::DatasetError;
+use burn::tensor::{Device, Tensor};
+use burn::train::{InferenceStep, Interrupter, Learner, LearnerModel, TrainStep};
+use burn_shard::comm::{Collective, ReduceOp};
+use burn_shard::{IntoOptimizer, ShardConfig, ShardError, ShardedOptimizer};
+
+use crate::events::{EpochDecision, RankEvent, Split};
+
+/// What a rank sends the coordinator.
+pub(crate) type Event<M> = RankEvent<<M as TrainStep>::Output, <M as InferenceStep>::Output>;
+
+/// The directory of the sharded checkpoint of `epoch` under `root`.
+pub(crate) fn epoch_dir(root: &Path, epoch: usize) -> PathBuf {
+    root.join(format!("epoch-{epoch}"))
+}
+
+/// Everything one rank needs: its device, its share of the data, its copy of the Learner (whose
+/// learning-rate scheduler it steps, identically on every rank), and its two channels.
+pub(crate) struct RankJob<'a, M: LearnerModel, O> {
+    pub rank: usize,
+    pub config: &'a ShardConfig,
+    pub optim: O,
+    pub learner: Learner<M>,
+    pub device: Device,
+    pub train: std::sync::Arc<dyn DataLoader<<M as TrainStep>::Input>>,
+    pub valid: std::sync::Arc<dyn DataLoader<<M as InferenceStep>::Input>>,
+    pub first_epoch: usize,
+    pub last_epoch: usize,
+    pub grad_accumulation: Option<usize>,
+    pub interrupter: Interrupter,
+    pub checkpoints: Option<&'a Path>,
+    pub resume_from: Option<usize>,
+    pub events: Sender<Event<M>>,
+    pub decisions: Receiver<EpochDecision>,
+}
+
+/// A rank's failure, as the coordinator reports it.
+pub(crate) type RankError = String;
+
+impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
+    /// Trains, then returns the model with full parameters (at stage 3 every rank all-gathers
+    /// them: a collective). On an error the rank aborts its collective, so no other rank waits
+    /// for it, and tells the coordinator.
+    pub(crate) fn run<C: Collective + 'static>(self, comm: C) -> Result<M, RankError> {
+        let (rank, events) = (self.rank, self.events.clone());
+        let result = self.train(comm);
+        if let Err(message) = &result {
+            let _ = events.send(RankEvent::Failed {
+                rank,
+                message: message.clone(),
+            });
+        }
+        result
+    }
+
+    fn train<C: Collective + 'static>(self, comm: C) -> Result<M, RankError> {
+        let model = self.learner.model().fork(&self.device);
+        let (mut model, mut optim) = self
+            .config
+            .init(model, self.optim.clone(), comm)
+            .map_err(|e| format!("ShardConfig::init: {e}"))?;
+        let optim = &mut optim;
+        let mut learner = self.learner.clone();
+        let mut global_step = 0;
+        if let Some(epoch) = self.resume_from {
+            let root = self.checkpoints.ok_or_else(|| {
+                format!(
+                    "resuming from epoch {epoch} needs the directory of burn-shard's checkpoints: \
+                     ShardedStrategy::with_checkpoints(dir, strategy)"
+                )
+            })?;
+            let dir = epoch_dir(root, epoch);
+            let (loaded, payload) = optim
+                .load_checkpoint(model, &dir)
+                .map_err(|e| format!("resuming from {}: {e}", dir.display()))?;
+            model = loaded;
+            global_step = payload["global_step"].as_u64().unwrap_or(0) as usize;
+            // The Learner keeps its scheduler private (no record to save or load): a scheduler
+            // is a function of its step count, so stepping it as many times restores it.
+            for _ in 0..global_step {
+                learner.lr_step();
+            }
+        }
+        for epoch in self.first_epoch..=self.last_epoch {
+            let stopped = self.train_epoch(&mut model, optim, &mut learner, &mut global_step)?;
+            self.end(Split::Train, stopped)?;
+            if stopped {
+                break;
+            }
+            let stopped = self.valid_epoch(&model, optim)?;
+            self.end(Split::Valid, stopped)?;
+            let decision = self.decisions.recv().map_err(|_| "the coordinating thread stopped".to_string())?;
+            // Rank 0's decision for every rank: with one process per rank, each process's
+            // coordinator read only its own rank's metrics.
+            let decision = agree_decision(optim.comm(), decision, &self.device)?;
+            self.events
+                .send(RankEvent::Decided { stop: decision.stop })
+                .map_err(|_| "the coordinating thread stopped".to_string())?;
+            for action in decision.checkpoints {
+                self.checkpoint(action, &model, optim, epoch, global_step)?;
+            }
+            if decision.stop {
+                break;
+            }
+        }
+        Ok(model.materialize())
+    }
+
+    fn end(&self, split: Split, stopped: bool) -> Result<(), RankError> {
+        self.events
+            .send(RankEvent::SplitEnd { split, stopped })
+            .map_err(|_| "the coordinating thread stopped".to_string())
+    }
+
+    /// One training pass over this rank's share. Returns whether the ranks agreed to stop.
+    fn train_epoch(
+        &self,
+        model: &mut M,
+        optim: &mut ShardedOptimizer<O::Optimizer>,
+        learner: &mut Learner<M>,
+        global_step: &mut usize,
+    ) -> Result<bool, RankError> {
+        let accumulation = self.grad_accumulation.unwrap_or(1).max(1);
+        let mut micro_batches = 0;
+        let mut iterator = self.train.iter();
+        loop {
+            let (item, failed) = next_item(iterator.next(), &self.interrupter);
+            if agree_stop(optim.comm(), self.interrupter.should_stop() || failed, &self.device)? {
+                return Ok(true);
+            }
+            let Some(item) = item else { return Ok(false) };
+            let output = TrainStep::step(model, item);
+            let progress = iterator.progress();
+            micro_batches += 1;
+            // Burn's rule: step after `accumulation` micro-batches, or at the last one.
+            if micro_batches == accumulation || progress.is_completed() {
+                learner.lr_step();
+                *model = optim
+                    .step(learner.lr_current(), model.clone(), output.grads)
+                    .map_err(step_error)?;
+                micro_batches = 0;
+                *global_step += 1;
+            } else {
+                optim.accumulate(model, output.grads).map_err(step_error)?;
+            }
+            let event = RankEvent::Trained {
+                item: output.item,
+                progress,
+                lr: learner.lr_current(),
+            };
+            self.events.send(event).map_err(|_| "the coordinating thread stopped".to_string())?;
+        }
+    }
+
+    /// One validation pass over this rank's share, on every rank (at stage 3 each forward
+    /// all-gathers). Returns whether the ranks agreed to stop.
+    fn valid_epoch(&self, model: &M, optim: &ShardedOptimizer<O::Optimizer>) -> Result<bool, RankError> {
+        let model = model.valid();
+        let mut iterator = self.valid.iter();
+        loop {
+            let (item, failed) = next_item(iterator.next(), &self.interrupter);
+            if agree_stop(optim.comm(), self.interrupter.should_stop() || failed, &self.device)? {
+                return Ok(true);
+            }
+            let Some(item) = item else { break };
+            let item = InferenceStep::step(&model, item);
+            let event = RankEvent::Validated {
+                item,
+                progress: iterator.progress(),
+            };
+            self.events.send(event).map_err(|_| "the coordinating thread stopped".to_string())?;
+        }
+        // A stage-3 gather outside `step` records its error instead of returning it.
+        optim.check_collectives().map_err(step_error)?;
+        Ok(false)
+    }
+
+    fn checkpoint(
+        &self,
+        action: burn::train::checkpoint::CheckpointingAction,
+        model: &M,
+        optim: &ShardedOptimizer<O::Optimizer>,
+        epoch: usize,
+        global_step: usize,
+    ) -> Result<(), RankError> {
+        use burn::train::checkpoint::CheckpointingAction;
+        let Some(root) = self.checkpoints else { return Ok(()) };
+        match action {
+            CheckpointingAction::Save => {
+                let dir = epoch_dir(root, epoch);
+                let payload = serde_json::json!({ "epoch": epoch, "global_step": global_step });
+                optim
+                    .save_checkpoint(model, &dir, &payload)
+                    .map_err(|e| format!("saving the checkpoint of epoch {epoch} into {}: {e}", dir.display()))
+            }
+            // One rank removes; a checkpoint already gone is what was asked.
+            CheckpointingAction::Delete(old) if self.rank == 0 => match std::fs::remove_dir_all(epoch_dir(root, old)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!(
+                    "removing the checkpoint of epoch {old} from {}: {e}",
+                    root.display()
+                )),
+                _ => Ok(()),
+            },
+            CheckpointingAction::Delete(_) => Ok(()),
+        }
+    }
+}
+
+/// The next batch, or `None` at the end of the share; a data error goes to the interrupter (so
+/// the run reports it) and comes back as `true`, for every rank to stop at this step.
+fn next_item<I>(next: Option<Result<I, DatasetError>>, interrupter: &Interrupter) -> (Option<I>, bool) {
+    match next {
+        Some(Ok(item)) => (Some(item), false),
+        Some(Err(e)) => {
+            interrupter.fail(e);
+            (None, true)
+        }
+        None => (None, false),
+    }
+}
+
+fn step_error(e: ShardError) -> RankError {
+    e.to_string()
+}
+
+/// Rank 0's `decision`, broadcast to every rank: `[stop, actions, (kind, epoch) per action]`
+/// (kind 1: save, 2: delete), at most [`MAX_ACTIONS`] actions.
+fn agree_decision(comm: &dyn Collective, decision: EpochDecision, device: &Device) -> Result<EpochDecision, RankError> {
+    use burn::train::checkpoint::CheckpointingAction;
+    if decision.checkpoints.len() > MAX_ACTIONS {
+        return Err(format!(
+            "the checkpointing strategy asked for {} actions at one epoch; ShardedStrategy takes at most {MAX_ACTIONS}",
+            decision.checkpoints.len()
+        ));
+    }
+    let mut encoded = vec![0.0f32; 2 + 2 * MAX_ACTIONS];
+    encoded[0] = if decision.stop { 1.0 } else { 0.0 };
+    encoded[1] = decision.checkpoints.len() as f32;
+    for (i, action) in decision.checkpoints.iter().enumerate() {
+        let (kind, epoch) = match action {
+            CheckpointingAction::Save => (1.0, 0),
+            CheckpointingAction::Delete(epoch) => (2.0, *epoch),
+        };
+        encoded[2 + 2 * i] = kind;
+        // Epochs are exact in f32 up to 2^24.
+        encoded[3 + 2 * i] = epoch as f32;
+    }
+    let device = device.clone().without_autodiff();
+    let len = encoded.len();
+    let tensor = Tensor::<1>::from_data(burn::tensor::TensorData::new(encoded, [len]), &device);
+    let agreed = comm
+        .broadcast(tensor, 0)
+        .map_err(|e| format!("agreeing on the decisions of the epoch's end: {e}"))?
+        .into_data()
+        .try_to_vec::<f32>()
+        .map_err(|e| format!("reading the agreed decisions: {e:?}"))?;
+    let actions = agreed[1] as usize;
+    Ok(EpochDecision {
+        stop: agreed[0] > 0.0,
+        checkpoints: (0..actions)
+            .map(|i| match agreed[2 + 2 * i] < 1.5 {
+                true => CheckpointingAction::Save,
+                false => CheckpointingAction::Delete(agreed[3 + 2 * i] as usize),
+            })
+            .collect(),
+    })
+}
+
+/// The most checkpoint actions one epoch's end may take (burn-train's strategies take at most
+/// two: a save and a delete, or one per composed strategy).
+const MAX_ACTIONS: usize = 8;
+
+/// Whether any rank wants to stop (an interrupt, an error on one rank): one all-reduce of one
+/// element, so every rank leaves the pass at the same step and no collective is left waiting.
+fn agree_stop(comm: &dyn Collective, local: bool, device: &Device) -> Result<bool, RankError> {
+    let device = device.clone().without_autodiff();
+    let flag = Tensor::<1>::from_floats([if local { 1.0 } else { 0.0 }], &device);
+    let total = comm
+        .all_reduce(flag, ReduceOp::Sum)
+        .map_err(|e| format!("agreeing whether to stop: {e}"))?;
+    let total = total.into_scalar::<f32>();
+    Ok(total > 0.0)
+}

@@ -1,0 +1,294 @@
+//! `ShardedStrategy`: burn-shard as a burn-train training strategy.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, mpsc};
+use std::thread;
+
+use burn::tensor::Device;
+use burn::train::checkpoint::{CheckpointerError, CheckpointingStrategy};
+use burn::train::{
+    LearnerModel, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents,
+    TrainingError, TrainingStrategy, ValidLoader,
+};
+use burn_shard::comm::{Collective, InProcessGroup};
+use burn_shard::{IntoOptimizer, ShardConfig};
+
+use crate::coordinator::Coordinator;
+use crate::data::equal_share;
+use crate::error::RankFailures;
+use crate::rank::RankJob;
+
+/// Sharded data-parallel training (ZeRO stages 0-3) inside burn-train's `SupervisedTraining`:
+/// the ranks as threads of this process, one per device ([`ShardedStrategy::threads`],
+/// burn-shard's in-process collectives), or this process as one rank of a group of processes
+/// ([`ShardedStrategy::process`], NCCL or MPI).
+///
+/// ```ignore
+/// let result = SupervisedTraining::new(dir, train, valid)
+///     .metrics((LossMetric::new(), AccuracyMetric::new()))
+///     .num_epochs(3)
+///     .with_training_strategy(
+///         ShardedStrategy::threads(ShardConfig::new(Stage::Three), AdamWConfig::new(), devices).into(),
+///     )
+///     .launch(Learner::new(model, AdamWConfig::new().init(), 1e-3));
+/// ```
+///
+/// What changes against burn-train's own strategies, and why:
+/// - **The optimizer** is burn-shard's [`burn_shard::ShardedOptimizer`] built from `optim`
+///   (Burn's `AdamConfig`/`AdamWConfig` become the fused Adam step); the `ModuleOptimizer`
+///   given to `Learner::new` is not used (the Learner keeps it private). The Learner's
+///   learning-rate scheduler is used, stepped once per optimizer step on every rank.
+/// - **Data**: each rank trains and validates on an equal share of the loaders (see
+///   `data.rs`: the last `num_items % world_size` items are dropped, with a warning); a step
+///   trains on the union of one batch per rank, so the global batch is `world_size` times the
+///   loader's batch size. Gradients are averaged over the ranks.
+/// - **Metrics** are processed by the calling thread for the items of every rank of this
+///   process: with threads, the logged loss and accuracy are the global ones and the progress
+///   counts every rank's items; with one process per rank, each process logs its own rank's
+///   (see [`ShardedStrategy::process`]).
+/// - **Stopping**: an interrupt (the `Interrupter`, a data error, a failed event processor) is
+///   agreed by every rank at the next batch (one all-reduce of one element per batch), and
+///   early stopping and the checkpointing strategy are decided at the epoch's end by rank 0
+///   for every rank (one broadcast per epoch). A rank that fails
+///   makes the others fail within their collective's timeout; the run ends with
+///   `TrainingError::Workers` naming it.
+/// - **Checkpoints** are burn-shard's sharded checkpoints
+///   ([`ShardedStrategy::with_checkpoints`]), kept or deleted by a burn-train
+///   `CheckpointingStrategy`; `SupervisedTraining::with_file_checkpointer` is refused (it
+///   would save stage 3's placeholders). `SupervisedTraining::checkpoint(epoch)` resumes from
+///   the sharded checkpoint of that epoch, at any world size and stage.
+/// - **The returned model** has full parameters (at stage 3 they are all-gathered at the end),
+///   on the device of this process's first rank, as a model trained by burn-train's
+///   single-device strategy.
+pub struct ShardedStrategy<O> {
+    config: ShardConfig,
+    optim: O,
+    ranks: Ranks,
+    checkpoints: Option<(PathBuf, Mutex<Box<dyn CheckpointingStrategy>>)>,
+}
+
+/// Where the ranks are.
+enum Ranks {
+    /// Every rank, as a thread of this process, one per device.
+    Threads(Vec<Device>),
+    /// This process is one rank of a group that `comm` reaches (NCCL, MPI).
+    Process { comm: Arc<dyn Collective>, device: Device },
+}
+
+impl<O> ShardedStrategy<O> {
+    /// One rank per device of `devices`, as threads of this process: `world_size =
+    /// devices.len()`. A device may appear more than once (several ranks on one GPU, or the
+    /// CPU). The devices get autodiff (and Burn's gradient checkpointing, when the device given
+    /// has it) as burn-train's single-device strategy gives them.
+    pub fn threads(config: ShardConfig, optim: O, devices: Vec<Device>) -> Self {
+        Self {
+            config,
+            optim,
+            ranks: Ranks::Threads(devices),
+            checkpoints: None,
+        }
+    }
+
+    /// This process is rank `comm.rank()` of `comm.world_size()`, on `device`: one process per
+    /// rank, started by `burn-shard-run` (NCCL: `burn_shard::comm::NcclComm`) or `mpirun`
+    /// (`burn_shard::comm::MpiComm`), each building the same `SupervisedTraining` and calling
+    /// `launch`. Each process trains on its rank's share of the loaders, so every process must
+    /// build the same loaders (same data, same shuffle seed).
+    ///
+    /// Metrics: each process's event processor sees its own rank's items only (burn-train's
+    /// items are the user's types, which cannot cross processes): rank 0 logs and renders the
+    /// metrics of its share of each batch; give the other ranks another directory, or a
+    /// `.renderer(..)` and metric loggers that drop what they get. Decisions do agree: an
+    /// interrupt on any rank stops every rank at the next batch, and rank 0's early stopping
+    /// and checkpointing strategy decide for every rank at each epoch's end.
+    pub fn process(config: ShardConfig, optim: O, comm: impl Collective + 'static, device: Device) -> Self {
+        Self {
+            config,
+            optim,
+            ranks: Ranks::Process {
+                comm: Arc::new(comm),
+                device,
+            },
+            checkpoints: None,
+        }
+    }
+
+    /// Saves burn-shard's sharded checkpoints into `dir/epoch-N/` at the epochs `strategy`
+    /// (burn-train's, e.g. `KeepLastNCheckpoints` or a `ComposedCheckpointingStrategy`) says,
+    /// and deletes those it says. Every rank writes its own shard; `burn-shard consolidate`
+    /// turns one into one ordinary Burn record.
+    pub fn with_checkpoints(mut self, dir: impl Into<PathBuf>, strategy: impl CheckpointingStrategy + 'static) -> Self {
+        self.checkpoints = Some((dir.into(), Mutex::new(Box::new(strategy))));
+        self
+    }
+
+    /// The world size: one rank per device (threads), or the group's size (processes).
+    pub fn world_size(&self) -> usize {
+        match &self.ranks {
+            Ranks::Threads(devices) => devices.len(),
+            Ranks::Process { comm, .. } => comm.world_size(),
+        }
+    }
+
+    /// This process's ranks: `(rank, collective, device)` each, the collectives built for
+    /// threads, the one given for a process.
+    fn local_ranks(&self) -> Result<Vec<(usize, Arc<dyn Collective>, Device)>, String> {
+        match &self.ranks {
+            Ranks::Threads(devices) => {
+                let group = InProcessGroup::new(devices.len()).map_err(|e| format!("building the in-process group: {e}"))?;
+                Ok(group
+                    .into_comms()
+                    .into_iter()
+                    .zip(devices)
+                    .enumerate()
+                    .map(|(rank, (comm, device))| (rank, Arc::new(comm) as Arc<dyn Collective>, device.clone()))
+                    .collect())
+            }
+            Ranks::Process { comm, device } => Ok(vec![(comm.rank(), comm.clone(), device.clone())]),
+        }
+    }
+}
+
+impl<M, O> From<ShardedStrategy<O>> for TrainingStrategy<M>
+where
+    M: LearnerModel,
+    O: IntoOptimizer + Clone + Send + Sync + 'static,
+{
+    fn from(strategy: ShardedStrategy<O>) -> Self {
+        TrainingStrategy::Custom(Arc::new(strategy))
+    }
+}
+
+/// A failure before any rank started, as burn-train reports a failed worker.
+fn refused(message: String) -> TrainingError {
+    RankFailures(vec![(0, message)]).into()
+}
+
+impl<M, O> SupervisedLearningStrategy<M> for ShardedStrategy<O>
+where
+    M: LearnerModel,
+    O: IntoOptimizer + Clone + Send + Sync + 'static,
+{
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        learner: burn::train::Learner<M>,
+        train: TrainLoader<M>,
+        valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let interrupter = components.interrupter.clone();
+        let processor = components.event_processor;
+        if components.checkpointer.is_some() {
+            interrupter.fail(TrainingError::Checkpoint(CheckpointerError::Unknown(
+                "a file checkpointer would save the Learner's model and optimizer, which at stage 3 hold \
+                 placeholders: remove `with_file_checkpointer` and use `ShardedStrategy::with_checkpoints(dir, \
+                 strategy)`, which saves burn-shard's sharded checkpoints"
+                    .into(),
+            )));
+            return (learner.model(), processor);
+        }
+        let world_size = self.world_size();
+        if world_size == 0 || train.num_items() < world_size || valid.num_items() < world_size {
+            interrupter.fail(refused(format!(
+                "ShardedStrategy needs at least one rank, and at least one item per rank in the training ({}) and \
+                 validation ({}) data; it has {world_size} ranks",
+                train.num_items(),
+                valid.num_items()
+            )));
+            return (learner.model(), processor);
+        }
+        let local = match self.local_ranks() {
+            Ok(local) => local,
+            Err(message) => {
+                interrupter.fail(refused(message));
+                return (learner.model(), processor);
+            }
+        };
+        let local: Vec<_> = local
+            .into_iter()
+            .map(|(rank, comm, device)| {
+                let train_device = if device.is_autodiff() { device } else { device.autodiff() };
+                let train_share = equal_share(&train, rank, world_size, &train_device, "training");
+                let valid_device = train_device.clone().without_autodiff();
+                let valid_share = equal_share(&valid, rank, world_size, &valid_device, "validation");
+                (rank, comm, train_device, train_share, valid_share)
+            })
+            .collect();
+        let local_ranks = local.len();
+        let (events_tx, events_rx) = mpsc::channel();
+        let mut coordinator = Coordinator::<M> {
+            ranks: local_ranks,
+            processor,
+            interrupter: interrupter.clone(),
+            event_store: &components.event_store,
+            early_stopping: components.early_stopping,
+            checkpointing: self.checkpoints.as_ref().map(|(_, s)| s),
+            train_items: local[0].3.num_items() * local_ranks,
+            valid_items: local[0].4.num_items() * local_ranks,
+            failures: Vec::new(),
+        };
+        let last_epoch = components.num_epochs;
+        let results = thread::scope(|scope| {
+            let mut decisions = Vec::with_capacity(local_ranks);
+            let mut handles = Vec::with_capacity(local_ranks);
+            for (rank, comm, device, train, valid) in local {
+                let (decision_tx, decision_rx) = mpsc::channel();
+                decisions.push(decision_tx);
+                let job = RankJob {
+                    rank,
+                    config: &self.config,
+                    optim: self.optim.clone(),
+                    learner: learner.clone(),
+                    device,
+                    train,
+                    valid,
+                    first_epoch: starting_epoch,
+                    last_epoch,
+                    grad_accumulation: components.grad_accumulation,
+                    interrupter: interrupter.clone(),
+                    checkpoints: self.checkpoints.as_ref().map(|(dir, _)| dir.as_path()),
+                    resume_from: components.checkpoint,
+                    events: events_tx.clone(),
+                    decisions: decision_rx,
+                };
+                let handle = thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    .spawn_scoped(scope, move || job.run(comm))
+                    .expect("spawning a rank thread");
+                handles.push((rank, handle));
+            }
+            drop(events_tx);
+            coordinator.run(starting_epoch, last_epoch, &events_rx, decisions);
+            handles
+                .into_iter()
+                .map(|(rank, handle)| {
+                    let result = handle.join().unwrap_or_else(|payload| {
+                        Err(payload
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| payload.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "panicked".to_string()))
+                    });
+                    (rank, result)
+                })
+                .collect::<Vec<_>>()
+        });
+        let mut failures = coordinator.failures;
+        let mut models = Vec::with_capacity(local_ranks);
+        for (rank, result) in results {
+            match result {
+                Ok(model) => models.push(model),
+                Err(message) if !failures.iter().any(|(r, _)| *r == rank) => failures.push((rank, message)),
+                Err(_) => {}
+            }
+        }
+        let processor = coordinator.processor;
+        if !failures.is_empty() {
+            failures.sort_by_key(|(rank, _)| *rank);
+            interrupter.fail(RankFailures(failures));
+            return (learner.model(), processor);
+        }
+        (models.swap_remove(0), processor)
+    }
+}

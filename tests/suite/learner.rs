@@ -1,0 +1,411 @@
+//! burn-shard-train's `ShardedStrategy` inside burn-train's `SupervisedTraining`, against
+//! burn-train's own single-device strategy on the same global batches.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
+use burn::data::dataset::InMemDataset;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::AdamConfig;
+use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
+use burn::prelude::*;
+use burn::train::checkpoint::KeepLastNCheckpoints;
+use burn::train::metric::LossMetric;
+use burn::train::metric::store::EventStoreClient;
+use burn::train::{
+    ClassificationOutput, EarlyStoppingStrategy, InferenceStep, Interrupter, Learner, LearningResult, SupervisedTraining,
+    TrainOutput, TrainStep,
+};
+use burn_shard::comm::{Collective, InProcessGroup, run_ranks};
+use burn_shard::{ShardConfig, Stage};
+use burn_shard_train::{RankFailures, ShardedStrategy};
+
+use burn::module::{ModuleMapper, Param};
+
+use crate::common::{Rng, max_abs_diff, params_of, remap, scratch};
+
+const FEATURES: usize = 6;
+const CLASSES: usize = 3;
+/// Items per epoch (training, validation) and the global batch: 4 steps per epoch at every
+/// world size, which 1, 2 and 3 divide.
+const TRAIN_ITEMS: usize = 48;
+const VALID_ITEMS: usize = 12;
+const GLOBAL_BATCH: usize = 12;
+
+#[derive(Module, Debug)]
+pub struct Classifier {
+    l1: Linear,
+    act: Relu,
+    l2: Linear,
+}
+
+impl Classifier {
+    fn new(device: &Device) -> Self {
+        Self {
+            l1: LinearConfig::new(FEATURES, 10).init(device),
+            act: Relu::new(),
+            l2: LinearConfig::new(10, CLASSES).init(device),
+        }
+    }
+
+    fn classify(&self, batch: Batch) -> ClassificationOutput {
+        let output = self.l2.forward(self.act.forward(self.l1.forward(batch.x)));
+        let loss = CrossEntropyLossConfig::new()
+            .init(&output.device())
+            .forward(output.clone(), batch.y.clone());
+        ClassificationOutput::new(loss, output, batch.y)
+    }
+}
+
+impl TrainStep for Classifier {
+    type Input = Batch;
+    type Output = ClassificationOutput;
+
+    fn step(&self, batch: Batch) -> TrainOutput<ClassificationOutput> {
+        let item = self.classify(batch);
+        TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl InferenceStep for Classifier {
+    type Input = Batch;
+    type Output = ClassificationOutput;
+
+    fn step(&self, batch: Batch) -> ClassificationOutput {
+        self.classify(batch)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Item {
+    x: [f32; FEATURES],
+    y: i64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Batch {
+    x: Tensor<2>,
+    y: Tensor<1, Int>,
+}
+
+/// Batches items; `hook` sees each item's `x[0]` (tests use it to act on one rank's batch).
+#[derive(Clone)]
+struct ItemBatcher {
+    hook: Arc<dyn Fn(&Item) + Send + Sync>,
+}
+
+impl ItemBatcher {
+    fn plain() -> Self {
+        Self { hook: Arc::new(|_| {}) }
+    }
+}
+
+impl Batcher<Item, Batch> for ItemBatcher {
+    fn batch(&self, items: Vec<Item>, device: &Device) -> Batch {
+        items.iter().for_each(|i| (self.hook)(i));
+        let x: Vec<f32> = items.iter().flat_map(|i| i.x).collect();
+        let y: Vec<i64> = items.iter().map(|i| i.y).collect();
+        Batch {
+            x: Tensor::from_data(TensorData::new(x, [items.len(), FEATURES]), device),
+            y: Tensor::from_data(TensorData::new(y, [items.len()]), device),
+        }
+    }
+}
+
+/// `n` items labelled by a fixed random teacher, so the loss can fall; item `i` has
+/// `x[0] = i` scaled small, so a batcher can tell which item it batches.
+fn items(n: usize, seed: u64) -> Vec<Item> {
+    let teacher = Rng::new(7).vec(FEATURES * CLASSES);
+    let mut rng = Rng::new(seed);
+    (0..n)
+        .map(|i| {
+            let mut x = [0.0; FEATURES];
+            x.iter_mut().for_each(|v| *v = rng.next_f32());
+            x[0] = i as f32 / 64.0;
+            let score = |c: usize| (0..FEATURES).map(|f| x[f] * teacher[f * CLASSES + c]).sum::<f32>();
+            let y = (0..CLASSES).max_by(|a, b| score(*a).total_cmp(&score(*b))).unwrap() as i64;
+            Item { x, y }
+        })
+        .collect()
+}
+
+/// The order in which `world_size` ranks see the same global batches as one device: rank `r`
+/// reads the contiguous share `[r·n, (r+1)·n)`, so base item `k·G + r·b + j` (global batch `k`,
+/// the `j`-th item of rank `r`'s part) goes to position `r·n + k·b + j`.
+fn rank_order(base: &[Item], world_size: usize) -> Vec<Item> {
+    let (n, b) = (base.len() / world_size, GLOBAL_BATCH / world_size);
+    let mut out = base.to_vec();
+    for (k, global) in base.chunks(GLOBAL_BATCH).enumerate() {
+        for (r, part) in global.chunks(b).enumerate() {
+            out[r * n + k * b..r * n + (k + 1) * b].clone_from_slice(part);
+        }
+    }
+    out
+}
+
+/// `module` with fixed pseudo-random values: the same model in every run, whatever Burn's RNG
+/// did in the tests that ran before on the same device.
+fn seeded<M: Module>(module: M) -> M {
+    struct Seeded(Rng);
+    impl ModuleMapper for Seeded {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            remap(param, |value| {
+                let values: Vec<f32> = self.0.vec(value.shape().num_elements()).iter().map(|v| v * 0.5).collect();
+                Tensor::from_data(TensorData::new(values, value.shape()), &value.device())
+            })
+        }
+    }
+    module.map(&mut Seeded(Rng::new(3)))
+}
+
+fn loader(items: Vec<Item>, batch: usize, batcher: ItemBatcher) -> Arc<dyn DataLoader<Batch>> {
+    DataLoaderBuilder::new(batcher).batch_size(batch).build(InMemDataset::new(items))
+}
+
+/// One training run's setup: epochs, gradient accumulation, and how to end early.
+#[derive(Clone)]
+struct Run {
+    epochs: usize,
+    accumulation: Option<usize>,
+    batcher: ItemBatcher,
+    stop_at_epoch: Option<usize>,
+    resume_from: Option<usize>,
+    /// Receives the run's interrupter before launch.
+    interrupter: Option<Arc<OnceLock<Interrupter>>>,
+    /// burn-shard's checkpoints (default: `checkpoints/` in the run's directory).
+    checkpoints: Option<PathBuf>,
+}
+
+impl Run {
+    fn epochs(epochs: usize) -> Self {
+        Self {
+            epochs,
+            accumulation: None,
+            batcher: ItemBatcher::plain(),
+            stop_at_epoch: None,
+            resume_from: None,
+            interrupter: None,
+            checkpoints: None,
+        }
+    }
+}
+
+/// Early stopping at a fixed epoch, decided by the strategy's coordinator once for all ranks.
+#[derive(Clone)]
+struct StopAt(usize);
+
+impl EarlyStoppingStrategy for StopAt {
+    fn should_stop(&mut self, epoch: usize, _store: &EventStoreClient) -> bool {
+        epoch >= self.0
+    }
+}
+
+/// The Learner as the Burn book writes it; `sharding: None` is burn-train's single-device
+/// strategy on the global batch, `Some((n, config))` burn-shard's strategy with `n` ranks as threads.
+fn train(dir: &Path, sharding: Option<(usize, ShardConfig)>, run: &Run) -> LearningResult<Classifier> {
+    let strategy = sharding.map(|(n, config)| ShardedStrategy::threads(config, AdamConfig::new(), vec![Device::flex(); n]));
+    train_with(dir, strategy, run)
+}
+
+/// [`train`] with `strategy` (`None`: burn-train's single-device strategy).
+fn train_with(dir: &Path, strategy: Option<ShardedStrategy<AdamConfig>>, run: &Run) -> LearningResult<Classifier> {
+    let device = Device::flex();
+    let world_size = strategy.as_ref().map_or(1, |s| s.world_size());
+    let base_train = items(TRAIN_ITEMS, 1);
+    let base_valid = items(VALID_ITEMS, 2);
+    let train = loader(rank_order(&base_train, world_size), GLOBAL_BATCH / world_size, run.batcher.clone());
+    let valid = loader(rank_order(&base_valid, world_size), GLOBAL_BATCH / world_size, ItemBatcher::plain());
+    let model = seeded(Classifier::new(&device.clone().autodiff()));
+    let optim = AdamConfig::new();
+    // A scheduler that changes every step: the strategy must step it once per global step.
+    let scheduler = LinearLrSchedulerConfig::new(2e-2, 2e-3, 40).init().expect("scheduler");
+    let mut training = SupervisedTraining::new(dir, train, valid)
+        .metrics((LossMetric::new(),))
+        .num_epochs(run.epochs);
+    if let Some(n) = run.accumulation {
+        training = training.grads_accumulation(n);
+    }
+    if let Some(epoch) = run.stop_at_epoch {
+        training = training.early_stopping(StopAt(epoch));
+    }
+    if let Some(epoch) = run.resume_from {
+        training = training.checkpoint(epoch);
+    }
+    if let Some(slot) = &run.interrupter {
+        slot.set(training.interrupter()).ok().expect("one run per slot");
+    }
+    if let Some(strategy) = strategy {
+        let checkpoints = run.checkpoints.clone().unwrap_or_else(|| dir.join("checkpoints"));
+        let strategy = strategy.with_checkpoints(checkpoints, KeepLastNCheckpoints::new(2));
+        training = training.with_training_strategy(strategy.into());
+    }
+    training.launch(Learner::new(model, optim.init(), scheduler))
+}
+
+/// The mean of the loss the file logger wrote for `split` of `epoch`: over every item, so over
+/// every rank's batches.
+fn logged_loss(dir: &Path, split: &str, epoch: usize) -> f64 {
+    let text = std::fs::read_to_string(dir.join(split).join(format!("epoch-{epoch}")).join("Loss.log"))
+        .unwrap_or_else(|e| panic!("reading the loss log of {split} epoch {epoch} in {}: {e}", dir.display()));
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(|l| l.split(',').next().unwrap().parse().expect("a number"))
+        .collect();
+    values.iter().sum::<f64>() / values.len() as f64
+}
+
+fn finished(result: &LearningResult<Classifier>, what: &str) -> Vec<f32> {
+    if let Some(e) = &result.error {
+        panic!("{what}: training failed: {e}");
+    }
+    params_of(&result.model)
+}
+
+#[test]
+fn sharded_strategy_trains_as_burns_single_device_learner_at_every_stage_and_world_size() {
+    let epochs = 2;
+    for accumulation in [None, Some(2)] {
+        let run = Run {
+            accumulation,
+            ..Run::epochs(epochs)
+        };
+        let ref_dir = scratch("learner", &format!("reference-{accumulation:?}"));
+        let reference = finished(&train(&ref_dir, None, &run), "reference");
+        for world_size in 1..=3 {
+            for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+                // Accumulation is swept at two world sizes to keep the sweep short.
+                if accumulation.is_some() && world_size == 1 {
+                    continue;
+                }
+                let ctx = format!("stage {stage}, world size {world_size}, accumulation {accumulation:?}");
+                let dir = scratch("learner", &format!("s{stage}-w{world_size}-{accumulation:?}"));
+                let result = train(&dir, Some((world_size, ShardConfig::new(stage))), &run);
+                let params = finished(&result, &ctx);
+                let diff = max_abs_diff(&params, &reference);
+                assert!(diff < 1e-4, "{ctx}: parameters differ from the single-device Learner by {diff}");
+                for epoch in 1..=epochs {
+                    for split in ["train", "valid"] {
+                        let (got, want) = (logged_loss(&dir, split, epoch), logged_loss(&ref_dir, split, epoch));
+                        assert!(
+                            (got - want).abs() < 1e-4,
+                            "{ctx}: logged {split} loss of epoch {epoch} is {got}, single-device {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn sharded_strategy_early_stopping_and_interrupts_end_every_rank() {
+    // Early stopping after epoch 2 of 4: the same parameters as 2 epochs.
+    let two = finished(&train(&scratch("learner", "two-epochs"), None, &Run::epochs(2)), "2 epochs");
+    let run = Run {
+        stop_at_epoch: Some(2),
+        ..Run::epochs(4)
+    };
+    let stopped = train(&scratch("learner", "early"), Some((3, ShardConfig::new(Stage::Three))), &run);
+    let params = finished(&stopped, "early stopping");
+    let diff = max_abs_diff(&params, &two);
+    assert!(diff < 1e-4, "early stopping at epoch 2 of 4 differs from 2 epochs by {diff}");
+
+    // An interrupt raised while one rank (rank 1 of 2) batches an item: every rank stops at the
+    // same step, and the run reports the interruption.
+    let interrupts = Arc::new(AtomicUsize::new(0));
+    let seen = interrupts.clone();
+    let dir = scratch("learner", "interrupt");
+    let interrupter: Arc<OnceLock<Interrupter>> = Arc::default();
+    let slot = interrupter.clone();
+    let batcher = ItemBatcher {
+        hook: Arc::new(move |item: &Item| {
+            // Base item 30 (global batch 2, 6 items per rank) opens rank 1's third batch.
+            if (item.x[0] * 64.0).round() as usize == 30 && seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                slot.get().expect("set before launch").stop(Some("asked by a test on rank 1"));
+            }
+        }),
+    };
+    let run = Run {
+        batcher,
+        interrupter: Some(interrupter),
+        ..Run::epochs(3)
+    };
+    let result = train(&dir, Some((2, ShardConfig::new(Stage::Two))), &run);
+    assert!(result.error.is_none(), "an interrupt is not an error: {:?}", result.error.map(|e| e.to_string()));
+    let interruption = result.interrupted.expect("the run reports the interruption");
+    assert_eq!(interruption.reason.as_deref(), Some("asked by a test on rank 1"));
+    assert_eq!(interrupts.load(Ordering::SeqCst), 1, "the batch that interrupts is batched once");
+
+    // A rank that panics: every rank ends, and the error names it.
+    let batcher = ItemBatcher {
+        hook: Arc::new(|item: &Item| {
+            if (item.x[0] * 64.0).round() as usize == 40 {
+                panic!("a data bug on one rank");
+            }
+        }),
+    };
+    let run = Run {
+        batcher,
+        ..Run::epochs(2)
+    };
+    let result = train(&scratch("learner", "panic"), Some((3, ShardConfig::new(Stage::Three))), &run);
+    let error = result.error.expect("a rank panicked: the run fails");
+    let failures = RankFailures::of(&error).unwrap_or_else(|| panic!("the error carries the failed ranks: {error}"));
+    let ranks: Vec<usize> = failures.0.iter().map(|(rank, _)| *rank).collect();
+    assert_eq!(ranks, [0, 1, 2], "every rank ends, in rank order: {failures}");
+    // Base item 40 (global batch 3, 4 items per rank at 3 ranks) is rank 1's.
+    assert!(failures.0[1].1.contains("a data bug on one rank"), "the panicking rank's own message: {failures}");
+}
+
+#[test]
+fn sharded_strategy_resumes_an_epoch_checkpoint_at_another_world_size_and_stage() {
+    let uninterrupted = finished(&train(&scratch("learner", "four"), None, &Run::epochs(4)), "4 epochs");
+    let dir = scratch("learner", "resume");
+    finished(&train(&dir, Some((2, ShardConfig::new(Stage::One))), &Run::epochs(2)), "first 2 epochs");
+    assert!(dir.join("checkpoints/epoch-2/meta.json").exists(), "epoch 2's sharded checkpoint");
+    let run = Run {
+        resume_from: Some(2),
+        ..Run::epochs(4)
+    };
+    let resumed = finished(&train(&dir, Some((3, ShardConfig::new(Stage::Three))), &run), "resumed");
+    let diff = max_abs_diff(&resumed, &uninterrupted);
+    assert!(diff < 1e-4, "resumed at 3 ranks and stage 3, 4 epochs differ from uninterrupted by {diff}");
+    // KeepLastNCheckpoints(2): epochs 3 and 4 are kept, the older ones deleted.
+    let kept: Vec<bool> = (1..=4).map(|e| dir.join(format!("checkpoints/epoch-{e}")).exists()).collect();
+    assert_eq!(kept, [false, false, true, true], "checkpoints kept by burn-train's strategy");
+}
+
+/// One process per rank, as `burn-shard-run` or `mpirun` start them (here threads that each
+/// build and launch their own `SupervisedTraining`, with a rank's collective each): the same
+/// parameters as the single-device Learner, and early stopping configured on rank 0 alone
+/// stops every rank at the same epoch (rank 0 decides the end of each epoch for all).
+#[test]
+fn sharded_strategy_with_one_process_per_rank_trains_as_the_single_device_learner() {
+    let two = finished(&train(&scratch("learner", "process-ref"), None, &Run::epochs(2)), "2 epochs");
+    for stage in [Stage::One, Stage::Three] {
+        // Metric logs per rank, checkpoints shared (a shared file system, as on a cluster).
+        let checkpoints = scratch("learner", &format!("process-{stage}-checkpoints"));
+        let group = InProcessGroup::new(2).unwrap();
+        let results = run_ranks(group, |comm| {
+            let rank = comm.rank();
+            let strategy = ShardedStrategy::process(ShardConfig::new(stage), AdamConfig::new(), comm, Device::flex());
+            let run = Run {
+                stop_at_epoch: (rank == 0).then_some(2),
+                checkpoints: Some(checkpoints.clone()),
+                ..Run::epochs(4)
+            };
+            let result = train_with(&scratch("learner", &format!("process-{stage}-rank{rank}")), Some(strategy), &run);
+            finished(&result, &format!("stage {stage}, rank {rank}"))
+        })
+        .unwrap();
+        for (rank, params) in results.iter().enumerate() {
+            let diff = max_abs_diff(params, &two);
+            assert!(diff < 1e-4, "stage {stage}, rank {rank}: 2 epochs (early stopping on rank 0) differ by {diff}");
+        }
+    }
+}
