@@ -140,7 +140,7 @@ impl InferenceStep for SentenceClassifier {
 /// Bad options, missing weights or data (each message says what to do), or a failed run
 /// (burn-train's error, naming the failed ranks).
 pub fn run(args: Args) -> Result<LearningResult<SentenceClassifier>, String> {
-    if args.batch_size % args.world_size != 0 {
+    if !args.batch_size.is_multiple_of(args.world_size) {
         return Err(format!(
             "--batch-size {} is not a multiple of --world-size {}: each rank takes an equal part of a step's batch",
             args.batch_size, args.world_size
@@ -149,7 +149,10 @@ pub fn run(args: Args) -> Result<LearningResult<SentenceClassifier>, String> {
     let data_dir = args.data_dir.clone().unwrap_or_else(examples_data_dir);
     let model_dir = args.model_dir.clone().unwrap_or_else(minilm_weights::default_model_dir);
     minilm_weights::require_files(&model_dir)?;
-    let tokenizer = load_tokenizer(&data_dir.join("all-MiniLM-L6-v2-tokenizer/tokenizer.json"), args.max_len)?;
+    let tokenizer = load_tokenizer(
+        &data_dir.join("all-MiniLM-L6-v2-tokenizer/tokenizer.json"),
+        args.max_len,
+    )?;
     let (train_path, valid_path) = args.task.files(&data_dir);
     let mut train = read_labelled(&train_path, args.task.classes(), &tokenizer)?;
     let mut valid = read_labelled(&valid_path, args.task.classes(), &tokenizer)?;
@@ -196,8 +199,12 @@ pub fn run(args: Args) -> Result<LearningResult<SentenceClassifier>, String> {
         .summary()
         // The one sharding-specific line: ZeRO stage `--stage` over `--world-size` ranks.
         .with_training_strategy(
-            ShardedStrategy::threads(ShardConfig::new(args.stage), optim.clone(), vec![device; args.world_size])
-                .into(),
+            ShardedStrategy::threads(
+                ShardConfig::new(args.stage),
+                optim.clone(),
+                vec![device; args.world_size],
+            )
+            .into(),
         )
         .launch(Learner::new(model, optim.init(), scheduler));
     match &result.error {

@@ -503,16 +503,29 @@ fn finetune_minilm_learner_trains_alike_at_every_stage() {
     for (world, stage) in [("2", "3"), ("2", "2")] {
         let (params, _) = run(world, stage);
         let diff = max_abs_diff(&params, &stage0);
-        assert!(diff < 1e-4, "world size {world}, stage {stage} differs from stage 0 on 2 ranks by {diff}");
+        assert!(
+            diff < 1e-4,
+            "world size {world}, stage {stage} differs from stage 0 on 2 ranks by {diff}"
+        );
     }
     let logged = |split: &str, epoch: usize, metric: &str| -> f64 {
-        let text = std::fs::read_to_string(out.join(split).join(format!("epoch-{epoch}")).join(format!("{metric}.log")))
-            .unwrap();
-        let values: Vec<f64> = text.lines().map(|l| l.split(',').next().unwrap().parse().unwrap()).collect();
+        let text = std::fs::read_to_string(
+            out.join(split)
+                .join(format!("epoch-{epoch}"))
+                .join(format!("{metric}.log")),
+        )
+        .unwrap();
+        let values: Vec<f64> = text
+            .lines()
+            .map(|l| l.split(',').next().unwrap().parse().unwrap())
+            .collect();
         values.iter().sum::<f64>() / values.len() as f64
     };
     // 32 sentences are 4 steps per epoch; measured 1.8 -> 1.2 on this tiny model.
-    assert!(logged("train", 3, "Loss") < logged("train", 1, "Loss") * 0.9, "training loss did not fall");
+    assert!(
+        logged("train", 3, "Loss") < logged("train", 1, "Loss") * 0.9,
+        "training loss did not fall"
+    );
     assert!((0.0..=100.0).contains(&logged("valid", 3, "Accuracy")));
     let err = finetune_minilm_learner::run(finetune_minilm_learner::Args::parse_from([
         "finetune-minilm-learner",

@@ -2,8 +2,8 @@
 //! burn-train's own single-device strategy on the same global batches.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
@@ -17,8 +17,8 @@ use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::metric::LossMetric;
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{
-    ClassificationOutput, EarlyStoppingStrategy, InferenceStep, Interrupter, Learner, LearningResult, SupervisedTraining,
-    TrainOutput, TrainStep,
+    ClassificationOutput, EarlyStoppingStrategy, InferenceStep, Interrupter, Learner, LearningResult,
+    SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_shard::comm::{Collective, InProcessGroup, run_ranks};
 use burn_shard::{ShardConfig, Stage};
@@ -94,7 +94,7 @@ pub struct Batch {
 
 /// Batches items; `hook` sees each item's `x[0]` (tests use it to act on one rank's batch).
 #[derive(Clone)]
-struct ItemBatcher {
+pub(crate) struct ItemBatcher {
     hook: Arc<dyn Fn(&Item) + Send + Sync>,
 }
 
@@ -154,7 +154,12 @@ fn seeded<M: Module>(module: M) -> M {
     impl ModuleMapper for Seeded {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             remap(param, |value| {
-                let values: Vec<f32> = self.0.vec(value.shape().num_elements()).iter().map(|v| v * 0.5).collect();
+                let values: Vec<f32> = self
+                    .0
+                    .vec(value.shape().num_elements())
+                    .iter()
+                    .map(|v| v * 0.5)
+                    .collect();
                 Tensor::from_data(TensorData::new(values, value.shape()), &value.device())
             })
         }
@@ -163,25 +168,27 @@ fn seeded<M: Module>(module: M) -> M {
 }
 
 fn loader(items: Vec<Item>, batch: usize, batcher: ItemBatcher) -> Arc<dyn DataLoader<Batch>> {
-    DataLoaderBuilder::new(batcher).batch_size(batch).build(InMemDataset::new(items))
+    DataLoaderBuilder::new(batcher)
+        .batch_size(batch)
+        .build(InMemDataset::new(items))
 }
 
 /// One training run's setup: epochs, gradient accumulation, and how to end early.
 #[derive(Clone)]
-struct Run {
-    epochs: usize,
-    accumulation: Option<usize>,
-    batcher: ItemBatcher,
-    stop_at_epoch: Option<usize>,
-    resume_from: Option<usize>,
+pub(crate) struct Run {
+    pub epochs: usize,
+    pub accumulation: Option<usize>,
+    pub batcher: ItemBatcher,
+    pub stop_at_epoch: Option<usize>,
+    pub resume_from: Option<usize>,
     /// Receives the run's interrupter before launch.
-    interrupter: Option<Arc<OnceLock<Interrupter>>>,
+    pub interrupter: Option<Arc<OnceLock<Interrupter>>>,
     /// burn-shard's checkpoints (default: `checkpoints/` in the run's directory).
-    checkpoints: Option<PathBuf>,
+    pub checkpoints: Option<PathBuf>,
 }
 
 impl Run {
-    fn epochs(epochs: usize) -> Self {
+    pub(crate) fn epochs(epochs: usize) -> Self {
         Self {
             epochs,
             accumulation: None,
@@ -206,19 +213,32 @@ impl EarlyStoppingStrategy for StopAt {
 
 /// The Learner as the Burn book writes it; `sharding: None` is burn-train's single-device
 /// strategy on the global batch, `Some((n, config))` burn-shard's strategy with `n` ranks as threads.
-fn train(dir: &Path, sharding: Option<(usize, ShardConfig)>, run: &Run) -> LearningResult<Classifier> {
-    let strategy = sharding.map(|(n, config)| ShardedStrategy::threads(config, AdamConfig::new(), vec![Device::flex(); n]));
+pub(crate) fn train(dir: &Path, sharding: Option<(usize, ShardConfig)>, run: &Run) -> LearningResult<Classifier> {
+    let strategy =
+        sharding.map(|(n, config)| ShardedStrategy::threads(config, AdamConfig::new(), vec![Device::flex(); n]));
     train_with(dir, strategy, run)
 }
 
 /// [`train`] with `strategy` (`None`: burn-train's single-device strategy).
-fn train_with(dir: &Path, strategy: Option<ShardedStrategy<AdamConfig>>, run: &Run) -> LearningResult<Classifier> {
+pub(crate) fn train_with(
+    dir: &Path,
+    strategy: Option<ShardedStrategy<AdamConfig>>,
+    run: &Run,
+) -> LearningResult<Classifier> {
     let device = Device::flex();
     let world_size = strategy.as_ref().map_or(1, |s| s.world_size());
     let base_train = items(TRAIN_ITEMS, 1);
     let base_valid = items(VALID_ITEMS, 2);
-    let train = loader(rank_order(&base_train, world_size), GLOBAL_BATCH / world_size, run.batcher.clone());
-    let valid = loader(rank_order(&base_valid, world_size), GLOBAL_BATCH / world_size, ItemBatcher::plain());
+    let train = loader(
+        rank_order(&base_train, world_size),
+        GLOBAL_BATCH / world_size,
+        run.batcher.clone(),
+    );
+    let valid = loader(
+        rank_order(&base_valid, world_size),
+        GLOBAL_BATCH / world_size,
+        ItemBatcher::plain(),
+    );
     let model = seeded(Classifier::new(&device.clone().autodiff()));
     let optim = AdamConfig::new();
     // A scheduler that changes every step: the strategy must step it once per global step.
@@ -249,8 +269,13 @@ fn train_with(dir: &Path, strategy: Option<ShardedStrategy<AdamConfig>>, run: &R
 /// The mean of the loss the file logger wrote for `split` of `epoch`: over every item, so over
 /// every rank's batches.
 fn logged_loss(dir: &Path, split: &str, epoch: usize) -> f64 {
-    let text = std::fs::read_to_string(dir.join(split).join(format!("epoch-{epoch}")).join("Loss.log"))
-        .unwrap_or_else(|e| panic!("reading the loss log of {split} epoch {epoch} in {}: {e}", dir.display()));
+    let text =
+        std::fs::read_to_string(dir.join(split).join(format!("epoch-{epoch}")).join("Loss.log")).unwrap_or_else(|e| {
+            panic!(
+                "reading the loss log of {split} epoch {epoch} in {}: {e}",
+                dir.display()
+            )
+        });
     let values: Vec<f64> = text
         .lines()
         .filter(|l| !l.is_empty())
@@ -259,7 +284,7 @@ fn logged_loss(dir: &Path, split: &str, epoch: usize) -> f64 {
     values.iter().sum::<f64>() / values.len() as f64
 }
 
-fn finished(result: &LearningResult<Classifier>, what: &str) -> Vec<f32> {
+pub(crate) fn finished(result: &LearningResult<Classifier>, what: &str) -> Vec<f32> {
     if let Some(e) = &result.error {
         panic!("{what}: training failed: {e}");
     }
@@ -287,7 +312,10 @@ fn sharded_strategy_trains_as_burns_single_device_learner_at_every_stage_and_wor
                 let result = train(&dir, Some((world_size, ShardConfig::new(stage))), &run);
                 let params = finished(&result, &ctx);
                 let diff = max_abs_diff(&params, &reference);
-                assert!(diff < 1e-4, "{ctx}: parameters differ from the single-device Learner by {diff}");
+                assert!(
+                    diff < 1e-4,
+                    "{ctx}: parameters differ from the single-device Learner by {diff}"
+                );
                 for epoch in 1..=epochs {
                     for split in ["train", "valid"] {
                         let (got, want) = (logged_loss(&dir, split, epoch), logged_loss(&ref_dir, split, epoch));
@@ -305,15 +333,25 @@ fn sharded_strategy_trains_as_burns_single_device_learner_at_every_stage_and_wor
 #[test]
 fn sharded_strategy_early_stopping_and_interrupts_end_every_rank() {
     // Early stopping after epoch 2 of 4: the same parameters as 2 epochs.
-    let two = finished(&train(&scratch("learner", "two-epochs"), None, &Run::epochs(2)), "2 epochs");
+    let two = finished(
+        &train(&scratch("learner", "two-epochs"), None, &Run::epochs(2)),
+        "2 epochs",
+    );
     let run = Run {
         stop_at_epoch: Some(2),
         ..Run::epochs(4)
     };
-    let stopped = train(&scratch("learner", "early"), Some((3, ShardConfig::new(Stage::Three))), &run);
+    let stopped = train(
+        &scratch("learner", "early"),
+        Some((3, ShardConfig::new(Stage::Three))),
+        &run,
+    );
     let params = finished(&stopped, "early stopping");
     let diff = max_abs_diff(&params, &two);
-    assert!(diff < 1e-4, "early stopping at epoch 2 of 4 differs from 2 epochs by {diff}");
+    assert!(
+        diff < 1e-4,
+        "early stopping at epoch 2 of 4 differs from 2 epochs by {diff}"
+    );
 
     // An interrupt raised while one rank (rank 1 of 2) batches an item: every rank stops at the
     // same step, and the run reports the interruption.
@@ -326,7 +364,9 @@ fn sharded_strategy_early_stopping_and_interrupts_end_every_rank() {
         hook: Arc::new(move |item: &Item| {
             // Base item 30 (global batch 2, 6 items per rank) opens rank 1's third batch.
             if (item.x[0] * 64.0).round() as usize == 30 && seen.fetch_add(1, Ordering::SeqCst) == 0 {
-                slot.get().expect("set before launch").stop(Some("asked by a test on rank 1"));
+                slot.get()
+                    .expect("set before launch")
+                    .stop(Some("asked by a test on rank 1"));
             }
         }),
     };
@@ -336,10 +376,18 @@ fn sharded_strategy_early_stopping_and_interrupts_end_every_rank() {
         ..Run::epochs(3)
     };
     let result = train(&dir, Some((2, ShardConfig::new(Stage::Two))), &run);
-    assert!(result.error.is_none(), "an interrupt is not an error: {:?}", result.error.map(|e| e.to_string()));
+    assert!(
+        result.error.is_none(),
+        "an interrupt is not an error: {:?}",
+        result.error.map(|e| e.to_string())
+    );
     let interruption = result.interrupted.expect("the run reports the interruption");
     assert_eq!(interruption.reason.as_deref(), Some("asked by a test on rank 1"));
-    assert_eq!(interrupts.load(Ordering::SeqCst), 1, "the batch that interrupts is batched once");
+    assert_eq!(
+        interrupts.load(Ordering::SeqCst),
+        1,
+        "the batch that interrupts is batched once"
+    );
 
     // A rank that panics: every rank ends, and the error names it.
     let batcher = ItemBatcher {
@@ -353,31 +401,53 @@ fn sharded_strategy_early_stopping_and_interrupts_end_every_rank() {
         batcher,
         ..Run::epochs(2)
     };
-    let result = train(&scratch("learner", "panic"), Some((3, ShardConfig::new(Stage::Three))), &run);
+    let result = train(
+        &scratch("learner", "panic"),
+        Some((3, ShardConfig::new(Stage::Three))),
+        &run,
+    );
     let error = result.error.expect("a rank panicked: the run fails");
     let failures = RankFailures::of(&error).unwrap_or_else(|| panic!("the error carries the failed ranks: {error}"));
     let ranks: Vec<usize> = failures.0.iter().map(|(rank, _)| *rank).collect();
     assert_eq!(ranks, [0, 1, 2], "every rank ends, in rank order: {failures}");
     // Base item 40 (global batch 3, 4 items per rank at 3 ranks) is rank 1's.
-    assert!(failures.0[1].1.contains("a data bug on one rank"), "the panicking rank's own message: {failures}");
+    assert!(
+        failures.0[1].1.contains("a data bug on one rank"),
+        "the panicking rank's own message: {failures}"
+    );
 }
 
 #[test]
 fn sharded_strategy_resumes_an_epoch_checkpoint_at_another_world_size_and_stage() {
     let uninterrupted = finished(&train(&scratch("learner", "four"), None, &Run::epochs(4)), "4 epochs");
     let dir = scratch("learner", "resume");
-    finished(&train(&dir, Some((2, ShardConfig::new(Stage::One))), &Run::epochs(2)), "first 2 epochs");
-    assert!(dir.join("checkpoints/epoch-2/meta.json").exists(), "epoch 2's sharded checkpoint");
+    finished(
+        &train(&dir, Some((2, ShardConfig::new(Stage::One))), &Run::epochs(2)),
+        "first 2 epochs",
+    );
+    assert!(
+        dir.join("checkpoints/epoch-2/meta.json").exists(),
+        "epoch 2's sharded checkpoint"
+    );
     let run = Run {
         resume_from: Some(2),
         ..Run::epochs(4)
     };
     let resumed = finished(&train(&dir, Some((3, ShardConfig::new(Stage::Three))), &run), "resumed");
     let diff = max_abs_diff(&resumed, &uninterrupted);
-    assert!(diff < 1e-4, "resumed at 3 ranks and stage 3, 4 epochs differ from uninterrupted by {diff}");
+    assert!(
+        diff < 1e-4,
+        "resumed at 3 ranks and stage 3, 4 epochs differ from uninterrupted by {diff}"
+    );
     // KeepLastNCheckpoints(2): epochs 3 and 4 are kept, the older ones deleted.
-    let kept: Vec<bool> = (1..=4).map(|e| dir.join(format!("checkpoints/epoch-{e}")).exists()).collect();
-    assert_eq!(kept, [false, false, true, true], "checkpoints kept by burn-train's strategy");
+    let kept: Vec<bool> = (1..=4)
+        .map(|e| dir.join(format!("checkpoints/epoch-{e}")).exists())
+        .collect();
+    assert_eq!(
+        kept,
+        [false, false, true, true],
+        "checkpoints kept by burn-train's strategy"
+    );
 }
 
 /// One process per rank, as `burn-shard-run` or `mpirun` start them (here threads that each
@@ -386,7 +456,10 @@ fn sharded_strategy_resumes_an_epoch_checkpoint_at_another_world_size_and_stage(
 /// stops every rank at the same epoch (rank 0 decides the end of each epoch for all).
 #[test]
 fn sharded_strategy_with_one_process_per_rank_trains_as_the_single_device_learner() {
-    let two = finished(&train(&scratch("learner", "process-ref"), None, &Run::epochs(2)), "2 epochs");
+    let two = finished(
+        &train(&scratch("learner", "process-ref"), None, &Run::epochs(2)),
+        "2 epochs",
+    );
     for stage in [Stage::One, Stage::Three] {
         // Metric logs per rank, checkpoints shared (a shared file system, as on a cluster).
         let checkpoints = scratch("learner", &format!("process-{stage}-checkpoints"));
@@ -399,13 +472,20 @@ fn sharded_strategy_with_one_process_per_rank_trains_as_the_single_device_learne
                 checkpoints: Some(checkpoints.clone()),
                 ..Run::epochs(4)
             };
-            let result = train_with(&scratch("learner", &format!("process-{stage}-rank{rank}")), Some(strategy), &run);
+            let result = train_with(
+                &scratch("learner", &format!("process-{stage}-rank{rank}")),
+                Some(strategy),
+                &run,
+            );
             finished(&result, &format!("stage {stage}, rank {rank}"))
         })
         .unwrap();
         for (rank, params) in results.iter().enumerate() {
             let diff = max_abs_diff(params, &two);
-            assert!(diff < 1e-4, "stage {stage}, rank {rank}: 2 epochs (early stopping on rank 0) differ by {diff}");
+            assert!(
+                diff < 1e-4,
+                "stage {stage}, rank {rank}: 2 epochs (early stopping on rank 0) differ by {diff}"
+            );
         }
     }
 }

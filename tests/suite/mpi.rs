@@ -106,6 +106,7 @@ fn rank() {
         "abort" => abort(&comm),
         "reject" => reject(&comm),
         "timeout" => timeout_scenario(&comm),
+        "learner" => learner(&comm),
         other => panic!("unknown scenario {other}"),
     };
     println!("RESULT rank {rank}: {result}");
@@ -238,6 +239,48 @@ fn collectives(comm: &MpiComm) -> String {
 }
 
 /// Sharded training at every stage on the MPI processes equals single-process Burn training.
+fn learner(comm: &Arc<MpiComm>) -> String {
+    use crate::learner::{Run, finished, train, train_with};
+    use burn_shard_train::ShardedStrategy;
+    let rank = comm.rank();
+    let dir = |name: &str| {
+        std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join("mpi-learner")
+            .join(name)
+    };
+    let checkpoints = dir("checkpoints");
+    if rank == 0 {
+        let _ = std::fs::remove_dir_all(dir(""));
+        std::fs::create_dir_all(&checkpoints).unwrap();
+    }
+    let reference = finished(
+        &train(&dir(&format!("reference-{rank}")), None, &Run::epochs(2)),
+        "reference",
+    );
+    comm.barrier().unwrap();
+    let strategy = ShardedStrategy::process(
+        ShardConfig::new(Stage::Three),
+        burn::optim::AdamConfig::new(),
+        comm.clone(),
+        Device::flex(),
+    );
+    let run = Run {
+        stop_at_epoch: (rank == 0).then_some(2),
+        checkpoints: Some(checkpoints),
+        ..Run::epochs(4)
+    };
+    let params = finished(
+        &train_with(&dir(&format!("rank-{rank}")), Some(strategy), &run),
+        "sharded",
+    );
+    let diff = max_abs_diff(&params, &reference);
+    assert!(
+        diff < 1e-4,
+        "rank {rank}: parameters differ from the single-device Learner by {diff}"
+    );
+    format!("stage 3, early stopping at epoch 2 on rank 0: equal to the single-device Learner (max diff {diff:e})")
+}
+
 fn training(comm: &Arc<MpiComm>) -> String {
     let (rank, n) = (comm.rank(), comm.world_size());
     let device = Device::flex().autodiff();
@@ -359,6 +402,18 @@ fn sharded_training_across_processes_matches_single_process_training_at_every_st
         let lines = results(np, "training", &text);
         assert!(lines[0].starts_with("stage 0"), "{}", lines[0]);
         println!("np {np}: {}", lines[0]);
+    }
+}
+
+/// burn-train's Learner with `ShardedStrategy::process` over MPI, one process per rank:
+/// every rank ends with the single-device Learner's parameters, and early stopping configured on
+/// rank 0 alone stops every rank at the same epoch.
+#[test]
+fn learner_with_one_process_per_rank_trains_as_the_single_device_learner() {
+    let (ok, text) = mpirun(2, "learner");
+    assert!(ok, "mpirun -np 2 failed:\n{text}");
+    for line in results(2, "learner", &text) {
+        assert!(line.contains("equal to the single-device Learner"), "{line}");
     }
 }
 

@@ -915,7 +915,9 @@ pub struct EncoderNet {
 impl EncoderNet {
     fn new(device: &Device) -> Self {
         Self {
-            encoder: TransformerEncoderConfig::new(8, 16, 2, 3).with_dropout(0.0).init(device),
+            encoder: TransformerEncoderConfig::new(8, 16, 2, 3)
+                .with_dropout(0.0)
+                .init(device),
             head: LinearConfig::new(8, 3).init(device),
         }
     }
@@ -935,6 +937,9 @@ impl EncoderNet {
     }
 }
 
+/// One step's `(all-gather calls, bytes, reduce-scatter calls, bytes)`.
+type StepCollectives = (u64, u64, u64, u64);
+
 /// Rank 0's per-step `(all-gather calls, bytes, reduce-scatter calls, bytes)` training
 /// `base` at stage 3 with `config`, annotated or not, and its full parameters at the end.
 fn encoder_collectives(
@@ -942,7 +947,7 @@ fn encoder_collectives(
     n: usize,
     config: ShardConfig,
     annotated: bool,
-) -> (Vec<(u64, u64, u64, u64)>, Vec<f32>) {
+) -> (Vec<StepCollectives>, Vec<f32>) {
     let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
         let device = Device::flex().autodiff();
         let (mut model, mut optim) = config
@@ -998,6 +1003,9 @@ fn stage3_units_by_path_gather_and_reduce_as_annotated_units() {
     })
     .unwrap();
     let message = err[0].as_deref().expect("refused");
-    assert!(message.contains("`encoder.layer.*` matches no sharded parameter"), "{message}");
+    assert!(
+        message.contains("`encoder.layer.*` matches no sharded parameter"),
+        "{message}"
+    );
     assert!(message.contains("encoder.layers.0."), "{message}");
 }

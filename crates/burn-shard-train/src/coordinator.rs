@@ -36,14 +36,22 @@ impl<M: LearnerModel> Coordinator<'_, M> {
     /// Runs epochs `first..=last` as burn-train's single-device strategy does, with items from
     /// every rank. Returns when training ends or a rank fails; dropping `decisions` then tells
     /// ranks waiting for a decision that there is none.
-    pub(crate) fn run(&mut self, first: usize, last: usize, events: &Receiver<Event<M>>, decisions: Vec<Sender<EpochDecision>>) {
+    pub(crate) fn run(
+        &mut self,
+        first: usize,
+        last: usize,
+        events: &Receiver<Event<M>>,
+        decisions: Vec<Sender<EpochDecision>>,
+    ) {
         for epoch in first..=last {
             let interrupter = self.interrupter.clone();
             interrupter.fail_on_error(self.processor.process_train(LearnerEvent::StartSplit {
                 epoch_number: epoch,
                 total_items: self.train_items,
             }));
-            let Some(stopped) = self.pass(Split::Train, events) else { return };
+            let Some(stopped) = self.pass(Split::Train, events) else {
+                return;
+            };
             interrupter.fail_on_error(self.processor.process_train(LearnerEvent::EndSplit(epoch)));
             if stopped {
                 if let Some(interruption) = interrupter.interruption() {
@@ -56,7 +64,9 @@ impl<M: LearnerModel> Coordinator<'_, M> {
                 epoch_number: epoch,
                 total_items: self.valid_items,
             }));
-            let Some(stopped) = self.pass(Split::Valid, events) else { return };
+            let Some(stopped) = self.pass(Split::Valid, events) else {
+                return;
+            };
             interrupter.fail_on_error(self.processor.process_valid(LearnerEvent::EndSplit(epoch)));
             interrupter.fail_on_error(self.processor.process_train(LearnerEvent::EndEpoch(epoch)));
             if self.checkpointing.is_some() || self.early_stopping.is_some() {
@@ -111,7 +121,8 @@ impl<M: LearnerModel> Coordinator<'_, M> {
                 }
                 Ok(_) => unreachable!("a rank sends nothing between its pass's end and its decision"),
                 Err(_) => {
-                    self.failures.push((0, "every rank stopped before agreeing on the epoch's end".into()));
+                    self.failures
+                        .push((0, "every rank stopped before agreeing on the epoch's end".into()));
                     return None;
                 }
             }
@@ -127,7 +138,8 @@ impl<M: LearnerModel> Coordinator<'_, M> {
         let mut iteration = 0;
         while ended < self.ranks {
             let Ok(event) = events.recv() else {
-                self.failures.push((0, "every rank stopped without ending the pass".into()));
+                self.failures
+                    .push((0, "every rank stopped without ending the pass".into()));
                 return None;
             };
             match event {

@@ -96,7 +96,10 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
             }
             let stopped = self.valid_epoch(&model, optim)?;
             self.end(Split::Valid, stopped)?;
-            let decision = self.decisions.recv().map_err(|_| "the coordinating thread stopped".to_string())?;
+            let decision = self
+                .decisions
+                .recv()
+                .map_err(|_| "the coordinating thread stopped".to_string())?;
             // Rank 0's decision for every rank: with one process per rank, each process's
             // coordinator read only its own rank's metrics.
             let decision = agree_decision(optim.comm(), decision, &self.device)?;
@@ -155,7 +158,9 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
                 progress,
                 lr: learner.lr_current(),
             };
-            self.events.send(event).map_err(|_| "the coordinating thread stopped".to_string())?;
+            self.events
+                .send(event)
+                .map_err(|_| "the coordinating thread stopped".to_string())?;
         }
     }
 
@@ -175,7 +180,9 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
                 item,
                 progress: iterator.progress(),
             };
-            self.events.send(event).map_err(|_| "the coordinating thread stopped".to_string())?;
+            self.events
+                .send(event)
+                .map_err(|_| "the coordinating thread stopped".to_string())?;
         }
         // A stage-3 gather outside `step` records its error instead of returning it.
         optim.check_collectives().map_err(step_error)?;

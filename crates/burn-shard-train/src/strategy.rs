@@ -67,6 +67,9 @@ pub struct ShardedStrategy<O> {
     checkpoints: Option<(PathBuf, Mutex<Box<dyn CheckpointingStrategy>>)>,
 }
 
+/// One rank of this process: its number, its collective, its device.
+type LocalRank = (usize, Arc<dyn Collective>, Device);
+
 /// Where the ranks are.
 enum Ranks {
     /// Every rank, as a thread of this process, one per device.
@@ -132,10 +135,11 @@ impl<O> ShardedStrategy<O> {
 
     /// This process's ranks: `(rank, collective, device)` each, the collectives built for
     /// threads, the one given for a process.
-    fn local_ranks(&self) -> Result<Vec<(usize, Arc<dyn Collective>, Device)>, String> {
+    fn local_ranks(&self) -> Result<Vec<LocalRank>, String> {
         match &self.ranks {
             Ranks::Threads(devices) => {
-                let group = InProcessGroup::new(devices.len()).map_err(|e| format!("building the in-process group: {e}"))?;
+                let group =
+                    InProcessGroup::new(devices.len()).map_err(|e| format!("building the in-process group: {e}"))?;
                 Ok(group
                     .into_comms()
                     .into_iter()
@@ -208,7 +212,11 @@ where
         let local: Vec<_> = local
             .into_iter()
             .map(|(rank, comm, device)| {
-                let train_device = if device.is_autodiff() { device } else { device.autodiff() };
+                let train_device = if device.is_autodiff() {
+                    device
+                } else {
+                    device.autodiff()
+                };
                 let train_share = equal_share(&train, rank, world_size, &train_device, "training");
                 let valid_device = train_device.clone().without_autodiff();
                 let valid_share = equal_share(&valid, rank, world_size, &valid_device, "validation");

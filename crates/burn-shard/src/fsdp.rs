@@ -16,6 +16,10 @@
 //!   prefetch of the next unit's while this one computes;
 //! - [`unit()`] (`hooks/unit.rs`): marking a unit (e.g. a transformer block) so its reduce-scatter runs right after
 //!   its backward instead of at the end of the whole backward pass;
+//! - `model/units.rs`: units named by module path from outside the model
+//!   ([`crate::ShardConfig::with_units`], FSDP2's `fully_shard(submodule)`), for models whose
+//!   `forward` cannot carry [`unit()`] calls: the same grouped all-gathers and reduce-scatters, the
+//!   reduce-scatters at the end of backward;
 //! - `overlap/comm_context.rs`: what every collective of a rank shares: the collective, the first
 //!   error, and the transient-memory probes; `overlap/context.rs` owns it with the schedule and
 //!   the unit reducer;

@@ -46,8 +46,8 @@ impl UnitPolicy {
     pub(crate) fn unit_of(&mut self, path: &str) -> Option<u32> {
         let segments: Vec<&str> = path.split('.').collect();
         let (index, len) = self.patterns.iter().enumerate().find_map(|(i, pattern)| {
-            let matches = pattern.len() < segments.len()
-                && pattern.iter().zip(&segments).all(|(p, s)| p == "*" || p == s);
+            let matches =
+                pattern.len() < segments.len() && pattern.iter().zip(&segments).all(|(p, s)| p == "*" || p == s);
             matches.then_some((i, pattern.len()))
         })?;
         self.used[index].1 = true;
