@@ -36,13 +36,9 @@ pub struct Args {
     /// Data set: sst2 (binary sentiment, scored on the 872-sentence dev set) or trec (6 question classes, 500 test questions).
     #[arg(long, value_enum, default_value_t = Task::Sst2)]
     pub task: Task,
-    /// Folder with all-MiniLM-L6-v2's model.safetensors and config.json (default: the cache
-    /// that `cargo xtask fetch-minilm` fills).
-    #[arg(long)]
-    pub model_dir: Option<PathBuf>,
-    /// Folder with sst2/, trec/ and all-MiniLM-L6-v2-tokenizer/ (default: examples/data).
-    #[arg(long)]
-    pub data_dir: Option<PathBuf>,
+    /// Weights, data and how much of it.
+    #[command(flatten)]
+    pub data: DataArgs,
     /// Optimizer steps.
     #[arg(long, default_value_t = 400, value_parser = at_least(1, usize::MAX as u64))]
     pub steps: usize,
@@ -61,27 +57,95 @@ pub struct Args {
     /// Dropout of BERT's hidden states and attention, and before the head.
     #[arg(long, default_value_t = 0.1, value_parser = probability)]
     pub dropout: f64,
-    /// Longest sentence in tokens, `[CLS]` and `[SEP]` included (longer ones are truncated), 2-512.
-    #[arg(long, default_value_t = 64, value_parser = at_least(2, 512))]
-    pub max_len: usize,
     /// Steps between evaluations on the dev set (also before the first and after the last step).
     #[arg(long, default_value_t = 100, value_parser = at_least(1, usize::MAX as u64))]
     pub eval_interval: usize,
     /// Sentences per evaluation batch per rank.
     #[arg(long, default_value_t = 64, value_parser = at_least(1, 1 << 20))]
     pub eval_batch_size: usize,
-    /// Train on the first N training sentences only (quick checks).
-    #[arg(long, value_parser = at_least(1, usize::MAX as u64))]
-    pub limit_train: Option<usize>,
-    /// Evaluate on the first N dev sentences only (quick checks).
-    #[arg(long, value_parser = at_least(1, usize::MAX as u64))]
-    pub limit_eval: Option<usize>,
     /// Random seed (head initialisation, data order, dropout).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// Folder for metrics.csv and losses.png.
     #[arg(long, default_value = "runs/finetune-minilm")]
     pub out: PathBuf,
+}
+
+/// Where the MiniLM weights and the sentence data are, and how much of them to use: the
+/// options `finetune-minilm` and `finetune-minilm-learner` share (`#[command(flatten)]`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct DataArgs {
+    /// Folder with all-MiniLM-L6-v2's model.safetensors and config.json (default: the cache
+    /// that `cargo xtask fetch-minilm` fills).
+    #[arg(long)]
+    pub model_dir: Option<PathBuf>,
+    /// Folder with sst2/, trec/ and all-MiniLM-L6-v2-tokenizer/ (default: examples/data).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Longest sentence in tokens, `[CLS]` and `[SEP]` included (longer ones are truncated), 2-512.
+    #[arg(long, default_value_t = 64, value_parser = at_least(2, 512))]
+    pub max_len: usize,
+    /// Train on the first N training sentences only (quick checks).
+    #[arg(long, value_parser = at_least(1, usize::MAX as u64))]
+    pub limit_train: Option<usize>,
+    /// Evaluate on the first N evaluation sentences only (quick checks).
+    #[arg(long, value_parser = at_least(1, usize::MAX as u64))]
+    pub limit_eval: Option<usize>,
+}
+
+/// What [`DataArgs::load`] read.
+pub struct Loaded {
+    /// Tokenized training sentences.
+    pub train: Vec<Sentence>,
+    /// Tokenized evaluation sentences (SST-2's dev set, TREC's test set).
+    pub eval: Vec<Sentence>,
+    /// The model's `config.json`.
+    pub config: BertConfig,
+    /// Where `model.safetensors` is.
+    pub model_dir: PathBuf,
+}
+
+impl DataArgs {
+    /// Tokenizes `task`'s sentences and reads the model's config, checking that the weights
+    /// are there and that the tokenizer and `--max-len` fit the model.
+    ///
+    /// # Errors
+    /// Missing weights (naming `cargo xtask fetch-minilm`), missing or malformed data, a
+    /// tokenizer or `--max-len` the model cannot take.
+    pub fn load(&self, task: Task) -> Result<Loaded, String> {
+        let data_dir = self.data_dir.clone().unwrap_or_else(examples_data_dir);
+        let model_dir = self.model_dir.clone().unwrap_or_else(minilm_weights::default_model_dir);
+        minilm_weights::require_files(&model_dir)?;
+        let tokenizer = load_tokenizer(
+            &data_dir.join("all-MiniLM-L6-v2-tokenizer/tokenizer.json"),
+            self.max_len,
+        )?;
+        let (train_path, eval_path) = task.files(&data_dir);
+        let mut train = read_labelled(&train_path, task.classes(), &tokenizer)?;
+        let mut eval = read_labelled(&eval_path, task.classes(), &tokenizer)?;
+        train.truncate(self.limit_train.unwrap_or(usize::MAX));
+        eval.truncate(self.limit_eval.unwrap_or(usize::MAX));
+        let config = BertConfig::from_file(&model_dir.join("config.json"))?;
+        if self.max_len > config.max_position_embeddings {
+            return Err(format!(
+                "--max-len {} is longer than the model's {} positions",
+                self.max_len, config.max_position_embeddings
+            ));
+        }
+        if tokenizer.get_vocab_size(true) > config.vocab_size {
+            return Err(format!(
+                "the tokenizer has {} tokens, the model's embedding {}: they do not belong together",
+                tokenizer.get_vocab_size(true),
+                config.vocab_size
+            ));
+        }
+        Ok(Loaded {
+            train,
+            eval,
+            config,
+            model_dir,
+        })
+    }
 }
 
 /// What a run measured.
@@ -108,39 +172,17 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
     args.shard.resolve_resume()?;
     args.shard.check_batch(args.batch_size)?;
     let stage = args.shard.stage_or(Stage::Two);
-    let data_dir = args.data_dir.clone().unwrap_or_else(examples_data_dir);
-    let model_dir = args.model_dir.clone().unwrap_or_else(minilm_weights::default_model_dir);
-    minilm_weights::require_files(&model_dir)?;
-
-    let tokenizer = load_tokenizer(
-        &data_dir.join("all-MiniLM-L6-v2-tokenizer/tokenizer.json"),
-        args.max_len,
-    )?;
-    let (train_path, eval_path) = args.task.files(&data_dir);
-    let mut train = read_labelled(&train_path, args.task.classes(), &tokenizer)?;
-    let mut eval = read_labelled(&eval_path, args.task.classes(), &tokenizer)?;
-    train.truncate(args.limit_train.unwrap_or(usize::MAX));
-    eval.truncate(args.limit_eval.unwrap_or(usize::MAX));
+    let Loaded {
+        train,
+        eval,
+        config,
+        model_dir,
+    } = args.data.load(args.task)?;
     if train.len() < args.batch_size {
         return Err(format!(
             "{} training sentences are fewer than --batch-size {}",
             train.len(),
             args.batch_size
-        ));
-    }
-
-    let config = BertConfig::from_file(&model_dir.join("config.json"))?;
-    if args.max_len > config.max_position_embeddings {
-        return Err(format!(
-            "--max-len {} is longer than the model's {} positions",
-            args.max_len, config.max_position_embeddings
-        ));
-    }
-    if tokenizer.get_vocab_size(true) > config.vocab_size {
-        return Err(format!(
-            "the tokenizer has {} tokens, the model's embedding {}: they do not belong together",
-            tokenizer.get_vocab_size(true),
-            config.vocab_size
         ));
     }
     let device = training_device(stage);
@@ -157,7 +199,7 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
         args.task,
         train.len(),
         eval.len(),
-        args.max_len,
+        args.data.max_len,
         model_dir.display(),
         base.num_params(),
         args.shard.world_size,

@@ -21,11 +21,11 @@ use burn_shard::{ShardConfig, Stage};
 use burn_shard_train::ShardedStrategy;
 use clap::Parser;
 
-use crate::bert::{BertConfig, SentenceClassifier};
+use crate::bert::SentenceClassifier;
 use crate::cli::{at_least, positive_f64, probability};
-use crate::sentences::{Sentence, Task, batch, load_tokenizer, read_labelled};
+use crate::finetune_minilm::{DataArgs, Loaded};
+use crate::sentences::{Sentence, Task, batch};
 use crate::training::training_device;
-use crate::{examples_data_dir, minilm_weights};
 
 /// Options of `finetune-minilm-learner`.
 #[derive(Parser, Debug, Clone)]
@@ -43,13 +43,9 @@ pub struct Args {
     /// Data set: trec (6 question classes, 500 test questions) or sst2 (binary sentiment).
     #[arg(long, value_enum, default_value_t = Task::Trec)]
     pub task: Task,
-    /// Folder with all-MiniLM-L6-v2's model.safetensors and config.json (default: the cache
-    /// that `cargo xtask fetch-minilm` fills).
-    #[arg(long)]
-    pub model_dir: Option<PathBuf>,
-    /// Folder with sst2/, trec/ and all-MiniLM-L6-v2-tokenizer/ (default: examples/data).
-    #[arg(long)]
-    pub data_dir: Option<PathBuf>,
+    /// Weights, data and how much of it.
+    #[command(flatten)]
+    pub data: DataArgs,
     /// Epochs over the training sentences.
     #[arg(long, default_value_t = 1, value_parser = at_least(1, 1000))]
     pub epochs: usize,
@@ -62,15 +58,6 @@ pub struct Args {
     /// Dropout of BERT's hidden states and attention, and before the head.
     #[arg(long, default_value_t = 0.1, value_parser = probability)]
     pub dropout: f64,
-    /// Longest sentence in tokens, `[CLS]` and `[SEP]` included, 2-512.
-    #[arg(long, default_value_t = 64, value_parser = at_least(2, 512))]
-    pub max_len: usize,
-    /// Train on the first N training sentences only (quick checks).
-    #[arg(long, value_parser = at_least(1, usize::MAX as u64))]
-    pub limit_train: Option<usize>,
-    /// Validate on the first N test sentences only (quick checks).
-    #[arg(long, value_parser = at_least(1, usize::MAX as u64))]
-    pub limit_eval: Option<usize>,
     /// Random seed (the head's initialisation, the data order, dropout).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -146,21 +133,13 @@ pub fn run(args: Args) -> Result<LearningResult<SentenceClassifier>, String> {
             args.batch_size, args.world_size
         ));
     }
-    let data_dir = args.data_dir.clone().unwrap_or_else(examples_data_dir);
-    let model_dir = args.model_dir.clone().unwrap_or_else(minilm_weights::default_model_dir);
-    minilm_weights::require_files(&model_dir)?;
-    let tokenizer = load_tokenizer(
-        &data_dir.join("all-MiniLM-L6-v2-tokenizer/tokenizer.json"),
-        args.max_len,
-    )?;
-    let (train_path, valid_path) = args.task.files(&data_dir);
-    let mut train = read_labelled(&train_path, args.task.classes(), &tokenizer)?;
-    let mut valid = read_labelled(&valid_path, args.task.classes(), &tokenizer)?;
-    train.truncate(args.limit_train.unwrap_or(usize::MAX));
-    valid.truncate(args.limit_eval.unwrap_or(usize::MAX));
-
+    let Loaded {
+        train,
+        eval: valid,
+        config,
+        model_dir,
+    } = args.data.load(args.task)?;
     let device = training_device(args.stage);
-    let config = BertConfig::from_file(&model_dir.join("config.json"))?;
     let bert = config
         .init(args.dropout, &device)
         .load_safetensors(&model_dir.join("model.safetensors"))?;

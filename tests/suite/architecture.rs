@@ -300,15 +300,15 @@ fn documented_folders() -> Vec<String> {
         .unwrap()
         .map(|e| format!("crates/{}/src", e.unwrap().file_name().to_string_lossy()))
         .collect();
-    folders.extend(
-        [
-            "examples/src",
-            "examples/shakespeare",
-            "examples/finetune_minilm",
-            "examples/finetune_stories",
-        ]
-        .map(String::from),
-    );
+    // Every example program: a folder of `examples/` with a `main.rs`.
+    folders.extend(fs::read_dir(root().join("examples")).unwrap().filter_map(|e| {
+        let e = e.unwrap();
+        e.path()
+            .join("main.rs")
+            .is_file()
+            .then(|| format!("examples/{}", e.file_name().to_string_lossy()))
+    }));
+    folders.push("examples/src".to_string());
     folders.extend(["xtask/src", "tests/suite"].map(String::from));
     folders.retain(|f| root().join(f).is_dir());
     folders.sort();

@@ -487,5 +487,51 @@ fn sharded_strategy_with_one_process_per_rank_trains_as_the_single_device_learne
                 "stage {stage}, rank {rank}: 2 epochs (early stopping on rank 0) differ by {diff}"
             );
         }
+        // Rank 0's checkpointing strategy (keep the last 2) acted for both ranks.
+        let kept: Vec<bool> = (1..=3)
+            .map(|e| checkpoints.join(format!("epoch-{e}")).exists())
+            .collect();
+        assert_eq!(kept, [true, true, false], "stage {stage}");
     }
+
+    // An interrupt on rank 1's own interrupter (another process's is not shared): rank 0 stops
+    // at the same batch and reports who stopped it.
+    let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let rank = comm.rank();
+        let interrupter: Arc<OnceLock<Interrupter>> = Arc::default();
+        let slot = interrupter.clone();
+        let batcher = ItemBatcher {
+            hook: Arc::new(move |item: &Item| {
+                // Base item 30 (global batch 2) is rank 1's only.
+                if (item.x[0] * 64.0).round() as usize == 30 {
+                    slot.get().expect("set before launch").stop(Some("asked on rank 1"));
+                }
+            }),
+        };
+        let run = Run {
+            batcher,
+            interrupter: Some(interrupter),
+            ..Run::epochs(3)
+        };
+        let strategy = ShardedStrategy::process(ShardConfig::new(Stage::Two), AdamConfig::new(), comm, Device::flex());
+        let result = train_with(
+            &scratch("learner", &format!("process-stop-rank{rank}")),
+            Some(strategy),
+            &run,
+        );
+        assert!(
+            result.error.is_none(),
+            "rank {rank}: {:?}",
+            result.error.map(|e| e.to_string())
+        );
+        result.interrupted.and_then(|i| i.reason)
+    })
+    .unwrap();
+    assert_eq!(
+        results,
+        [
+            Some("stopped by rank 1".to_string()),
+            Some("asked on rank 1".to_string())
+        ]
+    );
 }

@@ -238,7 +238,8 @@ fn collectives(comm: &MpiComm) -> String {
     format!("{} outputs equal the in-process backend's", ours.len())
 }
 
-/// Sharded training at every stage on the MPI processes equals single-process Burn training.
+/// burn-train's Learner with `ShardedStrategy::process` at stage 3, early stopping on rank 0
+/// only, against the single-device Learner.
 fn learner(comm: &Arc<MpiComm>) -> String {
     use crate::learner::{Run, finished, train, train_with};
     use burn_shard_train::ShardedStrategy;
@@ -253,6 +254,7 @@ fn learner(comm: &Arc<MpiComm>) -> String {
         let _ = std::fs::remove_dir_all(dir(""));
         std::fs::create_dir_all(&checkpoints).unwrap();
     }
+    comm.barrier().unwrap();
     let reference = finished(
         &train(&dir(&format!("reference-{rank}")), None, &Run::epochs(2)),
         "reference",
@@ -281,6 +283,7 @@ fn learner(comm: &Arc<MpiComm>) -> String {
     format!("stage 3, early stopping at epoch 2 on rank 0: equal to the single-device Learner (max diff {diff:e})")
 }
 
+/// Sharded training at every stage on the MPI processes equals single-process Burn training.
 fn training(comm: &Arc<MpiComm>) -> String {
     let (rank, n) = (comm.rank(), comm.world_size());
     let device = Device::flex().autodiff();

@@ -947,6 +947,7 @@ fn encoder_collectives(
     n: usize,
     config: ShardConfig,
     annotated: bool,
+    micro_batches: usize,
 ) -> (Vec<StepCollectives>, Vec<f32>) {
     let runs = run_ranks(InProcessGroup::new(n).unwrap(), |comm| {
         let device = Device::flex().autodiff();
@@ -955,15 +956,20 @@ fn encoder_collectives(
             .unwrap();
         let mut per_step = Vec::new();
         for step in 0..3 {
-            let values = Rng::new(40 + step).vec(2 * 4 * 8);
-            let x = Tensor::<1>::from_data(TensorData::new(values, [64]), &device).reshape([2, 4, 8]);
             let before = optim.comm().stats();
-            let out = match annotated {
-                true => model.forward_annotated(x),
-                false => model.forward(x),
-            };
-            let grads = GradientsParams::from_grads(out.powi_scalar(2).mean().backward(), &model);
-            model = optim.step(1e-3, model, grads).unwrap();
+            for micro in 0..micro_batches {
+                let values = Rng::new(40 + 10 * step + micro as u64).vec(2 * 4 * 8);
+                let x = Tensor::<1>::from_data(TensorData::new(values, [64]), &device).reshape([2, 4, 8]);
+                let out = match annotated {
+                    true => model.forward_annotated(x),
+                    false => model.forward(x),
+                };
+                let grads = GradientsParams::from_grads(out.powi_scalar(2).mean().backward(), &model);
+                match micro + 1 == micro_batches {
+                    true => model = optim.step(1e-3, model, grads).unwrap(),
+                    false => optim.accumulate(&model, grads).unwrap(),
+                }
+            }
             let st = optim.comm().stats().since(&before);
             let (ag, rs) = (st.get(CollectiveKind::AllGather), st.get(CollectiveKind::ReduceScatter));
             per_step.push((ag.calls, ag.bytes_sent, rs.calls, rs.bytes_sent));
@@ -980,13 +986,16 @@ fn encoder_collectives(
 #[test]
 fn stage3_units_by_path_gather_and_reduce_as_annotated_units() {
     let base = EncoderNet::new(&Device::flex().autodiff());
-    for n in [2usize, 3] {
+    // With 2 micro-batches per step (gradient accumulation), each backward ends a pass.
+    for (n, micro_batches) in [(2usize, 1), (3, 1), (2, 2)] {
         let plain = ShardConfig::new(Stage::Three);
         let by_path = plain.clone().with_units(["encoder.layers.*", "head"]);
-        let (annotated, reference) = encoder_collectives(&base, n, plain.clone(), true);
-        let (policy, params) = encoder_collectives(&base, n, by_path, false);
-        let (none, _) = encoder_collectives(&base, n, plain, false);
-        let case = format!("N={n}: annotated {annotated:?}, by path {policy:?}, no units {none:?}");
+        let (annotated, reference) = encoder_collectives(&base, n, plain.clone(), true, micro_batches);
+        let (policy, params) = encoder_collectives(&base, n, by_path, false, micro_batches);
+        let (none, _) = encoder_collectives(&base, n, plain, false, micro_batches);
+        let case = format!(
+            "N={n}, {micro_batches} micro-batches: annotated {annotated:?}, by path {policy:?}, no units {none:?}"
+        );
         assert_eq!(policy[1..], annotated[1..], "{case}");
         // 3 layers and the head: 4 units, each one all-gather in forward.
         assert!(policy[1].0 < none[1].0 && policy[1].2 < none[1].2, "{case}");
@@ -1007,5 +1016,5 @@ fn stage3_units_by_path_gather_and_reduce_as_annotated_units() {
         message.contains("`encoder.layer.*` matches no sharded parameter"),
         "{message}"
     );
-    assert!(message.contains("encoder.layers.0."), "{message}");
+    assert!(message.contains("e.g. `encoder.layers.0.mha.query`"), "{message}");
 }

@@ -2,15 +2,17 @@
 //! Learner's, its items sent to the coordinator.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
 
 use burn::data::dataloader::DataLoader;
 use burn::data::dataset::DatasetError;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn::train::{InferenceStep, Interrupter, Learner, LearnerModel, TrainStep};
-use burn_shard::comm::{Collective, ReduceOp};
+use burn_shard::comm::Collective;
 use burn_shard::{IntoOptimizer, ShardConfig, ShardError, ShardedOptimizer};
 
+use crate::error::RankFailures;
 use crate::events::{EpochDecision, RankEvent, Split};
 
 /// What a rank sends the coordinator.
@@ -48,10 +50,13 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
     /// Trains, then returns the model with full parameters (at stage 3 every rank all-gathers
     /// them: a collective). On an error the rank aborts its collective, so no other rank waits
     /// for it, and tells the coordinator.
-    pub(crate) fn run<C: Collective + 'static>(self, comm: C) -> Result<M, RankError> {
+    pub(crate) fn run(self, comm: Arc<dyn Collective>) -> Result<M, RankError> {
         let (rank, events) = (self.rank, self.events.clone());
-        let result = self.train(comm);
+        let result = self.train(comm.clone());
         if let Err(message) = &result {
+            // Processes of other ranks would otherwise wait in their next collective until its
+            // timeout (threads see a dropped peer; NCCL and MPI do not).
+            comm.abort(&format!("rank {rank} failed: {message}"));
             let _ = events.send(RankEvent::Failed {
                 rank,
                 message: message.clone(),
@@ -60,14 +65,15 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
         result
     }
 
-    fn train<C: Collective + 'static>(self, comm: C) -> Result<M, RankError> {
-        let model = self.learner.model().fork(&self.device);
+    fn train(self, comm: Arc<dyn Collective>) -> Result<M, RankError> {
+        let mut learner = self.learner.clone();
+        let model = learner.model().fork(&self.device);
         let (mut model, mut optim) = self
             .config
             .init(model, self.optim.clone(), comm)
             .map_err(|e| format!("ShardConfig::init: {e}"))?;
         let optim = &mut optim;
-        let mut learner = self.learner.clone();
+        self.check_same_data(optim.comm())?;
         let mut global_step = 0;
         if let Some(epoch) = self.resume_from {
             let root = self.checkpoints.ok_or_else(|| {
@@ -81,9 +87,15 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
                 .load_checkpoint(model, &dir)
                 .map_err(|e| format!("resuming from {}: {e}", dir.display()))?;
             model = loaded;
-            global_step = payload["global_step"].as_u64().unwrap_or(0) as usize;
-            // The Learner keeps its scheduler private (no record to save or load): a scheduler
-            // is a function of its step count, so stepping it as many times restores it.
+            global_step = payload["global_step"].as_u64().ok_or_else(|| {
+                format!(
+                    "{} was not saved by ShardedStrategy (its payload has no global_step, which the learning-rate \
+                     schedule resumes from): resume it with burn-shard's own loop, or start afresh",
+                    dir.display()
+                )
+            })? as usize;
+            // The Learner's scheduler can be loaded but not saved (its record is private): a
+            // scheduler is a function of its step count, so stepping it as often restores it.
             for _ in 0..global_step {
                 learner.lr_step();
             }
@@ -116,6 +128,32 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
         Ok(model.materialize())
     }
 
+    /// Every rank must run the same number of batches; with one process per rank each built
+    /// its own loaders, so their sizes are compared first (one all-gather of two numbers).
+    fn check_same_data(&self, comm: &dyn Collective) -> Result<(), RankError> {
+        let (train, valid) = (self.train.num_items(), self.valid.num_items());
+        let device = self.device.clone().without_autodiff();
+        let mine = Tensor::<1>::from_data(
+            TensorData::new(vec![train as f32, valid as f32], [2]),
+            (&device, DType::F32),
+        );
+        let all = comm
+            .all_gather(mine)
+            .map_err(|e| format!("comparing the ranks' data: {e}"))?
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| format!("reading the ranks' data sizes: {e:?}"))?;
+        match all.chunks(2).position(|other| other != [train as f32, valid as f32]) {
+            Some(other) => Err(format!(
+                "rank {other}'s share of the data differs from rank {}'s ({train} training and {valid} validation \
+                 items): every process must build the same loaders (same data, batch size and shuffle seed)",
+                self.rank
+            )),
+            None => Ok(()),
+        }
+    }
+
     fn end(&self, split: Split, stopped: bool) -> Result<(), RankError> {
         self.events
             .send(RankEvent::SplitEnd { split, stopped })
@@ -135,7 +173,7 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
         let mut iterator = self.train.iter();
         loop {
             let (item, failed) = next_item(iterator.next(), &self.interrupter);
-            if agree_stop(optim.comm(), self.interrupter.should_stop() || failed, &self.device)? {
+            if agree_stop(optim.comm(), &self.interrupter, failed, &self.device)? {
                 return Ok(true);
             }
             let Some(item) = item else { return Ok(false) };
@@ -171,7 +209,7 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
         let mut iterator = self.valid.iter();
         loop {
             let (item, failed) = next_item(iterator.next(), &self.interrupter);
-            if agree_stop(optim.comm(), self.interrupter.should_stop() || failed, &self.device)? {
+            if agree_stop(optim.comm(), &self.interrupter, failed, &self.device)? {
                 return Ok(true);
             }
             let Some(item) = item else { break };
@@ -261,12 +299,13 @@ fn agree_decision(comm: &dyn Collective, decision: EpochDecision, device: &Devic
     }
     let device = device.clone().without_autodiff();
     let len = encoded.len();
-    let tensor = Tensor::<1>::from_data(burn::tensor::TensorData::new(encoded, [len]), &device);
+    let tensor = Tensor::<1>::from_data(TensorData::new(encoded, [len]), (&device, DType::F32));
     let agreed = comm
         .broadcast(tensor, 0)
         .map_err(|e| format!("agreeing on the decisions of the epoch's end: {e}"))?
         .into_data()
-        .try_to_vec::<f32>()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
         .map_err(|e| format!("reading the agreed decisions: {e:?}"))?;
     let actions = agreed[1] as usize;
     Ok(EpochDecision {
@@ -284,14 +323,44 @@ fn agree_decision(comm: &dyn Collective, decision: EpochDecision, device: &Devic
 /// two: a save and a delete, or one per composed strategy).
 const MAX_ACTIONS: usize = 8;
 
-/// Whether any rank wants to stop (an interrupt, an error on one rank): one all-reduce of one
-/// element, so every rank leaves the pass at the same step and no collective is left waiting.
-fn agree_stop(comm: &dyn Collective, local: bool, device: &Device) -> Result<bool, RankError> {
+/// Whether any rank wants to stop: an interrupt, or a failure (a data error) on any rank. One
+/// all-gather of one element per rank, so every rank leaves the pass at the same batch and no
+/// collective is left waiting. A rank whose own `interrupter` has not seen the cause (one
+/// process per rank) records it there, so its `LearningResult` reports the stop or the failure.
+fn agree_stop(
+    comm: &dyn Collective,
+    interrupter: &Interrupter,
+    failed: bool,
+    device: &Device,
+) -> Result<bool, RankError> {
+    const NONE: f32 = 0.0;
+    const STOP: f32 = 1.0;
+    const FAILURE: f32 = 2.0;
+    let local = match (failed || interrupter.error().is_some(), interrupter.should_stop()) {
+        (true, _) => FAILURE,
+        (false, true) => STOP,
+        (false, false) => NONE,
+    };
     let device = device.clone().without_autodiff();
-    let flag = Tensor::<1>::from_floats([if local { 1.0 } else { 0.0 }], &device);
-    let total = comm
-        .all_reduce(flag, ReduceOp::Sum)
-        .map_err(|e| format!("agreeing whether to stop: {e}"))?;
-    let total = total.into_scalar::<f32>();
-    Ok(total > 0.0)
+    let flag = Tensor::<1>::from_data(TensorData::new(vec![local], [1]), (&device, DType::F32));
+    let kinds = comm
+        .all_gather(flag)
+        .map_err(|e| format!("agreeing whether to stop: {e}"))?
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| format!("reading whether to stop: {e:?}"))?;
+    if let Some(rank) = kinds.iter().position(|k| *k == FAILURE)
+        && interrupter.error().is_none()
+    {
+        interrupter.fail(RankFailures(vec![(
+            rank,
+            "failed (its own result names the error); this rank stopped with it".to_string(),
+        )]));
+    } else if let Some(rank) = kinds.iter().position(|k| *k == STOP)
+        && !interrupter.should_stop()
+    {
+        interrupter.stop(Some(&format!("stopped by rank {rank}")));
+    }
+    Ok(kinds.iter().any(|k| *k != NONE))
 }

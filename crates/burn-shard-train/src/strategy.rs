@@ -5,10 +5,10 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
 
 use burn::tensor::Device;
-use burn::train::checkpoint::{CheckpointerError, CheckpointingStrategy};
+use burn::train::checkpoint::CheckpointingStrategy;
 use burn::train::{
     LearnerModel, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents,
-    TrainingError, TrainingStrategy, ValidLoader,
+    TrainingStrategy, ValidLoader,
 };
 use burn_shard::comm::{Collective, InProcessGroup};
 use burn_shard::{IntoOptimizer, ShardConfig};
@@ -38,28 +38,41 @@ use crate::rank::RankJob;
 ///   (Burn's `AdamConfig`/`AdamWConfig` become the fused Adam step); the `ModuleOptimizer`
 ///   given to `Learner::new` is not used (the Learner keeps it private). The Learner's
 ///   learning-rate scheduler is used, stepped once per optimizer step on every rank.
-/// - **Data**: each rank trains and validates on an equal share of the loaders (see
-///   `data.rs`: the last `num_items % world_size` items are dropped, with a warning); a step
-///   trains on the union of one batch per rank, so the global batch is `world_size` times the
-///   loader's batch size. Gradients are averaged over the ranks.
+/// - **Data**: each rank trains and validates on an equal, contiguous share of the loaders
+///   (rank `r` of `n` reads items `[r·k, (r+1)·k)`, `k = num_items / n`; the last
+///   `num_items % n` items are dropped, with a warning): every rank must run the same number of
+///   batches. A step trains on the union of one batch per rank, so the global batch is
+///   `world_size` times the loader's batch size; gradients are averaged over the ranks. A
+///   loader's `shuffle` permutes within each share, so a data set stored in order (sorted by
+///   label, say) should be shuffled as a whole first (Burn's `ShuffledDataset`).
 /// - **Metrics** are processed by the calling thread for the items of every rank of this
 ///   process: with threads, the logged loss and accuracy are the global ones and the progress
-///   counts every rank's items; with one process per rank, each process logs its own rank's
-///   (see [`ShardedStrategy::process`]).
-/// - **Stopping**: an interrupt (the `Interrupter`, a data error, a failed event processor) is
-///   agreed by every rank at the next batch (one all-reduce of one element per batch), and
-///   early stopping and the checkpointing strategy are decided at the epoch's end by rank 0
-///   for every rank (one broadcast per epoch). A rank that fails
-///   makes the others fail within their collective's timeout; the run ends with
-///   `TrainingError::Workers` naming it.
+///   and iteration count every rank's items (as burn-train's multi-device strategy counts
+///   them); with one process per rank, each process logs its own rank's (see
+///   [`ShardedStrategy::process`]).
+/// - **Stopping**: an interrupt (the `Interrupter`, a data error, a failed event processor) on
+///   any rank is agreed by every rank at the next batch (one all-gather of one element per
+///   batch, which also waits for the batch before), and early stopping and the checkpointing
+///   strategy are decided at the epoch's end by rank 0 for every rank (one broadcast per
+///   epoch).
+/// - **Failures**: a rank that fails aborts its collective, so every other rank fails at its
+///   next collective instead of waiting; `LearningResult::error` then holds
+///   [`crate::RankFailures`] (see there why as `TrainingError::Dataset`), naming the ranks and
+///   their messages. Refused before training: `with_file_checkpointer` (below), fewer items than
+///   ranks, processes whose loaders differ in size.
 /// - **Checkpoints** are burn-shard's sharded checkpoints
 ///   ([`ShardedStrategy::with_checkpoints`]), kept or deleted by a burn-train
 ///   `CheckpointingStrategy`; `SupervisedTraining::with_file_checkpointer` is refused (it
 ///   would save stage 3's placeholders). `SupervisedTraining::checkpoint(epoch)` resumes from
-///   the sharded checkpoint of that epoch, at any world size and stage.
+///   the sharded checkpoint of that epoch, at any world size and stage (at another world size
+///   the global batch, and so what a step-based scheduler's step means, changes with it).
+/// - **Devices**: each is made an autodiff device if it is not one.
+///   `SupervisedTraining::gradient_checkpointing` applies to burn-train's own strategies only:
+///   pass devices built with `device.autodiff().gradient_checkpointing()` for it.
 /// - **The returned model** has full parameters (at stage 3 they are all-gathered at the end),
 ///   on the device of this process's first rank, as a model trained by burn-train's
-///   single-device strategy.
+///   single-device strategy. The model given to `Learner::new` is moved to host memory
+///   (Burn's Flex device) for the run, so a stage-3 run does not keep it on the GPU.
 pub struct ShardedStrategy<O> {
     config: ShardConfig,
     optim: O,
@@ -118,8 +131,13 @@ impl<O> ShardedStrategy<O> {
 
     /// Saves burn-shard's sharded checkpoints into `dir/epoch-N/` at the epochs `strategy`
     /// (burn-train's, e.g. `KeepLastNCheckpoints` or a `ComposedCheckpointingStrategy`) says,
-    /// and deletes those it says. Every rank writes its own shard; `burn-shard consolidate`
-    /// turns one into one ordinary Burn record.
+    /// and deletes those it says. Every rank writes its own shard, so with one process per rank
+    /// `dir` must be on a file system every rank sees (rank 0 deletes). `burn-shard ckpt
+    /// consolidate` turns one into one ordinary Burn record. A save never overwrites: a fresh
+    /// run into a `dir` that already holds `epoch-N/` fails at that epoch's end with
+    /// burn-shard's `CheckpointError::Exists`, on every rank (use a new directory, or resume
+    /// with `SupervisedTraining::checkpoint`); a failed save or delete ends the run with
+    /// [`crate::RankFailures`].
     pub fn with_checkpoints(mut self, dir: impl Into<PathBuf>, strategy: impl CheckpointingStrategy + 'static) -> Self {
         self.checkpoints = Some((dir.into(), Mutex::new(Box::new(strategy))));
         self
@@ -163,9 +181,19 @@ where
     }
 }
 
-/// A failure before any rank started, as burn-train reports a failed worker.
-fn refused(message: String) -> TrainingError {
-    RankFailures(vec![(0, message)]).into()
+impl<O> ShardedStrategy<O> {
+    /// Refuses the run before training: `interrupter` reports `message`, and with one process
+    /// per rank the group is aborted, so the other processes do not wait for this one.
+    fn refuse(&self, interrupter: &burn::train::Interrupter, message: String) {
+        if let Ranks::Process { comm, .. } = &self.ranks {
+            comm.abort(&format!("rank {} refused the run: {message}", comm.rank()));
+        }
+        let rank = match &self.ranks {
+            Ranks::Process { comm, .. } => comm.rank(),
+            Ranks::Threads(_) => 0,
+        };
+        interrupter.fail(RankFailures(vec![(rank, message)]));
+    }
 }
 
 impl<M, O> SupervisedLearningStrategy<M> for ShardedStrategy<O>
@@ -183,29 +211,37 @@ where
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
         let interrupter = components.interrupter.clone();
         let processor = components.event_processor;
+        // Every rank forks its own copy; the one kept here (for the error paths and the ranks'
+        // clones of the Learner) stays off the accelerator.
+        let mut learner = learner;
+        learner.fork(&Device::flex().autodiff());
         if components.checkpointer.is_some() {
-            interrupter.fail(TrainingError::Checkpoint(CheckpointerError::Unknown(
+            self.refuse(
+                &interrupter,
                 "a file checkpointer would save the Learner's model and optimizer, which at stage 3 hold \
                  placeholders: remove `with_file_checkpointer` and use `ShardedStrategy::with_checkpoints(dir, \
                  strategy)`, which saves burn-shard's sharded checkpoints"
                     .into(),
-            )));
+            );
             return (learner.model(), processor);
         }
         let world_size = self.world_size();
         if world_size == 0 || train.num_items() < world_size || valid.num_items() < world_size {
-            interrupter.fail(refused(format!(
-                "ShardedStrategy needs at least one rank, and at least one item per rank in the training ({}) and \
+            self.refuse(
+                &interrupter,
+                format!(
+                    "ShardedStrategy needs at least one rank, and at least one item per rank in the training ({}) and \
                  validation ({}) data; it has {world_size} ranks",
-                train.num_items(),
-                valid.num_items()
-            )));
+                    train.num_items(),
+                    valid.num_items()
+                ),
+            );
             return (learner.model(), processor);
         }
         let local = match self.local_ranks() {
             Ok(local) => local,
             Err(message) => {
-                interrupter.fail(refused(message));
+                self.refuse(&interrupter, message);
                 return (learner.model(), processor);
             }
         };

@@ -366,7 +366,14 @@ impl ShardConfig {
             units: UnitPolicy::new(&self.units)?,
         };
         let model = model.apply_reparameterization(&mut sharder);
-        let examples: Vec<String> = census.entries().take(3).map(|(_, e)| e.path.clone()).collect();
+        // Module paths (a parameter's path without its name), which is what patterns name.
+        let mut examples: Vec<String> = Vec::new();
+        for (_, e) in census.entries() {
+            let module = e.path.rsplit_once('.').map_or(e.path.as_str(), |(m, _)| m).to_string();
+            if examples.len() < 3 && !examples.contains(&module) {
+                examples.push(module);
+            }
+        }
         sharder.units.check_all_used(&examples)?;
         let local = Arc::new(FlatLayout::from_slots(sharder.slots, 1, self.bucket_numel)?);
         let plan = StagePlan::Three(ctx);

@@ -12,7 +12,7 @@ use burn_shard_comm::Collective;
 use crate::overlap::collectives::all_gather_full;
 use crate::overlap::comm_context::CommContext;
 use crate::overlap::gather_schedule::Schedule;
-use crate::overlap::spec::ParamSpec;
+use crate::overlap::spec::{POLICY_SCOPE, ParamSpec};
 use crate::overlap::unit_reducer::{Reduced, Reducer};
 
 /// Shared by the sharded parameters of one model on one rank. Cheap to clone. Dereferences to
@@ -30,10 +30,6 @@ struct Inner {
     /// and the scopes numbered so far.
     policy_scope: Mutex<(Option<u32>, u64)>,
 }
-
-/// Scope numbers of policy units have this bit set, so they never equal the scope numbers of
-/// `fsdp::unit` calls (counted from 0 per thread).
-const POLICY_SCOPE: u64 = 1 << 63;
 
 impl Deref for FsdpContext {
     type Target = CommContext;
@@ -88,6 +84,8 @@ impl FsdpContext {
     /// The shards of the last backward still in flight or pending, waited for: the optimizer
     /// adds them to the gradients it was given.
     pub(crate) fn finish_reduce(&self) -> Vec<Reduced> {
+        // Each backward (one per micro-batch under accumulation) ends a pass of the policy units.
+        self.0.policy_scope.lock().unwrap_or_else(|p| p.into_inner()).0 = None;
         self.0
             .reducer
             .lock()

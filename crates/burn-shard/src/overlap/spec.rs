@@ -46,6 +46,10 @@ pub struct ParamSpec {
     pub(crate) policy_unit: Option<u32>,
 }
 
+/// Scope numbers of the units that `ShardConfig::units` names have this bit set, so they never
+/// equal the scope numbers of `fsdp::unit` calls (counted from 0 per thread).
+pub(crate) const POLICY_SCOPE: u64 = 1 << 63;
+
 /// A number no shard value had before (process-wide, so clones of a model never collide): the
 /// [`ParamSpec::version`] of a new or replaced shard.
 pub(crate) fn next_version() -> u64 {

@@ -7,10 +7,11 @@
 //! overlaps. The reducer instead keeps a unit's full gradients until the unit is complete, then
 //! reduce-scatters them with one call per dtype, started asynchronously: it runs on the rank's
 //! communication thread while backward computes the unit before. A unit is complete when it has
-//! as many gradients as the same unit had in the previous pass; units are told apart by their
-//! scope, not by the order of arrival, because the gradients of units named by
+//! as many gradients as the same unit had in the previous pass, or, for an `fsdp::unit` scope,
+//! when a gradient of another such unit arrives (its backward is contiguous). Units are told
+//! apart by their scope, not by the order of arrival: the gradients of units named by
 //! `ShardConfig::units` all arrive at the end of backward, interleaved in Burn's traversal
-//! order. At most one reduce-scatter is in flight: starting the next one waits for it, and its
+//! order, so such a unit starts when its learned count is complete. At most one reduce-scatter is in flight: starting the next one waits for it, and its
 //! shards are returned for registration on the parameters' autodiff leaves.
 //!
 //! Passes. Until the optimizer's first `step` or `accumulate`, the reducer learns: each gradient
@@ -23,9 +24,11 @@
 //! model's backward changed), what is still pending or in flight is left to the optimizer
 //! ([`Reducer::finish`], called by `step` and `accumulate`), and the reducer learns again.
 //!
-//! Memory: one unit's full gradients plus one unit's in flight, as FSDP2. The gradient of a
-//! parameter gathered outside any unit (a tied head, an embedding) is a group of its own,
-//! started as soon as it is complete.
+//! Memory: one unit's full gradients plus one unit's in flight, as FSDP2, for `fsdp::unit`
+//! scopes; units named by `ShardConfig::units` keep every full gradient until the end of
+//! backward (Burn runs their gathers' backwards last). The gradient of a parameter gathered
+//! outside any unit (a tied head, an embedding) is a group of its own, started as soon as it is
+//! complete.
 //!
 //! Every rank runs the same backward, so every rank starts the same calls in the same order,
 //! which the collectives require; what was learned decides when a unit is started and how its
@@ -47,7 +50,7 @@ use crate::overlap::backward_log::BackwardLog;
 use crate::overlap::call_tag::CallTag;
 use crate::overlap::collectives::{dtype_group, pad_to, reduce_scatter_grad};
 use crate::overlap::comm_context::CommContext;
-use crate::overlap::spec::ParamSpec;
+use crate::overlap::spec::{POLICY_SCOPE, ParamSpec};
 
 /// This rank's shard of a parameter's mean gradient, ready to be registered.
 pub(crate) struct Reduced {
@@ -173,6 +176,21 @@ impl Reducer {
             self.in_flight = Some(start(ctx, vec![full]));
             return;
         };
+        if scope & POLICY_SCOPE == 0 {
+            // An `fsdp::unit` scope: its backward is contiguous, so another unit's gradient means
+            // the units before are complete (even when smaller than learned: a parameter left
+            // out this time), and they start now rather than at the end of backward.
+            let done: Vec<Pending> = {
+                let (done, keep) = std::mem::take(&mut self.pending)
+                    .into_iter()
+                    .partition(|p| p.scope != scope && p.scope & POLICY_SCOPE == 0);
+                self.pending = keep;
+                done
+            };
+            for unit in done {
+                self.start_unit(ctx, unit, ready);
+            }
+        }
         let index = match self.pending.iter().position(|p| p.scope == scope) {
             Some(index) => index,
             None => {
