@@ -132,18 +132,8 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
     /// its own loaders, so their sizes are compared first (one all-gather of two numbers).
     fn check_same_data(&self, comm: &dyn Collective) -> Result<(), RankError> {
         let (train, valid) = (self.train.num_items(), self.valid.num_items());
-        let device = self.device.clone().without_autodiff();
-        let mine = Tensor::<1>::from_data(
-            TensorData::new(vec![train as f32, valid as f32], [2]),
-            (&device, DType::F32),
-        );
-        let all = comm
-            .all_gather(mine)
-            .map_err(|e| format!("comparing the ranks' data: {e}"))?
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-            .map_err(|e| format!("reading the ranks' data sizes: {e:?}"))?;
+        let mine = vec![train as f32, valid as f32];
+        let all = small_collective(mine, &self.device, "comparing the ranks' data", |t| comm.all_gather(t))?;
         match all.chunks(2).position(|other| other != [train as f32, valid as f32]) {
             Some(other) => Err(format!(
                 "rank {other}'s share of the data differs from rank {}'s ({train} training and {valid} validation \
@@ -297,16 +287,9 @@ fn agree_decision(comm: &dyn Collective, decision: EpochDecision, device: &Devic
         // Epochs are exact in f32 up to 2^24.
         encoded[3 + 2 * i] = epoch as f32;
     }
-    let device = device.clone().without_autodiff();
-    let len = encoded.len();
-    let tensor = Tensor::<1>::from_data(TensorData::new(encoded, [len]), (&device, DType::F32));
-    let agreed = comm
-        .broadcast(tensor, 0)
-        .map_err(|e| format!("agreeing on the decisions of the epoch's end: {e}"))?
-        .into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .map_err(|e| format!("reading the agreed decisions: {e:?}"))?;
+    let agreed = small_collective(encoded, device, "agreeing on the decisions of the epoch's end", |t| {
+        comm.broadcast(t, 0)
+    })?;
     let actions = agreed[1] as usize;
     Ok(EpochDecision {
         stop: agreed[0] > 0.0,
@@ -341,15 +324,7 @@ fn agree_stop(
         (false, true) => STOP,
         (false, false) => NONE,
     };
-    let device = device.clone().without_autodiff();
-    let flag = Tensor::<1>::from_data(TensorData::new(vec![local], [1]), (&device, DType::F32));
-    let kinds = comm
-        .all_gather(flag)
-        .map_err(|e| format!("agreeing whether to stop: {e}"))?
-        .into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .map_err(|e| format!("reading whether to stop: {e:?}"))?;
+    let kinds = small_collective(vec![local], device, "agreeing whether to stop", |t| comm.all_gather(t))?;
     if let Some(rank) = kinds.iter().position(|k| *k == FAILURE)
         && interrupter.error().is_none()
     {
@@ -363,4 +338,24 @@ fn agree_stop(
         interrupter.stop(Some(&format!("stopped by rank {rank}")));
     }
     Ok(kinds.iter().any(|k| *k != NONE))
+}
+
+/// Runs `collective` on `values` (`f32`, on `device` without autodiff: the device's default
+/// float type may be `f16`, which would round epochs and counts) and reads the result back to
+/// the host. `what` names the step in the error.
+fn small_collective(
+    values: Vec<f32>,
+    device: &Device,
+    what: &str,
+    collective: impl FnOnce(Tensor<1>) -> Result<Tensor<1>, burn_shard::comm::CommError>,
+) -> Result<Vec<f32>, RankError> {
+    let device = device.clone().without_autodiff();
+    let len = values.len();
+    let tensor = Tensor::<1>::from_data(TensorData::new(values, [len]), (&device, DType::F32));
+    collective(tensor)
+        .map_err(|e| format!("{what}: {e}"))?
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| format!("{what}: reading the result: {e:?}"))
 }
