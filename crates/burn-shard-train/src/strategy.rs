@@ -185,11 +185,12 @@ impl<O> ShardedStrategy<O> {
     /// Refuses the run before training: `interrupter` reports `message`, and with one process
     /// per rank the group is aborted, so the other processes do not wait for this one.
     fn refuse(&self, interrupter: &burn::train::Interrupter, message: String) {
-        if let Ranks::Process { comm, .. } = &self.ranks {
-            comm.abort(&format!("rank {} refused the run: {message}", comm.rank()));
-        }
         let rank = match &self.ranks {
-            Ranks::Process { comm, .. } => comm.rank(),
+            Ranks::Process { comm, .. } => {
+                comm.abort(&format!("rank {} refused the run: {message}", comm.rank()));
+                comm.rank()
+            }
+            // No rank has started: nothing waits.
             Ranks::Threads(_) => 0,
         };
         interrupter.fail(RankFailures(vec![(rank, message)]));

@@ -366,15 +366,7 @@ impl ShardConfig {
             units: UnitPolicy::new(&self.units)?,
         };
         let model = model.apply_reparameterization(&mut sharder);
-        // Module paths (a parameter's path without its name), which is what patterns name.
-        let mut examples: Vec<String> = Vec::new();
-        for (_, e) in census.entries() {
-            let module = e.path.rsplit_once('.').map_or(e.path.as_str(), |(m, _)| m).to_string();
-            if examples.len() < 3 && !examples.contains(&module) {
-                examples.push(module);
-            }
-        }
-        sharder.units.check_all_used(&examples)?;
+        sharder.units.check_all_used(&census)?;
         let local = Arc::new(FlatLayout::from_slots(sharder.slots, 1, self.bucket_numel)?);
         let plan = StagePlan::Three(ctx);
         let optim = ShardedOptimizer::new(optim, comm, local, plan, census, buffers, options);

@@ -1,7 +1,8 @@
 //! Facts about the model, independent of hooks and of the step: what each float entry is
 //! (`census`), where each trainable parameter lives in the flat buckets (`layout`), moving
 //! values between parameters and buckets (`flat`), the running-state buffers (`buffers`), the
-//! bytes held (`memory`) and units named by path (`units`). Imports only `error` and `stage` of this crate.
+//! bytes held (`memory`) and units named by path (`units`). Imports only `error` and `stage` of
+//! this crate.
 
 pub(crate) mod buffers;
 pub(crate) mod census;

@@ -3,6 +3,7 @@
 //! `fully_shard(submodule)` from outside the model).
 
 use crate::error::ShardError;
+use crate::model::census::Census;
 
 /// The units of a model, named by the module-path patterns of [`crate::ShardConfig::units`].
 ///
@@ -63,18 +64,27 @@ impl UnitPolicy {
     }
 
     /// After every parameter was asked for: an error naming the first pattern that matched
-    /// none (a typo would otherwise silently leave the model without units).
+    /// none (a typo would otherwise silently leave the model without units), with module paths
+    /// of `census` as examples.
     ///
     /// # Errors
     /// [`ShardError::InvalidConfig`].
-    pub(crate) fn check_all_used(&self, example_paths: &[String]) -> Result<(), ShardError> {
-        match self.used.iter().find(|(_, used)| !used) {
-            Some((pattern, _)) => Err(ShardError::InvalidConfig(format!(
-                "unit pattern `{pattern}` matches no sharded parameter; patterns name modules by path (`*` is any one \
-                 segment), e.g. `{}`",
-                example_paths.join("`, `")
-            ))),
-            None => Ok(()),
+    pub(crate) fn check_all_used(&self, census: &Census) -> Result<(), ShardError> {
+        let Some((pattern, _)) = self.used.iter().find(|(_, used)| !used) else {
+            return Ok(());
+        };
+        // Module paths (a parameter's path without its name): what patterns name.
+        let mut examples: Vec<&str> = Vec::new();
+        for (_, e) in census.entries() {
+            let module = e.path.rsplit_once('.').map_or(e.path.as_str(), |(m, _)| m);
+            if examples.len() < 3 && !examples.contains(&module) {
+                examples.push(module);
+            }
         }
+        Err(ShardError::InvalidConfig(format!(
+            "unit pattern `{pattern}` matches no sharded parameter; patterns name modules by path (`*` is any one \
+             segment), e.g. `{}`",
+            examples.join("`, `")
+        )))
     }
 }

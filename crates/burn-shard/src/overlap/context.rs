@@ -84,7 +84,9 @@ impl FsdpContext {
     /// The shards of the last backward still in flight or pending, waited for: the optimizer
     /// adds them to the gradients it was given.
     pub(crate) fn finish_reduce(&self) -> Vec<Reduced> {
-        // Each backward (one per micro-batch under accumulation) ends a pass of the policy units.
+        // Each backward (one per micro-batch under accumulation: `step` and `accumulate` both
+        // call this) ends a pass of the policy units: the next forward enters its first unit
+        // afresh, even when it is the unit that ran last.
         self.0.policy_scope.lock().unwrap_or_else(|p| p.into_inner()).0 = None;
         self.0
             .reducer
@@ -102,8 +104,6 @@ impl FsdpContext {
     /// Called before the optimizer replaces the shards: nothing gathered so far is used again.
     pub(crate) fn end_pass(&self) {
         self.0.schedule.lock().unwrap_or_else(|p| p.into_inner()).end_pass();
-        // The next forward enters its first unit afresh, even when it is the unit that ran last.
-        self.0.policy_scope.lock().unwrap_or_else(|p| p.into_inner()).0 = None;
     }
 
     /// The unit scope of a forward gather of a parameter of policy unit `unit` (see

@@ -11,8 +11,9 @@
 //! when a gradient of another such unit arrives (its backward is contiguous). Units are told
 //! apart by their scope, not by the order of arrival: the gradients of units named by
 //! `ShardConfig::units` all arrive at the end of backward, interleaved in Burn's traversal
-//! order, so such a unit starts when its learned count is complete. At most one reduce-scatter is in flight: starting the next one waits for it, and its
-//! shards are returned for registration on the parameters' autodiff leaves.
+//! order, so such a unit starts when its learned count is complete. At most one reduce-scatter
+//! is in flight: starting the next one waits for it, and its shards are returned for
+//! registration on the parameters' autodiff leaves.
 //!
 //! Passes. Until the optimizer's first `step` or `accumulate`, the reducer learns: each gradient
 //! is reduce-scattered alone, at once, as the op's backward runs, while the reducer counts the
@@ -180,13 +181,10 @@ impl Reducer {
             // An `fsdp::unit` scope: its backward is contiguous, so another unit's gradient means
             // the units before are complete (even when smaller than learned: a parameter left
             // out this time), and they start now rather than at the end of backward.
-            let done: Vec<Pending> = {
-                let (done, keep) = std::mem::take(&mut self.pending)
-                    .into_iter()
-                    .partition(|p| p.scope != scope && p.scope & POLICY_SCOPE == 0);
-                self.pending = keep;
-                done
-            };
+            let done: Vec<Pending> = self
+                .pending
+                .extract_if(.., |p| p.scope != scope && p.scope & POLICY_SCOPE == 0)
+                .collect();
             for unit in done {
                 self.start_unit(ctx, unit, ready);
             }
