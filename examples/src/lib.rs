@@ -10,6 +10,7 @@ pub mod finetune_minilm;
 pub mod finetune_minilm_learner;
 pub mod finetune_stories;
 pub mod gpt;
+pub mod gpu_bench;
 pub mod llama;
 pub mod llama2c_tokenizer;
 pub mod metrics;

@@ -22,9 +22,15 @@ use crate::metrics::Metrics;
 /// no gathered weight outlives its use in forward. Parameters keep the strategy of the device
 /// they were created on, so the model is forked onto this device before sharding.
 pub fn training_device(stage: Stage) -> Device {
+    training_device_on(&Device::flex(), stage)
+}
+
+/// [`training_device`] on `device` (a GPU's, in the GPU benchmark): its autodiff device, with
+/// Burn's balanced gradient checkpointing at stage 3.
+pub fn training_device_on(device: &Device, stage: Stage) -> Device {
     match stage {
-        Stage::Three => Device::flex().autodiff().gradient_checkpointing(),
-        _ => Device::flex().autodiff(),
+        Stage::Three => device.clone().autodiff().gradient_checkpointing(),
+        _ => device.clone().autodiff(),
     }
 }
 

@@ -156,12 +156,14 @@ pub fn sharded_step<M: Module, O: burn_shard::MasterWeightStep>(
     (optim.step(lr, model, grads).expect("sharded step"), global)
 }
 
-/// A fresh directory `area/name` under the target dir's test scratch space, removed first if a
-/// previous run left it.
+/// A fresh directory `area/name` under the target dir's test scratch space (or under
+/// `BURN_SHARD_SCRATCH`, which the GPU bundle's run.sh sets: there the build's target dir does
+/// not exist), removed first if a previous run left it.
 pub fn scratch(area: &str, name: &str) -> std::path::PathBuf {
-    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(area)
-        .join(name);
+    let root = std::env::var_os("BURN_SHARD_SCRATCH")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    let dir = root.join(area).join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir

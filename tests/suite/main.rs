@@ -16,6 +16,7 @@ mod fused_adam;
 mod fused_adam_wgpu;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod gpu_bundle;
 mod launch;
 mod layout;
 mod learner;

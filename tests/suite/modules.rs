@@ -312,11 +312,12 @@ struct RankResult {
 /// `shared_buffers`: ranks share the running states of one clone, as threads of one program
 /// do (Burn then averages their pending updates itself); otherwise each rank has its own, as
 /// separate processes do, and only the sharded optimizer's buffer rule brings them together.
-fn sharded(base: &Layer, world_size: usize, stage: Stage, shared_buffers: bool) -> Vec<RankResult> {
-    let base = own_copy(base, &Device::flex().autodiff());
+/// The ranks train on `device` (an autodiff device: the CPU's, or a GPU's in the GPU suite).
+fn sharded(base: &Layer, device: &Device, world_size: usize, stage: Stage, shared_buffers: bool) -> Vec<RankResult> {
+    let base = own_copy(base, device);
     run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
         let rank = comm.rank();
-        let device = Device::flex().autodiff();
+        let device = device.clone();
         let model = match shared_buffers {
             true => base.clone().fork(&device),
             false => own_copy(&base, &device),
@@ -341,17 +342,24 @@ fn sharded(base: &Layer, world_size: usize, stage: Stage, shared_buffers: bool) 
 
 /// Trains `name` at every stage and world size and compares with the reference.
 fn sweep(name: &str) {
+    sweep_on(name, &Device::flex().autodiff(), 1..=4, 1e-4);
+}
+
+/// Trains `name` at every stage and at `world_sizes` with the ranks on `rank_device` (an
+/// autodiff device), against single-device training on the CPU: parameters within `tolerance`,
+/// running statistics within a tenth of it. The GPU suite runs it on CUDA.
+pub(crate) fn sweep_on(name: &str, rank_device: &Device, world_sizes: impl IntoIterator<Item = usize>, tolerance: f32) {
     let device = Device::flex().autodiff();
     device.seed(3);
     let base = Layer::new(name, &device);
     let expected_num_params = base.num_params();
-    for world_size in 1..=4 {
+    for world_size in world_sizes {
         let (ref_params, ref_stats) = reference(&base, world_size);
         for (stage, shared_buffers) in STAGES.into_iter().flat_map(|s| [(s, true), (s, false)]) {
-            let ranks = sharded(&base, world_size, stage, shared_buffers);
+            let ranks = sharded(&base, rank_device, world_size, stage, shared_buffers);
             for (rank, r) in ranks.iter().enumerate() {
                 let at = format!(
-                    "{name}, stage {stage}, world size {world_size}, rank {rank}, buffers shared: {shared_buffers}"
+                    "{name} on {rank_device:?}, stage {stage}, world size {world_size}, rank {rank}, buffers shared: {shared_buffers}"
                 );
                 assert_eq!(
                     r.num_params, expected_num_params,
@@ -359,13 +367,16 @@ fn sweep(name: &str) {
                 );
                 let diff = max_abs_diff(&r.params, &ref_params);
                 assert!(
-                    diff < 1e-4,
+                    diff < tolerance,
                     "{at}: parameters differ from single-device training by {diff}"
                 );
                 match (&r.stats, &ref_stats) {
                     (Some((mean, var)), Some((ref_mean, ref_var))) => {
                         let d = max_abs_diff(mean, ref_mean).max(max_abs_diff(var, ref_var));
-                        assert!(d < 1e-5, "{at}: running statistics off the buffer rule by {d}");
+                        assert!(
+                            d < tolerance / 10.0,
+                            "{at}: running statistics off the buffer rule by {d}"
+                        );
                         assert_eq!(
                             (mean, var),
                             (&ranks[0].stats.as_ref().unwrap().0, &ranks[0].stats.as_ref().unwrap().1),

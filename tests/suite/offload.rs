@@ -47,13 +47,16 @@ fn offload_keeps_the_configs_gradient_clipping() {
     );
 }
 
-/// The runs on wgpu: offloading needs parameters on an accelerator.
-#[cfg(feature = "wgpu")]
-mod on_wgpu {
+/// The runs on a CubeCL device (offloading needs parameters on an accelerator): the tests on
+/// wgpu; [`on_cube::check_offload`] also runs on CUDA in the GPU suite.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub(crate) mod on_cube {
     use burn::optim::{AdamState, GradientsParams, Optimizer};
     use burn::prelude::*;
     use burn::tensor::DType;
-    use burn_shard::{IntoOptimizer, MasterWeightStep, MemoryReport, Offload, ShardConfig, ShardedOptimizer, Stage};
+    use burn_shard::{IntoOptimizer, MemoryReport, Offload, ShardConfig, Stage};
+    #[cfg(feature = "wgpu")]
+    use burn_shard::{MasterWeightStep, ShardedOptimizer};
     use burn_shard_comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
 
     use super::adamw;
@@ -162,12 +165,13 @@ mod on_wgpu {
             .fold(0.0, f32::max)
     }
 
-    /// Trains `dtype` parameters with and without offload at stages 0-3 on `wgpu` and checks:
+    /// Trains `dtype` parameters with and without offload at stages 0-3 on the CubeCL device
+    /// `wgpu` (named for the suite's runs; the GPU suite passes CUDA) and checks:
     /// same losses and parameters (and masters) within `tolerance` relative; the state and the
     /// masters on the host with offload, on the device without; device optimizer bytes 0 with
     /// offload, host bytes exactly the device bytes of the run without, parameter and gradient
     /// bytes unchanged.
-    fn check_offload(wgpu: &Device, dtype: DType, tolerance: f32) {
+    pub(crate) fn check_offload(wgpu: &Device, dtype: DType, tolerance: f32) {
         let device = Device::flex().autodiff();
         device.seed(7);
         let base = TinyMlp::new(&device);
@@ -241,6 +245,7 @@ mod on_wgpu {
         }
     }
 
+    #[cfg(feature = "wgpu")]
     #[test]
     fn offloaded_f32_training_on_wgpu_matches_device_resident_training() {
         let Some(wgpu) = crate::fused_adam_wgpu::device() else {
@@ -251,6 +256,7 @@ mod on_wgpu {
 
     /// bf16 parameters with their `f32` masters on the host; where the adapter has no bf16 (wgpu:
     /// WGSL has none), f16, which takes the same master-weight path.
+    #[cfg(feature = "wgpu")]
     #[test]
     fn offloaded_half_precision_training_on_wgpu_keeps_masters_on_the_host() {
         use burn_shard_kernels::cube_supports;
@@ -272,6 +278,7 @@ mod on_wgpu {
     }
 
     /// One step of `optim` on rows `start..end` of step `step`'s global batch.
+    #[cfg(feature = "wgpu")]
     fn step_rows<O: MasterWeightStep>(
         model: TinyMlp,
         optim: &mut ShardedOptimizer<O>,
@@ -290,6 +297,7 @@ mod on_wgpu {
 
     /// A checkpoint saved without offload resumes with offload: the loaded state and masters land
     /// on the host (not on the parameters' device), and training continues as without offload.
+    #[cfg(feature = "wgpu")]
     #[test]
     fn checkpoint_of_a_resident_run_resumes_offloaded_with_the_state_on_the_host() {
         let Some(wgpu) = crate::fused_adam_wgpu::device() else {
@@ -354,6 +362,7 @@ mod on_wgpu {
         }
     }
 
+    #[cfg(feature = "wgpu")]
     #[derive(Module, Debug)]
     struct Wide {
         a: burn::nn::Linear,
@@ -361,6 +370,7 @@ mod on_wgpu {
     }
 
     /// Every rank's report after one step of `Wide` in `dtype` at `stage`.
+    #[cfg(feature = "wgpu")]
     fn wide_reports<O: IntoOptimizer + Clone + Send + Sync>(
         device: &Device,
         base: &Wide,
@@ -386,6 +396,7 @@ mod on_wgpu {
 
     /// Ψ = 512·512 + 512 + 512·512 + 512 = 525_312 parameters: per-rank bytes with and without
     /// offload at every stage, for f32 and (where the adapter has it) f16 (the table in docs/training.md).
+    #[cfg(feature = "wgpu")]
     #[test]
     fn offload_moves_the_optimizer_state_of_a_wider_model_to_the_host() {
         let Some(wgpu) = crate::fused_adam_wgpu::device() else {

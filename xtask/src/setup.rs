@@ -121,12 +121,24 @@ fn lavapipe_installed() -> bool {
         .unwrap_or(false)
 }
 
-fn llvm_bundle() -> Result<(), String> {
+/// Where CubeCL's LLVM bundler looks for its LLVM: `<data dir>/tracel/tracel-llvm-<version>`.
+fn llvm_bundle_prefix() -> Result<PathBuf, String> {
     let version = bundler_version()?;
-    let prefix = data_local_dir()?.join("tracel").join(format!("tracel-llvm-{version}"));
+    Ok(data_local_dir()?.join("tracel").join(format!("tracel-llvm-{version}")))
+}
+
+/// Whether the LLVM that the `cuda` feature builds with is in place (set up by this task, or
+/// downloaded by CubeCL's own build where the network allows).
+pub(crate) fn llvm_bundle_ready() -> Result<bool, String> {
+    let prefix = llvm_bundle_prefix()?;
+    Ok(prefix.join(".tracel-llvm-installed").exists() && prefix.join("bin").join("llvm-config").exists())
+}
+
+fn llvm_bundle() -> Result<(), String> {
+    let prefix = llvm_bundle_prefix()?;
     let marker = prefix.join(".tracel-llvm-installed");
     let config = prefix.join("bin").join("llvm-config");
-    if marker.exists() && config.exists() {
+    if llvm_bundle_ready()? {
         println!("LLVM bundle: already set up at {}", prefix.display());
         return Ok(());
     }
@@ -234,7 +246,7 @@ fn symlink(target: &Path, link: &Path) -> Result<(), String> {
         .map_err(|e| format!("cannot link {} -> {}: {e}", link.display(), target.display()))
 }
 
-fn set_executable(path: &Path) -> Result<(), String> {
+pub(crate) fn set_executable(path: &Path) -> Result<(), String> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
         .map_err(|e| format!("{}: {e}", path.display()))

@@ -46,4 +46,4 @@ pub use work::Work;
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MPI_DEFAULT_TIMEOUT, MpiComm, launched_by_mpirun};
 #[cfg(feature = "cuda")]
-pub use nccl::{NCCL_DEFAULT_TIMEOUT, NcclComm, NcclId, cuda_device_count, nccl_available};
+pub use nccl::{NCCL_DEFAULT_TIMEOUT, NcclComm, NcclId, cuda_copy_bandwidth, cuda_device_count, nccl_available};

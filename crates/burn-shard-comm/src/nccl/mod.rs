@@ -27,10 +27,11 @@
 //! Files: `comm.rs` ([`NcclComm`], its lock and abort state, `Drop`), `join.rs` (constructors:
 //! by id, or through the launcher's rendezvous), `id.rs` ([`NcclId`]), `init.rs` and
 //! `config.rs` (creating the communicator, non-blocking where NCCL allows), `library.rs`
-//! (loading libcuda/libnccl), `state.rs` (`ncclCommGetAsyncError`), `buffers.rs` (tensors as
+//! (loading libcuda/libnccl), `bandwidth.rs` (the device's copy bandwidth, for benchmarks), `state.rs` (`ncclCommGetAsyncError`), `buffers.rs` (tensors as
 //! NCCL gets them), `run.rs`, `issue.rs` and `wait.rs` (one collective, start to end),
 //! `group.rs` (the `*_many` calls); this file wires them into [`Collective`].
 
+mod bandwidth;
 mod buffers;
 mod comm;
 mod config;
@@ -51,6 +52,7 @@ use std::sync::atomic::Ordering;
 use burn::tensor::Tensor;
 use cudarc::nccl::result as nccl;
 
+pub use self::bandwidth::cuda_copy_bandwidth;
 use self::buffers::nccl_op;
 pub use self::comm::{NCCL_DEFAULT_TIMEOUT, NcclComm};
 pub use self::id::NcclId;
