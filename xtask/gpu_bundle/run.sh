@@ -103,7 +103,7 @@ fi
 cuda_home="${CUDA_PATH:-$( [ -e /usr/local/cuda ] && echo /usr/local/cuda || { [ -e /opt/cuda ] && echo /opt/cuda || echo /usr; } )}"
 say "CUDA headers: $cuda_home/include (cuda_fp16.h $( [ -e "$cuda_home/include/cuda_fp16.h" ] && echo found || echo MISSING), cuda_bf16.h $( [ -e "$cuda_home/include/cuda_bf16.h" ] && echo found || echo MISSING), cccl $( [ -e "$cuda_home/include/cccl" ] && echo found || echo missing))"
 
-# 3. The binaries: one solid xz archive (unpacking needs as much memory as its dictionary, 512 MiB).
+# 3. The binaries: one solid xz archive (unpacking needs as much memory as its dictionary, about 512 MiB).
 bin="$work/bin"
 mkdir -p "$bin"
 if command -v xz >/dev/null 2>&1; then
@@ -117,7 +117,7 @@ preflight="$("$bin/suite-fusion" --list 2>&1 | tail -n 3)" \
   || die "the binaries cannot start on this machine (they need glibc 2.36 or newer, libstdc++, libz, libzstd): $preflight"
 
 # 4. The parts, each with a time limit. The GPU tests must run, not skip (BURN_SHARD_REQUIRE_GPU);
-# their files go under the results folder (BURN_SHARD_SCRATCH). The module sweep (every burn::nn
+# their files go under the scratch folder (BURN_SHARD_SCRATCH). The module sweep (every burn::nn
 # module, stages 0-3, 2 and 4 ranks) runs on its own, once, in the fusion build.
 export BURN_SHARD_REQUIRE_GPU=1
 export BURN_SHARD_SCRATCH="$work/scratch"
