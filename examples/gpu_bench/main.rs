@@ -337,12 +337,6 @@ fn worker(args: &Args, job: &str) -> Result<(), String> {
     for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
         let mut spec = gpt_size(size)?;
         spec.stage = stage;
-        if !spec.global_batch.is_multiple_of(world_size) {
-            return Err(format!(
-                "the global batch {} does not divide by {world_size} ranks",
-                spec.global_batch
-            ));
-        }
         gpu.memory_cleanup();
         let runs = match comm {
             "in-process" => gpt_in_process(&gpu, world_size, &corpus, &spec)?,
@@ -378,12 +372,7 @@ fn worker(args: &Args, job: &str) -> Result<(), String> {
 /// One rank per GPU, as threads of this process, joined to one NCCL communicator.
 fn gpt_nccl(world_size: usize, corpus: &CharCorpus, spec: &GptSpec) -> Result<Vec<GptRankRun>, String> {
     let id = NcclId::new().map_err(|e| e.to_string())?;
-    let base = gpt_base(
-        spec,
-        corpus.vocab_size(),
-        1337,
-        &training_device_on(&Device::flex(), spec.stage),
-    );
+    let base = gpt_base(spec, corpus.vocab_size());
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world_size)
             .map(|rank| {

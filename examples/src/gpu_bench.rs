@@ -163,13 +163,14 @@ impl GptRankRun {
     }
 }
 
-/// The GPT of `spec` on `vocab_size` characters, initialised from `seed` on `device` (the same
-/// weights for the same arguments). Create it on the CPU's [`training_device_on`] of the stage (its
-/// parameters then require gradients and keep that device's checkpointing strategy, which
-/// every rank's device shares) and fork it onto each rank's device.
-pub fn gpt_base(spec: &GptSpec, vocab_size: usize, seed: u64, device: &Device) -> Gpt {
+/// The GPT of `spec` on `vocab_size` characters, initialised from a fixed seed on the CPU's
+/// [`training_device_on`] of the stage, so that every configuration starts from the same
+/// weights (its parameters require gradients and keep that device's checkpointing strategy,
+/// which every rank's device shares). Fork it onto each rank's device.
+pub fn gpt_base(spec: &GptSpec, vocab_size: usize) -> Gpt {
+    let device = training_device_on(&Device::flex(), spec.stage);
     let (n_embd, n_head, n_layer) = spec.dims;
-    device.seed(seed);
+    device.seed(1337);
     Gpt::new(
         &GptConfig {
             vocab_size,
@@ -178,7 +179,7 @@ pub fn gpt_base(spec: &GptSpec, vocab_size: usize, seed: u64, device: &Device) -
             n_head,
             n_layer,
         },
-        device,
+        &device,
     )
 }
 
@@ -187,8 +188,9 @@ pub fn gpt_base(spec: &GptSpec, vocab_size: usize, seed: u64, device: &Device) -
 /// of `corpus`' training text.
 ///
 /// # Errors
-/// Sharding or a step failed (a [`ShardError`]'s message; every rank gets the error of a
-/// collective), or the device failed to synchronise.
+/// The global batch does not divide by the world size; sharding or a step failed (a
+/// [`ShardError`]'s message; every rank gets the error of a collective); the device failed to
+/// synchronise.
 pub fn train_gpt_rank<C: Collective + 'static>(
     comm: C,
     device: &Device,
@@ -234,6 +236,12 @@ fn train<C: Collective + 'static>(
     spec: &GptSpec,
 ) -> Result<GptRankRun, Stop> {
     let (rank, world_size) = (comm.rank(), comm.world_size());
+    if !spec.global_batch.is_multiple_of(world_size) {
+        return Err(Stop::Shard(ShardError::InvalidConfig(format!(
+            "the global batch {} must divide by the world size {world_size}",
+            spec.global_batch
+        ))));
+    }
     let local = spec.global_batch / world_size;
     let params = base.num_params();
     let optimizer = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1);
@@ -278,8 +286,7 @@ fn train<C: Collective + 'static>(
     let local = Tensor::<1>::from_floats(run.losses.as_slice(), &device.clone().without_autodiff());
     let mean = optim.comm().all_reduce(local, ReduceOp::Avg)?;
     run.losses = mean.into_data().convert::<f32>().iter::<f32>().collect();
-    let memory = optim.memory_report(&model);
-    run.model_state_bytes = (memory.parameters_bytes + memory.gradients_bytes + memory.optimizer_state_bytes) as u64;
+    run.model_state_bytes = optim.memory_report(&model).model_state_bytes() as u64;
     Ok(run)
 }
 
@@ -294,20 +301,8 @@ pub fn gpt_in_process(
     corpus: &CharCorpus,
     spec: &GptSpec,
 ) -> Result<Vec<GptRankRun>, String> {
-    if world_size == 0 || !spec.global_batch.is_multiple_of(world_size) {
-        return Err(format!(
-            "the global batch {} must divide by the world size {world_size}",
-            spec.global_batch
-        ));
-    }
     let autodiff = training_device_on(device, spec.stage);
-    // Initialised on the CPU, as every configuration is, so all start from the same weights.
-    let base = gpt_base(
-        spec,
-        corpus.vocab_size(),
-        1337,
-        &training_device_on(&Device::flex(), spec.stage),
-    );
+    let base = gpt_base(spec, corpus.vocab_size());
     let group = InProcessGroup::new(world_size).map_err(|e| e.to_string())?;
     run_ranks(group, |comm| {
         train_gpt_rank(comm, &autodiff, base.clone().fork(&autodiff), corpus, spec)
