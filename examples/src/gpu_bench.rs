@@ -153,13 +153,19 @@ impl GptRankRun {
 
     /// Median of [`step_ms`](Self::step_ms).
     pub fn median_step_ms(&self) -> f64 {
-        let mut v = self.step_ms.clone();
-        v.sort_by(f64::total_cmp);
-        match v.len() {
-            0 => f64::NAN,
-            n if n % 2 == 1 => v[n / 2],
-            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-        }
+        median(&self.step_ms)
+    }
+}
+
+/// The median of `values` (the mean of the middle two for an even count; NaN when empty): the
+/// benchmarks' summary of repeated timings.
+pub fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
 

@@ -320,7 +320,7 @@ pub fn window_loss(
 /// # Errors
 /// The measurement failed (see `estimate_model`).
 pub fn print_estimate<M: Module>(model: &M, world_size: usize) -> Result<(), String> {
-    use burn_shard::estimate::{ParamDtype, STAGES, estimate_model, zero_formula};
+    use burn_shard::estimate::{OffloadTarget, ParamDtype, STAGES, estimate_model, zero_formula};
     const MIB: f64 = 1024.0 * 1024.0;
     let estimate = estimate_model(model, world_size).map_err(|e| e.to_string())?;
     let psi = estimate.parameter_count;
@@ -328,7 +328,7 @@ pub fn print_estimate<M: Module>(model: &M, world_size: usize) -> Result<(), Str
     println!("stage | parameters | gradients | optimizer state | total | ZeRO formula (f32)");
     for stage in STAGES {
         let e = estimate.stage(stage);
-        let formula = zero_formula(psi as f64, world_size, stage, ParamDtype::F32, false);
+        let formula = zero_formula(psi as f64, world_size, stage, ParamDtype::F32, OffloadTarget::None);
         println!(
             "{stage} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}",
             e.parameters_bytes / MIB,

@@ -40,6 +40,7 @@ const CORE_LAYERS: &[&[&str]] = &[
     &["backend"],
     &["model"],
     &["optim"],
+    &["swap"],
     &["overlap"],
     &["hooks"],
     &["step"],

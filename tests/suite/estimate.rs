@@ -5,7 +5,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::DType;
-use burn_shard::estimate::{self, GB, ModelStateEstimate, ParamDtype, STAGES};
+use burn_shard::estimate::{self, GB, ModelStateEstimate, OffloadTarget, ParamDtype, STAGES};
 use burn_shard::{FlatLayout, MemoryReport, Stage};
 
 use crate::common::cast;
@@ -21,7 +21,7 @@ const PAPER_GB: [f64; 4] = [120.0, 31.4, 16.6, 1.9];
 fn zero_formula_gives_the_papers_figures_for_7_5b_on_64_ranks() {
     for (stage, published) in STAGES.into_iter().zip(PAPER_GB) {
         for dtype in [ParamDtype::Bf16, ParamDtype::F16] {
-            let e = estimate::zero_formula(PAPER_PSI, PAPER_N, stage, dtype, false);
+            let e = estimate::zero_formula(PAPER_PSI, PAPER_N, stage, dtype, OffloadTarget::None);
             let gb = (e.total_bytes() / GB * 10.0).round() / 10.0;
             assert_eq!(gb, published, "stage {stage} {dtype}: {} GB", e.total_bytes() / GB);
             assert_eq!(e.host_bytes, 0.0);
@@ -29,11 +29,11 @@ fn zero_formula_gives_the_papers_figures_for_7_5b_on_64_ranks() {
         }
     }
     // The components: (2+2+K)Ψ at stage 0, 2Ψ + 2Ψ + KΨ/N at stage 1, ...
-    let s1 = estimate::zero_formula(PAPER_PSI, PAPER_N, Stage::One, ParamDtype::Bf16, false);
+    let s1 = estimate::zero_formula(PAPER_PSI, PAPER_N, Stage::One, ParamDtype::Bf16, OffloadTarget::None);
     assert_eq!(s1.parameters_bytes, 2.0 * PAPER_PSI);
     assert_eq!(s1.gradients_bytes, 2.0 * PAPER_PSI);
     assert_eq!(s1.optimizer_state_bytes, 12.0 * PAPER_PSI / 64.0);
-    let s2 = estimate::zero_formula(PAPER_PSI, PAPER_N, Stage::Two, ParamDtype::Bf16, false);
+    let s2 = estimate::zero_formula(PAPER_PSI, PAPER_N, Stage::Two, ParamDtype::Bf16, OffloadTarget::None);
     assert_eq!(s2.gradients_bytes, 2.0 * PAPER_PSI / 64.0);
 }
 
@@ -47,13 +47,13 @@ fn zero_formula_f32_and_offload() {
         16.0 * psi / n,
     ];
     for (stage, want) in STAGES.into_iter().zip(f32_totals) {
-        let e = estimate::zero_formula(psi, n as usize, stage, ParamDtype::F32, false);
+        let e = estimate::zero_formula(psi, n as usize, stage, ParamDtype::F32, OffloadTarget::None);
         assert!((e.total_bytes() - want).abs() < 1e-6, "stage {stage}: {e:?}");
     }
     // ZeRO-Offload: optimizer state and masters to the host, parameters and gradients stay.
     for stage in STAGES {
-        let on = estimate::zero_formula(psi, n as usize, stage, ParamDtype::Bf16, true);
-        let off = estimate::zero_formula(psi, n as usize, stage, ParamDtype::Bf16, false);
+        let on = estimate::zero_formula(psi, n as usize, stage, ParamDtype::Bf16, OffloadTarget::Cpu);
+        let off = estimate::zero_formula(psi, n as usize, stage, ParamDtype::Bf16, OffloadTarget::None);
         assert_eq!(on.optimizer_state_bytes, 0.0);
         assert_eq!(on.host_bytes, off.optimizer_state_bytes);
         assert_eq!(
@@ -66,9 +66,57 @@ fn zero_formula_f32_and_offload() {
             12.0 * psi / n
         };
         assert_eq!(on.host_bytes, expected_host, "stage {stage}");
-        let f32_host = estimate::zero_formula(psi, n as usize, stage, ParamDtype::F32, true).host_bytes;
+        let f32_host = estimate::zero_formula(psi, n as usize, stage, ParamDtype::F32, OffloadTarget::Cpu).host_bytes;
         assert_eq!(f32_host, expected_host * 8.0 / 12.0, "stage {stage} f32");
+        // ZeRO-Infinity's NVMe offload: the same bytes on disk, none in host memory.
+        let nvme = estimate::zero_formula(psi, n as usize, stage, ParamDtype::Bf16, OffloadTarget::Nvme);
+        assert_eq!(
+            (nvme.optimizer_state_bytes, nvme.host_bytes),
+            (0.0, 0.0),
+            "stage {stage}"
+        );
+        assert_eq!(nvme.disk_bytes, expected_host, "stage {stage}");
+        assert_eq!(nvme.device_bytes(), on.device_bytes(), "stage {stage}");
+        assert_eq!(
+            nvme.total_bytes(),
+            on.device_bytes(),
+            "stage {stage}: disk is not memory"
+        );
     }
+}
+
+/// `--offload nvme` adds the disk column with `12Ψ/N` (bf16, stages 1-3), and names ZeRO-Infinity;
+/// `--offload` alone stays host memory.
+#[test]
+fn estimate_command_offload_nvme_prints_disk_bytes() {
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(burn_shard_bin())
+            .args(["estimate", "--params", "7.5e9", "--world-size", "64", "--stage", "3"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let nvme = run(&["--offload", "nvme"]);
+    let row = nvme.lines().find(|l| l.starts_with('3')).expect("the stage 3 row");
+    // 12 × 7.5e9 / 64 = 1.40625 GB on disk; 4 × 7.5e9 / 64 = 0.47 GB on the device.
+    assert!(
+        row.trim_end().ends_with("1.4 GB / 1.3 GiB"),
+        "{row}
+{nvme}"
+    );
+    assert!(
+        row.contains("0.469 GB"),
+        "{row}
+{nvme}"
+    );
+    assert!(
+        nvme.contains("disk (offloaded)") && nvme.contains("ZeRO-Infinity") && nvme.contains("SC21"),
+        "{nvme}"
+    );
+    let cpu = run(&["--offload"]);
+    assert!(cpu.contains("host (offloaded)") && !cpu.contains("disk"), "{cpu}");
 }
 
 /// The `burn-shard` binary of this build (cargo builds it for burn-shard-cli's own tests, in
@@ -201,7 +249,7 @@ fn check_against_direct_measurement<M: Module>(model: &M, dtype: ParamDtype) {
             measured,
             bound,
         );
-        let formula = estimate::zero_formula(psi as f64, n, stage, dtype, false);
+        let formula = estimate::zero_formula(psi as f64, n, stage, dtype, OffloadTarget::None);
         assert_within(
             &format!("{dtype} stage {stage}: measured vs ZeRO formula"),
             measured,

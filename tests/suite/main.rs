@@ -26,6 +26,7 @@ mod mixed_precision;
 mod modules;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod nvme_offload;
 mod offload;
 mod overlap;
 mod param_groups;

@@ -51,7 +51,7 @@ impl Phases {
     /// `{prefix}optimizer_ms` of a worker's or the PyTorch script's JSON line; NaN for a
     /// missing series.
     pub(super) fn median_of(v: &Value, prefix: &str) -> Self {
-        let [f, b, o] = Self::keys(prefix).map(|k| median(floats(&v[k.as_str()])));
+        let [f, b, o] = Self::keys(prefix).map(|k| median(&floats(&v[k.as_str()])));
         Self {
             forward: f,
             backward: b,
@@ -67,7 +67,7 @@ impl Phases {
         let [f, bw, o] = [0, 1, 2].map(|i| {
             let (xa, xb) = (floats(&v[ka[i].as_str()]), floats(&v[kb[i].as_str()]));
             match xa.len() == xb.len() {
-                true => median(xa.iter().zip(&xb).map(|(x, y)| x - y).collect()),
+                true => median(&xa.iter().zip(&xb).map(|(x, y)| x - y).collect::<Vec<_>>()),
                 false => f64::NAN,
             }
         });

@@ -35,6 +35,7 @@ use burn_shard::comm::{Collective, CommStats, InProcessGroup, run_ranks};
 use burn_shard::{MemoryReport, ShardConfig, ShardError, Stage};
 use burn_shard_examples::char_data::{CharCorpus, sample_batch};
 use burn_shard_examples::gpt::{Gpt, GptConfig};
+pub(crate) use burn_shard_examples::gpu_bench::median;
 use burn_shard_examples::training::{lr_at, training_device};
 use plotters::prelude::*;
 use profile::{Mark, PhaseSeries, Phases};
@@ -440,19 +441,6 @@ fn thousands(n: usize) -> String {
     out
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Our side: a child process per configuration (a fresh rayon pool and a clean peak RSS).
 
@@ -493,9 +481,9 @@ fn run_ours(
     let num = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
     Ok(Ours {
         params: num("params") as usize,
-        step_ms: median(floats(&v["step_ms"])),
+        step_ms: median(&floats(&v["step_ms"])),
         step_ms_min: floats(&v["step_ms"]).into_iter().fold(f64::NAN, f64::min),
-        comm_ms: median(floats(&v["comm_ms"])),
+        comm_ms: median(&floats(&v["comm_ms"])),
         comm_busy_ms: num("comm_busy_ms"),
         hidden_share: num("hidden_share"),
         sent_per_step: num("sent_per_step"),
@@ -825,7 +813,7 @@ fn run_theirs(
         let field = |r: &Value, k: &str| r[k].as_u64().unwrap_or(0);
         return Ok(Theirs {
             params: v["params"].as_u64().unwrap_or(0) as usize,
-            step_ms: median(floats(&v["step_ms"])),
+            step_ms: median(&floats(&v["step_ms"])),
             step_ms_min: floats(&v["step_ms"]).into_iter().fold(f64::NAN, f64::min),
             phases: Phases::median_of(&v, ""),
             model_state: ranks

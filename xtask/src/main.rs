@@ -3,6 +3,9 @@
 //! - `cargo xtask bench adam`: the fused-Adam benchmark table (see `bench_adam.rs`).
 //! - `cargo xtask bench sharding`: ZeRO stages 0-3 against PyTorch's DDP, ZeRO and FSDP2 on the
 //!   shakespeare GPT, with a CSV and a memory plot (see `bench_sharding.rs`).
+//! - `cargo xtask bench infinity`: a GPT whose model state exceeds this machine's memory, trained
+//!   with its optimizer state on disk (`NvmeOffload`), against the disk and compute bounds (see
+//!   `bench_infinity.rs`).
 //! - `cargo xtask setup`: lavapipe and CubeCL's LLVM bundle on Debian/Ubuntu (`setup.rs`).
 //! - `cargo xtask multi-gpu-test`: the GPU suite on every GPU (`multi_gpu_test.rs`).
 //! - `cargo xtask gpu-bundle`: the GPU suite and the GPU benchmark as stripped binaries with a
@@ -11,6 +14,7 @@
 //! - `cargo xtask fetch-minilm`: all-MiniLM-L6-v2's weights for the `finetune-minilm` example.
 
 mod bench_adam;
+mod bench_infinity;
 mod bench_sharding;
 mod gpu_bundle;
 mod mpi_test;
@@ -63,6 +67,10 @@ enum Bench {
     /// The shakespeare GPT (about 1M and 20M parameters) at ZeRO stages 0-3 and on one rank,
     /// against PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2 (gloo, torchrun) in the same run.
     Sharding(bench_sharding::Args),
+    /// A GPT whose model state (16Ψ bytes) exceeds this machine's memory, at stage 3 with its
+    /// optimizer state on disk (NvmeOffload): peak RSS, disk traffic and bandwidth, step time
+    /// against the disk and compute bounds; and a small GPT with and without, loss for loss.
+    Infinity(bench_infinity::Args),
 }
 
 fn main() {
@@ -74,6 +82,9 @@ fn main() {
         Task::Bench {
             which: Bench::Sharding(args),
         } => bench_sharding::run(&args),
+        Task::Bench {
+            which: Bench::Infinity(args),
+        } => bench_infinity::run(&args),
         Task::Setup(args) => setup::run(&args),
         Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
         Task::GpuBundle(args) => gpu_bundle::run(&args),

@@ -4,7 +4,7 @@
 //! burn-shard ckpt inspect DIR
 //! burn-shard ckpt consolidate DIR --out model.bpk
 //! burn-shard ckpt reshard DIR --world-size 8 --out DIR8
-//! burn-shard estimate --params 7.5e9 --world-size 64 [--stage N] [--dtype bf16|f16|f32] [--offload]
+//! burn-shard estimate --params 7.5e9 --world-size 64 [--stage N] [--dtype bf16|f16|f32] [--offload [cpu|nvme]]
 //! ```
 
 use std::path::PathBuf;
@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use burn_shard::Stage;
 use burn_shard::checkpoint::{self, FileStatus};
-use burn_shard::estimate::{self, GB, GIB, ModelStateEstimate, ParamDtype};
+use burn_shard::estimate::{self, GB, GIB, ModelStateEstimate, OffloadTarget, ParamDtype};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser, Debug)]
@@ -51,9 +51,27 @@ struct Estimate {
     /// or f32 (no master copy).
     #[arg(long, value_enum, default_value_t = Dtype::Bf16)]
     dtype: Dtype,
-    /// Optimizer state and f32 master weights in host memory (ZeRO-Offload).
-    #[arg(long)]
-    offload: bool,
+    /// Optimizer state and f32 master weights in host memory (`cpu`, ZeRO-Offload; what
+    /// `--offload` alone means) or on a local disk (`nvme`, ZeRO-Infinity).
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "cpu")]
+    offload: Option<Target>,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Target {
+    Cpu,
+    Nvme,
+}
+
+impl Estimate {
+    /// Where `--offload` puts the optimizer state.
+    fn offload(&self) -> OffloadTarget {
+        match self.offload {
+            None => OffloadTarget::None,
+            Some(Target::Cpu) => OffloadTarget::Cpu,
+            Some(Target::Nvme) => OffloadTarget::Nvme,
+        }
+    }
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -154,7 +172,7 @@ fn print_estimate(args: &Estimate) {
     };
     let rows: Vec<ModelStateEstimate> = stages
         .iter()
-        .map(|&stage| estimate::zero_formula(args.params, args.world_size as usize, stage, dtype, args.offload))
+        .map(|&stage| estimate::zero_formula(args.params, args.world_size as usize, stage, dtype, args.offload()))
         .collect();
     let precision = match dtype {
         ParamDtype::F32 => "f32 parameters, Adam".to_string(),
@@ -165,9 +183,16 @@ fn print_estimate(args: &Estimate) {
         args.params, args.world_size
     );
     let mut header = vec!["stage", "parameters", "gradients", "optimizer state", "total"];
-    if args.offload {
-        header[4] = "total on device";
-        header.push("host (offloaded)");
+    match args.offload() {
+        OffloadTarget::None => {}
+        OffloadTarget::Cpu => {
+            header[4] = "total on device";
+            header.push("host (offloaded)");
+        }
+        OffloadTarget::Nvme => {
+            header[4] = "total on device";
+            header.push("disk (offloaded)");
+        }
     }
     let mut table: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
     for row in &rows {
@@ -178,8 +203,10 @@ fn print_estimate(args: &Estimate) {
             size(row.optimizer_state_bytes),
             size(row.device_bytes()),
         ];
-        if args.offload {
-            cells.push(size(row.host_bytes));
+        match args.offload() {
+            OffloadTarget::None => {}
+            OffloadTarget::Cpu => cells.push(size(row.host_bytes)),
+            OffloadTarget::Nvme => cells.push(size(row.disk_bytes)),
         }
         table.push(cells);
     }
@@ -210,12 +237,18 @@ fn print_estimate(args: &Estimate) {
             "stage 0 (2+2+K)Ψ, 1: 2Ψ+2Ψ+KΨ/N, 2: 2Ψ+(2+K)Ψ/N, 3: (2+2+K)Ψ/N.",
         ],
     };
-    let offload: &[&str] = match args.offload {
-        true => &[
+    let offload: &[&str] = match args.offload() {
+        OffloadTarget::Cpu => &[
             "Offload: ZeRO-Offload (Ren et al. 2021, \"ZeRO-Offload: Democratizing Billion-Scale Model Training\",",
             "§4): optimizer state and f32 master weights in host memory; parameters and gradients on the device.",
         ],
-        false => &[],
+        OffloadTarget::Nvme => &[
+            "Offload: ZeRO-Infinity (Rajbhandari et al. SC21, \"ZeRO-Infinity: Breaking the GPU Memory Wall for",
+            "Extreme Scale Deep Learning\", §3, §5.1): optimizer state and f32 master weights on disk (NvmeOffload),",
+            "read and written once per step; host memory holds only the pieces in flight; parameters and gradients",
+            "on the device.",
+        ],
+        OffloadTarget::None => &[],
     };
     for line in source.iter().chain(offload) {
         println!("{line}");

@@ -24,6 +24,8 @@ use crate::stage::Stage;
 use crate::step::optimizer::ShardedOptimizer;
 use crate::step::optimizer::{StepOptions, check_one_norm_clipping};
 use crate::step::stage_plan::StagePlan;
+use crate::swap::config::NvmeOffload;
+use crate::swap::swapper::Swapper;
 
 /// Default bucket size: 256 Ki elements (1 MiB of `f32`, the size of PyTorch DDP's first
 /// bucket). Buckets are what stages 0-2 reduce inside backward: a bucket starts once all its
@@ -84,6 +86,10 @@ pub struct ShardConfig {
     /// [`ShardConfig::with_units`]). Ignored at stages 0-2.
     #[serde(default)]
     pub units: Vec<String>,
+    /// Keep the optimizer state and `f32` masters on a local disk between steps (ZeRO-Infinity's
+    /// NVMe offload; default `None`: in memory). See [`NvmeOffload`] for what it costs.
+    #[serde(default)]
+    pub nvme_offload: Option<NvmeOffload>,
 }
 
 impl burn::config::Config for ShardConfig {}
@@ -144,6 +150,7 @@ impl ShardConfig {
             loss_scaler: None,
             overlap_comm: true,
             units: Vec::new(),
+            nvme_offload: None,
         }
     }
 
@@ -195,6 +202,13 @@ impl ShardConfig {
     /// Stage 3: whether gathered parameters are freed after forward (default `true`).
     pub fn with_reshard_after_forward(mut self, reshard_after_forward: bool) -> Self {
         self.reshard_after_forward = reshard_after_forward;
+        self
+    }
+
+    /// Keeps the optimizer state and `f32` masters in swap files in `nvme.path` between steps
+    /// (see [`NvmeOffload`]): `ShardConfig::new(Stage::Three).with_nvme_offload(NvmeOffload::new("/nvme/swap"))`.
+    pub fn with_nvme_offload(mut self, nvme: NvmeOffload) -> Self {
+        self.nvme_offload = Some(nvme);
         self
     }
 
@@ -284,6 +298,12 @@ impl ShardConfig {
             loss_scaler: self.loss_scaler.clone(),
             clipping,
             device: device.clone(),
+            // Before the first collective: a rank whose directory is unusable aborts the others.
+            swap: self
+                .nvme_offload
+                .as_ref()
+                .map(|nvme| Swapper::new(nvme, comm.rank(), O::state_device(&device)))
+                .transpose()?,
         };
         // Ranks must also agree on what the step does: clipping and loss scaling add a
         // collective and decide skips.

@@ -36,7 +36,7 @@ pub enum ShardError {
     #[error(
         "rank {rank} has a different parameter layout than rank {peer} (fingerprints {ours:#018x} vs {theirs:#018x}); \
          every rank must build the same model (same architecture, same frozen parameters, same bucket size) and \
-         configure the same step (max_grad_norm, loss scaler, gradient clipping, parameter groups)"
+         configure the same step (max_grad_norm, loss scaler, gradient clipping, parameter groups, NVMe offload)"
     )]
     LayoutMismatch {
         /// This rank.
@@ -110,6 +110,18 @@ pub enum ShardError {
     /// A configuration value is out of range.
     #[error("invalid sharding configuration: {0}")]
     InvalidConfig(String),
+    /// NVMe offload ([`NvmeOffload`](crate::NvmeOffload)): this rank's swap file or its
+    /// directory could not be used, or a peer's could not (then `reason` names the ranks). The
+    /// optimizer state on disk is then lost for this run: resume from the last checkpoint.
+    #[error("NVMe offload, {path}: {reason}; {fix}")]
+    Nvme {
+        /// The swap file, or the directory when no file could be made.
+        path: PathBuf,
+        /// What failed (the operating system's message where it gave one).
+        reason: String,
+        /// What to do about it.
+        fix: String,
+    },
 }
 
 /// Why a checkpoint could not be saved, read or applied. Every message names the file or the

@@ -6,7 +6,8 @@
 //!   `Ψ` parameters on `N` ranks, for mixed-precision Adam (`bf16`/`f16` parameters with `f32`
 //!   master weights, `K = 12`) or for plain `f32` Adam, optionally with the optimizer state
 //!   offloaded to host memory (Ren et al., 2021, "ZeRO-Offload: Democratizing Billion-Scale
-//!   Model Training", §4);
+//!   Model Training", §4) or to disk (Rajbhandari et al., SC21, "ZeRO-Infinity: Breaking the
+//!   GPU Memory Wall for Extreme Scale Deep Learning", §3, §5.1);
 //! - [`estimate_model`]: the same figures for a built Burn model, measured by
 //!   [`ShardedOptimizer::memory_report`](crate::ShardedOptimizer::memory_report) on in-process
 //!   groups of 1 and 2 ranks and extrapolated to `N` ranks.
@@ -107,12 +108,25 @@ impl fmt::Display for ParamDtype {
     }
 }
 
+/// Where an offload keeps the optimizer state and the `f32` master weights, for
+/// [`zero_formula`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OffloadTarget {
+    /// Not offloaded: on the device with the parameters.
+    #[default]
+    None,
+    /// Host memory ([`Offload`](crate::Offload), ZeRO-Offload).
+    Cpu,
+    /// A local disk ([`NvmeOffload`](crate::NvmeOffload), ZeRO-Infinity).
+    Nvme,
+}
+
 /// Per-rank model-state memory of one stage, in bytes (not rounded: the formulas give
 /// fractions of a byte per rank).
 ///
 /// `parameters_bytes`, `gradients_bytes` and `optimizer_state_bytes` are held in device
-/// memory; `host_bytes` in host memory (the optimizer state with its `f32` master weights,
-/// when offloaded; 0 otherwise and for measured estimates).
+/// memory; `host_bytes` in host memory and `disk_bytes` on disk (the optimizer state with its
+/// `f32` master weights, when offloaded there; 0 otherwise and for measured estimates).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ModelStateEstimate {
     /// The ZeRO stage.
@@ -129,6 +143,9 @@ pub struct ModelStateEstimate {
     /// Bytes of optimizer state (with the `f32` master weights) in the host memory of each
     /// rank when offloaded (ZeRO-Offload); 0 otherwise.
     pub host_bytes: f64,
+    /// Bytes of optimizer state (with the `f32` master weights) on the disk of each rank when
+    /// offloaded there (ZeRO-Infinity); 0 otherwise. Not memory: in neither total.
+    pub disk_bytes: f64,
 }
 
 impl ModelStateEstimate {
@@ -162,11 +179,15 @@ impl ModelStateEstimate {
 /// copy, 4-byte parameters and gradients, 8 bytes of Adam moments): stage 0 `16Ψ`, stage 1
 /// `8Ψ + 8Ψ/N`, stage 2 `4Ψ + 12Ψ/N`, stage 3 `16Ψ/N`.
 ///
-/// `offload` (ZeRO-Offload, Ren et al., 2021, §4): the optimizer state and the `f32` master
-/// weights (`12Ψ/N` at stages 1-3 with mixed precision, `12Ψ` at stage 0; `8Ψ/N` and `8Ψ` for
-/// `f32`) move to [`ModelStateEstimate::host_bytes`]; the device keeps the parameters and the
-/// gradients. (ZeRO-Offload also streams the reduced gradients to the host; they are counted
-/// on the device here, an upper bound for it.)
+/// `offload` [`OffloadTarget::Cpu`] (ZeRO-Offload, Ren et al., 2021, §4): the optimizer
+/// state and the `f32` master weights (`12Ψ/N` at stages 1-3 with mixed precision, `12Ψ` at
+/// stage 0; `8Ψ/N` and `8Ψ` for `f32`) move to [`ModelStateEstimate::host_bytes`]; the device
+/// keeps the parameters and the gradients. (ZeRO-Offload also streams the reduced gradients to
+/// the host; they are counted on the device here, an upper bound for it.)
+/// [`OffloadTarget::Nvme`] (ZeRO-Infinity, Rajbhandari et al., SC21, §3 and §5.1, which
+/// counts the same `12Ψ/N` of optimizer state for NVMe): the same bytes move to
+/// [`ModelStateEstimate::disk_bytes`]; host memory holds only the pieces in flight (see
+/// [`NvmeOffload`](crate::NvmeOffload)), not counted here.
 ///
 /// # Panics
 /// If `world_size` is 0 or `params` is negative or not finite.
@@ -175,7 +196,7 @@ pub fn zero_formula(
     world_size: usize,
     stage: Stage,
     dtype: ParamDtype,
-    offload: bool,
+    offload: OffloadTarget,
 ) -> ModelStateEstimate {
     assert!(world_size > 0, "world size must be at least 1");
     assert!(
@@ -190,8 +211,9 @@ pub fn zero_formula(
         world_size,
         parameters_bytes: shard(dtype.element_bytes() * params, stage.shards_parameters()),
         gradients_bytes: shard(dtype.element_bytes() * params, stage.shards_gradients()),
-        optimizer_state_bytes: if offload { 0.0 } else { optimizer },
-        host_bytes: if offload { optimizer } else { 0.0 },
+        optimizer_state_bytes: if offload == OffloadTarget::None { optimizer } else { 0.0 },
+        host_bytes: if offload == OffloadTarget::Cpu { optimizer } else { 0.0 },
+        disk_bytes: if offload == OffloadTarget::Nvme { optimizer } else { 0.0 },
     }
 }
 
@@ -269,6 +291,7 @@ pub fn estimate_model<M: Module>(model: &M, world_size: usize) -> Result<ModelEs
             gradients_bytes: fit(one.gradients_bytes, two.gradients_bytes),
             optimizer_state_bytes: fit(one.optimizer_state_bytes, two.optimizer_state_bytes),
             host_bytes: 0.0,
+            disk_bytes: 0.0,
         });
     }
     Ok(ModelEstimate {

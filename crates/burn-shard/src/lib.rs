@@ -21,7 +21,8 @@
 //! gradients are complete, where the collective overlaps with compute: see [`bucket`].
 //! Stage 3: see [`fsdp`].
 //! Optimizer state, `f32` masters and the update in host memory instead of on the device:
-//! [`Offload`] (ZeRO-Offload).
+//! [`Offload`] (ZeRO-Offload). Optimizer state and masters on a local disk between steps:
+//! [`NvmeOffload`] (ZeRO-Infinity).
 //! Which stage fits: [`estimate`] (the ZeRO paper's per-rank formulas, and the same figures
 //! measured on a built model).
 //!
@@ -36,7 +37,7 @@
 //! - empty parameters are left as they are.
 
 // Layers, bottom to top; each imports only the ones above it in this list (checked by the test
-// suite's `architecture` module): error, run, stage, backend < model < optim < overlap < hooks < step <
+// suite's `architecture` module): error, run, stage, backend < model < optim < swap < overlap < hooks < step <
 // checkpoint < config < estimate. `bucket` and `fsdp` are the public pages of the two overlap
 // systems and re-export what users name.
 mod backend;
@@ -47,6 +48,7 @@ mod stage;
 mod model;
 mod optim;
 mod overlap;
+mod swap;
 
 mod hooks;
 mod step;
@@ -68,6 +70,7 @@ pub use optim::master::MasterWeightStep;
 pub use optim::offload::{Offload, Offloaded};
 pub use stage::Stage;
 pub use step::optimizer::ShardedOptimizer;
+pub use swap::config::NvmeOffload;
 
 pub use burn_shard_comm as comm;
 pub use burn_shard_kernels as kernels;

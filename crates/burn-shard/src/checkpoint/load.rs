@@ -95,8 +95,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         if let (Some(mine), Some(saved)) = (&mut self.loss_scaler, scaler) {
             mine.resume(&saved)?;
         }
-        self.slots.states = states;
-        self.slots.masters = masters;
+        // With NVMe offload they are written to the swap files: every rank learns whether all could.
+        let replaced = self.slots.replace(states, masters);
+        self.agree(replaced, "load_checkpoint")?;
         // Micro-batch sums of the model before the load do not belong to the loaded one.
         self.drop_kept_sums();
         let model = flat::replace_values(model, values);

@@ -216,21 +216,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// other rank [`CheckpointError::PeerFailed`] naming it. No rank is left waiting, and the
     /// group stays usable.
     pub(crate) fn agree<T>(&self, result: Result<T, ShardError>, op: &str) -> Result<T, ShardError> {
-        let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
-        let mut flags = vec![0f32; world_size];
-        flags[rank] = if result.is_err() { 1.0 } else { 0.0 };
-        let device = burn::tensor::Device::flex();
-        let flags = Tensor::<1>::from_data(TensorData::new(flags, [world_size]), &device);
-        let failed: Vec<usize> = self
-            .comm
-            .all_reduce(flags, ReduceOp::Sum)?
-            .into_data()
-            .convert::<f32>()
-            .iter::<f32>()
-            .enumerate()
-            .filter(|(_, f)| *f > 0.0)
-            .map(|(r, _)| r)
-            .collect();
+        let failed = self.failed_ranks(result.is_err(), &burn::tensor::Device::flex())?;
         match result {
             Ok(_) if !failed.is_empty() => Err(CheckpointError::PeerFailed {
                 op: op.to_string(),
@@ -278,7 +264,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 value.narrow(0, start, range.len()).into_data(),
             );
             if let Some(index) = self.layout.slot_of(id) {
-                self.push_optimizer_piece(&mut file, index, &entry.path, range.len());
+                self.push_optimizer_piece(&mut file, index, &entry.path, range.len())?;
             }
         }
         Ok(file.write(partial, rank)?)
@@ -342,8 +328,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
     /// This rank's optimizer state and master of slot `index`, trimmed to `len` elements (a
     /// stage-3 shard's padding is not saved).
-    fn push_optimizer_piece(&self, file: &mut RankFile, index: usize, path: &str, len: usize) {
-        if let Some(state) = &self.slots.states[index] {
+    fn push_optimizer_piece(
+        &self,
+        file: &mut RankFile,
+        index: usize,
+        path: &str,
+        len: usize,
+    ) -> Result<(), ShardError> {
+        let (state, master) = self.slots.read(index)?;
+        if let Some(state) = &state {
             let mut sink = StateSink::default();
             state.state_flatten("", &mut sink);
             for (field, data) in sink.tensors {
@@ -353,9 +346,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 file.push_scalar(format!("state/{path}/{field}"), value);
             }
         }
-        if let Some(master) = &self.slots.masters[index] {
-            file.push(format!("master/{path}"), trim(master.clone().into_data(), len));
+        if let Some(master) = master {
+            file.push(format!("master/{path}"), trim(master.into_data(), len));
         }
+        Ok(())
     }
 }
 

@@ -206,6 +206,20 @@ impl FlatLayout {
         self.buckets.iter().map(|b| b.shard_numel).sum()
     }
 
+    /// The slots of `bucket` with elements in `range` (of the bucket's elements), in bucket
+    /// order, each with the part of the slot's own elements that lies in `range`: the pieces a
+    /// rank owning `range` steps.
+    pub(crate) fn pieces<'a>(
+        &'a self,
+        bucket: &'a Bucket,
+        range: &'a Range<usize>,
+    ) -> impl Iterator<Item = (usize, Range<usize>)> + 'a {
+        bucket
+            .slots
+            .clone()
+            .filter_map(move |index| self.slots[index].within(range).map(|part| (index, part)))
+    }
+
     /// Index of the slot of parameter `id`, if it is trainable.
     pub fn slot_of(&self, id: &ParamId) -> Option<usize> {
         self.index.get(id).copied()

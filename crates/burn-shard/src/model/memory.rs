@@ -39,6 +39,11 @@ pub struct MemoryReport {
     /// 0 otherwise. Measured by the device each state and master tensor is on, so a model on
     /// the host itself (Burn's `Flex` CPU device) counts its state as device-resident.
     pub host_bytes: usize,
+    /// Bytes of optimizer state (moments and `f32` master weights) this rank keeps on disk
+    /// between steps, with [`NvmeOffload`](crate::NvmeOffload) (ZeRO-Infinity); 0 otherwise. Not
+    /// in memory, so in neither [`MemoryReport::model_state_bytes`] nor
+    /// [`MemoryReport::total_bytes`].
+    pub disk_bytes: usize,
     /// Peak bytes of transient buffers alive at once during the last step (the flat,
     /// not-yet-reduced gradient bucket, the parameter shard and the all-gathered bucket).
     /// Stage 3: the peak over the forward, backward and step that preceded the report of the
@@ -79,6 +84,9 @@ impl fmt::Display for MemoryReport {
         )?;
         if self.host_bytes > 0 {
             write!(f, ", host (offloaded optim) {:.2} MiB", self.host_bytes as f64 / MIB)?;
+        }
+        if self.disk_bytes > 0 {
+            write!(f, ", disk (NVMe optim) {:.2} MiB", self.disk_bytes as f64 / MIB)?;
         }
         Ok(())
     }

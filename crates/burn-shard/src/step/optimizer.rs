@@ -29,6 +29,7 @@ use crate::step::last_step::LastStep;
 use crate::step::pending::PendingGradients;
 use crate::step::slot_state::SlotStates;
 use crate::step::stage_plan::StagePlan;
+use crate::swap::swapper::Swapper;
 
 /// A Burn optimizer whose state (stages 1-3), gradients (stages 2-3) and parameters (stage 3)
 /// are partitioned over the ranks of a [`Collective`]. Built by
@@ -93,9 +94,8 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     pub(crate) lineage: crate::run::Lineage,
 }
 
-/// What `ShardConfig` asks of the step beyond the stage (global-norm clipping, loss scaling),
-/// and where the parameters live.
-#[derive(Clone)]
+/// What `ShardConfig` asks of the step beyond the stage (global-norm clipping, loss scaling,
+/// NVMe offload), and where the parameters live.
 pub(crate) struct StepOptions {
     pub(crate) max_grad_norm: Option<f32>,
     pub(crate) loss_scaler: Option<LossScaler>,
@@ -103,6 +103,9 @@ pub(crate) struct StepOptions {
     pub(crate) clipping: Option<GradientClipping>,
     /// The parameters' plain device.
     pub(crate) device: Device,
+    /// NVMe offload: the swap file the optimizer state lives in between steps (the step then
+    /// ends with one more all-reduce, of the ranks whose swap failed).
+    pub(crate) swap: Option<Swapper>,
 }
 
 impl StepOptions {
@@ -113,6 +116,7 @@ impl StepOptions {
         self.max_grad_norm.map(f32::to_bits).hash(&mut h);
         self.loss_scaler.as_ref().map(LossScaler::fingerprint).hash(&mut h);
         crate::optim::groups::clipping_key(self.clipping.as_ref()).hash(&mut h);
+        self.swap.is_some().hash(&mut h);
         h.finish()
     }
 }
@@ -135,7 +139,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             layout,
             plan,
             census,
-            slots: SlotStates::new(slots),
+            slots: SlotStates::new(slots, options.swap),
             buffers,
             max_grad_norm: options.max_grad_norm,
             loss_scaler: options.loss_scaler,
@@ -503,6 +507,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let layout = self.layout.clone();
         let overlap = self.bucket_reducer.is_some();
         let values = self.plan.read_values(model, &layout)?;
+        self.slots.begin_step(self.stepped_slots(has_grad));
         let mut publishing = Vec::with_capacity(layout.buckets().len());
         for (index, (bucket, grad)) in layout.buckets().iter().zip(grads).enumerate() {
             let range = self.plan.owned_range(bucket, self.comm.rank());
@@ -516,15 +521,54 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
         drop(values);
         let (param_bytes, works): (Vec<usize>, Vec<_>) = publishing.into_iter().unzip();
-        let full: Vec<Tensor<1>> = Work::wait_all(works.into_iter().map(Some))?
-            .into_iter()
-            .flatten()
-            .collect();
+        let waited = Work::wait_all(works.into_iter().map(Some));
+        // Ended whatever the collectives did, so that no write of this step is left in flight.
+        let swapped = self.slots.end_step();
+        let full: Vec<Tensor<1>> = waited?.into_iter().flatten().collect();
+        if self.slots.swaps() {
+            self.agree_on_swap(swapped, device)?;
+        }
         for (param_bytes, updated) in param_bytes.into_iter().zip(&full) {
             temp.free(param_bytes);
             temp.alloc(tensor_bytes(updated));
         }
         Ok(full)
+    }
+
+    /// The slots this step updates on this rank, in the order `update_range` takes them: those
+    /// with a gradient and a piece in this rank's range, bucket by bucket.
+    fn stepped_slots(&self, has_grad: &[bool]) -> Vec<usize> {
+        let mut order = Vec::new();
+        for bucket in self.layout.buckets() {
+            let range = self.plan.owned_range(bucket, self.comm.rank());
+            order.extend(
+                self.layout
+                    .pieces(bucket, &range)
+                    .map(|(i, _)| i)
+                    .filter(|&i| has_grad[i]),
+            );
+        }
+        order
+    }
+
+    /// NVMe offload: ends the step with the same outcome on every rank (one all-reduce of
+    /// which ranks' swap failed): a rank whose swap failed returns its own error, the others
+    /// one naming it.
+    fn agree_on_swap(&self, swapped: Result<(), ShardError>, device: &Device) -> Result<(), ShardError> {
+        let failed = self.failed_ranks(swapped.is_err(), device);
+        // This rank's own error first: it names the cause, a failed all-reduce does not.
+        swapped?;
+        let failed = failed?;
+        match failed.is_empty() {
+            true => Ok(()),
+            false => Err(ShardError::Nvme {
+                path: self.slots.swap_dir().unwrap_or_default(),
+                reason: format!(
+                    "rank(s) {failed:?} could not read or write their swap files in this step (this rank's file is fine)"
+                ),
+                fix: "see those ranks' errors; then resume from the last checkpoint".into(),
+            }),
+        }
     }
 
     /// The step's peak of temporary bytes, for `memory_report`.
@@ -560,11 +604,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     ) -> Tensor<1> {
         let layout = self.layout.clone();
         let mut pieces = Vec::new();
-        for index in bucket.slots.clone() {
+        for (index, part) in layout.pieces(bucket, &range) {
             let slot = &layout.slots()[index];
-            let Some(part) = slot.within(&range) else {
-                continue;
-            };
             let len = part.len();
             let param = flat::slot_piece(&values[index], slot, part.clone(), bucket.dtype, device);
             if !has_grad[index] {
@@ -648,6 +689,16 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         Ok((flags, in_step))
     }
 
+    /// The ranks that passed `failed = true`, in order (one all-reduce of a flag per rank, on
+    /// `device`): how ranks that each did their part of an operation agree on its outcome.
+    pub(crate) fn failed_ranks(&self, failed: bool, device: &Device) -> Result<Vec<usize>, ShardError> {
+        let mut flags = vec![false; self.comm.world_size()];
+        flags[self.comm.rank()] = failed;
+        Ok((self.any_rank(&flags, device)?.into_iter().enumerate())
+            .filter_map(|(rank, failed)| failed.then_some(rank))
+            .collect())
+    }
+
     /// `flags` OR-ed over the ranks (one all-reduce).
     fn any_rank(&self, flags: &[bool], device: &Device) -> Result<Vec<bool>, ShardError> {
         let values: Vec<f32> = flags.iter().map(|&g| if g { 1.0 } else { 0.0 }).collect();
@@ -667,7 +718,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// host memory, with [`Offload`](crate::Offload)), tensor by tensor.
     pub fn memory_report<M: Module>(&self, model: &M) -> MemoryReport {
         let device = flat::plain_device(model).ok();
-        let (optimizer_state_bytes, host_bytes) = self.slots.bytes(device.as_ref());
+        let state = self.slots.bytes(device.as_ref());
         MemoryReport {
             rank: self.comm.rank(),
             world_size: self.comm.world_size(),
@@ -681,8 +732,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 None => module_param_bytes(model, |_| false),
             },
             gradients_bytes: self.last.gradients_bytes + self.pending.last_cycle_bytes(),
-            optimizer_state_bytes,
-            host_bytes,
+            optimizer_state_bytes: state.on_device,
+            host_bytes: state.elsewhere,
+            disk_bytes: state.on_disk,
             temporary_peak_bytes: self.last.temporary_peak_bytes,
         }
     }
@@ -774,6 +826,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .sum()
     }
 
+    /// With [`NvmeOffload`](crate::NvmeOffload): the bytes the last step read from and wrote to
+    /// this rank's swap file, as `(read, written)` (each the whole state and masters of the
+    /// pieces it stepped, once); `(0, 0)` without it and before the first step.
+    pub fn nvme_io_bytes(&self) -> (u64, u64) {
+        let io = self.slots.last_step_io();
+        (io.read, io.written)
+    }
+
     /// The ZeRO stage.
     pub fn stage(&self) -> Stage {
         self.plan.stage()
@@ -783,7 +843,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// layout (same shapes as [`ShardedOptimizer::slot_states`]' tensors); `None` for `f32`
     /// parameters and before a parameter's first gradient. They are initialised from the
     /// parameters then; after loading new parameter values later, call
-    /// [`ShardedOptimizer::reset_master_weights`].
+    /// [`ShardedOptimizer::reset_master_weights`]. Empty (every entry `None`) with
+    /// [`NvmeOffload`](crate::NvmeOffload), which keeps them on disk between steps.
     pub fn master_weights(&self) -> &[Option<Tensor<1>>] {
         &self.slots.masters
     }
@@ -802,7 +863,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Burn's optimizer state of each parameter of the layout ([`FlatLayout::slots`] order), for
     /// the piece of it this rank steps: the whole parameter (stage 0), its part of this rank's
     /// range of the bucket (stages 1-2; `None` when the range holds none of it) or this rank's
-    /// shard (stage 3). `None` before the parameter's first gradient. Tensors are 1-D.
+    /// shard (stage 3). `None` before the parameter's first gradient, and for every parameter
+    /// with [`NvmeOffload`](crate::NvmeOffload), which keeps the states on disk between steps.
+    /// Tensors are 1-D.
     pub fn slot_states(&self) -> &[Option<O::State<1>>] {
         &self.slots.states
     }

@@ -1,0 +1,204 @@
+//! `SwapFile`: one rank's swap file.
+
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::error::ShardError;
+
+/// One rank's swap file, `burn-shard-rank{rank}.swap` in the configured directory: exclusively
+/// locked while it is open (an advisory `flock`, released by the kernel when the process ends,
+/// also when it is killed), read and written at offsets from any thread, removed on drop.
+pub(crate) struct SwapFile {
+    path: PathBuf,
+    file: File,
+    /// `(device, inode)` of the file created, to notice it being deleted or replaced.
+    identity: (u64, u64),
+}
+
+impl SwapFile {
+    /// Creates (or takes over, when a killed job left it) rank `rank`'s file in `dir`, locked.
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] when `dir` is not an existing directory, the file cannot be created
+    /// or written there, or another job holds it.
+    pub(crate) fn create(dir: &Path, rank: usize) -> Result<Self, ShardError> {
+        // Absolute, so that a later change of the working directory does not make the file
+        // look deleted (or keep it from being removed).
+        let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+        if !dir.is_dir() {
+            return Err(ShardError::Nvme {
+                reason: match dir.exists() {
+                    true => "this is not a directory".into(),
+                    false => "this directory does not exist".into(),
+                },
+                path: dir,
+                fix: "create it (mkdir -p) on a local disk with room for the optimizer state, or name another \
+                      directory in NvmeOffload::new"
+                    .into(),
+            });
+        }
+        let path = dir.join(format!("burn-shard-rank{rank}.swap"));
+        let not_writable = |e: io::Error| ShardError::Nvme {
+            path: path.clone(),
+            reason: format!("the swap file cannot be created and written ({e})"),
+            fix: "name a writable directory on a local disk in NvmeOffload::new (not a read-only mount)".into(),
+        };
+        // A job that ends removes its file after its lock is taken: the file locked must still
+        // be the one at the path, else open again.
+        let (file, identity) = loop {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(not_writable)?;
+            match file.try_lock() {
+                Ok(()) => {}
+                Err(TryLockError::WouldBlock) => {
+                    return Err(ShardError::Nvme {
+                        path,
+                        reason: "another job (or another optimizer in this one) is using this swap file".into(),
+                        fix: "give each job, and each sharded optimizer, its own NvmeOffload directory".into(),
+                    });
+                }
+                Err(TryLockError::Error(e)) => return Err(not_writable(e)),
+            }
+            let identity = os::identity(&file.metadata().map_err(not_writable)?);
+            if std::fs::metadata(&path).is_ok_and(|m| os::identity(&m) == identity) {
+                break (file, identity);
+            }
+        };
+        // Left by a job that was killed (its lock died with it): this job's state starts empty.
+        file.set_len(0).map_err(not_writable)?;
+        // A write that reaches the disk: a read-only or full filesystem fails here, at init.
+        os::write_at(&file, &[0; 8], 0)
+            .and_then(|()| file.sync_data())
+            .map_err(not_writable)?;
+        Ok(Self { identity, path, file })
+    }
+
+    /// The file's path.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes `bytes` at `offset`.
+    pub(crate) fn write_at(&self, bytes: &[u8], offset: u64) -> io::Result<()> {
+        os::write_at(&self.file, bytes, offset)
+    }
+
+    /// Reads `len` bytes at `offset`; an error when the file ends before (truncated).
+    pub(crate) fn read_at(&self, len: usize, offset: u64) -> io::Result<Vec<u8>> {
+        let mut bytes = vec![0; len];
+        os::read_at(&self.file, &mut bytes, offset)?;
+        Ok(bytes)
+    }
+
+    /// Whether the file is still at its path: a deleted file stays readable through the open
+    /// handle on Linux, but is gone for everyone else (and its space is lost on a crash), so a
+    /// job whose swap file was deleted or replaced stops.
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] naming the file.
+    pub(crate) fn check_present(&self) -> Result<(), ShardError> {
+        match std::fs::metadata(&self.path) {
+            Ok(meta) if os::identity(&meta) == self.identity => Ok(()),
+            found => Err(ShardError::Nvme {
+                path: self.path.clone(),
+                reason: match found {
+                    Ok(_) => "the swap file was replaced by another file while the job ran".into(),
+                    Err(e) => format!("the swap file was deleted while the job ran ({e})"),
+                },
+                fix: "the optimizer state on disk is lost: resume from the last checkpoint, and keep other \
+                      programs (cleanup jobs, a second run) out of the NvmeOffload directory"
+                    .into(),
+            }),
+        }
+    }
+
+    /// The error for a failed read or write of `bytes` bytes, with the fix its cause calls for.
+    pub(crate) fn io_error(&self, what: &str, bytes: usize, e: &io::Error) -> ShardError {
+        let fix = match e.kind() {
+            io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded | io::ErrorKind::FileTooLarge => {
+                "the disk (or this user's quota or file-size limit) is full: free space there or name a larger \
+                 disk in NvmeOffload::new, then resume from the last checkpoint"
+            }
+            io::ErrorKind::UnexpectedEof => {
+                "the swap file was truncated while the job ran: the optimizer state on disk is lost; resume from \
+                 the last checkpoint, and keep other programs out of the NvmeOffload directory"
+            }
+            _ => "check the disk (dmesg), then resume from the last checkpoint",
+        };
+        ShardError::Nvme {
+            path: self.path.clone(),
+            reason: format!("{what} of {bytes} bytes failed ({e})"),
+            fix: fix.into(),
+        }
+    }
+}
+
+impl Drop for SwapFile {
+    /// Removes the file, unless it is no longer this job's (replaced at its path).
+    fn drop(&mut self) {
+        if self.check_present().is_ok() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Positional I/O and file identity: Unix (`pread`/`pwrite`, device and inode); elsewhere
+/// through Windows' `seek_read`/`seek_write` and no identity check.
+mod os {
+    use std::fs::{File, Metadata};
+    use std::io;
+
+    /// `(device, inode)`: equal for two handles of the same file.
+    #[cfg(unix)]
+    pub(super) fn identity(meta: &Metadata) -> (u64, u64) {
+        use std::os::unix::fs::MetadataExt;
+        (meta.dev(), meta.ino())
+    }
+
+    #[cfg(unix)]
+    pub(super) fn write_at(file: &File, bytes: &[u8], offset: u64) -> io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(file, bytes, offset)
+    }
+
+    #[cfg(unix)]
+    pub(super) fn read_at(file: &File, bytes: &mut [u8], offset: u64) -> io::Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(file, bytes, offset)
+    }
+
+    #[cfg(windows)]
+    pub(super) fn identity(_meta: &Metadata) -> (u64, u64) {
+        (0, 0)
+    }
+
+    #[cfg(windows)]
+    pub(super) fn write_at(file: &File, mut bytes: &[u8], mut offset: u64) -> io::Result<()> {
+        use std::os::windows::fs::FileExt;
+        while !bytes.is_empty() {
+            let n = file.seek_write(bytes, offset)?;
+            bytes = &bytes[n..];
+            offset += n as u64;
+        }
+        Ok(())
+    }
+
+    #[cfg(windows)]
+    pub(super) fn read_at(file: &File, mut bytes: &mut [u8], mut offset: u64) -> io::Result<()> {
+        use std::os::windows::fs::FileExt;
+        while !bytes.is_empty() {
+            match file.seek_read(bytes, offset)? {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n => {
+                    bytes = &mut std::mem::take(&mut bytes)[n..];
+                    offset += n as u64;
+                }
+            }
+        }
+        Ok(())
+    }
+}

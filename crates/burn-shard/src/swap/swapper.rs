@@ -1,0 +1,280 @@
+//! `Swapper`: where each slot's optimizer state is on disk, and the step's read-ahead and
+//! write-behind.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use burn::optim::RecordState;
+use burn::tensor::{Device, Tensor};
+
+use crate::error::ShardError;
+use crate::swap::config::NvmeOffload;
+use crate::swap::file::SwapFile;
+use crate::swap::io_pool::{IoPool, Pending};
+use crate::swap::slot_bytes::{self, SlotLayout, StateAndMaster};
+
+/// Extents start on, and reserve, whole blocks of this many bytes (a page, and a multiple of
+/// every disk's logical block), so that no two slots share a block.
+const BLOCK: u64 = 4096;
+
+/// Where one slot's bytes are in the file.
+struct Extent {
+    offset: u64,
+    /// Bytes reserved (a multiple of [`BLOCK`]); a slot whose state grows past it moves to
+    /// the end of the file.
+    capacity: u64,
+    layout: SlotLayout,
+}
+
+/// Bytes read and written by the swap file in the last step (a checkpoint's reads are not
+/// counted).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct IoBytes {
+    pub(crate) read: u64,
+    pub(crate) written: u64,
+}
+
+/// One rank's optimizer state on disk: per slot, its extent in the swap file. Between steps
+/// every write has finished; during a step ([`Swapper::begin`] to [`Swapper::finish`]) the
+/// slots to be stepped are read ahead in the step's order and each stepped slot is written
+/// behind, at most `max_in_flight` reads and `max_in_flight` writes at once.
+pub(crate) struct Swapper {
+    file: Arc<SwapFile>,
+    pool: IoPool,
+    extents: Vec<Option<Extent>>,
+    /// The first free offset of the file.
+    end: u64,
+    max_in_flight: usize,
+    /// Where states and masters are rebuilt (the optimizer's state device).
+    device: Device,
+    /// This step's slots not yet read, in the order the step takes them.
+    ahead: VecDeque<usize>,
+    reads: HashMap<usize, Pending<Vec<u8>>>,
+    writes: VecDeque<(usize, Pending<()>)>,
+    /// The first error of this step, returned by `finish`.
+    error: Option<ShardError>,
+    this_step: IoBytes,
+    last_step: IoBytes,
+}
+
+impl Swapper {
+    /// Rank `rank`'s swapper, its file created now in `config.path`; states are rebuilt on
+    /// `device`.
+    ///
+    /// # Errors
+    /// As [`NvmeOffload`] says.
+    pub(crate) fn new(config: &NvmeOffload, rank: usize, device: Device) -> Result<Self, ShardError> {
+        if config.io_threads == 0 || config.max_in_flight == 0 {
+            return Err(ShardError::InvalidConfig(format!(
+                "NvmeOffload needs at least one I/O thread and one piece in flight, got io_threads = {} and \
+                 max_in_flight = {}",
+                config.io_threads, config.max_in_flight
+            )));
+        }
+        let file = Arc::new(SwapFile::create(&config.path, rank)?);
+        let pool = IoPool::new(file.clone(), config.io_threads, rank).map_err(|e| ShardError::Nvme {
+            path: file.path().to_path_buf(),
+            reason: format!("the I/O threads could not be started ({e})"),
+            fix: "lower NvmeOffload::io_threads".into(),
+        })?;
+        Ok(Self {
+            file,
+            pool,
+            extents: Vec::new(),
+            // The first block holds the probe `SwapFile::create` wrote.
+            end: BLOCK,
+            max_in_flight: config.max_in_flight,
+            device,
+            ahead: VecDeque::new(),
+            reads: HashMap::new(),
+            writes: VecDeque::new(),
+            error: None,
+            this_step: IoBytes::default(),
+            last_step: IoBytes::default(),
+        })
+    }
+
+    /// Starts a step that takes `order`'s slots in that order: checks the file is still there,
+    /// then starts reading the first `max_in_flight`.
+    pub(crate) fn begin(&mut self, order: impl IntoIterator<Item = usize>) {
+        // Nothing of an earlier step that did not reach `finish` (a panic) carries over.
+        let _ = self.finish();
+        self.this_step = IoBytes::default();
+        if let Err(e) = self.file.check_present() {
+            self.fail(e);
+        }
+        self.ahead = order.into_iter().filter(|&i| self.extent(i).is_some()).collect();
+        self.fill();
+    }
+
+    /// Reads ahead while fewer than `max_in_flight` reads are in flight.
+    fn fill(&mut self) {
+        while self.reads.len() < self.max_in_flight
+            && let Some(index) = self.ahead.pop_front()
+        {
+            let extent = self.extents[index].as_ref().expect("only slots on disk are read ahead");
+            let read = self.pool.read(extent.offset, extent.layout.len);
+            self.reads.insert(index, read);
+        }
+    }
+
+    /// Slot `index`'s state and master, read back (`(None, None)` when none was written).
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] when the read fails or returns other bytes than were written (the
+    /// file was truncated or overwritten); also recorded for `finish`.
+    pub(crate) fn take<S: RecordState>(&mut self, index: usize) -> Result<StateAndMaster<S>, ShardError> {
+        let read = match self.reads.remove(&index) {
+            Some(read) => Some(read),
+            None => {
+                self.ahead.retain(|&i| i != index);
+                self.extent(index)
+                    .map(|extent| self.pool.read(extent.offset, extent.layout.len))
+            }
+        };
+        self.fill();
+        let Some(read) = read else {
+            return Ok((None, None));
+        };
+        let result = self.decode(index, read.wait());
+        if result.is_ok() {
+            self.this_step.read += self.extent(index).map_or(0, |e| e.layout.len as u64);
+        }
+        result.inspect_err(|e| self.fail(e.clone()))
+    }
+
+    /// Slot `index`'s state and master as on disk, read now (for a checkpoint). Between steps:
+    /// every step ends with [`Swapper::finish`], so no write is in flight.
+    ///
+    /// # Errors
+    /// As [`Swapper::take`] (not recorded).
+    pub(crate) fn peek<S: RecordState>(&self, index: usize) -> Result<StateAndMaster<S>, ShardError> {
+        match self.extent(index) {
+            Some(extent) => self.decode(index, self.pool.read(extent.offset, extent.layout.len).wait()),
+            None => Ok((None, None)),
+        }
+    }
+
+    fn decode<S: RecordState>(
+        &self,
+        index: usize,
+        bytes: std::io::Result<Vec<u8>>,
+    ) -> Result<StateAndMaster<S>, ShardError> {
+        let extent = self.extent(index).expect("read slots are on disk");
+        let bytes = bytes.map_err(|e| {
+            self.file
+                .io_error("reading a piece's optimizer state", extent.layout.len, &e)
+        })?;
+        let corrupt = |reason: &str| ShardError::Nvme {
+            path: self.file.path().to_path_buf(),
+            reason: format!("the {} bytes at offset {} {reason}", extent.layout.len, extent.offset),
+            fix: "another program wrote to the swap file, or the disk corrupted it: the optimizer state on disk is \
+                  lost; resume from the last checkpoint, and keep other programs out of the NvmeOffload directory"
+                .into(),
+        };
+        if !extent.layout.matches(&bytes) {
+            return Err(corrupt("are not the ones written (CRC-32 mismatch)"));
+        }
+        slot_bytes::decode(bytes, &extent.layout, &self.device)
+            .ok_or_else(|| corrupt("do not rebuild this optimizer's state"))
+    }
+
+    /// Writes slot `index`'s `state` and `master` behind the step (waiting for the oldest write
+    /// when `max_in_flight` are in flight). An error is recorded for `finish`.
+    pub(crate) fn put<S: RecordState>(&mut self, index: usize, state: Option<&S>, master: Option<&Tensor<1>>) {
+        if index >= self.extents.len() {
+            self.extents.resize_with(index + 1, || None);
+        }
+        if state.is_none() && master.is_none() {
+            self.extents[index] = None;
+            return;
+        }
+        let (bytes, layout) = slot_bytes::encode(state, master);
+        let needed = (layout.len as u64).div_ceil(BLOCK) * BLOCK;
+        let offset = match &self.extents[index] {
+            Some(extent) if extent.capacity >= needed => extent.offset,
+            // New, or grown (a state that gained a tensor): at the end; the old extent is left.
+            _ => {
+                let offset = self.end;
+                self.end += needed;
+                offset
+            }
+        };
+        let capacity = self.extents[index]
+            .as_ref()
+            .filter(|e| e.offset == offset)
+            .map_or(needed, |e| e.capacity);
+        while self.writes.len() >= self.max_in_flight {
+            self.wait_oldest_write();
+        }
+        let len = layout.len;
+        self.writes.push_back((len, self.pool.write(offset, bytes)));
+        self.extents[index] = Some(Extent {
+            offset,
+            capacity,
+            layout,
+        });
+    }
+
+    fn wait_oldest_write(&mut self) {
+        if let Some((len, write)) = self.writes.pop_front() {
+            match write.wait() {
+                Ok(()) => self.this_step.written += len as u64,
+                Err(e) => {
+                    let e = self.file.io_error("writing a piece's optimizer state", len, &e);
+                    self.fail(e);
+                }
+            }
+        }
+    }
+
+    /// Ends the step: waits for every read and write in flight and returns the step's first
+    /// error.
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`], naming the file, the cause and the fix.
+    pub(crate) fn finish(&mut self) -> Result<(), ShardError> {
+        self.ahead.clear();
+        for (_, read) in self.reads.drain() {
+            let _ = read.wait();
+        }
+        while !self.writes.is_empty() {
+            self.wait_oldest_write();
+        }
+        self.last_step = self.this_step;
+        match self.error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Where slot `index`'s bytes are (`None` when it has none on disk).
+    fn extent(&self, index: usize) -> Option<&Extent> {
+        self.extents.get(index).and_then(Option::as_ref)
+    }
+
+    /// Keeps the first error of the step.
+    fn fail(&mut self, e: ShardError) {
+        self.error.get_or_insert(e);
+    }
+
+    /// Bytes of optimizer state on disk (written, not reserved).
+    pub(crate) fn disk_bytes(&self) -> usize {
+        self.extents.iter().flatten().map(|e| e.layout.len).sum()
+    }
+
+    /// Bytes read and written by the last step.
+    pub(crate) fn last_step_io(&self) -> IoBytes {
+        self.last_step
+    }
+
+    /// Restores what [`Swapper::last_step_io`] reports (after writes that were not a step).
+    pub(crate) fn set_last_step_io(&mut self, io: IoBytes) {
+        self.last_step = io;
+    }
+
+    /// The swap file's path.
+    pub(crate) fn path(&self) -> &std::path::Path {
+        self.file.path()
+    }
+}

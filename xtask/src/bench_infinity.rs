@@ -1,0 +1,521 @@
+//! `cargo xtask bench infinity`: a GPT whose model state is larger than this machine's memory,
+//! trained at stage 3 with its optimizer state on disk ([`NvmeOffload`], ZeRO-Infinity's NVMe
+//! offload of the optimizer state), and one table from one run:
+//!
+//! - the model state (`16Ψ` bytes for `f32` AdamW: parameters, gradients, two moments; the
+//!   ZeRO paper's accounting) against the machine's memory (`MemTotal`);
+//! - the peak resident memory of the training process (`VmHWM`, reset after `init` so the
+//!   build of the model is reported apart);
+//! - the bytes the swap file read and wrote per step, and the disk's sequential write and read
+//!   bandwidth measured in the same run (a probe file written with `fdatasync` and read back
+//!   after dropping it from the page cache);
+//! - the step time against two bounds: the disk bound (bytes read / read bandwidth + bytes
+//!   written / write bandwidth) and the compute bound (a 2-layer GPT of the same width trained
+//!   in memory in the same run, its step time × layers / 2);
+//! - and, at a size that fits in memory, the same training with and without NVMe offload, loss
+//!   for loss.
+//!
+//! The large model trains in a child process (this program with `--child`), so that its peak
+//! memory is its own.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::Device;
+use burn_shard::comm::InProcessGroup;
+use burn_shard::{NvmeOffload, ShardConfig, Stage};
+use burn_shard_examples::char_data::{CharCorpus, sample_batch};
+use burn_shard_examples::gpt::{Gpt, GptConfig};
+use burn_shard_examples::gpu_bench::median;
+use burn_shard_examples::training::training_device_on;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+const GB: f64 = 1e9;
+const GIB: f64 = (1u64 << 30) as f64;
+/// AdamW's learning rate of the width-2048 GPTs: low enough that a fresh 33-layer GPT does not
+/// diverge at a batch of 32 tokens without warm-up (1e-4 did).
+const LR_WIDE: f64 = 2e-5;
+/// AdamW's learning rate of the small GPT.
+const LR_SMALL: f64 = 1e-3;
+
+/// Arguments of `cargo xtask bench infinity`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Parameters Ψ of the large GPT; default: the fewest whose f32 model state (16Ψ bytes) is
+    /// 5 % above this machine's memory.
+    #[arg(long)]
+    params: Option<f64>,
+    /// Width (n_embd) of the large GPT; its layers follow from --params (heads: n_embd / 128).
+    #[arg(long, default_value_t = 2048)]
+    n_embd: usize,
+    /// Directory of the swap file and the disk probe, on the disk to measure: needs the
+    /// optimizer state's bytes (8Ψ) free.
+    #[arg(long, default_value = "target/infinity-swap")]
+    swap_dir: PathBuf,
+    /// Steps of the large GPT (the first is reported apart: it writes the state but reads none).
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 2)]
+    batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 16)]
+    block: usize,
+    /// GiB written and read back by the disk probe.
+    #[arg(long, default_value_t = 4.0)]
+    probe_gib: f64,
+    /// Internal: train the large GPT of `--layers` layers in this process and print its
+    /// measurements.
+    #[arg(long, hide = true)]
+    child: bool,
+    #[arg(long, hide = true)]
+    layers: Option<usize>,
+}
+
+/// What the child measured on the large GPT.
+#[derive(serde::Serialize, serde::Deserialize, Debug)]
+struct BigRun {
+    params: usize,
+    layers: usize,
+    /// Seconds to build the model and `init` it.
+    init_s: f64,
+    /// Peak resident bytes up to the end of `init`.
+    init_peak_rss: u64,
+    /// Peak resident bytes during the training steps (`VmHWM` reset after `init`).
+    train_peak_rss: u64,
+    step_s: Vec<f64>,
+    losses: Vec<f32>,
+    /// Swap-file bytes (read, written) of each step.
+    io: Vec<(u64, u64)>,
+    /// `memory_report` after the last step: parameters, gradients, in-memory optimizer state,
+    /// on-disk optimizer state.
+    report: (usize, usize, usize, usize),
+}
+
+pub fn run(args: &Args) -> Result<(), String> {
+    if args.steps < 2 {
+        return Err("--steps must be at least 2: the first step writes the state and reads none".into());
+    }
+    let corpus = corpus()?;
+    if args.child {
+        let layers = args.layers.ok_or("--child needs --layers")?;
+        let run = big_run(args, &corpus, layers)?;
+        println!("INFINITY {}", serde_json::to_string(&run).map_err(|e| e.to_string())?);
+        return Ok(());
+    }
+    let mem_total = mem_total_bytes()?;
+    let (base, per_layer) = gpt_params(&corpus, args)?;
+    let target = args.params.unwrap_or(mem_total as f64 * 1.05 / 16.0);
+    let layers = (((target - base as f64) / per_layer as f64).ceil() as usize).max(1);
+    let psi = base + per_layer * layers;
+    std::fs::create_dir_all(&args.swap_dir).map_err(|e| format!("{}: {e}", args.swap_dir.display()))?;
+    let needed = (8 * psi) as f64 + args.probe_gib * GIB;
+    let free = free_bytes(&args.swap_dir)?;
+    if free < needed * 1.05 {
+        return Err(format!(
+            "{} has {:.1} GB free; the optimizer state of {psi} parameters (8Ψ) and the probe need {:.1} GB: \
+             free space there or pass --swap-dir on a larger disk",
+            args.swap_dir.display(),
+            free / GB,
+            needed / GB
+        ));
+    }
+    eprintln!(
+        "disk probe: {:.1} GiB written and read in {} ...",
+        args.probe_gib,
+        args.swap_dir.display()
+    );
+    let (write_bps, read_bps) = probe_disk(&args.swap_dir, args.probe_gib)?;
+    eprintln!("small GPT with and without NVMe offload ...");
+    let small = compare_small(&corpus, &args.swap_dir)?;
+    eprintln!("compute bound: a 2-layer GPT of width {} in memory ...", args.n_embd);
+    let two_layer_s = two_layer_step(&corpus, args)?;
+    eprintln!(
+        "large GPT: {psi} parameters ({layers} layers), model state {:.1} GB, in a child process ...",
+        16.0 * psi as f64 / GB
+    );
+    let big = spawn_big(args, layers)?;
+    print_table(args, mem_total, write_bps, read_bps, &small, two_layer_s, &big);
+    Ok(())
+}
+
+fn corpus() -> Result<CharCorpus, String> {
+    let path = burn_shard_examples::examples_data_dir().join("tinyshakespeare.txt");
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    Ok(CharCorpus::new(&text))
+}
+
+fn gpt_config(corpus: &CharCorpus, block: usize, n_embd: usize, n_layer: usize) -> GptConfig {
+    GptConfig {
+        vocab_size: corpus.vocab_size(),
+        block_size: block,
+        n_embd,
+        n_head: (n_embd / 128).max(1),
+        n_layer,
+    }
+}
+
+/// The large GPT's parameters outside the blocks and per block, counted on built 1- and
+/// 2-block models.
+fn gpt_params(corpus: &CharCorpus, args: &Args) -> Result<(usize, usize), String> {
+    let device = Device::flex();
+    let count = |layers| Gpt::new(&gpt_config(corpus, args.block, args.n_embd, layers), &device).num_params();
+    let (one, two) = (count(1), count(2));
+    Ok((2 * one - two, two - one))
+}
+
+/// `MemTotal` of /proc/meminfo, bytes.
+fn mem_total_bytes() -> Result<u64, String> {
+    let info = std::fs::read_to_string("/proc/meminfo").map_err(|e| format!("/proc/meminfo: {e}"))?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| kib * 1024)
+        .ok_or_else(|| "no MemTotal in /proc/meminfo".into())
+}
+
+/// A field of /proc/self/status in bytes (`VmHWM`, `VmRSS`).
+fn status_bytes(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| {
+            v.trim_start_matches(':')
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Free bytes of the filesystem holding `dir`.
+fn free_bytes(dir: &Path) -> Result<f64, String> {
+    let path = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is a NUL-terminated string and `stat` a valid out-pointer.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut stat) } != 0 {
+        return Err(format!(
+            "statvfs {}: {}",
+            dir.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(stat.f_bavail as f64 * stat.f_frsize as f64)
+}
+
+/// Sequential write bandwidth (`fdatasync` included) and read bandwidth (after dropping the
+/// file from the page cache) of `gib` GiB in 64 MiB blocks, bytes per second.
+fn probe_disk(dir: &Path, gib: f64) -> Result<(f64, f64), String> {
+    const BLOCK: usize = 64 << 20;
+    let path = dir.join("disk-probe");
+    let err = |e: std::io::Error| format!("{}: {e}", path.display());
+    let blocks = ((gib * GIB) as usize).div_ceil(BLOCK).max(1);
+    let bytes = (blocks * BLOCK) as f64;
+    let block: Vec<u8> = (0..BLOCK).map(|i| (i * 31 % 251) as u8).collect();
+    let start = Instant::now();
+    let mut file = File::create(&path).map_err(err)?;
+    for _ in 0..blocks {
+        file.write_all(&block).map_err(err)?;
+    }
+    file.sync_data().map_err(err)?;
+    let write = bytes / start.elapsed().as_secs_f64();
+    // SAFETY: a valid open descriptor; advice only.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    drop(file);
+    let mut file = File::open(&path).map_err(err)?;
+    let mut buf = vec![0u8; BLOCK];
+    let start = Instant::now();
+    for _ in 0..blocks {
+        file.read_exact(&mut buf).map_err(err)?;
+    }
+    let read = bytes / start.elapsed().as_secs_f64();
+    drop(file);
+    std::fs::remove_file(&path).map_err(err)?;
+    Ok((write, read))
+}
+
+/// Losses and step times of one run.
+struct Trained {
+    losses: Vec<f32>,
+    step_s: Vec<f64>,
+    io: Vec<(u64, u64)>,
+    /// `memory_report` after the last step: parameters, gradients, optimizer state in memory,
+    /// optimizer state on disk (bytes).
+    report: (usize, usize, usize, usize),
+}
+
+/// `steps` steps of `model` at stage 3 on one rank, with `config`.
+fn train(
+    corpus: &CharCorpus,
+    model: Gpt,
+    config: &ShardConfig,
+    device: &Device,
+    steps: usize,
+    (batch, block, lr): (usize, usize, f64),
+    mut after_init: impl FnMut(),
+) -> Result<Trained, String> {
+    let comm = InProcessGroup::new(1)
+        .map_err(|e| e.to_string())?
+        .into_comms()
+        .pop()
+        .unwrap();
+    let optimizer = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1);
+    let (mut model, mut optim) = config.init(model, optimizer, comm).map_err(|e| e.to_string())?;
+    after_init();
+    let mut rng = StdRng::seed_from_u64(1337);
+    let mut out = Trained {
+        losses: Vec::new(),
+        step_s: Vec::new(),
+        io: Vec::new(),
+        report: (0, 0, 0, 0),
+    };
+    for step in 0..steps {
+        let (x, y) = sample_batch(&corpus.train, batch, block, &mut rng, device);
+        let start = Instant::now();
+        let loss = model.loss(x, y);
+        out.losses.push(loss.clone().into_scalar::<f32>());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr, model, grads).map_err(|e| e.to_string())?;
+        out.step_s.push(start.elapsed().as_secs_f64());
+        out.io.push(optim.nvme_io_bytes());
+        eprintln!(
+            "  step {step}: {:.2} s, loss {:.4}, swap read {:.2} GB, written {:.2} GB, RSS {:.2} GiB",
+            out.step_s[step],
+            out.losses[step],
+            out.io[step].0 as f64 / GB,
+            out.io[step].1 as f64 / GB,
+            status_bytes("VmRSS") as f64 / GIB
+        );
+    }
+    let r = optim.memory_report(&model);
+    out.report = (
+        r.parameters_bytes,
+        r.gradients_bytes,
+        r.optimizer_state_bytes,
+        r.disk_bytes,
+    );
+    Ok(out)
+}
+
+/// A GPT of `dims` built from seed 1337 on the stage-3 training device.
+fn seeded_gpt(corpus: &CharCorpus, block: usize, n_embd: usize, layers: usize) -> (Gpt, Device) {
+    let device = training_device_on(&Device::flex(), Stage::Three);
+    device.seed(1337);
+    (Gpt::new(&gpt_config(corpus, block, n_embd, layers), &device), device)
+}
+
+/// The small GPT (width 256, 4 layers) for 8 steps with and without NVMe offload.
+fn compare_small(corpus: &CharCorpus, swap: &Path) -> Result<(Trained, Trained, usize), String> {
+    const STEPS: usize = 8;
+    let (batch, block) = (8, 64);
+    let plain = ShardConfig::new(Stage::Three);
+    let nvme = plain.clone().with_nvme_offload(NvmeOffload::new(swap));
+    let (model, device) = seeded_gpt(corpus, block, 256, 4);
+    let params = model.num_params();
+    let shape = (batch, block, LR_SMALL);
+    let memory = train(corpus, model, &plain, &device, STEPS, shape, || {})?;
+    let (model, device) = seeded_gpt(corpus, block, 256, 4);
+    let disk = train(corpus, model, &nvme, &device, STEPS, shape, || {})?;
+    Ok((memory, disk, params))
+}
+
+/// Median step time of a 2-layer GPT of the large one's width, in memory (1 warm-up step, 3
+/// timed).
+fn two_layer_step(corpus: &CharCorpus, args: &Args) -> Result<f64, String> {
+    let (model, device) = seeded_gpt(corpus, args.block, args.n_embd, 2);
+    let shape = (args.batch, args.block, LR_WIDE);
+    let run = train(corpus, model, &ShardConfig::new(Stage::Three), &device, 4, shape, || {})?;
+    Ok(median(&run.step_s[1..]))
+}
+
+/// The child: the large GPT with NVMe offload, measured.
+fn big_run(args: &Args, corpus: &CharCorpus, layers: usize) -> Result<BigRun, String> {
+    let start = Instant::now();
+    let (model, device) = seeded_gpt(corpus, args.block, args.n_embd, layers);
+    let params = model.num_params();
+    let config = ShardConfig::new(Stage::Three).with_nvme_offload(NvmeOffload::new(&args.swap_dir));
+    let (mut init_s, mut init_peak_rss) = (0.0, 0);
+    let shape = (args.batch, args.block, LR_WIDE);
+    let trained = train(corpus, model, &config, &device, args.steps, shape, || {
+        init_s = start.elapsed().as_secs_f64();
+        init_peak_rss = status_bytes("VmHWM");
+        // Linux: "5" resets the peak RSS (VmHWM) to the current RSS.
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
+    })?;
+    Ok(BigRun {
+        params,
+        layers,
+        init_s,
+        init_peak_rss,
+        train_peak_rss: status_bytes("VmHWM"),
+        step_s: trained.step_s,
+        losses: trained.losses,
+        io: trained.io,
+        report: trained.report,
+    })
+}
+
+/// Runs [`big_run`] in a child process and reads its measurements.
+fn spawn_big(args: &Args, layers: usize) -> Result<BigRun, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let out = Command::new(exe)
+        .args(["bench", "infinity", "--child", "--layers", &layers.to_string()])
+        .args(["--n-embd", &args.n_embd.to_string(), "--steps", &args.steps.to_string()])
+        .args(["--batch", &args.batch.to_string(), "--block", &args.block.to_string()])
+        .arg("--swap-dir")
+        .arg(&args.swap_dir)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot start the child: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().find_map(|l| l.strip_prefix("INFINITY "));
+    use std::os::unix::process::ExitStatusExt;
+    let why = match out.status.signal() {
+        Some(9) => " (SIGKILL: most likely the kernel's OOM killer; pass a smaller --params)",
+        _ => "",
+    };
+    match (out.status.success(), line) {
+        (true, Some(line)) => serde_json::from_str(line).map_err(|e| e.to_string()),
+        _ => Err(format!("the large GPT's process failed: {}{why}\n{stdout}", out.status)),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn print_table(
+    args: &Args,
+    mem_total: u64,
+    write_bps: f64,
+    read_bps: f64,
+    (memory, disk, small_params): &(Trained, Trained, usize),
+    two_layer_s: f64,
+    big: &BigRun,
+) {
+    let psi = big.params as f64;
+    let model_state = 16.0 * psi;
+    let steady: Vec<usize> = (1..big.step_s.len()).collect();
+    let step_s = median(&steady.iter().map(|&i| big.step_s[i]).collect::<Vec<_>>());
+    let (read, written) = steady.last().map_or((0, 0), |&i| big.io[i]);
+    let disk_bound = read as f64 / read_bps + written as f64 / write_bps;
+    let compute_bound = two_layer_s * big.layers as f64 / 2.0;
+    let fs = filesystem_of(&args.swap_dir);
+    println!(
+        "\nZeRO-Infinity bench: NVMe offload of the optimizer state, stage 3, 1 rank, Flex CPU ({} cores), {}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        date()
+    );
+    println!("swap dir {} ({fs})\n", args.swap_dir.display());
+    println!("| quantity | value |\n|---|---|");
+    println!(
+        "| GPT | {} parameters (Ψ), width {}, {} layers, {} × {} tokens per step |",
+        big.params, args.n_embd, big.layers, args.batch, args.block
+    );
+    println!(
+        "| model state, 16Ψ (f32 parameters, gradients, Adam moments) | {:.1} GB = {:.2} × this machine's memory ({:.1} GB) |",
+        model_state / GB,
+        model_state / mem_total as f64,
+        mem_total as f64 / GB
+    );
+    println!(
+        "| peak RSS while training | {:.1} GB = {:.2} × the model state (issue's goal < 0.25; parameters and \
+         gradients alone, 8Ψ, are 0.5 while parameters stay in memory) |",
+        big.train_peak_rss as f64 / GB,
+        big.train_peak_rss as f64 / model_state
+    );
+    println!(
+        "| peak RSS while building and sharding the model | {:.1} GB ({:.0} s) |",
+        big.init_peak_rss as f64 / GB,
+        big.init_s
+    );
+    println!(
+        "| swap file per step (after the first) | read {:.2} GB, written {:.2} GB (8Ψ = {:.2} GB) |",
+        read as f64 / GB,
+        written as f64 / GB,
+        8.0 * psi / GB
+    );
+    println!(
+        "| disk, sequential, this run | write {:.0} MB/s, read {:.0} MB/s |",
+        write_bps / 1e6,
+        read_bps / 1e6
+    );
+    println!(
+        "| step time, median of steps 2-{} | {step_s:.1} s (first step {:.1} s) |",
+        big.step_s.len(),
+        big.step_s.first().copied().unwrap_or(f64::NAN)
+    );
+    println!(
+        "| disk bound (read / read bw + written / write bw) | {disk_bound:.1} s: step / bound = {:.2} |",
+        step_s / disk_bound
+    );
+    println!(
+        "| compute bound (2-layer step in memory {two_layer_s:.2} s × {} / 2) | {compute_bound:.1} s: step / bound = {:.2} |",
+        big.layers,
+        step_s / compute_bound
+    );
+    println!(
+        "| step / max(bounds) | {:.2} (goal ≤ 1.5) |",
+        step_s / disk_bound.max(compute_bound)
+    );
+    let (p, g, o, d) = big.report;
+    println!(
+        "| memory_report after the last step | parameters {:.2} GB, gradients {:.2} GB, optimizer state in memory {:.2} GB, on disk {:.2} GB |",
+        p as f64 / GB,
+        g as f64 / GB,
+        o as f64 / GB,
+        d as f64 / GB
+    );
+    println!("| losses | {:?} |", big.losses);
+    println!(
+        "\nThe same GPT code at {small_params} parameters (width 256, 4 layers), 8 steps, in memory vs NVMe offload:\n"
+    );
+    println!(
+        "| step | loss in memory | loss with NVMe offload | step s in memory | step s with NVMe |\n|---|---|---|---|---|"
+    );
+    for (i, (m, d)) in memory.losses.iter().zip(&disk.losses).enumerate() {
+        println!(
+            "| {i} | {m:.6} | {d:.6} | {:.3} | {:.3} |",
+            memory.step_s[i], disk.step_s[i]
+        );
+    }
+    let same = memory
+        .losses
+        .iter()
+        .zip(&disk.losses)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    println!(
+        "\nlosses bitwise equal: {same}; median step with / without NVMe offload: {:.2}",
+        median(&disk.step_s[1..]) / median(&memory.step_s[1..])
+    );
+}
+
+/// The filesystem type of `dir` (from /proc/mounts: the longest mount point above it).
+fn filesystem_of(dir: &Path) -> String {
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() > 2 && dir.starts_with(f[1])).then(|| (f[1].len(), format!("{} on {}", f[2], f[0])))
+        })
+        .max()
+        .map_or_else(|| "filesystem unknown".into(), |(_, fs)| fs)
+}
+
+fn date() -> String {
+    Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d %H:%M UTC")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
