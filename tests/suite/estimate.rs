@@ -117,6 +117,63 @@ fn estimate_command_offload_nvme_prints_disk_bytes() {
     );
     let cpu = run(&["--offload"]);
     assert!(cpu.contains("host (offloaded)") && !cpu.contains("disk"), "{cpu}");
+
+    // --offload-params: stage 3's 2Ψ/N parameter bytes (0.234 GB) leave the device for the host.
+    let both = run(&["--offload", "nvme", "--offload-params"]);
+    let row = both.lines().find(|l| l.starts_with('3')).expect("the stage 3 row");
+    let cells: Vec<&str> = row.split("  ").map(str::trim).filter(|c| !c.is_empty()).collect();
+    assert_eq!(
+        cells,
+        [
+            "3",
+            "0.0 GB / 0.0 GiB",
+            "0.234 GB / 0.218 GiB",
+            "0.0 GB / 0.0 GiB",
+            "0.234 GB / 0.218 GiB",
+            "0.234 GB / 0.218 GiB",
+            "1.4 GB / 1.3 GiB"
+        ],
+        "stage, parameters, gradients, optimizer state, device total, host, disk:\n{both}"
+    );
+    assert!(
+        both.contains("Parameter offload") && both.contains("host (offloaded)"),
+        "{both}"
+    );
+    // Without the optimizer offloaded, parameter offload is refused by clap (it needs --offload).
+    let out = std::process::Command::new(burn_shard_bin())
+        .args(["estimate", "--params", "1e9", "--world-size", "8", "--offload-params"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("required arguments were not provided") && stderr.contains("--offload ["),
+        "{stderr}"
+    );
+}
+
+/// `with_params_offloaded` moves stage 3's parameter shards (`2Ψ/N` in mixed precision, `4Ψ/N`
+/// in f32) to host memory and leaves stages 0-2, whose parameters are whole, as they are.
+#[test]
+fn params_offloaded_moves_only_stage_3_parameters_to_the_host() {
+    let (psi, n) = (1e9, 8usize);
+    for dtype in [ParamDtype::Bf16, ParamDtype::F32] {
+        for stage in STAGES {
+            let e = estimate::zero_formula(psi, n, stage, dtype, OffloadTarget::Cpu);
+            let p = e.with_params_offloaded();
+            assert_eq!(p.total_bytes(), e.total_bytes(), "{stage} {dtype}: nothing lost");
+            if stage == Stage::Three {
+                let shard = dtype.element_bytes() * psi / n as f64;
+                assert_eq!(
+                    (p.parameters_bytes, p.host_bytes),
+                    (0.0, e.host_bytes + shard),
+                    "{dtype}"
+                );
+            } else {
+                assert_eq!(p, e, "{stage} {dtype}: unchanged");
+            }
+        }
+    }
 }
 
 /// The `burn-shard` binary of this build (cargo builds it for burn-shard-cli's own tests, in

@@ -298,6 +298,20 @@ fn gpu_mixed_precision_and_offload_train_alike_at_every_stage() {
     }
 }
 
+/// Stage 3 with the parameter shards in host memory on GPU 0, against the shards on the GPU
+/// (the offload suite's check, on CUDA): bitwise alike in f32, bf16 and f16, the same
+/// checkpoint files, no shard bytes left on the GPU.
+#[test]
+fn gpu_param_offload_trains_bitwise_as_device_resident_shards() {
+    if gpus() == 0 {
+        return;
+    }
+    let cuda = Device::cuda(0);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        crate::offload::on_cube::check_param_offload(&cuda, dtype);
+    }
+}
+
 /// A checkpoint saved by 2 ranks at stage 3 on GPU 0 resumes on the CPU at 3 ranks and stage 1,
 /// and the resumed run ends where an uninterrupted CPU run does.
 #[test]

@@ -2,7 +2,9 @@
 //! move to host memory and the fused CPU Adam, the parameters and gradients stay on the
 //! device. Trained on wgpu (lavapipe on CI), offloading changes neither the result (against
 //! the same training with the state on the device) nor the parameters' and gradients' bytes,
-//! and moves exactly the device's optimizer-state bytes to the host.
+//! and moves exactly the device's optimizer-state bytes to the host. Stage 3's parameter
+//! offload (`ShardConfig::with_offload_params`) also keeps the shards in host memory: bitwise the
+//! same training, the same checkpoint files.
 
 use burn::optim::AdamWConfig;
 use burn::prelude::*;
@@ -33,6 +35,24 @@ fn offloading_a_model_that_lives_on_the_host_is_refused_at_init() {
             "stage {stage}: the error names the cause and the fix: {msg}"
         );
     }
+}
+
+/// Parameter offload of a model whose parameters live in host memory already (Burn's `Flex`)
+/// moves nothing: refused at `init`, naming what saves memory there (NVMe offload).
+#[test]
+fn offloading_parameters_of_a_host_model_is_refused() {
+    let model = TinyMlp::new(&Device::flex().autodiff());
+    let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+    let err = ShardConfig::new(Stage::Three)
+        .with_offload_params(true)
+        .init(model, adamw(), comm)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("already live in host memory") && err.contains("with_nvme_offload"),
+        "{err}"
+    );
 }
 
 /// `Offload` keeps what the wrapped config asks beyond the optimizer (its gradient clipping).
@@ -82,20 +102,22 @@ pub(crate) mod on_cube {
 
     /// `steps` sharded steps of `dtype` parameters on `device` (an autodiff device), starting from
     /// `base`. `f16` uses a fixed loss scale (the same in every run compared).
+    /// `save`: a checkpoint directory written after the last step.
+    #[allow(clippy::too_many_arguments)]
     fn train_rank<O: IntoOptimizer, C: Collective + 'static>(
         comm: C,
         device: &Device,
         base: &TinyMlp,
         optim: O,
-        stage: Stage,
+        mut config: ShardConfig,
         dtype: DType,
         steps: usize,
+        save: Option<&std::path::Path>,
     ) -> RankRun
     where
         O::Optimizer: Optimizer<State<1> = AdamState<1>>,
     {
         let (rank, world_size) = (comm.rank(), comm.world_size());
-        let mut config = ShardConfig::new(stage);
         if dtype == DType::F16 {
             config = config.with_loss_scaler(burn_shard::LossScaler::fixed(256.0));
         }
@@ -116,6 +138,11 @@ pub(crate) mod on_cube {
             losses.push(global);
             let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
             model = optim.step(LR, model, grads).expect("sharded step");
+        }
+        if let Some(dir) = save {
+            optim
+                .save_checkpoint(&model, dir, &serde_json::json!({}))
+                .expect("save");
         }
         let report = optim.memory_report(&model);
         let mut state_devices: Vec<Device> = optim
@@ -150,8 +177,24 @@ pub(crate) mod on_cube {
     where
         O::Optimizer: Optimizer<State<1> = AdamState<1>>,
     {
-        run_ranks(InProcessGroup::new(WORLD_SIZE).unwrap(), |comm| {
-            train_rank(comm, device, base, optim.clone(), stage, dtype, STEPS)
+        run_with(device, base, optim, ShardConfig::new(stage), dtype, WORLD_SIZE, None)
+    }
+
+    /// [`run`] with `config` on `world_size` ranks, saving a checkpoint to `save`.
+    fn run_with<O: IntoOptimizer + Clone + Send + Sync>(
+        device: &Device,
+        base: &TinyMlp,
+        optim: O,
+        config: ShardConfig,
+        dtype: DType,
+        world_size: usize,
+        save: Option<&std::path::Path>,
+    ) -> Vec<RankRun>
+    where
+        O::Optimizer: Optimizer<State<1> = AdamState<1>>,
+    {
+        run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+            train_rank(comm, device, base, optim.clone(), config.clone(), dtype, STEPS, save)
         })
         .expect("no rank panics")
     }
@@ -277,6 +320,145 @@ pub(crate) mod on_cube {
         }
     }
 
+    /// Stage 3 with the parameter shards in host memory ([`ShardConfig::with_offload_params`])
+    /// on the CubeCL device `wgpu`, against the same training with the shards on the device
+    /// (both with the optimizer offloaded, which parameter offload requires), at world sizes
+    /// 1-3, gathering parameter by parameter and unit by unit (`with_units`, one grouped
+    /// gather per unit): bitwise the same losses, parameters and masters (the same kernels
+    /// run on the same values; only where the shards wait between uses changes); byte for
+    /// byte the same checkpoint rank files; no parameter bytes left on the device, the shards
+    /// counted in host memory instead (`host_bytes` grows by what the resident run's
+    /// `parameters_bytes` was), gradients unchanged.
+    pub(crate) fn check_param_offload(wgpu: &Device, dtype: DType) {
+        let device = Device::flex().autodiff();
+        device.seed(11);
+        let base = TinyMlp::new(&device);
+        let autodiff = wgpu.clone().autodiff();
+        for world_size in 1..=3 {
+            for units in [vec![], vec!["l1", "l2"]] {
+                let ctx = format!("{dtype:?}, world size {world_size}, units {units:?}");
+                let dir = scratch("param-offload", &format!("{dtype:?}-{world_size}-{}", units.len()));
+                let resident = ShardConfig::new(Stage::Three).with_units(units.clone());
+                let offloaded = resident.clone().with_offload_params(true);
+                let (saved_resident, saved_offloaded) = (dir.join("resident"), dir.join("offloaded"));
+                let r = run_with(
+                    &autodiff,
+                    &base,
+                    Offload(adamw()),
+                    resident,
+                    dtype,
+                    world_size,
+                    Some(&saved_resident),
+                );
+                let o = run_with(
+                    &autodiff,
+                    &base,
+                    Offload(adamw()),
+                    offloaded,
+                    dtype,
+                    world_size,
+                    Some(&saved_offloaded),
+                );
+                assert!(
+                    r[0].losses[STEPS - 1] < r[0].losses[0],
+                    "{ctx}: the run must learn: {:?}",
+                    r[0].losses
+                );
+                for (rank, (r, o)) in r.iter().zip(&o).enumerate() {
+                    let ctx = format!("{ctx}, rank {rank}");
+                    assert_eq!(o.losses, r.losses, "{ctx}: losses");
+                    assert_eq!(o.params, r.params, "{ctx}: parameters");
+                    assert_eq!(o.masters, r.masters, "{ctx}: masters");
+                    let (r, o) = (&r.report, &o.report);
+                    println!("{ctx}: resident {r:?}\n{ctx}: offloaded {o:?}");
+                    assert!(
+                        r.parameters_bytes > 0,
+                        "{ctx}: the resident run holds its shards on the device"
+                    );
+                    assert_eq!(o.parameters_bytes, 0, "{ctx}: no parameter shard left on the device");
+                    assert_eq!(
+                        o.host_bytes,
+                        r.host_bytes + r.parameters_bytes,
+                        "{ctx}: the shards are in host memory"
+                    );
+                    assert_eq!(o.gradients_bytes, r.gradients_bytes, "{ctx}: gradients stay");
+                    assert_eq!(o.total_bytes(), r.total_bytes(), "{ctx}");
+                }
+                assert_eq!(
+                    files_of(&saved_offloaded),
+                    files_of(&saved_resident),
+                    "{ctx}: the checkpoints differ"
+                );
+            }
+        }
+    }
+
+    /// Every file under `dir` but `meta.json` (relative path, bytes), sorted.
+    fn files_of(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+        let mut files = Vec::new();
+        let mut todo = vec![dir.to_path_buf()];
+        while let Some(d) = todo.pop() {
+            for entry in std::fs::read_dir(&d).unwrap() {
+                let path = entry.unwrap().path();
+                match path.is_dir() {
+                    true => todo.push(path),
+                    // meta.json names the run that wrote it (a random id): the rank files hold
+                    // the values, and meta.json their digests.
+                    false if path.file_name().is_some_and(|n| n == "meta.json") => {}
+                    false => files.push((
+                        path.strip_prefix(dir).unwrap().to_path_buf(),
+                        std::fs::read(&path).unwrap(),
+                    )),
+                }
+            }
+        }
+        files.sort();
+        assert!(!files.is_empty(), "no checkpoint under {}", dir.display());
+        files
+    }
+
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn param_offload_on_wgpu_trains_bitwise_as_device_resident_shards() {
+        use burn_shard_kernels::cube_supports;
+        let Some(wgpu) = crate::fused_adam_wgpu::device() else {
+            return;
+        };
+        check_param_offload(&wgpu, DType::F32);
+        // bf16 with `f32` masters; f16 (with loss scaling) where the adapter has no bf16 (WGSL).
+        match [DType::BF16, DType::F16].into_iter().find(|d| cube_supports(&wgpu, *d)) {
+            Some(half) => check_param_offload(&wgpu, half),
+            None => eprintln!("skipped the half dtypes: this wgpu adapter has neither bf16 nor f16"),
+        }
+    }
+
+    /// `init` refuses parameter offload where it would move nothing or could not step, naming
+    /// the fix: below stage 3, and with an optimizer whose state stays on the device (the
+    /// model on the host: `offloading_parameters_of_a_host_model_is_refused`).
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn param_offload_below_stage_3_or_without_offload_is_refused_at_init() {
+        let Some(wgpu) = crate::fused_adam_wgpu::device() else {
+            return;
+        };
+        let model = || TinyMlp::new(&wgpu.clone().autodiff());
+        let comm = || InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+        let err = ShardConfig::new(Stage::Two)
+            .with_offload_params(true)
+            .init(model(), Offload(adamw()), comm())
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(err.contains("at stage 2") && err.contains("Stage::Three"), "{err}");
+        let err = ShardConfig::new(Stage::Three)
+            .with_offload_params(true)
+            .init(model(), adamw(), comm())
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(err.contains("Offload(AdamWConfig::new())"), "{err}");
+    }
+
     /// One step of `optim` on rows `start..end` of step `step`'s global batch.
     #[cfg(feature = "wgpu")]
     fn step_rows<O: MasterWeightStep>(
@@ -310,7 +492,16 @@ pub(crate) mod on_cube {
         let dir = scratch("offload", "resume").join("ckpt");
         let (first, then) = (3, 3);
         let straight = run_ranks(InProcessGroup::new(WORLD_SIZE).unwrap(), |comm| {
-            train_rank(comm, &autodiff, &base, adamw(), Stage::Two, DType::F32, first + then)
+            train_rank(
+                comm,
+                &autodiff,
+                &base,
+                adamw(),
+                ShardConfig::new(Stage::Two),
+                DType::F32,
+                first + then,
+                None,
+            )
         })
         .unwrap();
         let resumed = run_ranks(InProcessGroup::new(WORLD_SIZE).unwrap(), |comm| {

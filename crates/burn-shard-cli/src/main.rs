@@ -4,7 +4,7 @@
 //! burn-shard ckpt inspect DIR
 //! burn-shard ckpt consolidate DIR --out model.bpk
 //! burn-shard ckpt reshard DIR --world-size 8 --out DIR8
-//! burn-shard estimate --params 7.5e9 --world-size 64 [--stage N] [--dtype bf16|f16|f32] [--offload [cpu|nvme]]
+//! burn-shard estimate --params 7.5e9 --world-size 64 [--stage N] [--dtype bf16|f16|f32] [--offload [cpu|nvme]] [--offload-params]
 //! ```
 
 use std::path::PathBuf;
@@ -55,6 +55,10 @@ struct Estimate {
     /// `--offload` alone means) or on a local disk (`nvme`, ZeRO-Infinity).
     #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "cpu")]
     offload: Option<Target>,
+    /// Stage 3: the parameter shards in host memory too (ShardConfig::with_offload_params, which
+    /// steps them with the optimizer offloaded: needs --offload); stages 0-2 are unchanged.
+    #[arg(long, requires = "offload")]
+    offload_params: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -173,6 +177,10 @@ fn print_estimate(args: &Estimate) {
     let rows: Vec<ModelStateEstimate> = stages
         .iter()
         .map(|&stage| estimate::zero_formula(args.params, args.world_size as usize, stage, dtype, args.offload()))
+        .map(|row| match args.offload_params {
+            true => row.with_params_offloaded(),
+            false => row,
+        })
         .collect();
     let precision = match dtype {
         ParamDtype::F32 => "f32 parameters, Adam".to_string(),
@@ -191,6 +199,9 @@ fn print_estimate(args: &Estimate) {
         }
         OffloadTarget::Nvme => {
             header[4] = "total on device";
+            if args.offload_params {
+                header.push("host (offloaded)");
+            }
             header.push("disk (offloaded)");
         }
     }
@@ -206,7 +217,12 @@ fn print_estimate(args: &Estimate) {
         match args.offload() {
             OffloadTarget::None => {}
             OffloadTarget::Cpu => cells.push(size(row.host_bytes)),
-            OffloadTarget::Nvme => cells.push(size(row.disk_bytes)),
+            OffloadTarget::Nvme => {
+                if args.offload_params {
+                    cells.push(size(row.host_bytes));
+                }
+                cells.push(size(row.disk_bytes));
+            }
         }
         table.push(cells);
     }
@@ -250,7 +266,14 @@ fn print_estimate(args: &Estimate) {
         ],
         OffloadTarget::None => &[],
     };
-    for line in source.iter().chain(offload) {
+    let params: &[&str] = match args.offload_params {
+        true => &[
+            "Parameter offload (ZeRO-Infinity, SC21, §5.1): at stage 3 the parameter shards live in host memory;",
+            "the device holds the units being gathered (not counted here) and the gradients.",
+        ],
+        false => &[],
+    };
+    for line in source.iter().chain(offload).chain(params) {
         println!("{line}");
     }
     println!(

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::grad_clipping::GradientClipping;
-use burn::tensor::DType;
+use burn::tensor::{DType, Device};
 use burn_shard_comm::Collective;
 
 use crate::error::ShardError;
@@ -18,7 +18,9 @@ use crate::model::units::UnitPolicy;
 use crate::optim::into_optimizer::IntoOptimizer;
 use crate::optim::loss_scale::LossScaler;
 use crate::optim::master::MasterWeightStep;
+use crate::optim::offload::Offloaded;
 use crate::overlap::bucket_reducer::{BucketReducer, reduces_in_backward};
+use crate::overlap::comm_context::ParamHome;
 use crate::overlap::context::FsdpContext;
 use crate::stage::Stage;
 use crate::step::optimizer::ShardedOptimizer;
@@ -90,6 +92,11 @@ pub struct ShardConfig {
     /// NVMe offload; default `None`: in memory). See [`NvmeOffload`] for what it costs.
     #[serde(default)]
     pub nvme_offload: Option<NvmeOffload>,
+    /// Stage 3 on an accelerator: keep this rank's parameter shards in host memory instead of
+    /// on the device (ZeRO-Infinity's parameter offload to CPU, DeepSpeed's
+    /// `offload_param: {device: cpu}`; default `false`). See [`ShardConfig::with_offload_params`].
+    #[serde(default)]
+    pub offload_params: bool,
 }
 
 impl burn::config::Config for ShardConfig {}
@@ -151,6 +158,7 @@ impl ShardConfig {
             overlap_comm: true,
             units: Vec::new(),
             nvme_offload: None,
+            offload_params: false,
         }
     }
 
@@ -209,6 +217,36 @@ impl ShardConfig {
     /// (see [`NvmeOffload`]): `ShardConfig::new(Stage::Three).with_nvme_offload(NvmeOffload::new("/nvme/swap"))`.
     pub fn with_nvme_offload(mut self, nvme: NvmeOffload) -> Self {
         self.nvme_offload = Some(nvme);
+        self
+    }
+
+    /// Stage 3 on an accelerator (CUDA, wgpu, any CubeCL device): keeps this rank's parameter
+    /// shards in host memory (Burn's `Flex` CPU device) between uses, with the optimizer that
+    /// steps them ([`Offload`](crate::Offload)): ZeRO-Infinity's parameter offload to CPU
+    /// (Rajbhandari et al., SC21, §5.1).
+    ///
+    /// What the device then holds of the model state: the parameters of the units being
+    /// gathered and used (the unit that computes and the one prefetched), and the gradient
+    /// shards until the step; the shards themselves (`Ψ·b/N` bytes for `Ψ` parameters of `b`
+    /// bytes on `N` ranks) move to [`MemoryReport::host_bytes`](crate::MemoryReport::host_bytes).
+    /// What it costs per step: each gather copies its shards host → device first (a unit's
+    /// shards, once the schedule has learned the unit, concatenated and copied with one call per
+    /// dtype, issued with the unit's all-gather, so the prefetched unit's copy is issued ahead;
+    /// with `reshard_after_forward` the re-gather in backward copies again); the update runs on
+    /// the host, where the shard stays, so only the gradient crosses device → host. The shards'
+    /// compute device is fixed at `init`: moving the model to another device is not supported
+    /// with it. Loading a checkpoint builds each shard on the compute device before it goes
+    /// home, so a load briefly holds the shards there. Results are bitwise those of the
+    /// same training with the shards on the device.
+    ///
+    /// # Errors (at `init`)
+    /// [`ShardError::InvalidConfig`] below stage 3 (every rank holds whole parameters there;
+    /// [`Offload`](crate::Offload) moves the optimizer state), for a model on the host already
+    /// (Burn's `Flex`: nothing would move; [`ShardConfig::with_nvme_offload`] is what saves memory
+    /// there), and with an optimizer that is not [`Offload`](crate::Offload)ed (the step updates
+    /// shards where its state lives, which must be where they live).
+    pub fn with_offload_params(mut self, offload_params: bool) -> Self {
+        self.offload_params = offload_params;
         self
     }
 
@@ -293,6 +331,7 @@ impl ShardConfig {
         if self.stage == Stage::Three {
             crate::backend::check_stage3_device(&device)?;
         }
+        let param_home = self.param_home::<O>(&device)?;
         let options = StepOptions {
             max_grad_norm: self.max_grad_norm,
             loss_scaler: self.loss_scaler.clone(),
@@ -322,7 +361,7 @@ impl ShardConfig {
             Stage::Zero => StagePlan::Zero,
             Stage::One => StagePlan::One,
             Stage::Two => StagePlan::Two,
-            Stage::Three => return self.shard_parameters(model, optim, options, comm, census, buffers),
+            Stage::Three => return self.shard_parameters(model, optim, options, comm, census, buffers, param_home),
         };
         let layout = Arc::new(layout);
         let overlaps = self.overlap_comm && reduces_in_backward(comm.as_ref(), &device) && !layout.slots().is_empty();
@@ -367,8 +406,46 @@ impl ShardConfig {
         }
     }
 
+    /// With [`ShardConfig::offload_params`]: where the shards live and where they compute, or
+    /// the reason the combination moves nothing or cannot step (see
+    /// [`ShardConfig::with_offload_params`]).
+    fn param_home<O: MasterWeightStep>(&self, device: &Device) -> Result<Option<ParamHome>, ShardError> {
+        if !self.offload_params {
+            return Ok(None);
+        }
+        let host = Offloaded::<()>::host_device();
+        let refuse = |why: &str| Err(ShardError::InvalidConfig(format!("offload_params: {why}")));
+        if *device == host {
+            return refuse(
+                "the model's parameters already live in host memory (Burn's Flex CPU device), so nothing would \
+                 move; drop with_offload_params(true), and keep the optimizer state on disk with \
+                 with_nvme_offload(NvmeOffload::new(dir)) to save memory there",
+            );
+        }
+        if self.stage != Stage::Three {
+            return refuse(&format!(
+                "parameter offload keeps stage-3 shards in host memory, and at stage {} every rank holds whole \
+                 parameters; use stage 3 (ShardConfig::new(Stage::Three)), or Offload(..) alone to move the \
+                 optimizer state",
+                self.stage.number()
+            ));
+        }
+        if O::state_device(device) != host {
+            return refuse(
+                "the shards would live in host memory while the optimizer state stays on the device, and a step \
+                 updates a shard where its state is; wrap the optimizer in Offload (Offload(AdamWConfig::new())) \
+                 so both live in host memory",
+            );
+        }
+        Ok(Some(ParamHome {
+            host,
+            compute: device.clone(),
+        }))
+    }
+
     /// Stage 3: keeps only this rank's shard of every parameter; `val()` gathers on demand. The
     /// optimizer then works on the local shards alone (their gradients arrive reduced).
+    #[allow(clippy::too_many_arguments)]
     fn shard_parameters<M: Module, O: MasterWeightStep>(
         &self,
         model: M,
@@ -377,8 +454,9 @@ impl ShardConfig {
         comm: Arc<dyn Collective>,
         census: Census,
         buffers: Buffers,
+        param_home: Option<ParamHome>,
     ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
-        let ctx = FsdpContext::new(comm.clone(), self.reshard_after_forward);
+        let ctx = FsdpContext::new(comm.clone(), self.reshard_after_forward, param_home);
         let mut sharder = Sharder {
             ctx: ctx.clone(),
             census: census.clone(),

@@ -158,6 +158,20 @@ impl ModelStateEstimate {
     pub fn total_bytes(&self) -> f64 {
         self.device_bytes() + self.host_bytes
     }
+
+    /// This estimate with stage 3's parameter shards in host memory
+    /// ([`ShardConfig::with_offload_params`](crate::ShardConfig::with_offload_params); ZeRO-Infinity,
+    /// Rajbhandari et al., SC21, §5.1, counts the `2Ψ/N` parameter bytes of mixed precision, `4Ψ/N`
+    /// for `f32`, in host memory then): `parameters_bytes` move to `host_bytes`. Stages 0-2 are
+    /// returned unchanged: every rank holds whole parameters there, which parameter offload does
+    /// not apply to.
+    pub fn with_params_offloaded(mut self) -> Self {
+        if self.stage.shards_parameters() {
+            self.host_bytes += self.parameters_bytes;
+            self.parameters_bytes = 0.0;
+        }
+        self
+    }
 }
 
 /// The ZeRO paper's per-rank model-state bytes for `params` (`Ψ`, elements) trained with Adam

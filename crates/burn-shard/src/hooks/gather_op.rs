@@ -59,9 +59,10 @@ pub struct GatherSpec {
 }
 
 impl GatherSpec {
-    /// Puts `shard` in place as the parameter's current shard, under a new version.
+    /// Puts `shard` in place as the parameter's current shard, under a new version (moved to
+    /// host memory with parameter offload).
     pub(crate) fn set_shard(&mut self, shard: Tensor<1>) {
-        self.param.shard = shard;
+        self.param.shard = self.ctx.to_home(shard);
         self.param.version = next_version();
         self.ctx.register(&self.param);
     }

@@ -39,7 +39,9 @@ pub struct ShardedParam {
 
 impl ShardedParam {
     /// This rank's shard: `[chunk]` elements, `chunk = ceil(numel / world_size)`, the last
-    /// rank's tail zero-padded; the parameter's dtype; not tracked by autodiff.
+    /// rank's tail zero-padded; the parameter's dtype; not tracked by autodiff; in host memory
+    /// with [`ShardConfig::offload_params`](crate::ShardConfig::offload_params), on the
+    /// parameter's device otherwise.
     pub fn shard(&self) -> &Tensor<1> {
         &self.spec.shard
     }
@@ -75,7 +77,11 @@ impl Reparameterization for ShardedParam {
 
 impl Module for ShardedParam {
     fn collect_devices(&self, mut devices: Devices) -> Devices {
-        let device = self.spec.shard.device();
+        // The device the parameter computes on, also when its shard lives in host memory.
+        let device = match self.spec.ctx.offloaded_compute() {
+            Some(compute) => compute.clone(),
+            None => self.spec.shard.device(),
+        };
         if !devices.contains(&device) {
             devices.push(device);
         }
@@ -89,7 +95,9 @@ impl Module for ShardedParam {
     fn to_device(mut self, device: &Device) -> Self {
         // The shard stays plain: autodiff tracks the placeholder, never the shard.
         let device = device.clone().without_autodiff();
-        if self.spec.shard.device() != device {
+        // With parameter offload the shard stays in host memory: `init` chose the compute
+        // device, and a gather copies the shard there.
+        if self.spec.shard.device() != device && self.spec.ctx.offloaded_compute().is_none() {
             let shard = self.spec.shard.clone().to_device(&device);
             self.spec.set_shard(shard);
         }
@@ -176,7 +184,9 @@ impl Reparameterizer for &mut Sharder {
             flat = Tensor::cat(vec![flat, Tensor::zeros([n * chunk - numel], (&device, dtype))], 0);
         }
         // A new buffer from data: a view of the full tensor would keep the full weight alive.
-        let shard = Tensor::<1>::from_data(flat.narrow(0, r * chunk, chunk).into_data(), (&device, dtype));
+        // Made where shards live (host memory with parameter offload).
+        let home = self.ctx.shard_device(&device.clone().without_autodiff());
+        let shard = Tensor::<1>::from_data(flat.narrow(0, r * chunk, chunk).into_data(), (&home, dtype));
         let mut placeholder: Tensor<D> = Tensor::<1>::zeros([1], (&device, dtype))
             .reshape([1usize; D])
             .expand(dims);

@@ -22,8 +22,10 @@ pub struct MemoryReport {
     pub world_size: usize,
     /// ZeRO stage (0 to 3).
     pub stage: u8,
-    /// Bytes of every float parameter of the module (trainable and frozen); at stage 3 the
-    /// shards this rank stores.
+    /// Bytes of every float parameter of the module (trainable and frozen) on its device; at
+    /// stage 3 the shards this rank stores there (none with
+    /// [`ShardConfig::offload_params`](crate::ShardConfig::offload_params), which keeps them in
+    /// [`MemoryReport::host_bytes`]).
     pub parameters_bytes: usize,
     /// Bytes of the reduced gradient buffers held while the last step ran the optimizer
     /// (whole buckets for stages 0-1, this rank's shards for stage 2), plus the peak of the
@@ -34,10 +36,12 @@ pub struct MemoryReport {
     /// moments, and the `f32` master weights of `bf16`/`f16` parameters); 0 with
     /// [`Offload`](crate::Offload), which keeps them in host memory ([`MemoryReport::host_bytes`]).
     pub optimizer_state_bytes: usize,
-    /// Bytes of optimizer state (moments and `f32` master weights) this rank holds in host
-    /// memory, off the parameters' device: all of it with [`Offload`](crate::Offload) (ZeRO-Offload),
-    /// 0 otherwise. Measured by the device each state and master tensor is on, so a model on
-    /// the host itself (Burn's `Flex` CPU device) counts its state as device-resident.
+    /// Bytes of model state this rank holds in host memory, off the parameters' device: the
+    /// optimizer state (moments and `f32` master weights) with [`Offload`](crate::Offload)
+    /// (ZeRO-Offload), and the stage-3 parameter shards with
+    /// [`ShardConfig::offload_params`](crate::ShardConfig::offload_params); 0 otherwise. Measured
+    /// by the device each tensor is on, so a model on the host itself (Burn's `Flex` CPU device)
+    /// counts its state as device-resident.
     pub host_bytes: usize,
     /// Bytes of optimizer state (moments and `f32` master weights) this rank keeps on disk
     /// between steps, with [`NvmeOffload`](crate::NvmeOffload) (ZeRO-Infinity); 0 otherwise. Not

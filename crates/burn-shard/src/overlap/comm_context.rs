@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex, Weak};
 
 use burn::backend::Flex;
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 use burn_shard_comm::{Collective, CommError};
 
 /// The collective of one rank with its first error and transient-memory probes.
@@ -15,15 +15,62 @@ pub(crate) struct CommContext {
     comm: Arc<dyn Collective>,
     first_error: Mutex<Option<CommError>>,
     transient: Mutex<TransientProbes>,
+    /// Where the shards live when that is not where they are gathered.
+    param_home: Option<ParamHome>,
+}
+
+/// Parameter offload ([`crate::ShardConfig::offload_params`]): this rank's shards live in host
+/// memory and are copied to the compute device when they are gathered.
+#[derive(Clone, Debug)]
+pub(crate) struct ParamHome {
+    /// Where the shards live (Burn's `Flex` CPU device).
+    pub(crate) host: Device,
+    /// Where they are gathered, and where the model computes (plain, without autodiff).
+    pub(crate) compute: Device,
 }
 
 impl CommContext {
-    /// The context of `comm`'s rank: no error recorded, no transient buffer watched.
-    pub(crate) fn new(comm: Arc<dyn Collective>) -> Self {
+    /// The context of `comm`'s rank: no error recorded, no transient buffer watched; shards
+    /// in host memory when `param_home` is given.
+    pub(crate) fn new(comm: Arc<dyn Collective>, param_home: Option<ParamHome>) -> Self {
         Self {
             comm,
             first_error: Mutex::new(None),
             transient: Mutex::new(TransientProbes::default()),
+            param_home,
+        }
+    }
+
+    /// The device a shard of a parameter on `compute` lives on: the host with parameter
+    /// offload, `compute` itself otherwise.
+    pub(crate) fn shard_device(&self, compute: &Device) -> Device {
+        match &self.param_home {
+            Some(home) => home.host.clone(),
+            None => compute.clone(),
+        }
+    }
+
+    /// The device the model computes on when the shards live elsewhere (parameter offload).
+    pub(crate) fn offloaded_compute(&self) -> Option<&Device> {
+        self.param_home.as_ref().map(|home| &home.compute)
+    }
+
+    /// `shard` (or a concatenation of shards) on the device it is gathered on: copied from the
+    /// host with parameter offload (one copy per gather, issued with the gather, so a
+    /// prefetched unit's copy runs ahead of the unit too), as is otherwise.
+    pub(crate) fn to_compute(&self, shard: Tensor<1>) -> Tensor<1> {
+        match &self.param_home {
+            Some(home) if shard.device() != home.compute => shard.to_device(&home.compute),
+            _ => shard,
+        }
+    }
+
+    /// `shard` where shards live: a shard the optimizer or a checkpoint load put on the compute
+    /// device goes back to the host with parameter offload.
+    pub(crate) fn to_home(&self, shard: Tensor<1>) -> Tensor<1> {
+        match &self.param_home {
+            Some(home) if shard.device() != home.host => shard.to_device(&home.host),
+            _ => shard,
         }
     }
 

@@ -10,7 +10,7 @@ use burn::tensor::Tensor;
 use burn_shard_comm::Collective;
 
 use crate::overlap::collectives::all_gather_full;
-use crate::overlap::comm_context::CommContext;
+use crate::overlap::comm_context::{CommContext, ParamHome};
 use crate::overlap::gather_schedule::Schedule;
 use crate::overlap::spec::{POLICY_SCOPE, ParamSpec};
 use crate::overlap::unit_reducer::{Reduced, Reducer};
@@ -50,9 +50,10 @@ impl fmt::Debug for FsdpContext {
 }
 
 impl FsdpContext {
-    pub(crate) fn new(comm: Arc<dyn Collective>, reshard_after_forward: bool) -> Self {
+    /// The context of `comm`'s rank; `param_home` with parameter offload (see [`ParamHome`]).
+    pub(crate) fn new(comm: Arc<dyn Collective>, reshard_after_forward: bool, param_home: Option<ParamHome>) -> Self {
         Self(Arc::new(Inner {
-            comm: CommContext::new(comm),
+            comm: CommContext::new(comm, param_home),
             reshard_after_forward,
             schedule: Mutex::new(Schedule::default()),
             reducer: Mutex::new(Reducer::default()),

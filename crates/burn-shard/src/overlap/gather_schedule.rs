@@ -245,20 +245,22 @@ impl Schedule {
             .iter()
             .map(|(dtype, _, _, width)| world_size * width * dtype.size())
             .sum();
-        let sample = by_dtype[0].2[0].clone();
+        let mut sample = None;
         let parts = by_dtype
             .into_iter()
             .map(|(_, members, shards, width)| {
                 let tags: Vec<u64> = members.iter().map(|m| m.tag).collect();
                 let tag = CallTag::Group(&tags).value();
-                let flat = Tensor::cat(shards, 0);
+                // With parameter offload: one host-to-device copy of the group's shards.
+                let flat = ctx.to_compute(Tensor::cat(shards, 0));
+                sample.get_or_insert_with(|| flat.clone());
                 (members, width, ctx.comm().all_gather_async(flat, tag))
             })
             .collect();
         Some(GroupGather {
             key,
             parts,
-            _in_flight: ctx.watch_in_flight(&sample, bytes),
+            _in_flight: sample.and_then(|sample| ctx.watch_in_flight(&sample, bytes)),
         })
     }
 

@@ -715,25 +715,35 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     ///
     /// Optimizer state (moments, `f32` masters) counts as `optimizer_state_bytes` when its
     /// tensors are on the parameters' device and as `host_bytes` when they are elsewhere (in
-    /// host memory, with [`Offload`](crate::Offload)), tensor by tensor.
+    /// host memory, with [`Offload`](crate::Offload)), tensor by tensor; stage-3 shards count
+    /// as `parameters_bytes` on the device and as `host_bytes` in host memory (with
+    /// [`ShardConfig::offload_params`](crate::ShardConfig::offload_params)).
     pub fn memory_report<M: Module>(&self, model: &M) -> MemoryReport {
         let device = flat::plain_device(model).ok();
         let state = self.slots.bytes(device.as_ref());
+        // Stage 3: shards by where they live (host memory with parameter offload).
+        let (mut shards_on_device, mut shards_elsewhere) = (0, 0);
+        let parameters_bytes = match self.plan.fsdp() {
+            Some(_) => {
+                let shards = exchange::collect_shards(model);
+                for shard in shards.values() {
+                    match device.as_ref().is_none_or(|d| shard.device() == *d) {
+                        true => shards_on_device += tensor_bytes(shard),
+                        false => shards_elsewhere += tensor_bytes(shard),
+                    }
+                }
+                shards_on_device + module_param_bytes(model, |id| shards.contains_key(id))
+            }
+            None => module_param_bytes(model, |_| false),
+        };
         MemoryReport {
             rank: self.comm.rank(),
             world_size: self.comm.world_size(),
             stage: self.stage().number(),
-            parameters_bytes: match self.plan.fsdp() {
-                Some(_) => {
-                    let shards = exchange::collect_shards(model);
-                    let sharded: usize = shards.values().map(tensor_bytes).sum();
-                    sharded + module_param_bytes(model, |id| shards.contains_key(id))
-                }
-                None => module_param_bytes(model, |_| false),
-            },
+            parameters_bytes,
             gradients_bytes: self.last.gradients_bytes + self.pending.last_cycle_bytes(),
             optimizer_state_bytes: state.on_device,
-            host_bytes: state.elsewhere,
+            host_bytes: state.elsewhere + shards_elsewhere,
             disk_bytes: state.on_disk,
             temporary_peak_bytes: self.last.temporary_peak_bytes,
         }
