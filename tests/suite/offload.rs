@@ -41,18 +41,26 @@ fn offloading_a_model_that_lives_on_the_host_is_refused_at_init() {
 /// moves nothing: refused at `init`, naming what saves memory there (NVMe offload).
 #[test]
 fn offloading_parameters_of_a_host_model_is_refused() {
-    let model = TinyMlp::new(&Device::flex().autodiff());
-    let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
-    let err = ShardConfig::new(Stage::Three)
-        .with_offload_params(true)
-        .init(model, adamw(), comm)
-        .err()
-        .expect("refused")
-        .to_string();
-    assert!(
-        err.contains("already live in host memory") && err.contains("with_nvme_offload"),
-        "{err}"
-    );
+    fn refusal<O: IntoOptimizer>(optim: O) -> String {
+        let model = TinyMlp::new(&Device::flex().autodiff());
+        let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+        ShardConfig::new(Stage::Three)
+            .with_offload_params(true)
+            .init(model, optim, comm)
+            .err()
+            .expect("refused")
+            .to_string()
+    }
+    // With and without `Offload`: one message for the combination, naming the target that
+    // saves memory on the host.
+    for err in [refusal(adamw()), refusal(Offload(adamw()))] {
+        assert!(
+            err.contains("offload_params")
+                && err.contains("already live in host memory")
+                && err.contains("with_nvme_offload"),
+            "{err}"
+        );
+    }
 }
 
 /// `Offload` keeps what the wrapped config asks beyond the optimizer (its gradient clipping).
@@ -100,6 +108,15 @@ pub(crate) mod on_cube {
         state_devices: Vec<Device>,
     }
 
+    /// The checkpoints one run reads and writes.
+    #[derive(Clone, Copy, Default)]
+    struct Checkpoints<'a> {
+        /// Loaded after `init`, before the first step.
+        resume: Option<&'a std::path::Path>,
+        /// Saved after the last step.
+        save: Option<&'a std::path::Path>,
+    }
+
     /// `steps` sharded steps of `dtype` parameters on `device` (an autodiff device), starting from
     /// `base`. `f16` uses a fixed loss scale (the same in every run compared).
     /// `save`: a checkpoint directory written after the last step.
@@ -112,7 +129,7 @@ pub(crate) mod on_cube {
         mut config: ShardConfig,
         dtype: DType,
         steps: usize,
-        save: Option<&std::path::Path>,
+        checkpoints: Checkpoints,
     ) -> RankRun
     where
         O::Optimizer: Optimizer<State<1> = AdamState<1>>,
@@ -123,6 +140,9 @@ pub(crate) mod on_cube {
         }
         let model = cast(base.clone().fork(device), dtype);
         let (mut model, mut optim) = config.init(model, optim, comm).expect("init");
+        if let Some(dir) = checkpoints.resume {
+            model = optim.load_checkpoint(model, dir).expect("load").0;
+        }
         let (start, end) = rank_rows(rank, world_size, GLOBAL_BATCH);
         let mut losses = Vec::new();
         for step in 0..steps {
@@ -139,7 +159,7 @@ pub(crate) mod on_cube {
             let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
             model = optim.step(LR, model, grads).expect("sharded step");
         }
-        if let Some(dir) = save {
+        if let Some(dir) = checkpoints.save {
             optim
                 .save_checkpoint(&model, dir, &serde_json::json!({}))
                 .expect("save");
@@ -177,10 +197,18 @@ pub(crate) mod on_cube {
     where
         O::Optimizer: Optimizer<State<1> = AdamState<1>>,
     {
-        run_with(device, base, optim, ShardConfig::new(stage), dtype, WORLD_SIZE, None)
+        run_with(
+            device,
+            base,
+            optim,
+            ShardConfig::new(stage),
+            dtype,
+            WORLD_SIZE,
+            Checkpoints::default(),
+        )
     }
 
-    /// [`run`] with `config` on `world_size` ranks, saving a checkpoint to `save`.
+    /// [`run`] with `config` on `world_size` ranks, reading and writing `checkpoints`.
     fn run_with<O: IntoOptimizer + Clone + Send + Sync>(
         device: &Device,
         base: &TinyMlp,
@@ -188,13 +216,22 @@ pub(crate) mod on_cube {
         config: ShardConfig,
         dtype: DType,
         world_size: usize,
-        save: Option<&std::path::Path>,
+        checkpoints: Checkpoints,
     ) -> Vec<RankRun>
     where
         O::Optimizer: Optimizer<State<1> = AdamState<1>>,
     {
         run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
-            train_rank(comm, device, base, optim.clone(), config.clone(), dtype, STEPS, save)
+            train_rank(
+                comm,
+                device,
+                base,
+                optim.clone(),
+                config.clone(),
+                dtype,
+                STEPS,
+                checkpoints,
+            )
         })
         .expect("no rank panics")
     }
@@ -321,44 +358,52 @@ pub(crate) mod on_cube {
     }
 
     /// Stage 3 with the parameter shards in host memory ([`ShardConfig::with_offload_params`])
-    /// on the CubeCL device `wgpu`, against the same training with the shards on the device
+    /// on the CubeCL device `device`, against the same training with the shards on the device
     /// (both with the optimizer offloaded, which parameter offload requires), at world sizes
     /// 1-3, gathering parameter by parameter and unit by unit (`with_units`, one grouped
     /// gather per unit): bitwise the same losses, parameters and masters (the same kernels
     /// run on the same values; only where the shards wait between uses changes); byte for
     /// byte the same checkpoint rank files; no parameter bytes left on the device, the shards
     /// counted in host memory instead (`host_bytes` grows by what the resident run's
-    /// `parameters_bytes` was), gradients unchanged.
-    pub(crate) fn check_param_offload(wgpu: &Device, dtype: DType) {
-        let device = Device::flex().autodiff();
-        device.seed(11);
-        let base = TinyMlp::new(&device);
-        let autodiff = wgpu.clone().autodiff();
+    /// `parameters_bytes` was), gradients unchanged. Then each checkpoint resumes in the other
+    /// configuration: the same training from there, the loaded shards in host memory.
+    pub(crate) fn check_param_offload(device: &Device, dtype: DType) {
+        let host = Device::flex().autodiff();
+        host.seed(11);
+        let base = TinyMlp::new(&host);
+        let autodiff = device.clone().autodiff();
+        // The device in the scratch path: the wgpu and CUDA suites may share a target dir.
+        let device_name: String = format!("{device:?}")
+            .chars()
+            .filter(char::is_ascii_alphanumeric)
+            .collect();
         for world_size in 1..=3 {
             for units in [vec![], vec!["l1", "l2"]] {
                 let ctx = format!("{dtype:?}, world size {world_size}, units {units:?}");
-                let dir = scratch("param-offload", &format!("{dtype:?}-{world_size}-{}", units.len()));
+                let dir = scratch(
+                    "param-offload",
+                    &format!("{device_name}-{dtype:?}-{world_size}-{}", units.len()),
+                );
                 let resident = ShardConfig::new(Stage::Three).with_units(units.clone());
                 let offloaded = resident.clone().with_offload_params(true);
                 let (saved_resident, saved_offloaded) = (dir.join("resident"), dir.join("offloaded"));
-                let r = run_with(
-                    &autodiff,
-                    &base,
-                    Offload(adamw()),
-                    resident,
-                    dtype,
-                    world_size,
-                    Some(&saved_resident),
-                );
-                let o = run_with(
-                    &autodiff,
-                    &base,
-                    Offload(adamw()),
-                    offloaded,
-                    dtype,
-                    world_size,
-                    Some(&saved_offloaded),
-                );
+                let run = |config: &ShardConfig, checkpoints| {
+                    run_with(
+                        &autodiff,
+                        &base,
+                        Offload(adamw()),
+                        config.clone(),
+                        dtype,
+                        world_size,
+                        checkpoints,
+                    )
+                };
+                let saving = |dir| Checkpoints {
+                    resume: None,
+                    save: Some(dir),
+                };
+                let r = run(&resident, saving(&saved_resident));
+                let o = run(&offloaded, saving(&saved_offloaded));
                 assert!(
                     r[0].losses[STEPS - 1] < r[0].losses[0],
                     "{ctx}: the run must learn: {:?}",
@@ -389,6 +434,29 @@ pub(crate) mod on_cube {
                     files_of(&saved_resident),
                     "{ctx}: the checkpoints differ"
                 );
+                // Each checkpoint loads into the other configuration and training goes on as
+                // it would have in the one that saved it: the same numbers, and with offload
+                // the loaded shards in host memory.
+                let resuming = |dir| Checkpoints {
+                    resume: Some(dir),
+                    save: None,
+                };
+                let offloaded_from_resident = run(&offloaded, resuming(&saved_resident));
+                let resident_from_offloaded = run(&resident, resuming(&saved_offloaded));
+                for (rank, (a, b)) in offloaded_from_resident.iter().zip(&resident_from_offloaded).enumerate() {
+                    let ctx = format!("{ctx}, rank {rank}, resumed");
+                    assert!(
+                        a.losses[0] < r[rank].losses[0],
+                        "{ctx}: the run resumes trained weights: {:?} vs {:?}",
+                        a.losses,
+                        r[rank].losses
+                    );
+                    assert_eq!(a.losses, b.losses, "{ctx}: losses");
+                    assert_eq!(a.params, b.params, "{ctx}: parameters");
+                    assert_eq!(a.masters, b.masters, "{ctx}: masters");
+                    assert_eq!(a.report.parameters_bytes, 0, "{ctx}: loaded shards in host memory");
+                    assert_eq!(a.report.host_bytes, o[rank].report.host_bytes, "{ctx}: host bytes");
+                }
             }
         }
     }
@@ -500,7 +568,7 @@ pub(crate) mod on_cube {
                 ShardConfig::new(Stage::Two),
                 DType::F32,
                 first + then,
-                None,
+                Checkpoints::default(),
             )
         })
         .unwrap();

@@ -256,13 +256,14 @@ fn print_estimate(args: &Estimate) {
     let offload: &[&str] = match args.offload() {
         OffloadTarget::Cpu => &[
             "Offload: ZeRO-Offload (Ren et al. 2021, \"ZeRO-Offload: Democratizing Billion-Scale Model Training\",",
-            "§4): optimizer state and f32 master weights in host memory; parameters and gradients on the device.",
+            "§4): optimizer state and f32 master weights in host memory; gradients on the device, and parameters",
+            "too unless --offload-params moves them.",
         ],
         OffloadTarget::Nvme => &[
             "Offload: ZeRO-Infinity (Rajbhandari et al. SC21, \"ZeRO-Infinity: Breaking the GPU Memory Wall for",
             "Extreme Scale Deep Learning\", §3, §5.1): optimizer state and f32 master weights on disk (NvmeOffload),",
-            "read and written once per step; host memory holds only the pieces in flight; parameters and gradients",
-            "on the device.",
+            "read and written once per step; host memory holds only the pieces in flight; gradients on the device,",
+            "and parameters too unless --offload-params moves them.",
         ],
         OffloadTarget::None => &[],
     };

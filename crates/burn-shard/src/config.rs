@@ -327,11 +327,13 @@ impl ShardConfig {
             Some(device) => device,
             None => flat::plain_device(&model)?,
         };
+        // Parameter offload first: its refusal of a host model names the fix for the whole
+        // combination (the optimizer's own refusal would only say to drop `Offload`).
+        let param_home = self.param_home::<O>(&device)?;
         optim.check_device(&device)?;
         if self.stage == Stage::Three {
             crate::backend::check_stage3_device(&device)?;
         }
-        let param_home = self.param_home::<O>(&device)?;
         let options = StepOptions {
             max_grad_norm: self.max_grad_norm,
             loss_scaler: self.loss_scaler.clone(),

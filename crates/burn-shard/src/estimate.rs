@@ -125,8 +125,9 @@ pub enum OffloadTarget {
 /// fractions of a byte per rank).
 ///
 /// `parameters_bytes`, `gradients_bytes` and `optimizer_state_bytes` are held in device
-/// memory; `host_bytes` in host memory and `disk_bytes` on disk (the optimizer state with its
-/// `f32` master weights, when offloaded there; 0 otherwise and for measured estimates).
+/// memory; `host_bytes` in host memory (the optimizer state with its `f32` master weights, and
+/// the stage-3 parameter shards, when offloaded there) and `disk_bytes` on disk (the optimizer
+/// state with its masters, when offloaded there); 0 otherwise and for measured estimates.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ModelStateEstimate {
     /// The ZeRO stage.
@@ -140,8 +141,9 @@ pub struct ModelStateEstimate {
     /// Bytes of optimizer state on the device of each rank (Adam's moments and, with mixed
     /// precision, the `f32` master weights); 0 when offloaded.
     pub optimizer_state_bytes: f64,
-    /// Bytes of optimizer state (with the `f32` master weights) in the host memory of each
-    /// rank when offloaded (ZeRO-Offload); 0 otherwise.
+    /// Bytes in the host memory of each rank: the optimizer state (with the `f32` master
+    /// weights) when offloaded there (ZeRO-Offload), plus the stage-3 parameter shards with
+    /// [`ModelStateEstimate::with_params_offloaded`]; 0 otherwise.
     pub host_bytes: f64,
     /// Bytes of optimizer state (with the `f32` master weights) on the disk of each rank when
     /// offloaded there (ZeRO-Infinity); 0 otherwise. Not memory: in neither total.

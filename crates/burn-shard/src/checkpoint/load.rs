@@ -134,13 +134,18 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let device = flat::plain_device(model)?;
         // Every value must land: the model must be the one `init` (or `step`) returned.
         let present = flat::ids_of(model);
-        let shards_present = match stage.shards_parameters() {
-            true => exchange::collect_shards(model).into_keys().collect(),
-            false => std::collections::HashSet::new(),
+        // Where each stage-3 shard lives now, which is where its loaded value is made: host
+        // memory with parameter offload, so a load never holds the shards on the device.
+        let shard_devices: HashMap<_, Device> = match stage.shards_parameters() {
+            true => exchange::collect_shards(model)
+                .into_iter()
+                .map(|(id, shard)| (id, shard.device()))
+                .collect(),
+            false => HashMap::new(),
         };
         for (id, entry, holding) in &entries {
             let found = match holding {
-                Holding::Chunks => shards_present.contains(id),
+                Holding::Chunks => shard_devices.contains_key(id),
                 _ => present.contains(id),
             };
             if !found {
@@ -166,7 +171,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                         Some(range) => files.read_range(saved, &name, range.clone())?,
                         None => TensorData::from_bytes_vec(Vec::new(), [0], entry.dtype),
                     };
-                    shards.insert(*id, padded(data, chunk, &device));
+                    shards.insert(*id, padded(data, chunk, &shard_devices[id]));
                 }
                 _ => {
                     let data = files.read_range(saved, &name, 0..numel)?;

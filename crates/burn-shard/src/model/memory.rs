@@ -49,7 +49,9 @@ pub struct MemoryReport {
     /// [`MemoryReport::total_bytes`].
     pub disk_bytes: usize,
     /// Peak bytes of transient buffers alive at once during the last step (the flat,
-    /// not-yet-reduced gradient bucket, the parameter shard and the all-gathered bucket).
+    /// not-yet-reduced gradient bucket, the parameter shard and the all-gathered bucket) on the
+    /// parameters' device (host memory that parameter offload updates its shards in is not
+    /// counted).
     /// Stage 3: the peak over the forward, backward and step that preceded the report of the
     /// gathered full parameters and full gradients alive at once (measured by liveness probes
     /// on their buffers, sampled at every all-gather and reduce-scatter).
@@ -87,10 +89,10 @@ impl fmt::Display for MemoryReport {
             self.temporary_peak_bytes as f64 / MIB,
         )?;
         if self.host_bytes > 0 {
-            write!(f, ", host (offloaded optim) {:.2} MiB", self.host_bytes as f64 / MIB)?;
+            write!(f, ", host (offloaded) {:.2} MiB", self.host_bytes as f64 / MIB)?;
         }
         if self.disk_bytes > 0 {
-            write!(f, ", disk (NVMe optim) {:.2} MiB", self.disk_bytes as f64 / MIB)?;
+            write!(f, ", disk (NVMe) {:.2} MiB", self.disk_bytes as f64 / MIB)?;
         }
         Ok(())
     }

@@ -17,6 +17,8 @@
 //! element for `bf16`/`f16`, 4 for `f32`); the fused CPU Adam updates the moments (and the
 //! `f32` master) in host memory; the new parameter piece, in the parameters' dtype, goes host →
 //! device. An `f32` parameter has no master: its piece also goes device → host to be updated.
+//! With [`ShardConfig::with_offload_params`](crate::ShardConfig::with_offload_params) at stage
+//! 3 the shard itself lives on the host: only the gradient piece crosses, device → host.
 
 use burn::optim::grad_clipping::GradientClipping;
 use burn::optim::{LearningRate, Optimizer};
@@ -39,8 +41,10 @@ use crate::optim::master::MasterWeightStep;
 /// What moves: this rank's Adam moments (8 bytes per element it steps, 12 with AMSGrad) and,
 /// for `bf16`/`f16` parameters, its `f32` master weights (4 bytes per element) leave the
 /// device for host memory; [`MemoryReport::host_bytes`](crate::MemoryReport::host_bytes)
-/// counts them and `optimizer_state_bytes` drops to 0. Parameters, gradients and the
-/// collectives stay on the device.
+/// counts them and `optimizer_state_bytes` drops to 0. Gradients and the collectives stay on
+/// the device, and so do the parameters unless
+/// [`ShardConfig::with_offload_params`](crate::ShardConfig::with_offload_params) moves stage
+/// 3's shards to the host too (which needs `Offload`: the update runs where the shards are).
 ///
 /// # Errors (at `init`)
 /// [`ShardError::InvalidConfig`] when the model's parameters already live in host memory

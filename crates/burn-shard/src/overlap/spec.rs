@@ -18,7 +18,9 @@ pub(crate) enum Phase {
 pub struct ParamSpec {
     /// The parameter's id.
     pub(crate) id: ParamId,
-    /// This rank's shard: `[chunk]`, the parameter's dtype, plain (not tracked by autodiff).
+    /// This rank's shard: `[chunk]`, the parameter's dtype, plain (not tracked by autodiff), on
+    /// the compute device, or in host memory with parameter offload (`CommContext::to_compute`
+    /// copies it for each gather).
     /// Ops keep the clone they were given, so a re-gather in backward uses the values of the
     /// forward even if the optimizer has replaced the shard since.
     pub(crate) shard: Tensor<1>,

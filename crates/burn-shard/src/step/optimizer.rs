@@ -512,7 +512,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         for (index, (bucket, grad)) in layout.buckets().iter().zip(grads).enumerate() {
             let range = self.plan.owned_range(bucket, self.comm.rank());
             let param = self.update_range(lr, clip, bucket, range, &values, grad, has_grad, device);
-            let param_bytes = tensor_bytes(&param);
+            let param_bytes = bytes_on(&param, device);
             temp.alloc(param_bytes);
             publishing.push((
                 param_bytes,
@@ -530,7 +530,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
         for (param_bytes, updated) in param_bytes.into_iter().zip(&full) {
             temp.free(param_bytes);
-            temp.alloc(tensor_bytes(updated));
+            temp.alloc(bytes_on(updated, device));
         }
         Ok(full)
     }
@@ -908,4 +908,13 @@ pub(crate) fn check_one_norm_clipping(
         )));
     }
     Ok(())
+}
+
+/// Bytes of `tensor` when it is on `device`, 0 elsewhere: the step's temporary peak counts the
+/// parameters' device, not the host memory that parameter offload updates its shards in.
+fn bytes_on(tensor: &Tensor<1>, device: &Device) -> usize {
+    match tensor.device() == *device {
+        true => tensor_bytes(tensor),
+        false => 0,
+    }
 }
