@@ -169,6 +169,30 @@ pub fn scratch(area: &str, name: &str) -> std::path::PathBuf {
     dir
 }
 
+/// Every file of the checkpoint `dir` but `meta.json` (relative path, bytes), sorted: what two
+/// runs that saved the same state write alike (`meta.json` also names the run that wrote it, a
+/// random id). Panics when there is none.
+pub fn checkpoint_files(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    let mut files = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            match path.is_dir() {
+                true => todo.push(path),
+                false if path.file_name().is_some_and(|n| n == "meta.json") => {}
+                false => files.push((
+                    path.strip_prefix(dir).unwrap().to_path_buf(),
+                    std::fs::read(&path).unwrap(),
+                )),
+            }
+        }
+    }
+    files.sort();
+    assert!(!files.is_empty(), "no checkpoint under {}", dir.display());
+    files
+}
+
 /// Rows `[start, end)` of a global batch of `global` rows that rank `rank` of `world_size`
 /// trains on (equal shares; `global` divisible by `world_size`).
 pub fn rank_rows(rank: usize, world_size: usize, global: usize) -> (usize, usize) {

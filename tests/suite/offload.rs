@@ -430,8 +430,8 @@ pub(crate) mod on_cube {
                     assert_eq!(o.total_bytes(), r.total_bytes(), "{ctx}");
                 }
                 assert_eq!(
-                    files_of(&saved_offloaded),
-                    files_of(&saved_resident),
+                    checkpoint_files(&saved_offloaded),
+                    checkpoint_files(&saved_resident),
                     "{ctx}: the checkpoints differ"
                 );
                 // Each checkpoint loads into the other configuration and training goes on as
@@ -459,30 +459,6 @@ pub(crate) mod on_cube {
                 }
             }
         }
-    }
-
-    /// Every file under `dir` but `meta.json` (relative path, bytes), sorted.
-    fn files_of(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
-        let mut files = Vec::new();
-        let mut todo = vec![dir.to_path_buf()];
-        while let Some(d) = todo.pop() {
-            for entry in std::fs::read_dir(&d).unwrap() {
-                let path = entry.unwrap().path();
-                match path.is_dir() {
-                    true => todo.push(path),
-                    // meta.json names the run that wrote it (a random id): the rank files hold
-                    // the values, and meta.json their digests.
-                    false if path.file_name().is_some_and(|n| n == "meta.json") => {}
-                    false => files.push((
-                        path.strip_prefix(dir).unwrap().to_path_buf(),
-                        std::fs::read(&path).unwrap(),
-                    )),
-                }
-            }
-        }
-        files.sort();
-        assert!(!files.is_empty(), "no checkpoint under {}", dir.display());
-        files
     }
 
     #[cfg(feature = "wgpu")]

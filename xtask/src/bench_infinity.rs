@@ -12,6 +12,8 @@
 //! - the step time against two bounds: the disk bound (bytes read / read bandwidth + bytes
 //!   written / write bandwidth) and the compute bound (a 2-layer GPT of the same width trained
 //!   in memory in the same run, its step time × layers / 2);
+//! - a checkpoint of the large GPT saved and loaded back: bytes, seconds and peak resident
+//!   memory of each;
 //! - and, at a size that fits in memory, the same training with and without NVMe offload, loss
 //!   for loss.
 //!
@@ -55,8 +57,9 @@ pub struct Args {
     /// Width (n_embd) of the large GPT; its layers follow from --params (heads: n_embd / 128).
     #[arg(long, default_value_t = 2048)]
     n_embd: usize,
-    /// Directory of the swap file and the disk probe, on the disk to measure: needs the
-    /// optimizer state's bytes (8Ψ) free.
+    /// Directory of the swap file, the checkpoint and the disk probe, on the disk to measure:
+    /// needs 28Ψ bytes free (the optimizer state twice, 16Ψ, with a checkpoint loaded back;
+    /// the checkpoint, 12Ψ).
     #[arg(long, default_value = "target/infinity-swap")]
     swap_dir: PathBuf,
     /// Steps of the large GPT (the first is reported apart: it writes the state but reads none).
@@ -97,6 +100,8 @@ struct BigRun {
     /// `memory_report` after the last step: parameters, gradients, in-memory optimizer state,
     /// on-disk optimizer state.
     report: (usize, usize, usize, usize),
+    /// The checkpoint saved after the last step and loaded back.
+    checkpoint: Option<CheckpointRun>,
 }
 
 pub fn run(args: &Args) -> Result<(), String> {
@@ -116,11 +121,13 @@ pub fn run(args: &Args) -> Result<(), String> {
     let layers = (((target - base as f64) / per_layer as f64).ceil() as usize).max(1);
     let psi = base + per_layer * layers;
     std::fs::create_dir_all(&args.swap_dir).map_err(|e| format!("{}: {e}", args.swap_dir.display()))?;
-    let needed = (8 * psi) as f64 + args.probe_gib * GIB;
+    // The swap file (8Ψ), the checkpoint (parameters and state, 12Ψ), the loaded state written
+    // past the live one (8Ψ more), the probe.
+    let needed = (28 * psi) as f64 + args.probe_gib * GIB;
     let free = free_bytes(&args.swap_dir)?;
     if free < needed * 1.05 {
         return Err(format!(
-            "{} has {:.1} GB free; the optimizer state of {psi} parameters (8Ψ) and the probe need {:.1} GB: \
+            "{} has {:.1} GB free; the swap file and checkpoint of {psi} parameters (28Ψ) and the probe need {:.1} GB: \
              free space there or pass --swap-dir on a larger disk",
             args.swap_dir.display(),
             free / GB,
@@ -252,9 +259,30 @@ struct Trained {
     /// `memory_report` after the last step: parameters, gradients, optimizer state in memory,
     /// optimizer state on disk (bytes).
     report: (usize, usize, usize, usize),
+    /// Peak resident bytes (`VmHWM`) at the end of the last step, before any checkpoint.
+    peak_rss: u64,
+    /// The checkpoint saved after the last step and loaded back, when asked for.
+    checkpoint: Option<CheckpointRun>,
 }
 
-/// `steps` steps of `model` at stage 3 on one rank, with `config`.
+/// A checkpoint of the trained model saved and loaded back into the same optimizer, measured.
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, Copy)]
+struct CheckpointRun {
+    /// Bytes of the checkpoint's files.
+    bytes: u64,
+    save_s: f64,
+    /// Peak resident bytes during the save (`VmHWM` reset before it).
+    save_peak_rss: u64,
+    load_s: f64,
+    /// Peak resident bytes during the load (`VmHWM` reset before it).
+    load_peak_rss: u64,
+    /// Resident bytes before the save: what the trained job holds anyway.
+    rss_before: u64,
+}
+
+/// `steps` steps of `model` at stage 3 on one rank, with `config`; then, with `checkpoint`, a
+/// checkpoint saved there, loaded back and removed.
+#[allow(clippy::too_many_arguments)]
 fn train(
     corpus: &CharCorpus,
     model: Gpt,
@@ -263,6 +291,7 @@ fn train(
     steps: usize,
     (batch, block, lr): (usize, usize, f64),
     mut after_init: impl FnMut(),
+    checkpoint: Option<&Path>,
 ) -> Result<Trained, String> {
     let comm = InProcessGroup::new(1)
         .map_err(|e| e.to_string())?
@@ -278,6 +307,8 @@ fn train(
         step_s: Vec::new(),
         io: Vec::new(),
         report: (0, 0, 0, 0),
+        peak_rss: 0,
+        checkpoint: None,
     };
     for step in 0..steps {
         let (x, y) = sample_batch(&corpus.train, batch, block, &mut rng, device);
@@ -304,6 +335,38 @@ fn train(
         r.optimizer_state_bytes,
         r.disk_bytes,
     );
+    out.peak_rss = status_bytes("VmHWM");
+    if let Some(dir) = checkpoint {
+        let rss_before = status_bytes("VmRSS");
+        // Linux: "5" resets the peak RSS (VmHWM) to the current RSS.
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
+        let start = Instant::now();
+        optim
+            .save_checkpoint(&model, dir, &serde_json::json!({}))
+            .map_err(|e| e.to_string())?;
+        let (save_s, save_peak_rss) = (start.elapsed().as_secs_f64(), status_bytes("VmHWM"));
+        let bytes = burn_shard::checkpoint::inspect(dir)
+            .map_err(|e| e.to_string())?
+            .bytes_per_rank()
+            .iter()
+            .sum();
+        eprintln!("  checkpoint saved: {:.1} GB in {save_s:.1} s", bytes as f64 / GB);
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
+        let start = Instant::now();
+        let (loaded, _) = optim.load_checkpoint(model, dir).map_err(|e| e.to_string())?;
+        let (load_s, load_peak_rss) = (start.elapsed().as_secs_f64(), status_bytes("VmHWM"));
+        eprintln!("  checkpoint loaded in {load_s:.1} s");
+        drop(loaded);
+        std::fs::remove_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        out.checkpoint = Some(CheckpointRun {
+            bytes,
+            save_s,
+            save_peak_rss,
+            load_s,
+            load_peak_rss,
+            rss_before,
+        });
+    }
     Ok(out)
 }
 
@@ -323,9 +386,9 @@ fn compare_small(corpus: &CharCorpus, swap: &Path) -> Result<(Trained, Trained, 
     let (model, device) = seeded_gpt(corpus, block, 256, 4);
     let params = model.num_params();
     let shape = (batch, block, LR_SMALL);
-    let memory = train(corpus, model, &plain, &device, STEPS, shape, || {})?;
+    let memory = train(corpus, model, &plain, &device, STEPS, shape, || {}, None)?;
     let (model, device) = seeded_gpt(corpus, block, 256, 4);
-    let disk = train(corpus, model, &nvme, &device, STEPS, shape, || {})?;
+    let disk = train(corpus, model, &nvme, &device, STEPS, shape, || {}, None)?;
     Ok((memory, disk, params))
 }
 
@@ -334,7 +397,16 @@ fn compare_small(corpus: &CharCorpus, swap: &Path) -> Result<(Trained, Trained, 
 fn two_layer_step(corpus: &CharCorpus, args: &Args) -> Result<f64, String> {
     let (model, device) = seeded_gpt(corpus, args.block, args.n_embd, 2);
     let shape = (args.batch, args.block, LR_WIDE);
-    let run = train(corpus, model, &ShardConfig::new(Stage::Three), &device, 4, shape, || {})?;
+    let run = train(
+        corpus,
+        model,
+        &ShardConfig::new(Stage::Three),
+        &device,
+        4,
+        shape,
+        || {},
+        None,
+    )?;
     Ok(median(&run.step_s[1..]))
 }
 
@@ -346,22 +418,34 @@ fn big_run(args: &Args, corpus: &CharCorpus, layers: usize) -> Result<BigRun, St
     let config = ShardConfig::new(Stage::Three).with_nvme_offload(NvmeOffload::new(&args.swap_dir));
     let (mut init_s, mut init_peak_rss) = (0.0, 0);
     let shape = (args.batch, args.block, LR_WIDE);
-    let trained = train(corpus, model, &config, &device, args.steps, shape, || {
+    let checkpoint = args.swap_dir.join("checkpoint");
+    let after_init = || {
         init_s = start.elapsed().as_secs_f64();
         init_peak_rss = status_bytes("VmHWM");
         // Linux: "5" resets the peak RSS (VmHWM) to the current RSS.
         let _ = std::fs::write("/proc/self/clear_refs", "5");
-    })?;
+    };
+    let trained = train(
+        corpus,
+        model,
+        &config,
+        &device,
+        args.steps,
+        shape,
+        after_init,
+        Some(&checkpoint),
+    )?;
     Ok(BigRun {
         params,
         layers,
         init_s,
         init_peak_rss,
-        train_peak_rss: status_bytes("VmHWM"),
+        train_peak_rss: trained.peak_rss,
         step_s: trained.step_s,
         losses: trained.losses,
         io: trained.io,
         report: trained.report,
+        checkpoint: trained.checkpoint,
     })
 }
 
@@ -465,6 +549,27 @@ fn print_table(
         "| step / max(bounds) | {:.2} (goal ≤ 1.5) |",
         step_s / disk_bound.max(compute_bound)
     );
+    if let Some(c) = &big.checkpoint {
+        let state = |peak: u64| {
+            format!(
+                "peak RSS {:.1} GB = {:.2} × the model state ({:.1} GB held before the save)",
+                peak as f64 / GB,
+                peak as f64 / model_state,
+                c.rss_before as f64 / GB
+            )
+        };
+        println!(
+            "| checkpoint save after the last step (state read from the swap file a tensor at a time) | {:.1} GB in {:.1} s, {} |",
+            c.bytes as f64 / GB,
+            c.save_s,
+            state(c.save_peak_rss)
+        );
+        println!(
+            "| checkpoint load into the same optimizer (state written to the swap file a piece at a time; parameter shards read whole) | {:.1} s, {} |",
+            c.load_s,
+            state(c.load_peak_rss)
+        );
+    }
     let (p, g, o, d) = big.report;
     println!(
         "| memory_report after the last step | parameters {:.2} GB, gradients {:.2} GB, optimizer state in memory {:.2} GB, on disk {:.2} GB |",

@@ -4,13 +4,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use burn::tensor::{DType, TensorData};
 use burn_pack::{Reader, Scalar, Writer};
 use sha2::{Digest, Sha256};
 
 use super::meta::{CheckpointMeta, EntryMeta, FileMeta};
-use crate::error::CheckpointError;
+use crate::error::{CheckpointError, ShardError};
 
 /// `rank-R.bpk`.
 pub(crate) fn rank_file(rank: usize) -> String {
@@ -27,6 +28,9 @@ pub(crate) fn digest_file(rank: usize) -> String {
 pub(crate) struct RankFile {
     tensors: Vec<burn_pack::Tensor>,
     scalars: Vec<(String, Scalar)>,
+    /// The first error of a deferred tensor's provider, returned by `write` in place of the
+    /// writer's own (which only says that a provider failed).
+    deferred_error: Arc<Mutex<Option<ShardError>>>,
 }
 
 impl RankFile {
@@ -36,13 +40,50 @@ impl RankFile {
             .push(burn_pack::Tensor::new(name, dtype, shape, None, data.into_bytes()));
     }
 
+    /// A `[numel]` tensor of `dtype` whose data `provide` makes when the writer reaches it, so
+    /// that a rank file is written with one such tensor in memory at a time (burnpack's
+    /// deferred tensors). `provide` must return `numel` elements of `dtype`.
+    pub(crate) fn push_deferred(
+        &mut self,
+        name: String,
+        dtype: DType,
+        numel: usize,
+        provide: impl Fn() -> Result<TensorData, ShardError> + Send + Sync + 'static,
+    ) {
+        let failed = self.deferred_error.clone();
+        let tensor = burn_pack::Tensor::deferred(name, dtype, [numel], None, numel * dtype.size(), move || {
+            provide().map(TensorData::into_bytes).map_err(|e| {
+                let message = e.to_string();
+                failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                burn_pack::Error::IoError(message)
+            })
+        });
+        self.tensors.push(tensor);
+    }
+
     pub(crate) fn push_scalar(&mut self, name: String, value: Scalar) {
         self.scalars.push((name, value));
     }
 
     /// Writes `dir/rank-R.bpk` (atomically: a temporary file renamed into place) and then its
     /// digest file.
-    pub(crate) fn write(self, dir: &Path, rank: usize) -> Result<(), CheckpointError> {
+    ///
+    /// # Errors
+    /// A deferred tensor's provider's error, or [`CheckpointError`] (in [`ShardError::Checkpoint`])
+    /// when the file cannot be written.
+    pub(crate) fn write(self, dir: &Path, rank: usize) -> Result<(), ShardError> {
+        let deferred_error = self.deferred_error.clone();
+        self.write_file(dir, rank).map_err(|e| {
+            let deferred = deferred_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+            deferred.unwrap_or(e.into())
+        })
+    }
+
+    /// [`RankFile::write`] of a file without deferred tensors (a reshard's).
+    ///
+    /// # Errors
+    /// [`CheckpointError::Io`] when the file cannot be written.
+    pub(crate) fn write_file(self, dir: &Path, rank: usize) -> Result<(), CheckpointError> {
         let path = dir.join(rank_file(rank));
         let mut writer = Writer::new(self.tensors).auto_extension(false);
         for (name, value) in self.scalars {

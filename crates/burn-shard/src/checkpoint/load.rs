@@ -21,6 +21,7 @@ use crate::hooks::exchange;
 use crate::model::flat;
 use crate::optim::master::MasterWeightStep;
 use crate::step::optimizer::ShardedOptimizer;
+use crate::step::slot_state::LoadedSlots;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Loads the checkpoint in `dir` into `model` (the one `init` returned) and this optimizer,
@@ -80,14 +81,17 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         if let Some(reducer) = &self.bucket_reducer {
             reducer.discard()?;
         }
+        // The optimizer state goes where it will live (the swap file, with NVMe offload) slot
+        // by slot as it is read, so a load holds one slot of it in memory at a time; it becomes
+        // the live state only once every rank has read all of its own.
+        let mut slots = self.slots.loading();
         let loaded = self
-            .read_checkpoint(&model, dir)
+            .read_checkpoint(&model, dir, &mut slots)
             .and_then(|read| match wants_scheduler {
                 true => Ok((read, Some(read_scheduler(dir)?))),
                 false => Ok((read, None)),
             });
-        let ((values, shards, states, masters, payload, scaler, lineage), record) =
-            self.agree(loaded, "load_checkpoint")?;
+        let ((values, shards, payload, scaler, lineage), record) = self.agree(loaded, "load_checkpoint")?;
         // A new run starts here: its checkpoints continue the loaded one's history.
         self.lineage = Lineage::resumed_from(&name_of(dir), lineage.as_ref());
         // The scale continues where it was (every rank reads the same one, so all fail
@@ -95,9 +99,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         if let (Some(mine), Some(saved)) = (&mut self.loss_scaler, scaler) {
             mine.resume(&saved)?;
         }
-        // With NVMe offload they are written to the swap files: every rank learns whether all could.
-        let replaced = self.slots.replace(states, masters);
-        self.agree(replaced, "load_checkpoint")?;
+        self.slots.replace(slots);
         // Micro-batch sums of the model before the load do not belong to the loaded one.
         self.drop_kept_sums();
         let model = flat::replace_values(model, values);
@@ -114,12 +116,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         &self,
         model: &M,
         dir: &Path,
+        slots: &mut LoadedSlots<O::State<1>>,
     ) -> Result<
         (
             HashMap<burn::module::ParamId, Tensor<1>>,
             HashMap<burn::module::ParamId, Tensor<1>>,
-            Vec<Option<O::State<1>>>,
-            Vec<Option<Tensor<1>>>,
             serde_json::Value,
             Option<crate::optim::loss_scale::LossScaler>,
             Option<Lineage>,
@@ -157,8 +158,6 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
         let mut files = RankFiles::new(dir, &meta);
         let (mut values, mut shards) = (HashMap::new(), HashMap::new());
-        let mut states = vec![None; self.layout.slots().len()];
-        let mut masters = vec![None; self.layout.slots().len()];
         for (id, entry, holding) in &entries {
             let saved = by_path[entry.path.as_str()];
             let name = format!("param/{}", entry.path);
@@ -189,18 +188,21 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 true => self.layout.slots()[index].numel,
                 false => range.len(),
             };
-            states[index] = read_state::<O>(&mut files, saved, range.clone(), stepped, &O::state_device(&device))?;
-            let master = format!("master/{}", entry.path);
-            if has_tensor(&mut files, saved, &range, &master)? {
-                let data = files.read_range(saved, &master, range)?;
-                masters[index] = Some(padded(data, stepped, &O::state_device(&device)));
-            }
+            let state = read_state::<O>(&mut files, saved, range.clone(), stepped, &O::state_device(&device))?;
+            let name = format!("master/{}", entry.path);
+            let master = match has_tensor(&mut files, saved, &range, &name)? {
+                true => Some(padded(
+                    files.read_range(saved, &name, range)?,
+                    stepped,
+                    &O::state_device(&device),
+                )),
+                false => None,
+            };
+            slots.put(index, state, master)?;
         }
         Ok((
             values,
             shards,
-            states,
-            masters,
             meta.payload.clone(),
             meta.loss_scaler.clone(),
             meta.lineage.clone(),

@@ -140,7 +140,7 @@ pub fn reshard(
                     file.push_scalar(format!("{state}{field}"), value);
                 }
             }
-            file.write(&partial, rank)?;
+            file.write_file(&partial, rank)?;
         }
         let resharded = CheckpointMeta {
             world_size,

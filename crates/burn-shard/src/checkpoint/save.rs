@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::{Module, ParamId};
-use burn::optim::{RecordState, StateSink};
 use burn::tensor::{Tensor, TensorData};
 use burn_shard_comm::ReduceOp;
 
@@ -24,6 +23,7 @@ use crate::optim::master::MasterWeightStep;
 use crate::overlap::bucket_reducer::BucketReducer;
 use crate::stage::Stage;
 use crate::step::optimizer::ShardedOptimizer;
+use crate::step::slot_state::SavedTensor;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Saves `model` (the one `step` returned) and this optimizer into the new directory `dir`,
@@ -259,15 +259,17 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 Holding::Chunks => 0, // a shard starts at its own range
                 _ => range.start,
             };
-            file.push(
-                format!("param/{}", entry.path),
-                value.narrow(0, start, range.len()).into_data(),
-            );
+            // Read when the writer reaches it: a rank file is written with one tensor in
+            // memory at a time, not a second copy of every parameter.
+            let len = range.len();
+            file.push_deferred(format!("param/{}", entry.path), value.dtype(), len, move || {
+                Ok(value.clone().narrow(0, start, len).into_data())
+            });
             if let Some(index) = self.layout.slot_of(id) {
                 self.push_optimizer_piece(&mut file, index, &entry.path, range.len())?;
             }
         }
-        Ok(file.write(partial, rank)?)
+        file.write(partial, rank)
     }
 
     /// Rank 0: the checkpoint's metadata, with every rank file's digest.
@@ -335,19 +337,22 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         path: &str,
         len: usize,
     ) -> Result<(), ShardError> {
-        let (state, master) = self.slots.read(index)?;
-        if let Some(state) = &state {
-            let mut sink = StateSink::default();
-            state.state_flatten("", &mut sink);
-            for (field, data) in sink.tensors {
-                file.push(format!("state/{path}/{field}"), trim(data, len));
-            }
-            for (field, value) in sink.scalars {
-                file.push_scalar(format!("state/{path}/{field}"), value);
+        let saved = self.slots.saved(index)?;
+        let names = saved
+            .state
+            .into_iter()
+            .map(|(field, t)| (format!("state/{path}/{field}"), t));
+        for (name, tensor) in names.chain(saved.master.map(|t| (format!("master/{path}"), t))) {
+            match tensor {
+                SavedTensor::InMemory(data) => file.push(name, trim(data, len)),
+                // NVMe offload: read from the swap file when written, one tensor at a time.
+                SavedTensor::OnDisk(reader, field) => {
+                    file.push_deferred(name, field.dtype, len, move || Ok(trim(reader.read(&field)?, len)))
+                }
             }
         }
-        if let Some(master) = master {
-            file.push(format!("master/{path}"), trim(master.into_data(), len));
+        for (field, value) in saved.scalars {
+            file.push_scalar(format!("state/{path}/{field}"), value);
         }
         Ok(())
     }

@@ -3,13 +3,13 @@
 //! `bf16`/`f16` one.
 
 use burn::optim::LearningRate;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use crate::error::ShardError;
 use crate::model::flat::tensor_bytes;
 use crate::optim::master::{self, MasterWeightStep};
-use crate::swap::slot_bytes::StateAndMaster;
-use crate::swap::swapper::{IoBytes, Swapper};
+use crate::swap::slot_bytes::Field;
+use crate::swap::swapper::{IoBytes, SlotReader, Staging, Swapper};
 
 /// Per layout slot: the optimizer's state and the `f32` master of this rank's piece, in memory
 /// or, with [`NvmeOffload`](crate::NvmeOffload), on disk between steps.
@@ -26,6 +26,49 @@ pub(crate) struct SlotStates<O: MasterWeightStep> {
     follow_edits: Vec<bool>,
     /// NVMe offload: where the states and masters are between steps.
     swap: Option<Swapper>,
+}
+
+/// Every slot's state and master as a checkpoint load reads them ([`SlotStates::loading`]).
+pub(crate) enum LoadedSlots<S> {
+    InMemory {
+        states: Vec<Option<S>>,
+        masters: Vec<Option<Tensor<1>>>,
+    },
+    /// Written to the swap file, not live yet.
+    Staged(Staging),
+}
+
+impl<S: burn::optim::RecordState> LoadedSlots<S> {
+    /// Slot `index`'s loaded state and master.
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] when they cannot be written to the swap file.
+    pub(crate) fn put(&mut self, index: usize, state: Option<S>, master: Option<Tensor<1>>) -> Result<(), ShardError> {
+        match self {
+            Self::InMemory { states, masters } => {
+                states[index] = state;
+                masters[index] = master;
+                Ok(())
+            }
+            Self::Staged(staged) => staged.put(index, state.as_ref(), master.as_ref()),
+        }
+    }
+}
+
+/// One slot's state and master as a checkpoint writes them ([`SlotStates::saved`]).
+#[derive(Default)]
+pub(crate) struct SavedSlot {
+    /// The state's tensors, by `StateSink` name (empty: no state).
+    pub(crate) state: Vec<(String, SavedTensor)>,
+    /// The state's scalars, by `StateSink` name.
+    pub(crate) scalars: Vec<(String, burn_pack::Scalar)>,
+    pub(crate) master: Option<SavedTensor>,
+}
+
+/// One tensor of a slot: its data, or where it is in the swap file.
+pub(crate) enum SavedTensor {
+    InMemory(TensorData),
+    OnDisk(SlotReader, Field),
 }
 
 /// Bytes of the optimizer state, by where it is.
@@ -71,42 +114,72 @@ impl<O: MasterWeightStep> SlotStates<O> {
         self.swap.as_mut().map_or(Ok(()), Swapper::finish)
     }
 
-    /// Slot `index`'s state and master (clones; read from disk with NVMe offload, between
-    /// steps).
+    /// Slot `index`'s state and master as a checkpoint writes them: the state's scalars, and
+    /// each tensor (named as `StateSink` names it; the master last, unnamed) in memory, or with
+    /// NVMe offload where it is on disk, to be read when written (one tensor in memory at a
+    /// time, whatever the model's size).
     ///
     /// # Errors
-    /// [`ShardError::Nvme`] when the swap file cannot be read back.
-    pub(crate) fn read(&self, index: usize) -> Result<StateAndMaster<O::State<1>>, ShardError> {
-        match &self.swap {
-            Some(swap) => swap.peek(index),
-            None => Ok((self.states[index].clone(), self.masters[index].clone())),
+    /// [`ShardError::Nvme`] when the swap file cannot be read back (in memory only).
+    pub(crate) fn saved(&self, index: usize) -> Result<SavedSlot, ShardError> {
+        let Some(swap) = &self.swap else {
+            let mut saved = SavedSlot::default();
+            if let Some(state) = &self.states[index] {
+                let mut sink = burn::optim::StateSink::default();
+                burn::optim::RecordState::state_flatten(state, "", &mut sink);
+                saved.state = sink
+                    .tensors
+                    .into_iter()
+                    .map(|(n, d)| (n, SavedTensor::InMemory(d)))
+                    .collect();
+                saved.scalars = sink.scalars;
+            }
+            saved.master = self.masters[index]
+                .clone()
+                .map(|m| SavedTensor::InMemory(m.into_data()));
+            return Ok(saved);
+        };
+        let Some(reader) = swap.slot_reader(index) else {
+            return Ok(SavedSlot::default());
+        };
+        let on_disk = |field: &Field| SavedTensor::OnDisk(reader.clone(), field.clone());
+        Ok(SavedSlot {
+            state: reader
+                .layout
+                .state
+                .iter()
+                .flatten()
+                .map(|f| (f.name.clone(), on_disk(f)))
+                .collect(),
+            scalars: reader.layout.scalars.clone(),
+            master: reader.layout.master.as_ref().map(on_disk),
+        })
+    }
+
+    /// Where a checkpoint load puts each slot's state and master until every rank has read
+    /// its own ([`SlotStates::replace`] then makes them the live ones): in memory, or with
+    /// NVMe offload written to the swap file one slot at a time, past the live state.
+    pub(crate) fn loading(&mut self) -> LoadedSlots<O::State<1>> {
+        match &mut self.swap {
+            Some(swap) => LoadedSlots::Staged(swap.staging()),
+            None => LoadedSlots::InMemory {
+                states: vec![None; self.states.len()],
+                masters: vec![None; self.masters.len()],
+            },
         }
     }
 
-    /// Replaces every slot's state and master (a loaded checkpoint); with NVMe offload they are
-    /// written to disk and dropped from memory.
-    ///
-    /// # Errors
-    /// [`ShardError::Nvme`] when they cannot be written.
-    pub(crate) fn replace(
-        &mut self,
-        states: Vec<Option<O::State<1>>>,
-        masters: Vec<Option<Tensor<1>>>,
-    ) -> Result<(), ShardError> {
-        let Some(swap) = &mut self.swap else {
-            self.states = states;
-            self.masters = masters;
-            return Ok(());
-        };
-        // Not a step: `nvme_io_bytes` keeps reporting the last one.
-        let last = swap.last_step_io();
-        swap.begin([]);
-        for (index, (state, master)) in states.into_iter().zip(masters).enumerate() {
-            swap.put(index, state.as_ref(), master.as_ref());
+    /// Makes `loaded` (from [`SlotStates::loading`], every slot read) the slots' state and
+    /// masters.
+    pub(crate) fn replace(&mut self, loaded: LoadedSlots<O::State<1>>) {
+        match (loaded, &mut self.swap) {
+            (LoadedSlots::Staged(staged), Some(swap)) => swap.commit(staged),
+            (LoadedSlots::InMemory { states, masters }, _) => {
+                self.states = states;
+                self.masters = masters;
+            }
+            (LoadedSlots::Staged(_), None) => unreachable!("staged by this swapper"),
         }
-        let written = swap.finish();
-        swap.set_last_step_io(last);
-        written
     }
 
     /// The swap files' directory, with NVMe offload.

@@ -13,14 +13,19 @@ use std::path::PathBuf;
 /// 12 with `bf16`/`f16` and their masters: the ZeRO paper's `K`). The step reads each piece's
 /// state ahead of stepping it, in stepping order (`io_threads` threads, at most `max_in_flight`
 /// reads in flight) and writes it back behind the step (at most `max_in_flight` writes in
-/// flight), so host memory holds the pieces in flight instead of the whole state. Between steps nothing of the state is in memory
+/// flight), so host memory holds the pieces in flight instead of the whole state. Between
+/// steps nothing of the state is in memory
 /// ([`MemoryReport::disk_bytes`](crate::MemoryReport::disk_bytes) counts it instead).
 ///
 /// Costs: every step reads and writes the whole state once (for Adam with `f32` parameters
 /// `8Ψ/N` bytes each way per rank, `N` ranks, `Ψ` parameters; `12Ψ/N` with masters), so a step
 /// takes at least those bytes over the disk's bandwidth; the reads and writes overlap the
 /// update of the other pieces. Checkpoints are the same files as without offload and load into
-/// either.
+/// either; a save reads the state from the swap file one tensor at a time, and a load writes it
+/// there one piece at a time, past the live state (made live once every rank has written all of
+/// its own, so a failed load changes nothing). The replaced state's space is not reused: each
+/// load grows the swap file by the state's size, so leave room for twice the state if the job
+/// loads a checkpoint.
 ///
 /// The files are created at `init` (an existing one from a job that was killed is reused), are
 /// locked for the job's lifetime so that a second job given the same `path` is refused, and are

@@ -2,8 +2,8 @@
 //!
 //! The state goes through Burn's `RecordState` (the same flattening checkpoints use), so the
 //! state of any Burn optimizer swaps; its tensors' bytes are concatenated, the names, dtypes,
-//! shapes and scalars stay in memory ([`SlotLayout`]), with a CRC-32 of the bytes that every
-//! read checks.
+//! shapes and scalars stay in memory ([`SlotLayout`]), with a CRC-32 of each tensor's bytes
+//! that every read checks (per tensor, so a checkpoint can read one tensor of a slot alone).
 
 use burn::optim::{RecordState, StateSink, StateSource};
 use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
@@ -14,31 +14,48 @@ pub(crate) type StateAndMaster<S> = (Option<S>, Option<Tensor<1>>);
 
 /// One tensor within a slot's bytes.
 #[derive(Clone, Debug)]
-struct Field {
-    name: String,
-    dtype: DType,
-    shape: Shape,
-    bytes: usize,
+pub(crate) struct Field {
+    /// The state's name for it (`StateSink`'s), empty for the master.
+    pub(crate) name: String,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Shape,
+    /// Where its bytes start within the slot's.
+    pub(crate) at: usize,
+    pub(crate) bytes: usize,
+    /// CRC-32 (IEEE) of its bytes.
+    pub(crate) crc: u32,
+}
+
+impl Field {
+    /// Whether `bytes` (this field's, read back) are the ones written (length and CRC-32).
+    pub(crate) fn matches(&self, bytes: &[u8]) -> bool {
+        bytes.len() == self.bytes && crc32fast::hash(bytes) == self.crc
+    }
 }
 
 /// What a slot's bytes hold, kept in memory while the bytes are on disk.
 #[derive(Clone, Debug)]
 pub(crate) struct SlotLayout {
     /// The state's tensors in the order written (`None`: the slot has no state yet).
-    state: Option<Vec<Field>>,
-    scalars: Vec<(String, Scalar)>,
+    pub(crate) state: Option<Vec<Field>>,
+    /// The state's scalars (`StateSink`'s), kept in memory only.
+    pub(crate) scalars: Vec<(String, Scalar)>,
     /// The master, written after the state's tensors.
-    master: Option<Field>,
+    pub(crate) master: Option<Field>,
     /// Bytes written (state tensors, then master).
     pub(crate) len: usize,
-    /// CRC-32 (IEEE) of the bytes written.
-    crc: u32,
 }
 
 impl SlotLayout {
-    /// Whether the bytes read back are the ones written (length and CRC-32).
+    /// Whether the bytes read back are the ones written (length and each tensor's CRC-32).
     pub(crate) fn matches(&self, bytes: &[u8]) -> bool {
-        bytes.len() == self.len && crc32fast::hash(bytes) == self.crc
+        bytes.len() == self.len
+            && self
+                .state
+                .iter()
+                .flatten()
+                .chain(&self.master)
+                .all(|f| f.matches(&bytes[f.at..f.at + f.bytes]))
     }
 }
 
@@ -46,12 +63,15 @@ impl SlotLayout {
 pub(crate) fn encode<S: RecordState>(state: Option<&S>, master: Option<&Tensor<1>>) -> (Vec<u8>, SlotLayout) {
     let mut bytes = Vec::new();
     let mut push = |name: String, data: TensorData| {
+        let at = bytes.len();
         bytes.extend_from_slice(data.as_bytes());
         Field {
             name,
             dtype: data.dtype(),
             shape: data.shape().clone(),
+            at,
             bytes: data.as_bytes().len(),
+            crc: crc32fast::hash(data.as_bytes()),
         }
     };
     let (state, scalars) = match state {
@@ -69,7 +89,6 @@ pub(crate) fn encode<S: RecordState>(state: Option<&S>, master: Option<&Tensor<1
         scalars,
         master,
         len: bytes.len(),
-        crc: crc32fast::hash(&bytes),
     };
     (bytes, layout)
 }
@@ -81,11 +100,12 @@ pub(crate) fn decode<S: RecordState>(
     layout: &SlotLayout,
     device: &Device,
 ) -> Option<StateAndMaster<S>> {
-    let mut at = 0;
-    let mut take = |field: &Field| {
-        let data = TensorData::from_bytes_vec(bytes[at..at + field.bytes].to_vec(), field.shape.clone(), field.dtype);
-        at += field.bytes;
-        data
+    let take = |field: &Field| {
+        TensorData::from_bytes_vec(
+            bytes[field.at..field.at + field.bytes].to_vec(),
+            field.shape.clone(),
+            field.dtype,
+        )
     };
     let state = match &layout.state {
         Some(fields) => {

@@ -5,13 +5,13 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use burn::optim::RecordState;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::error::ShardError;
 use crate::swap::config::NvmeOffload;
 use crate::swap::file::SwapFile;
 use crate::swap::io_pool::{IoPool, Pending};
-use crate::swap::slot_bytes::{self, SlotLayout, StateAndMaster};
+use crate::swap::slot_bytes::{self, Field, SlotLayout, StateAndMaster};
 
 /// Extents start on, and reserve, whole blocks of this many bytes (a page, and a multiple of
 /// every disk's logical block), so that no two slots share a block.
@@ -143,18 +143,6 @@ impl Swapper {
         result.inspect_err(|e| self.fail(e.clone()))
     }
 
-    /// Slot `index`'s state and master as on disk, read now (for a checkpoint). Between steps:
-    /// every step ends with [`Swapper::finish`], so no write is in flight.
-    ///
-    /// # Errors
-    /// As [`Swapper::take`] (not recorded).
-    pub(crate) fn peek<S: RecordState>(&self, index: usize) -> Result<StateAndMaster<S>, ShardError> {
-        match self.extent(index) {
-            Some(extent) => self.decode(index, self.pool.read(extent.offset, extent.layout.len).wait()),
-            None => Ok((None, None)),
-        }
-    }
-
     fn decode<S: RecordState>(
         &self,
         index: usize,
@@ -165,13 +153,7 @@ impl Swapper {
             self.file
                 .io_error("reading a piece's optimizer state", extent.layout.len, &e)
         })?;
-        let corrupt = |reason: &str| ShardError::Nvme {
-            path: self.file.path().to_path_buf(),
-            reason: format!("the {} bytes at offset {} {reason}", extent.layout.len, extent.offset),
-            fix: "another program wrote to the swap file, or the disk corrupted it: the optimizer state on disk is \
-                  lost; resume from the last checkpoint, and keep other programs out of the NvmeOffload directory"
-                .into(),
-        };
+        let corrupt = |reason: &str| corrupt(&self.file, extent.offset, extent.layout.len, reason);
         if !extent.layout.matches(&bytes) {
             return Err(corrupt("are not the ones written (CRC-32 mismatch)"));
         }
@@ -248,6 +230,36 @@ impl Swapper {
         }
     }
 
+    /// A reader of slot `index`'s tensors one at a time, for a checkpoint that writes them
+    /// without holding the slot (`None` when it has nothing on disk). Valid until the next
+    /// step writes the slot again.
+    pub(crate) fn slot_reader(&self, index: usize) -> Option<SlotReader> {
+        self.extent(index).map(|extent| SlotReader {
+            file: self.file.clone(),
+            offset: extent.offset,
+            layout: extent.layout.clone(),
+        })
+    }
+
+    /// Starts replacing every slot's state (a checkpoint load): [`Staging::put`] writes past
+    /// the live extents, which stay as they are until [`Swapper::commit`]; a staging dropped
+    /// instead leaves the swapper unchanged (its bytes are overwritten by later writes).
+    pub(crate) fn staging(&mut self) -> Staging {
+        // Between steps: nothing of an unfinished step is left in flight.
+        let _ = self.finish();
+        Staging {
+            file: self.file.clone(),
+            extents: Vec::new(),
+            end: self.end,
+        }
+    }
+
+    /// Makes `staged`'s slots the live ones (those it did not write have none).
+    pub(crate) fn commit(&mut self, staged: Staging) {
+        self.extents = staged.extents;
+        self.end = staged.end;
+    }
+
     /// Where slot `index`'s bytes are (`None` when it has none on disk).
     fn extent(&self, index: usize) -> Option<&Extent> {
         self.extents.get(index).and_then(Option::as_ref)
@@ -268,13 +280,93 @@ impl Swapper {
         self.last_step
     }
 
-    /// Restores what [`Swapper::last_step_io`] reports (after writes that were not a step).
-    pub(crate) fn set_last_step_io(&mut self, io: IoBytes) {
-        self.last_step = io;
-    }
-
     /// The swap file's path.
     pub(crate) fn path(&self) -> &std::path::Path {
         self.file.path()
+    }
+}
+
+/// A replacement of every slot's state being written (see [`Swapper::staging`]): one slot in
+/// memory at a time, written synchronously (a load is not a step).
+pub(crate) struct Staging {
+    file: Arc<SwapFile>,
+    extents: Vec<Option<Extent>>,
+    end: u64,
+}
+
+impl Staging {
+    /// Writes slot `index`'s `state` and `master` past every live extent.
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] when the write fails (a full disk names the fix).
+    pub(crate) fn put<S: RecordState>(
+        &mut self,
+        index: usize,
+        state: Option<&S>,
+        master: Option<&Tensor<1>>,
+    ) -> Result<(), ShardError> {
+        if index >= self.extents.len() {
+            self.extents.resize_with(index + 1, || None);
+        }
+        if state.is_none() && master.is_none() {
+            return Ok(());
+        }
+        let (bytes, layout) = slot_bytes::encode(state, master);
+        let capacity = (layout.len as u64).div_ceil(BLOCK) * BLOCK;
+        self.file.write_at(&bytes, self.end).map_err(|e| {
+            self.file
+                .io_error("writing a loaded piece's optimizer state", bytes.len(), &e)
+        })?;
+        self.extents[index] = Some(Extent {
+            offset: self.end,
+            capacity,
+            layout,
+        });
+        self.end += capacity;
+        Ok(())
+    }
+}
+
+/// One slot's tensors on disk, read one at a time (see [`Swapper::slot_reader`]).
+#[derive(Clone)]
+pub(crate) struct SlotReader {
+    file: Arc<SwapFile>,
+    offset: u64,
+    /// What the slot holds: the fields' names, dtypes, shapes, CRCs and the state's scalars.
+    pub(crate) layout: SlotLayout,
+}
+
+impl SlotReader {
+    /// `field`'s bytes (one of [`SlotReader::layout`]'s), read now and checked against its
+    /// CRC-32.
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] when the read fails or returns other bytes than were written.
+    pub(crate) fn read(&self, field: &Field) -> Result<TensorData, ShardError> {
+        let offset = self.offset + field.at as u64;
+        let bytes = self
+            .file
+            .read_at(field.bytes, offset)
+            .map_err(|e| self.file.io_error("reading a piece's optimizer state", field.bytes, &e))?;
+        if !field.matches(&bytes) {
+            return Err(corrupt(
+                &self.file,
+                offset,
+                field.bytes,
+                "are not the ones written (CRC-32 mismatch)",
+            ));
+        }
+        Ok(TensorData::from_bytes_vec(bytes, field.shape.clone(), field.dtype))
+    }
+}
+
+/// The error of a swap file whose `len` bytes at `offset` are not what was written.
+fn corrupt(file: &SwapFile, offset: u64, len: usize, reason: &str) -> ShardError {
+    ShardError::Nvme {
+        path: file.path().to_path_buf(),
+        reason: format!("the {len} bytes at offset {offset} {reason}"),
+        fix: "another program wrote to the swap file, or the disk corrupted it: the optimizer state on disk is \
+              lost; resume from the last checkpoint, and keep other programs out of the NvmeOffload directory"
+            .into(),
     }
 }
