@@ -671,8 +671,9 @@ fn a_load_whose_swap_writes_fail_leaves_the_optimizer_as_it_was() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
+    // "1 passed": libtest may print the test's name before or after its output.
     assert!(
-        out.status.success() && stdout.contains("failed_load_child ... ok"),
+        out.status.success() && stdout.contains("1 passed"),
         "the child run failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -680,8 +681,10 @@ fn a_load_whose_swap_writes_fail_leaves_the_optimizer_as_it_was() {
 
 /// The child of [`a_load_whose_swap_writes_fail_leaves_the_optimizer_as_it_was`] (ignored
 /// unless run by it): 2 ranks at stage 2 with NVMe offload take steps 0-1, save, take step 2;
-/// then no file may grow, the load of the checkpoint fails, and steps 3-4 end bitwise where 5
-/// steps in memory end.
+/// then no file may grow past the larger swap file, the load of the checkpoint fails on the
+/// rank with that file (naming the full disk and that the optimizer is unchanged) and on the
+/// other, which wrote its whole loaded state but must not make it live; the files are as long
+/// as before the load, and steps 3-4 end bitwise where 5 steps in memory end.
 #[test]
 #[ignore = "run by a_load_whose_swap_writes_fail_leaves_the_optimizer_as_it_was under a file-size limit"]
 fn failed_load_child() {
@@ -698,12 +701,21 @@ fn failed_load_child() {
             for index in 0..5 {
                 if load_after == Some(index) {
                     optim.comm().barrier().unwrap();
+                    let lengths = || {
+                        swap_files(&swap)
+                            .iter()
+                            .map(|f| f.metadata().unwrap().len())
+                            .collect::<Vec<_>>()
+                    };
+                    let before = lengths();
                     if optim.comm().rank() == 0 {
                         limit_file_size_to(&swap_files(&swap));
                     }
                     optim.comm().barrier().unwrap();
                     let failed = optim.load_checkpoint(model.clone(), &ckpt);
                     error = Some(failed.err().expect("the load must fail").to_string());
+                    optim.comm().barrier().unwrap();
+                    assert_eq!(lengths(), before, "a failed load gives back the disk it took");
                 }
                 model = step_batch(&mut optim, model, index, &device).unwrap();
                 if index == 1 && load_after.is_some() {
@@ -728,10 +740,59 @@ fn failed_load_child() {
         );
         assert!(params == expected, "rank {rank}: the failed load changed the training");
     }
+    let errors: Vec<&str> = failed.iter().map(|(e, _)| e.as_deref().unwrap()).collect();
     assert!(
-        failed.iter().any(|(e, _)| e.as_deref().unwrap().contains("is full")),
-        "a rank names the full disk and the fix: {failed:?}"
+        errors
+            .iter()
+            .any(|e| e.contains("is full") && e.contains("load again") && e.contains("unchanged")),
+        "a rank names the full disk, that the optimizer is unchanged, and the fix: {errors:?}"
     );
+    assert!(
+        errors.iter().any(|e| e.contains("rank(s) [")),
+        "a rank whose own writes passed fails with its peer (and keeps its state): {errors:?}"
+    );
+}
+
+/// Loading checkpoints again and again into an optimizer with NVMe offload reuses the space of
+/// the state each load replaced: after the first load (which writes beside the live state) the
+/// swap files grow no more (past the block the first load's state ends in), and training goes
+/// on after each load.
+#[test]
+fn repeated_loads_reuse_the_swap_files_space() {
+    let dir = scratch("nvme", "repeated-loads");
+    let (swap, ckpt) = (dir.join("swap"), dir.join("ckpt"));
+    std::fs::create_dir_all(&swap).unwrap();
+    let config = ShardConfig::new(Stage::Three).with_nvme_offload(NvmeOffload::new(&swap));
+    let base = base();
+    let lengths = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let model = base.clone().fork(&device);
+        let (mut model, mut optim) = config.init(model, AdamWConfig::new(), comm).unwrap();
+        let rank = optim.comm().rank();
+        let file = swap.join(format!("burn-shard-rank{rank}.swap"));
+        let mut lengths = Vec::new();
+        for index in 0..2 {
+            model = step_batch(&mut optim, model, index, &device).unwrap();
+        }
+        optim.save_checkpoint(&model, &ckpt, &serde_json::json!({})).unwrap();
+        for index in 2..6 {
+            model = optim.load_checkpoint(model, &ckpt).unwrap().0;
+            model = step_batch(&mut optim, model, index, &device).unwrap();
+            lengths.push(file.metadata().unwrap().len());
+        }
+        lengths
+    })
+    .expect("no rank panics");
+    for (rank, lengths) in lengths.iter().enumerate() {
+        println!("rank {rank}: swap file after each load and step: {lengths:?} bytes");
+        // The file ends with the last slot's bytes, not its whole block: it may end anywhere
+        // in the block the first load's state ends in, not past it.
+        let cap = lengths[0].next_multiple_of(4096);
+        assert!(
+            lengths.iter().all(|&l| l <= cap),
+            "rank {rank}: the swap file grows with each load: {lengths:?}"
+        );
+    }
 }
 
 /// Limits this process's file size to the largest of `files` (`prlimit`), so none can grow.

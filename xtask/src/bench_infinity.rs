@@ -419,6 +419,10 @@ fn big_run(args: &Args, corpus: &CharCorpus, layers: usize) -> Result<BigRun, St
     let (mut init_s, mut init_peak_rss) = (0.0, 0);
     let shape = (args.batch, args.block, LR_WIDE);
     let checkpoint = args.swap_dir.join("checkpoint");
+    // One left by an interrupted run would make the save fail after the whole training.
+    if checkpoint.exists() {
+        std::fs::remove_dir_all(&checkpoint).map_err(|e| format!("{}: {e}", checkpoint.display()))?;
+    }
     let after_init = || {
         init_s = start.elapsed().as_secs_f64();
         init_peak_rss = status_bytes("VmHWM");

@@ -235,9 +235,9 @@ impl ShardConfig {
     /// with `reshard_after_forward` the re-gather in backward copies again); the update runs on
     /// the host, where the shard stays, so only the gradient crosses device → host. The shards'
     /// compute device is fixed at `init`: moving the model to another device is not supported
-    /// with it. Loading a checkpoint builds each shard on the compute device before it goes
-    /// home, so a load briefly holds the shards there. Results are bitwise those of the
-    /// same training with the shards on the device.
+    /// with it. Loading a checkpoint builds each shard in host memory, where the model's shard
+    /// lives, never on the device. Results are bitwise those of the same training with the
+    /// shards on the device.
     ///
     /// # Errors (at `init`)
     /// [`ShardError::InvalidConfig`] below stage 3 (every rank holds whole parameters there;

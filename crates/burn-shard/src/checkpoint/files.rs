@@ -75,11 +75,12 @@ impl RankFile {
         let deferred_error = self.deferred_error.clone();
         self.write_file(dir, rank).map_err(|e| {
             let deferred = deferred_error.lock().unwrap_or_else(|p| p.into_inner()).take();
-            deferred.unwrap_or(e.into())
+            deferred.unwrap_or_else(|| e.into())
         })
     }
 
-    /// [`RankFile::write`] of a file without deferred tensors (a reshard's).
+    /// [`RankFile::write`] with the writer's own error: for files without deferred tensors (a
+    /// reshard's), whose providers cannot fail.
     ///
     /// # Errors
     /// [`CheckpointError::Io`] when the file cannot be written.

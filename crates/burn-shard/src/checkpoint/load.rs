@@ -36,7 +36,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     ///
     /// A new run starts here: the next checkpoints record `dir` as their parent, and the next
     /// save into a directory holding later checkpoints of another lineage sets them aside (see
-    /// [`ShardedOptimizer::save_checkpoint`]). Loading changes nothing on disk.
+    /// [`ShardedOptimizer::save_checkpoint`]). Loading changes nothing in `dir`; with
+    /// [`NvmeOffload`](crate::NvmeOffload) it writes the loaded optimizer state to the swap
+    /// file, beside the live state until every rank has read all of its own.
+    ///
+    /// `model` is consumed: pass a clone (it shares the parameters) to keep training it when
+    /// the load fails.
     ///
     /// # Errors
     /// [`CheckpointError::Incomplete`], [`CheckpointError::Missing`],
@@ -92,13 +97,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 false => Ok((read, None)),
             });
         let ((values, shards, payload, scaler, lineage), record) = self.agree(loaded, "load_checkpoint")?;
-        // A new run starts here: its checkpoints continue the loaded one's history.
-        self.lineage = Lineage::resumed_from(&name_of(dir), lineage.as_ref());
         // The scale continues where it was (every rank reads the same one, so all fail
-        // together on a bad one); a run without a scaler ignores a saved one.
+        // together on a bad one, before anything else changes); a run without a scaler ignores
+        // a saved one.
         if let (Some(mine), Some(saved)) = (&mut self.loss_scaler, scaler) {
             mine.resume(&saved)?;
         }
+        // A new run starts here: its checkpoints continue the loaded one's history.
+        self.lineage = Lineage::resumed_from(&name_of(dir), lineage.as_ref());
         self.slots.replace(slots);
         // Micro-batch sums of the model before the load do not belong to the loaded one.
         self.drop_kept_sums();

@@ -266,7 +266,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 Ok(value.clone().narrow(0, start, len).into_data())
             });
             if let Some(index) = self.layout.slot_of(id) {
-                self.push_optimizer_piece(&mut file, index, &entry.path, range.len())?;
+                self.push_optimizer_piece(&mut file, index, &entry.path, range.len());
             }
         }
         file.write(partial, rank)
@@ -330,14 +330,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
     /// This rank's optimizer state and master of slot `index`, trimmed to `len` elements (a
     /// stage-3 shard's padding is not saved).
-    fn push_optimizer_piece(
-        &self,
-        file: &mut RankFile,
-        index: usize,
-        path: &str,
-        len: usize,
-    ) -> Result<(), ShardError> {
-        let saved = self.slots.saved(index)?;
+    fn push_optimizer_piece(&self, file: &mut RankFile, index: usize, path: &str, len: usize) {
+        let saved = self.slots.saved(index);
         let names = saved
             .state
             .into_iter()
@@ -354,7 +348,6 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         for (field, value) in saved.scalars {
             file.push_scalar(format!("state/{path}/{field}"), value);
         }
-        Ok(())
     }
 }
 

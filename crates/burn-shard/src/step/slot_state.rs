@@ -118,10 +118,7 @@ impl<O: MasterWeightStep> SlotStates<O> {
     /// each tensor (named as `StateSink` names it; the master last, unnamed) in memory, or with
     /// NVMe offload where it is on disk, to be read when written (one tensor in memory at a
     /// time, whatever the model's size).
-    ///
-    /// # Errors
-    /// [`ShardError::Nvme`] when the swap file cannot be read back (in memory only).
-    pub(crate) fn saved(&self, index: usize) -> Result<SavedSlot, ShardError> {
+    pub(crate) fn saved(&self, index: usize) -> SavedSlot {
         let Some(swap) = &self.swap else {
             let mut saved = SavedSlot::default();
             if let Some(state) = &self.states[index] {
@@ -137,13 +134,13 @@ impl<O: MasterWeightStep> SlotStates<O> {
             saved.master = self.masters[index]
                 .clone()
                 .map(|m| SavedTensor::InMemory(m.into_data()));
-            return Ok(saved);
+            return saved;
         };
         let Some(reader) = swap.slot_reader(index) else {
-            return Ok(SavedSlot::default());
+            return SavedSlot::default();
         };
         let on_disk = |field: &Field| SavedTensor::OnDisk(reader.clone(), field.clone());
-        Ok(SavedSlot {
+        SavedSlot {
             state: reader
                 .layout
                 .state
@@ -153,7 +150,7 @@ impl<O: MasterWeightStep> SlotStates<O> {
                 .collect(),
             scalars: reader.layout.scalars.clone(),
             master: reader.layout.master.as_ref().map(on_disk),
-        })
+        }
     }
 
     /// Where a checkpoint load puts each slot's state and master until every rank has read

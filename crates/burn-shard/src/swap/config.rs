@@ -22,10 +22,9 @@ use std::path::PathBuf;
 /// takes at least those bytes over the disk's bandwidth; the reads and writes overlap the
 /// update of the other pieces. Checkpoints are the same files as without offload and load into
 /// either; a save reads the state from the swap file one tensor at a time, and a load writes it
-/// there one piece at a time, past the live state (made live once every rank has written all of
-/// its own, so a failed load changes nothing). The replaced state's space is not reused: each
-/// load grows the swap file by the state's size, so leave room for twice the state if the job
-/// loads a checkpoint.
+/// there one piece at a time, beside the live state (made live once every rank has written all
+/// of its own, so a failed load changes nothing). The next load reuses the replaced state's
+/// space, so a job that loads a checkpoint needs room for twice the state.
 ///
 /// The files are created at `init` (an existing one from a job that was killed is reused), are
 /// locked for the job's lifetime so that a second job given the same `path` is refused, and are

@@ -89,6 +89,16 @@ impl SwapFile {
         os::write_at(&self.file, bytes, offset)
     }
 
+    /// The file's length in bytes.
+    pub(crate) fn len(&self) -> io::Result<u64> {
+        self.file.metadata().map(|m| m.len())
+    }
+
+    /// Shortens the file to `len` bytes (gives back what a failed write past it took).
+    pub(crate) fn truncate(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)
+    }
+
     /// Reads `len` bytes at `offset`; an error when the file ends before (truncated).
     pub(crate) fn read_at(&self, len: usize, offset: u64) -> io::Result<Vec<u8>> {
         let mut bytes = vec![0; len];
@@ -118,23 +128,29 @@ impl SwapFile {
         }
     }
 
-    /// The error for a failed read or write of `bytes` bytes, with the fix its cause calls for.
+    /// The error for a failed read or write of `bytes` bytes in a step, with the fix its cause
+    /// calls for (the state on disk may be lost: resume from the last checkpoint).
     pub(crate) fn io_error(&self, what: &str, bytes: usize, e: &io::Error) -> ShardError {
+        self.io_error_then(what, bytes, e, "resume from the last checkpoint")
+    }
+
+    /// As [`SwapFile::io_error`], the fix ending with `then` once the disk is fixed.
+    pub(crate) fn io_error_then(&self, what: &str, bytes: usize, e: &io::Error, then: &str) -> ShardError {
         let fix = match e.kind() {
-            io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded | io::ErrorKind::FileTooLarge => {
+            io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded | io::ErrorKind::FileTooLarge => format!(
                 "the disk (or this user's quota or file-size limit) is full: free space there or name a larger \
-                 disk in NvmeOffload::new, then resume from the last checkpoint"
-            }
-            io::ErrorKind::UnexpectedEof => {
-                "the swap file was truncated while the job ran: the optimizer state on disk is lost; resume from \
-                 the last checkpoint, and keep other programs out of the NvmeOffload directory"
-            }
-            _ => "check the disk (dmesg), then resume from the last checkpoint",
+                 disk in NvmeOffload::new, then {then}"
+            ),
+            io::ErrorKind::UnexpectedEof => "the swap file was truncated while the job ran: the optimizer state on \
+                                             disk is lost; resume from the last checkpoint, and keep other \
+                                             programs out of the NvmeOffload directory"
+                .into(),
+            _ => format!("check the disk (dmesg), then {then}"),
         };
         ShardError::Nvme {
             path: self.path.clone(),
             reason: format!("{what} of {bytes} bytes failed ({e})"),
-            fix: fix.into(),
+            fix,
         }
     }
 }

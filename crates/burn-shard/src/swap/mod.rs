@@ -15,6 +15,7 @@
 
 pub(crate) mod config;
 pub(crate) mod file;
+pub(crate) mod free_space;
 pub(crate) mod io_pool;
 pub(crate) mod slot_bytes;
 pub(crate) mod swapper;

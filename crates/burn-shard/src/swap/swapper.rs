@@ -10,6 +10,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use crate::error::ShardError;
 use crate::swap::config::NvmeOffload;
 use crate::swap::file::SwapFile;
+use crate::swap::free_space::FreeSpace;
 use crate::swap::io_pool::{IoPool, Pending};
 use crate::swap::slot_bytes::{self, Field, SlotLayout, StateAndMaster};
 
@@ -21,7 +22,7 @@ const BLOCK: u64 = 4096;
 struct Extent {
     offset: u64,
     /// Bytes reserved (a multiple of [`BLOCK`]); a slot whose state grows past it moves to
-    /// the end of the file.
+    /// free space (or the end of the file) and frees this.
     capacity: u64,
     layout: SlotLayout,
 }
@@ -42,8 +43,8 @@ pub(crate) struct Swapper {
     file: Arc<SwapFile>,
     pool: IoPool,
     extents: Vec<Option<Extent>>,
-    /// The first free offset of the file.
-    end: u64,
+    /// The bytes of the file no live extent uses.
+    space: FreeSpace,
     max_in_flight: usize,
     /// Where states and masters are rebuilt (the optimizer's state device).
     device: Device,
@@ -82,7 +83,7 @@ impl Swapper {
             pool,
             extents: Vec::new(),
             // The first block holds the probe `SwapFile::create` wrote.
-            end: BLOCK,
+            space: FreeSpace::new(BLOCK),
             max_in_flight: config.max_in_flight,
             device,
             ahead: VecDeque::new(),
@@ -168,24 +169,23 @@ impl Swapper {
             self.extents.resize_with(index + 1, || None);
         }
         if state.is_none() && master.is_none() {
-            self.extents[index] = None;
+            if let Some(old) = self.extents[index].take() {
+                self.space.give(old.offset, old.capacity);
+            }
             return;
         }
         let (bytes, layout) = slot_bytes::encode(state, master);
         let needed = (layout.len as u64).div_ceil(BLOCK) * BLOCK;
-        let offset = match &self.extents[index] {
-            Some(extent) if extent.capacity >= needed => extent.offset,
-            // New, or grown (a state that gained a tensor): at the end; the old extent is left.
-            _ => {
-                let offset = self.end;
-                self.end += needed;
-                offset
+        let (offset, capacity) = match self.extents[index].take() {
+            Some(extent) if extent.capacity >= needed => (extent.offset, extent.capacity),
+            // New, or grown (a state that gained a tensor): in free space; the old one freed.
+            old => {
+                if let Some(old) = old {
+                    self.space.give(old.offset, old.capacity);
+                }
+                (self.space.take(needed), needed)
             }
         };
-        let capacity = self.extents[index]
-            .as_ref()
-            .filter(|e| e.offset == offset)
-            .map_or(needed, |e| e.capacity);
         while self.writes.len() >= self.max_in_flight {
             self.wait_oldest_write();
         }
@@ -241,23 +241,32 @@ impl Swapper {
         })
     }
 
-    /// Starts replacing every slot's state (a checkpoint load): [`Staging::put`] writes past
-    /// the live extents, which stay as they are until [`Swapper::commit`]; a staging dropped
-    /// instead leaves the swapper unchanged (its bytes are overwritten by later writes).
+    /// Starts replacing every slot's state (a checkpoint load): [`Staging::put`] writes where
+    /// no live extent is (in the space a previous load or a moved slot freed, then past the
+    /// end), so the live state stays as it is until [`Swapper::commit`]; a staging dropped
+    /// instead leaves the swapper unchanged and the file its length. The file thus holds about
+    /// twice the state at most.
     pub(crate) fn staging(&mut self) -> Staging {
         // Between steps: nothing of an unfinished step is left in flight.
         let _ = self.finish();
         Staging {
             file: self.file.clone(),
             extents: Vec::new(),
-            end: self.end,
+            space: self.space.clone(),
+            len_before: self.file.len().ok(),
+            committed: false,
         }
     }
 
-    /// Makes `staged`'s slots the live ones (those it did not write have none).
-    pub(crate) fn commit(&mut self, staged: Staging) {
-        self.extents = staged.extents;
-        self.end = staged.end;
+    /// Makes `staged`'s slots the live ones (those it did not write have none), and the space
+    /// of the state they replace free.
+    pub(crate) fn commit(&mut self, mut staged: Staging) {
+        staged.committed = true;
+        let replaced = std::mem::replace(&mut self.extents, std::mem::take(&mut staged.extents));
+        self.space = staged.space.clone();
+        for old in replaced.into_iter().flatten() {
+            self.space.give(old.offset, old.capacity);
+        }
     }
 
     /// Where slot `index`'s bytes are (`None` when it has none on disk).
@@ -291,14 +300,29 @@ impl Swapper {
 pub(crate) struct Staging {
     file: Arc<SwapFile>,
     extents: Vec<Option<Extent>>,
-    end: u64,
+    /// The swapper's free space, less what the staged slots took.
+    space: FreeSpace,
+    /// The file's length before, restored when the staging is dropped uncommitted.
+    len_before: Option<u64>,
+    committed: bool,
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // A failed load gives back the disk it took (a full disk stays usable for the steps).
+        if let (false, Some(len)) = (self.committed, self.len_before)
+            && self.file.len().is_ok_and(|now| now > len)
+        {
+            let _ = self.file.truncate(len);
+        }
+    }
 }
 
 impl Staging {
-    /// Writes slot `index`'s `state` and `master` past every live extent.
+    /// Writes slot `index`'s `state` and `master` where no live extent is.
     ///
     /// # Errors
-    /// [`ShardError::Nvme`] when the write fails (a full disk names the fix).
+    /// [`ShardError::Nvme`] when the write fails, saying that the optimizer is unchanged.
     pub(crate) fn put<S: RecordState>(
         &mut self,
         index: usize,
@@ -313,16 +337,19 @@ impl Staging {
         }
         let (bytes, layout) = slot_bytes::encode(state, master);
         let capacity = (layout.len as u64).div_ceil(BLOCK) * BLOCK;
-        self.file.write_at(&bytes, self.end).map_err(|e| {
+        let offset = self.space.take(capacity);
+        self.file.write_at(&bytes, offset).map_err(|e| {
+            // The live state is intact: the fix is to load again, not to resume.
+            let then = "load again: the optimizer is unchanged (a load writes the loaded state beside the live \
+                        one, so it needs room for the state a second time)";
             self.file
-                .io_error("writing a loaded piece's optimizer state", bytes.len(), &e)
+                .io_error_then("writing a loaded piece's optimizer state", bytes.len(), &e, then)
         })?;
         self.extents[index] = Some(Extent {
-            offset: self.end,
+            offset,
             capacity,
             layout,
         });
-        self.end += capacity;
         Ok(())
     }
 }

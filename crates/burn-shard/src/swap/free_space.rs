@@ -1,0 +1,70 @@
+//! `FreeSpace`: which bytes of a swap file no slot uses, so that new and grown slots and a
+//! load's staged state reuse the space of the state they replace instead of growing the file.
+
+/// The free regions of a swap file below its end, and the end (where the file grows).
+#[derive(Clone, Debug)]
+pub(crate) struct FreeSpace {
+    /// `(offset, bytes)` of each free region, unordered; whole blocks.
+    regions: Vec<(u64, u64)>,
+    /// The first offset past every slot and region.
+    end: u64,
+}
+
+impl FreeSpace {
+    /// Nothing free below `end`.
+    pub(crate) fn new(end: u64) -> Self {
+        Self {
+            regions: Vec::new(),
+            end,
+        }
+    }
+
+    /// Where `bytes` bytes go: the start of the first free region that holds them (its rest
+    /// stays free), else the end, which moves past them.
+    pub(crate) fn take(&mut self, bytes: u64) -> u64 {
+        if let Some(i) = self.regions.iter().position(|&(_, len)| len >= bytes) {
+            let (offset, len) = self.regions[i];
+            match len == bytes {
+                true => {
+                    self.regions.swap_remove(i);
+                }
+                false => self.regions[i] = (offset + bytes, len - bytes),
+            }
+            return offset;
+        }
+        let offset = self.end;
+        self.end += bytes;
+        offset
+    }
+
+    /// Frees `bytes` bytes at `offset` (a slot that moved, or a state a load replaced).
+    pub(crate) fn give(&mut self, offset: u64, bytes: u64) {
+        self.regions.push((offset, bytes));
+    }
+
+    /// The first offset past every slot.
+    #[cfg(test)]
+    fn end(&self) -> u64 {
+        self.end
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FreeSpace;
+
+    #[test]
+    fn freed_regions_are_reused_before_the_file_grows() {
+        let mut space = FreeSpace::new(4096);
+        assert_eq!(space.take(8192), 4096);
+        assert_eq!(space.take(4096), 12288);
+        assert_eq!(space.end(), 16384);
+        space.give(4096, 8192);
+        // A smaller piece takes the start of the region, the rest stays free.
+        assert_eq!(space.take(4096), 4096);
+        assert_eq!(space.take(4096), 8192);
+        // Nothing free left: the file grows.
+        assert_eq!(space.take(4096), 16384);
+        assert_eq!(space.end(), 20480);
+    }
+}
