@@ -495,23 +495,31 @@ fn a_swap_file_damaged_under_a_running_job_fails_the_next_step_on_every_rank() {
 #[test]
 fn a_disk_that_fills_mid_step_fails_the_step_on_every_rank() {
     let dir = scratch("nvme", "disk-full");
+    run_child("ulimit -f 4", "disk_full_child", "BURN_SHARD_DISK_FULL_DIR", &dir);
+    assert!(swap_files(&dir).is_empty(), "files left: {:?}", swap_files(&dir));
+}
+
+/// Runs the ignored test `nvme_offload::{child}` in a child process of this test binary, after
+/// the shell command `limit` (a process-wide limit the other tests must not share), with
+/// SIGXFSZ ignored (a write past a file-size limit then fails with EFBIG instead of killing the
+/// child) and `dir` in the environment variable `var`; asserts it passed.
+fn run_child(limit: &str, child: &str, var: &str, dir: &Path) {
     let exe = std::env::current_exe().unwrap();
-    let script = r#"trap "" XFSZ; ulimit -f 4; exec "$0" --exact nvme_offload::disk_full_child --ignored --nocapture"#;
+    let script = format!(r#"trap "" XFSZ; {limit}; exec "$0" --exact nvme_offload::{child} --ignored --nocapture"#);
     let out = std::process::Command::new("bash")
-        .args(["-c", script])
+        .args(["-c", &script])
         .arg(&exe)
-        .env("BURN_SHARD_DISK_FULL_DIR", &dir)
+        .env(var, dir)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
+    // "1 passed": libtest may print the test's name before or after its output.
     assert!(
         out.status.success() && stdout.contains("1 passed"),
         "the child run failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("disk_full_child ... ok"), "{stdout}");
-    assert!(swap_files(&dir).is_empty(), "files left: {:?}", swap_files(&dir));
 }
 
 /// The child of [`a_disk_that_fills_mid_step_fails_the_step_on_every_rank`] (ignored unless
@@ -660,23 +668,8 @@ fn a_save_that_reads_a_damaged_swap_file_fails_on_every_rank_and_leaves_no_check
 #[test]
 fn a_load_whose_swap_writes_fail_leaves_the_optimizer_as_it_was() {
     let dir = scratch("nvme", "failed-load");
-    let exe = std::env::current_exe().unwrap();
-    // SIGXFSZ ignored, so that a write past the limit fails (EFBIG) instead of killing the child.
-    let script = r#"trap "" XFSZ; exec "$0" --exact nvme_offload::failed_load_child --ignored --nocapture"#;
-    let out = std::process::Command::new("bash")
-        .args(["-c", script])
-        .arg(&exe)
-        .env("BURN_SHARD_FAILED_LOAD_DIR", &dir)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    // "1 passed": libtest may print the test's name before or after its output.
-    assert!(
-        out.status.success() && stdout.contains("1 passed"),
-        "the child run failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // The child sets its limit itself, once the swap files exist (`limit_file_size_to`).
+    run_child("true", "failed_load_child", "BURN_SHARD_FAILED_LOAD_DIR", &dir);
 }
 
 /// The child of [`a_load_whose_swap_writes_fail_leaves_the_optimizer_as_it_was`] (ignored
@@ -713,7 +706,7 @@ fn failed_load_child() {
                     }
                     optim.comm().barrier().unwrap();
                     let failed = optim.load_checkpoint(model.clone(), &ckpt);
-                    error = Some(failed.err().expect("the load must fail").to_string());
+                    error = Some(failed.expect_err("the load must fail").to_string());
                     optim.comm().barrier().unwrap();
                     assert_eq!(lengths(), before, "a failed load gives back the disk it took");
                 }

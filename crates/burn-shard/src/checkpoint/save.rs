@@ -340,7 +340,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             match tensor {
                 SavedTensor::InMemory(data) => file.push(name, trim(data, len)),
                 // NVMe offload: read from the swap file when written, one tensor at a time.
-                SavedTensor::OnDisk(reader, field) => {
+                SavedTensor::OnDisk(on_disk) => {
+                    let (reader, field) = *on_disk;
                     file.push_deferred(name, field.dtype, len, move || Ok(trim(reader.read(&field)?, len)))
                 }
             }

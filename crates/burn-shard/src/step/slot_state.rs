@@ -68,7 +68,8 @@ pub(crate) struct SavedSlot {
 /// One tensor of a slot: its data, or where it is in the swap file.
 pub(crate) enum SavedTensor {
     InMemory(TensorData),
-    OnDisk(SlotReader, Field),
+    /// Boxed: a reader with the slot's layout is larger than the data's handle.
+    OnDisk(Box<(SlotReader, Field)>),
 }
 
 /// Bytes of the optimizer state, by where it is.
@@ -139,7 +140,7 @@ impl<O: MasterWeightStep> SlotStates<O> {
         let Some(reader) = swap.slot_reader(index) else {
             return SavedSlot::default();
         };
-        let on_disk = |field: &Field| SavedTensor::OnDisk(reader.clone(), field.clone());
+        let on_disk = |field: &Field| SavedTensor::OnDisk(Box::new((reader.clone(), field.clone())));
         SavedSlot {
             state: reader
                 .layout

@@ -51,7 +51,7 @@ impl FreeSpace {
 
 #[cfg(test)]
 mod tests {
-    use super::FreeSpace;
+    use crate::swap::free_space::FreeSpace;
 
     #[test]
     fn freed_regions_are_reused_before_the_file_grows() {
