@@ -41,30 +41,4 @@ impl FreeSpace {
     pub(crate) fn give(&mut self, offset: u64, bytes: u64) {
         self.regions.push((offset, bytes));
     }
-
-    /// The first offset past every slot.
-    #[cfg(test)]
-    fn end(&self) -> u64 {
-        self.end
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::swap::free_space::FreeSpace;
-
-    #[test]
-    fn freed_regions_are_reused_before_the_file_grows() {
-        let mut space = FreeSpace::new(4096);
-        assert_eq!(space.take(8192), 4096);
-        assert_eq!(space.take(4096), 12288);
-        assert_eq!(space.end(), 16384);
-        space.give(4096, 8192);
-        // A smaller piece takes the start of the region, the rest stays free.
-        assert_eq!(space.take(4096), 4096);
-        assert_eq!(space.take(4096), 8192);
-        // Nothing free left: the file grows.
-        assert_eq!(space.take(4096), 16384);
-        assert_eq!(space.end(), 20480);
-    }
 }
