@@ -139,6 +139,21 @@ fn estimate_command_offload_nvme_prints_disk_bytes() {
         both.contains("Parameter offload") && both.contains("host (offloaded)"),
         "{both}"
     );
+    // --offload-params nvme: the 2Ψ/N parameter and 2Ψ/N gradient shards join the 12Ψ/N of
+    // optimizer state on disk (1.875 GB); nothing of the model state is left on the device.
+    let disk = run(&["--offload", "nvme", "--offload-params", "nvme"]);
+    let row = disk.lines().find(|l| l.starts_with('3')).expect("the stage 3 row");
+    let cells: Vec<&str> = row.split("  ").map(str::trim).filter(|c| !c.is_empty()).collect();
+    let zero = "0.0 GB / 0.0 GiB";
+    assert_eq!(
+        cells,
+        ["3", zero, zero, zero, zero, "1.9 GB / 1.7 GiB"],
+        "stage, parameters, gradients, optimizer state, device total, disk:\n{disk}"
+    );
+    assert!(
+        disk.contains("Parameter offload to NVMe") && !disk.contains("host (offloaded)"),
+        "{disk}"
+    );
     // Without the optimizer offloaded, parameter offload is refused by clap (it needs --offload).
     let out = std::process::Command::new(burn_shard_bin())
         .args(["estimate", "--params", "1e9", "--world-size", "8", "--offload-params"])
@@ -171,6 +186,29 @@ fn params_offloaded_moves_only_stage_3_parameters_to_the_host() {
                 );
             } else {
                 assert_eq!(p, e, "{stage} {dtype}: unchanged");
+            }
+        }
+    }
+}
+
+/// `with_params_on_disk` moves stage 3's parameter and gradient shards (`2Ψ/N` each in mixed
+/// precision, `4Ψ/N` in f32) to disk and leaves stages 0-2 as they are.
+#[test]
+fn params_on_disk_moves_only_stage_3_shards_to_disk() {
+    let (psi, n) = (1e9, 8usize);
+    for dtype in [ParamDtype::Bf16, ParamDtype::F32] {
+        for stage in STAGES {
+            let e = estimate::zero_formula(psi, n, stage, dtype, OffloadTarget::Nvme);
+            let d = e.with_params_on_disk();
+            if stage == Stage::Three {
+                let shard = dtype.element_bytes() * psi / n as f64;
+                assert_eq!(
+                    (d.parameters_bytes, d.gradients_bytes, d.disk_bytes, d.total_bytes()),
+                    (0.0, 0.0, e.disk_bytes + 2.0 * shard, 0.0),
+                    "{dtype}"
+                );
+            } else {
+                assert_eq!(d, e, "{stage} {dtype}: unchanged");
             }
         }
     }

@@ -27,6 +27,7 @@ mod modules;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod nvme_offload;
+mod nvme_params;
 mod offload;
 mod overlap;
 mod param_groups;

@@ -20,18 +20,18 @@ use burn_shard_comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
 
 use crate::common::*;
 
-const STEPS: usize = 4;
-const GLOBAL_BATCH: usize = 12;
-const LR: f64 = 1e-2;
+pub(super) const STEPS: usize = 4;
+pub(super) const GLOBAL_BATCH: usize = 12;
+pub(super) const LR: f64 = 1e-2;
 
 /// What one rank ends a run with.
 #[derive(Debug)]
-struct RankRun {
-    losses: Vec<f32>,
-    params: Vec<u32>,
-    report: MemoryReport,
+pub(super) struct RankRun {
+    pub(super) losses: Vec<f32>,
+    pub(super) params: Vec<u32>,
+    pub(super) report: MemoryReport,
     /// `nvme_io_bytes` after the last step.
-    io: (u64, u64),
+    pub(super) io: (u64, u64),
 }
 
 /// `STEPS` sharded steps of `dtype` parameters on `device` (plain; Flex unless said) from
@@ -72,7 +72,7 @@ fn train_rank<O: IntoOptimizer, C: Collective + 'static>(
     })
 }
 
-fn config(stage: Stage, dtype: DType) -> ShardConfig {
+pub(super) fn config(stage: Stage, dtype: DType) -> ShardConfig {
     let config = ShardConfig::new(stage).with_bucket_numel(64);
     match dtype {
         DType::F16 => config.with_loss_scaler(LossScaler::fixed(256.0)),
@@ -81,7 +81,7 @@ fn config(stage: Stage, dtype: DType) -> ShardConfig {
 }
 
 /// Every rank's run on `device` (plain), or the first error.
-fn run<O: IntoOptimizer + Clone + Send + Sync>(
+pub(super) fn run<O: IntoOptimizer + Clone + Send + Sync>(
     device: &Device,
     world_size: usize,
     base: &TinyMlp,
@@ -106,7 +106,7 @@ fn swap_files(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-fn base() -> TinyMlp {
+pub(super) fn base() -> TinyMlp {
     let device = Device::flex().autodiff();
     device.seed(11);
     TinyMlp::new(&device)
@@ -203,18 +203,18 @@ fn nvme_offload_swaps_every_optimizers_state() {
 
 /// Where a [`train_span`] starts and ends.
 #[derive(Clone, Default)]
-struct Span {
+pub(super) struct Span {
     /// Load this checkpoint first.
-    resume: Option<PathBuf>,
+    pub(super) resume: Option<PathBuf>,
     /// Before loading, take one step on another batch (so the load replaces state that exists).
-    warm: bool,
+    pub(super) warm: bool,
     /// Save into this directory at the end.
-    save: Option<PathBuf>,
+    pub(super) save: Option<PathBuf>,
 }
 
 /// Rank `comm.rank()` trains `dtype` parameters for `steps` from `base` with `config`, as
 /// `span` says; returns the parameters' bits.
-fn train_span<C: Collective + 'static>(
+pub(super) fn train_span<C: Collective + 'static>(
     comm: C,
     base: &TinyMlp,
     config: &ShardConfig,
@@ -395,10 +395,9 @@ fn a_second_job_on_the_same_directory_is_refused() {
 /// How a test damages rank 1's swap file while the job runs.
 type Sabotage = fn(&Path);
 
-/// Trains 2 ranks at `stage` with NVMe offload; after step 2 rank 1 applies `sabotage` to its
-/// swap file. Returns each rank's failing step and error (a rank whose steps all pass panics).
-fn run_sabotaged(dir: &Path, stage: Stage, sabotage: Sabotage) -> Vec<(usize, ShardError)> {
-    let config = ShardConfig::new(stage).with_nvme_offload(NvmeOffload::new(dir));
+/// Trains 2 ranks with `config`; after step 2 rank 1 applies `sabotage` to `file`. Returns
+/// each rank's failing step and error (a rank whose steps all pass panics).
+fn run_sabotaged(config: &ShardConfig, file: &Path, sabotage: Sabotage) -> Vec<(usize, ShardError)> {
     let base = base();
     run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
         let device = Device::flex().autodiff();
@@ -410,7 +409,7 @@ fn run_sabotaged(dir: &Path, stage: Stage, sabotage: Sabotage) -> Vec<(usize, Sh
         for step in 0..6 {
             if step == 2 {
                 if rank == 1 {
-                    sabotage(&dir.join("burn-shard-rank1.swap"));
+                    sabotage(file);
                 }
                 optim.comm().barrier().unwrap();
             }
@@ -431,44 +430,47 @@ fn run_sabotaged(dir: &Path, stage: Stage, sabotage: Sabotage) -> Vec<(usize, Sh
     .expect("no rank panics")
 }
 
+/// Ways to damage a file under a running job: name, what does it, and the cause the error names.
+const SABOTAGES: [(&str, Sabotage, &str); 3] = [
+    (
+        "deleted",
+        |p| std::fs::remove_file(p).unwrap(),
+        "deleted while the job ran",
+    ),
+    (
+        "truncated",
+        |p| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(p)
+                .unwrap()
+                .set_len(4096)
+                .unwrap()
+        },
+        "truncated",
+    ),
+    (
+        "overwritten",
+        |p| {
+            use std::os::unix::fs::FileExt;
+            let file = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+            file.write_all_at(&[0xA5; 64], 4096).unwrap();
+        },
+        "CRC-32 mismatch",
+    ),
+];
+
 /// A swap file deleted, truncated or overwritten under a running job: the next step fails on
 /// every rank within seconds, rank 1 naming its file, the cause and the fix, rank 0 naming rank
 /// 1; the files are removed when the job ends.
 #[test]
 fn a_swap_file_damaged_under_a_running_job_fails_the_next_step_on_every_rank() {
-    let cases: [(&str, Sabotage, &str); 3] = [
-        (
-            "deleted",
-            |p| std::fs::remove_file(p).unwrap(),
-            "deleted while the job ran",
-        ),
-        (
-            "truncated",
-            |p| {
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(p)
-                    .unwrap()
-                    .set_len(4096)
-                    .unwrap()
-            },
-            "truncated",
-        ),
-        (
-            "overwritten",
-            |p| {
-                use std::os::unix::fs::FileExt;
-                let file = std::fs::OpenOptions::new().write(true).open(p).unwrap();
-                file.write_all_at(&[0xA5; 64], 4096).unwrap();
-            },
-            "CRC-32 mismatch",
-        ),
-    ];
     for stage in [Stage::One, Stage::Three] {
-        for (name, sabotage, cause) in cases {
+        for (name, sabotage, cause) in SABOTAGES {
             let dir = scratch("nvme", &format!("damaged-{name}-{stage}"));
             let started = std::time::Instant::now();
-            let failures = run_sabotaged(&dir, stage, sabotage);
+            let config = ShardConfig::new(stage).with_nvme_offload(NvmeOffload::new(&dir));
+            let failures = run_sabotaged(&config, &dir.join("burn-shard-rank1.swap"), sabotage);
             let ctx = format!("{name}, stage {stage}");
             for (rank, (step, err)) in failures.iter().enumerate() {
                 println!("{ctx}: rank {rank} failed at step {step}: {err}");
@@ -495,17 +497,22 @@ fn a_swap_file_damaged_under_a_running_job_fails_the_next_step_on_every_rank() {
 #[test]
 fn a_disk_that_fills_mid_step_fails_the_step_on_every_rank() {
     let dir = scratch("nvme", "disk-full");
-    run_child("ulimit -f 4", "disk_full_child", "BURN_SHARD_DISK_FULL_DIR", &dir);
+    run_child(
+        "ulimit -f 4",
+        "nvme_offload::disk_full_child",
+        "BURN_SHARD_DISK_FULL_DIR",
+        &dir,
+    );
     assert!(swap_files(&dir).is_empty(), "files left: {:?}", swap_files(&dir));
 }
 
-/// Runs the ignored test `nvme_offload::{child}` in a child process of this test binary, after
+/// Runs the ignored test `{child}` (its path in the suite) in a child process of this test binary, after
 /// the shell command `limit` (a process-wide limit the other tests must not share), with
 /// SIGXFSZ ignored (a write past a file-size limit then fails with EFBIG instead of killing the
 /// child) and `dir` in the environment variable `var`; asserts it passed.
-fn run_child(limit: &str, child: &str, var: &str, dir: &Path) {
+pub(super) fn run_child(limit: &str, child: &str, var: &str, dir: &Path) {
     let exe = std::env::current_exe().unwrap();
-    let script = format!(r#"trap "" XFSZ; {limit}; exec "$0" --exact nvme_offload::{child} --ignored --nocapture"#);
+    let script = format!(r#"trap "" XFSZ; {limit}; exec "$0" --exact {child} --ignored --nocapture"#);
     let out = std::process::Command::new("bash")
         .args(["-c", &script])
         .arg(&exe)
@@ -669,7 +676,12 @@ fn a_save_that_reads_a_damaged_swap_file_fails_on_every_rank_and_leaves_no_check
 fn a_load_whose_swap_writes_fail_leaves_the_optimizer_as_it_was() {
     let dir = scratch("nvme", "failed-load");
     // The child sets its limit itself, once the swap files exist (`limit_file_size_to`).
-    run_child("true", "failed_load_child", "BURN_SHARD_FAILED_LOAD_DIR", &dir);
+    run_child(
+        "true",
+        "nvme_offload::failed_load_child",
+        "BURN_SHARD_FAILED_LOAD_DIR",
+        &dir,
+    );
 }
 
 /// The child of [`a_load_whose_swap_writes_fail_leaves_the_optimizer_as_it_was`] (ignored

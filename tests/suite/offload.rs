@@ -434,6 +434,33 @@ pub(crate) mod on_cube {
                     checkpoint_files(&saved_resident),
                     "{ctx}: the checkpoints differ"
                 );
+                // The shards on disk instead (`with_nvme_offload_params`): read into host memory
+                // and copied to the device per gather; the gradient shards go to disk as backward
+                // reduces them. The same numbers and checkpoint, and neither parameters nor
+                // gradients left in memory.
+                let nvme = dir.join("nvme");
+                std::fs::create_dir_all(&nvme).unwrap();
+                let saved_stored = dir.join("stored");
+                let stored = offloaded.clone().with_nvme_offload_params(&nvme);
+                let s = run(&stored, saving(&saved_stored));
+                for (rank, (r, s)) in r.iter().zip(&s).enumerate() {
+                    let ctx = format!("{ctx}, rank {rank}, shards on disk");
+                    assert_eq!(s.losses, r.losses, "{ctx}: losses");
+                    assert_eq!(s.params, r.params, "{ctx}: parameters");
+                    assert_eq!(s.masters, r.masters, "{ctx}: masters");
+                    let (r, s) = (&r.report, &s.report);
+                    assert_eq!((s.parameters_bytes, s.gradients_bytes), (0, 0), "{ctx}: {s:?}");
+                    assert_eq!(
+                        s.host_bytes, r.host_bytes,
+                        "{ctx}: only the optimizer state in host memory"
+                    );
+                    assert_eq!(s.disk_bytes, r.parameters_bytes, "{ctx}: the shards on disk");
+                }
+                assert_eq!(
+                    checkpoint_files(&saved_stored),
+                    checkpoint_files(&saved_resident),
+                    "{ctx}: the checkpoints differ"
+                );
                 // Each checkpoint loads into the other configuration and training goes on as
                 // it would have in the one that saved it: the same numbers, and with offload
                 // the loaded shards in host memory.

@@ -1,12 +1,13 @@
 //! `cargo xtask bench infinity`: a GPT whose model state is larger than this machine's memory,
-//! trained at stage 3 with its optimizer state on disk ([`NvmeOffload`], ZeRO-Infinity's NVMe
-//! offload of the optimizer state), and one table from one run:
+//! trained at stage 3 with its parameter shards and optimizer state on disk
+//! (`ShardConfig::with_nvme_offload_params` and [`NvmeOffload`], ZeRO-Infinity's NVMe offload),
+//! and one table from one run:
 //!
 //! - the model state (`16Ψ` bytes for `f32` AdamW: parameters, gradients, two moments; the
 //!   ZeRO paper's accounting) against the machine's memory (`MemTotal`);
 //! - the peak resident memory of the training process (`VmHWM`, reset after `init` so the
 //!   build of the model is reported apart);
-//! - the bytes the swap file read and wrote per step, and the disk's sequential write and read
+//! - the bytes the swap files read and wrote per step, and the disk's sequential write and read
 //!   bandwidth measured in the same run (a probe file written with `fdatasync` and read back
 //!   after dropping it from the page cache);
 //! - the step time against two bounds: the disk bound (bytes read / read bandwidth + bytes
@@ -57,8 +58,9 @@ pub struct Args {
     /// Width (n_embd) of the large GPT; its layers follow from --params (heads: n_embd / 128).
     #[arg(long, default_value_t = 2048)]
     n_embd: usize,
-    /// Directory of the swap file, the checkpoint and the disk probe, on the disk to measure:
-    /// needs 28Ψ bytes free (the optimizer state twice, 16Ψ, with a checkpoint loaded back;
+    /// Directory of the swap files, the checkpoint and the disk probe, on the disk to measure:
+    /// needs 36Ψ bytes free (the optimizer state twice, 16Ψ, with a checkpoint loaded back; the
+    /// parameter shards twice, 8Ψ, while a step or a load writes them beside the live ones;
     /// the checkpoint, 12Ψ).
     #[arg(long, default_value = "target/infinity-swap")]
     swap_dir: PathBuf,
@@ -122,12 +124,12 @@ pub fn run(args: &Args) -> Result<(), String> {
     let psi = base + per_layer * layers;
     std::fs::create_dir_all(&args.swap_dir).map_err(|e| format!("{}: {e}", args.swap_dir.display()))?;
     // The swap file (8Ψ), the checkpoint (parameters and state, 12Ψ), the loaded state written
-    // past the live one (8Ψ more), the probe.
-    let needed = (28 * psi) as f64 + args.probe_gib * GIB;
+    // past the live one (8Ψ more), the parameter shards twice (8Ψ), the probe.
+    let needed = (36 * psi) as f64 + args.probe_gib * GIB;
     let free = free_bytes(&args.swap_dir)?;
     if free < needed * 1.05 {
         return Err(format!(
-            "{} has {:.1} GB free; the swap file and checkpoint of {psi} parameters (28Ψ) and the probe need {:.1} GB: \
+            "{} has {:.1} GB free; the swap files and checkpoint of {psi} parameters (36Ψ) and the probe need {:.1} GB: \
              free space there or pass --swap-dir on a larger disk",
             args.swap_dir.display(),
             free / GB,
@@ -382,7 +384,10 @@ fn compare_small(corpus: &CharCorpus, swap: &Path) -> Result<(Trained, Trained, 
     const STEPS: usize = 8;
     let (batch, block) = (8, 64);
     let plain = ShardConfig::new(Stage::Three);
-    let nvme = plain.clone().with_nvme_offload(NvmeOffload::new(swap));
+    let nvme = plain
+        .clone()
+        .with_nvme_offload(NvmeOffload::new(swap))
+        .with_nvme_offload_params(swap);
     let (model, device) = seeded_gpt(corpus, block, 256, 4);
     let params = model.num_params();
     let shape = (batch, block, LR_SMALL);
@@ -415,7 +420,9 @@ fn big_run(args: &Args, corpus: &CharCorpus, layers: usize) -> Result<BigRun, St
     let start = Instant::now();
     let (model, device) = seeded_gpt(corpus, args.block, args.n_embd, layers);
     let params = model.num_params();
-    let config = ShardConfig::new(Stage::Three).with_nvme_offload(NvmeOffload::new(&args.swap_dir));
+    let config = ShardConfig::new(Stage::Three)
+        .with_nvme_offload(NvmeOffload::new(&args.swap_dir))
+        .with_nvme_offload_params(&args.swap_dir);
     let (mut init_s, mut init_peak_rss) = (0.0, 0);
     let shape = (args.batch, args.block, LR_WIDE);
     let checkpoint = args.swap_dir.join("checkpoint");
@@ -497,7 +504,7 @@ fn print_table(
     let compute_bound = two_layer_s * big.layers as f64 / 2.0;
     let fs = filesystem_of(&args.swap_dir);
     println!(
-        "\nZeRO-Infinity bench: NVMe offload of the optimizer state, stage 3, 1 rank, Flex CPU ({} cores), {}",
+        "\nZeRO-Infinity bench: NVMe offload of the parameter shards and the optimizer state, stage 3, 1 rank, Flex CPU ({} cores), {}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         date()
     );
@@ -514,8 +521,7 @@ fn print_table(
         mem_total as f64 / GB
     );
     println!(
-        "| peak RSS while training | {:.1} GB = {:.2} × the model state (issue's goal < 0.25; parameters and \
-         gradients alone, 8Ψ, are 0.5 while parameters stay in memory) |",
+        "| peak RSS while training | {:.1} GB = {:.2} × the model state (issue's goal < 0.25) |",
         big.train_peak_rss as f64 / GB,
         big.train_peak_rss as f64 / model_state
     );
@@ -525,10 +531,13 @@ fn print_table(
         big.init_s
     );
     println!(
-        "| swap file per step (after the first) | read {:.2} GB, written {:.2} GB (8Ψ = {:.2} GB) |",
+        "| swap files per step (after the first) | read {:.2} GB, written {:.2} GB (state 8Ψ = {:.2} GB each way; \
+         4Ψ = {:.2} GB: parameter shards read by forward, backward and the update, and written by it; \
+         gradient shards written by backward, read by the update) |",
         read as f64 / GB,
         written as f64 / GB,
-        8.0 * psi / GB
+        8.0 * psi / GB,
+        4.0 * psi / GB
     );
     println!(
         "| disk, sequential, this run | write {:.0} MB/s, read {:.0} MB/s |",
@@ -569,14 +578,14 @@ fn print_table(
             state(c.save_peak_rss)
         );
         println!(
-            "| checkpoint load into the same optimizer (state written to the swap file a piece at a time; parameter shards read whole) | {:.1} s, {} |",
+            "| checkpoint load into the same optimizer (state and shards written to the swap files a piece at a time) | {:.1} s, {} |",
             c.load_s,
             state(c.load_peak_rss)
         );
     }
     let (p, g, o, d) = big.report;
     println!(
-        "| memory_report after the last step | parameters {:.2} GB, gradients {:.2} GB, optimizer state in memory {:.2} GB, on disk {:.2} GB |",
+        "| memory_report after the last step | parameters {:.2} GB, gradients {:.2} GB, optimizer state in memory {:.2} GB, on disk (shards and state) {:.2} GB |",
         p as f64 / GB,
         g as f64 / GB,
         o as f64 / GB,

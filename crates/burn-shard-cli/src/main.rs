@@ -4,7 +4,7 @@
 //! burn-shard ckpt inspect DIR
 //! burn-shard ckpt consolidate DIR --out model.bpk
 //! burn-shard ckpt reshard DIR --world-size 8 --out DIR8
-//! burn-shard estimate --params 7.5e9 --world-size 64 [--stage N] [--dtype bf16|f16|f32] [--offload [cpu|nvme]] [--offload-params]
+//! burn-shard estimate --params 7.5e9 --world-size 64 [--stage N] [--dtype bf16|f16|f32] [--offload [cpu|nvme]] [--offload-params [cpu|nvme]]
 //! ```
 
 use std::path::PathBuf;
@@ -55,10 +55,12 @@ struct Estimate {
     /// `--offload` alone means) or on a local disk (`nvme`, ZeRO-Infinity).
     #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "cpu")]
     offload: Option<Target>,
-    /// Stage 3: the parameter shards in host memory too (ShardConfig::with_offload_params, which
-    /// steps them with the optimizer offloaded: needs --offload); stages 0-2 are unchanged.
-    #[arg(long, requires = "offload")]
-    offload_params: bool,
+    /// Stage 3: the parameter shards in host memory too (`cpu`, ShardConfig::with_offload_params;
+    /// what `--offload-params` alone means), or the parameter and gradient shards on a local disk
+    /// (`nvme`, ShardConfig::with_nvme_offload_params); both step the shards with the optimizer
+    /// offloaded, so they need --offload; stages 0-2 are unchanged.
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "cpu", requires = "offload")]
+    offload_params: Option<Target>,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -178,8 +180,9 @@ fn print_estimate(args: &Estimate) {
         .iter()
         .map(|&stage| estimate::zero_formula(args.params, args.world_size as usize, stage, dtype, args.offload()))
         .map(|row| match args.offload_params {
-            true => row.with_params_offloaded(),
-            false => row,
+            Some(Target::Cpu) => row.with_params_offloaded(),
+            Some(Target::Nvme) => row.with_params_on_disk(),
+            None => row,
         })
         .collect();
     let precision = match dtype {
@@ -196,10 +199,13 @@ fn print_estimate(args: &Estimate) {
         OffloadTarget::Cpu => {
             header[4] = "total on device";
             header.push("host (offloaded)");
+            if args.offload_params == Some(Target::Nvme) {
+                header.push("disk (offloaded)");
+            }
         }
         OffloadTarget::Nvme => {
             header[4] = "total on device";
-            if args.offload_params {
+            if args.offload_params == Some(Target::Cpu) {
                 header.push("host (offloaded)");
             }
             header.push("disk (offloaded)");
@@ -216,9 +222,14 @@ fn print_estimate(args: &Estimate) {
         ];
         match args.offload() {
             OffloadTarget::None => {}
-            OffloadTarget::Cpu => cells.push(size(row.host_bytes)),
+            OffloadTarget::Cpu => {
+                cells.push(size(row.host_bytes));
+                if args.offload_params == Some(Target::Nvme) {
+                    cells.push(size(row.disk_bytes));
+                }
+            }
             OffloadTarget::Nvme => {
-                if args.offload_params {
+                if args.offload_params == Some(Target::Cpu) {
                     cells.push(size(row.host_bytes));
                 }
                 cells.push(size(row.disk_bytes));
@@ -256,23 +267,28 @@ fn print_estimate(args: &Estimate) {
     let offload: &[&str] = match args.offload() {
         OffloadTarget::Cpu => &[
             "Offload: ZeRO-Offload (Ren et al. 2021, \"ZeRO-Offload: Democratizing Billion-Scale Model Training\",",
-            "§4): optimizer state and f32 master weights in host memory; gradients on the device, and parameters",
-            "too unless --offload-params moves them.",
+            "§4): optimizer state and f32 master weights in host memory; gradients and parameters on the device",
+            "unless --offload-params moves them.",
         ],
         OffloadTarget::Nvme => &[
             "Offload: ZeRO-Infinity (Rajbhandari et al. SC21, \"ZeRO-Infinity: Breaking the GPU Memory Wall for",
             "Extreme Scale Deep Learning\", §3, §5.1): optimizer state and f32 master weights on disk (NvmeOffload),",
-            "read and written once per step; host memory holds only the pieces in flight; gradients on the device,",
-            "and parameters too unless --offload-params moves them.",
+            "read and written once per step; host memory holds only the pieces in flight; gradients and parameters",
+            "on the device unless --offload-params moves them.",
         ],
         OffloadTarget::None => &[],
     };
     let params: &[&str] = match args.offload_params {
-        true => &[
+        Some(Target::Cpu) => &[
             "Parameter offload (ZeRO-Infinity, SC21, §5.1): at stage 3 the parameter shards live in host memory;",
             "the device holds the units being gathered (not counted here) and the gradients.",
         ],
-        false => &[],
+        Some(Target::Nvme) => &[
+            "Parameter offload to NVMe (ZeRO-Infinity, SC21, §5.1): at stage 3 the parameter shards, and the",
+            "gradient shards from backward to the step, live on disk; memory holds the units in flight (not",
+            "counted here).",
+        ],
+        None => &[],
     };
     for line in source.iter().chain(offload).chain(params) {
         println!("{line}");

@@ -1,5 +1,6 @@
 //! [`ShardConfig`]: the one call that turns sharding on.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -27,6 +28,7 @@ use crate::step::optimizer::ShardedOptimizer;
 use crate::step::optimizer::{StepOptions, check_one_norm_clipping};
 use crate::step::stage_plan::StagePlan;
 use crate::swap::config::NvmeOffload;
+use crate::swap::shard_store::ShardStore;
 use crate::swap::swapper::Swapper;
 
 /// Default bucket size: 256 Ki elements (1 MiB of `f32`, the size of PyTorch DDP's first
@@ -97,6 +99,12 @@ pub struct ShardConfig {
     /// `offload_param: {device: cpu}`; default `false`). See [`ShardConfig::with_offload_params`].
     #[serde(default)]
     pub offload_params: bool,
+    /// Stage 3: keep this rank's parameter shards in a file in this directory instead of in
+    /// memory (ZeRO-Infinity's parameter offload to NVMe, DeepSpeed's
+    /// `offload_param: {device: nvme, nvme_path}`; default `None`). See
+    /// [`ShardConfig::with_nvme_offload_params`].
+    #[serde(default)]
+    pub nvme_offload_params: Option<PathBuf>,
 }
 
 impl burn::config::Config for ShardConfig {}
@@ -159,6 +167,7 @@ impl ShardConfig {
             units: Vec::new(),
             nvme_offload: None,
             offload_params: false,
+            nvme_offload_params: None,
         }
     }
 
@@ -250,6 +259,41 @@ impl ShardConfig {
         self
     }
 
+    /// Stage 3: keeps this rank's parameter shards in a file in `dir`,
+    /// `burn-shard-rank{rank}-params.swap`, instead of in memory: ZeRO-Infinity's parameter
+    /// offload to NVMe (Rajbhandari et al., SC21, §5.1; DeepSpeed's
+    /// `offload_param: {device: nvme, nvme_path}`). With Burn's `Flex` CPU device this is what
+    /// takes the parameters out of memory (with [`ShardConfig::with_nvme_offload`] for the
+    /// optimizer state, what is left in memory is the gradient shards until the step and the
+    /// units being gathered and used); on an accelerator the shards pass through host memory
+    /// on their way to the device, as with [`ShardConfig::with_offload_params`], whose
+    /// conditions then apply.
+    ///
+    /// What it costs per step: each gather reads its shards from the file (`Ψ·b/N` bytes per
+    /// pass for `Ψ` parameters of `b` bytes on `N` ranks: once in forward, once more in backward
+    /// with `reshard_after_forward`), on the thread that gathers, when its unit is gathered or
+    /// prefetched (the page cache may serve repeated reads); the step reads each shard once and
+    /// writes its update once, bucket by bucket, so it holds one bucket's shards at a time. An
+    /// updated shard is written beside the old one, whose space is reused once nothing uses the
+    /// old values, so the file holds up to twice the shards during a step. Each shard carries a
+    /// CRC-32 that every read checks. Checkpoints are the same files as with the shards in
+    /// memory and load into either; a load writes each loaded shard to the file as it reads it.
+    /// Results are bitwise those of the same training with the shards in memory.
+    ///
+    /// The file is created at `init`, locked for the job's lifetime (a second job given the same
+    /// directory is refused) and removed when the last clone of the model is dropped, also
+    /// after an error.
+    ///
+    /// # Errors
+    /// At `init`: [`ShardError::InvalidConfig`] below stage 3; [`ShardError::Nvme`] when `dir`
+    /// is not an existing writable directory, or is in use by another job. During training:
+    /// [`ShardError::Nvme`] from the step (or `check_collectives`) when the file was deleted,
+    /// truncated or overwritten, or a write failed (a full disk), naming the file and the fix.
+    pub fn with_nvme_offload_params(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.nvme_offload_params = Some(dir.into());
+        self
+    }
+
     /// Sets the maximum number of elements per bucket.
     pub fn with_bucket_numel(mut self, bucket_numel: usize) -> Self {
         self.bucket_numel = bucket_numel;
@@ -329,7 +373,7 @@ impl ShardConfig {
         };
         // Parameter offload first: its refusal of a host model names the fix for the whole
         // combination (the optimizer's own refusal would only say to drop `Offload`).
-        let param_home = self.param_home::<O>(&device)?;
+        let param_home = self.param_home::<O>(&device, comm.rank())?;
         optim.check_device(&device)?;
         if self.stage == Stage::Three {
             crate::backend::check_stage3_device(&device)?;
@@ -411,24 +455,25 @@ impl ShardConfig {
     /// With [`ShardConfig::offload_params`]: where the shards live and where they compute, or
     /// the reason the combination moves nothing or cannot step (see
     /// [`ShardConfig::with_offload_params`]).
-    fn param_home<O: MasterWeightStep>(&self, device: &Device) -> Result<Option<ParamHome>, ShardError> {
-        if !self.offload_params {
+    fn param_home<O: MasterWeightStep>(&self, device: &Device, rank: usize) -> Result<Option<ParamHome>, ShardError> {
+        let nvme = self.nvme_offload_params.as_ref();
+        if !self.offload_params && nvme.is_none() {
             return Ok(None);
         }
         let host = Offloaded::<()>::host_device();
         let refuse = |why: &str| Err(ShardError::InvalidConfig(format!("offload_params: {why}")));
-        if *device == host {
+        if *device == host && nvme.is_none() {
             return refuse(
                 "the model's parameters already live in host memory (Burn's Flex CPU device), so nothing would \
-                 move; drop with_offload_params(true), and keep the optimizer state on disk with \
-                 with_nvme_offload(NvmeOffload::new(dir)) to save memory there",
+                 move; drop with_offload_params(true), and keep the shards and the optimizer state on disk with \
+                 with_nvme_offload_params(dir) and with_nvme_offload(NvmeOffload::new(dir)) to save memory there",
             );
         }
         if self.stage != Stage::Three {
             return refuse(&format!(
-                "parameter offload keeps stage-3 shards in host memory, and at stage {} every rank holds whole \
-                 parameters; use stage 3 (ShardConfig::new(Stage::Three)), or Offload(..) alone to move the \
-                 optimizer state",
+                "parameter offload keeps stage-3 shards in host memory or on disk, and at stage {} every rank holds \
+                 whole parameters; use stage 3 (ShardConfig::new(Stage::Three)), or Offload(..) or \
+                 with_nvme_offload(..) alone to move the optimizer state",
                 self.stage.number()
             ));
         }
@@ -439,9 +484,14 @@ impl ShardConfig {
                  so both live in host memory",
             );
         }
+        // On Flex the shards are read into host memory, where the model computes.
+        let store = nvme
+            .map(|dir| ShardStore::create(dir, rank, host.clone()))
+            .transpose()?;
         Ok(Some(ParamHome {
             host,
             compute: device.clone(),
+            store,
         }))
     }
 
@@ -466,6 +516,10 @@ impl ShardConfig {
             units: UnitPolicy::new(&self.units)?,
         };
         let model = model.apply_reparameterization(&mut sharder);
+        // A shard that could not be written to the shard file (NVMe parameter offload).
+        if let Some(e) = ctx.take_error() {
+            return Err(e);
+        }
         sharder.units.check_all_used(&census)?;
         let local = Arc::new(FlatLayout::from_slots(sharder.slots, 1, self.bucket_numel)?);
         let plan = StagePlan::Three(ctx);

@@ -145,8 +145,9 @@ pub struct ModelStateEstimate {
     /// weights) when offloaded there (ZeRO-Offload), plus the stage-3 parameter shards with
     /// [`ModelStateEstimate::with_params_offloaded`]; 0 otherwise.
     pub host_bytes: f64,
-    /// Bytes of optimizer state (with the `f32` master weights) on the disk of each rank when
-    /// offloaded there (ZeRO-Infinity); 0 otherwise. Not memory: in neither total.
+    /// Bytes on the disk of each rank: the optimizer state (with the `f32` master weights) when
+    /// offloaded there (ZeRO-Infinity), plus the stage-3 parameter and gradient shards with
+    /// [`ModelStateEstimate::with_params_on_disk`]; 0 otherwise. Not memory: in neither total.
     pub disk_bytes: f64,
 }
 
@@ -171,6 +172,22 @@ impl ModelStateEstimate {
         if self.stage.shards_parameters() {
             self.host_bytes += self.parameters_bytes;
             self.parameters_bytes = 0.0;
+        }
+        self
+    }
+
+    /// This estimate with stage 3's parameter shards and gradient shards on disk
+    /// ([`ShardConfig::with_nvme_offload_params`](crate::ShardConfig::with_nvme_offload_params);
+    /// ZeRO-Infinity, Rajbhandari et al., SC21, §5.1, which places all model states, parameters
+    /// and gradients included, on NVMe): `parameters_bytes` and `gradients_bytes` (each `2Ψ/N`
+    /// in mixed precision, `4Ψ/N` for `f32`) move to `disk_bytes`; the device and host memory
+    /// then hold only the units in flight (not counted here). Stages 0-2 are returned
+    /// unchanged.
+    pub fn with_params_on_disk(mut self) -> Self {
+        if self.stage.shards_parameters() {
+            self.disk_bytes += self.parameters_bytes + self.gradients_bytes;
+            self.parameters_bytes = 0.0;
+            self.gradients_bytes = 0.0;
         }
         self
     }

@@ -22,6 +22,7 @@ use crate::model::flat;
 use crate::optim::master::MasterWeightStep;
 use crate::step::optimizer::ShardedOptimizer;
 use crate::step::slot_state::LoadedSlots;
+use crate::swap::shard_store::Shard;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Loads the checkpoint in `dir` into `model` (the one `init` returned) and this optimizer,
@@ -126,7 +127,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     ) -> Result<
         (
             HashMap<burn::module::ParamId, Tensor<1>>,
-            HashMap<burn::module::ParamId, Tensor<1>>,
+            HashMap<burn::module::ParamId, Shard>,
             serde_json::Value,
             Option<crate::optim::loss_scale::LossScaler>,
             Option<Lineage>,
@@ -142,17 +143,16 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // Every value must land: the model must be the one `init` (or `step`) returned.
         let present = flat::ids_of(model);
         // Where each stage-3 shard lives now, which is where its loaded value is made: host
-        // memory with parameter offload, so a load never holds the shards on the device.
-        let shard_devices: HashMap<_, Device> = match stage.shards_parameters() {
-            true => exchange::collect_shards(model)
-                .into_iter()
-                .map(|(id, shard)| (id, shard.device()))
-                .collect(),
+        // memory with parameter offload, so a load never holds the shards on the device; the
+        // rank's shard file with NVMe parameter offload, written as each shard is read (beside
+        // the live shards, whose space a failed load keeps).
+        let shard_specs = match stage.shards_parameters() {
+            true => exchange::collect_specs(model),
             false => HashMap::new(),
         };
         for (id, entry, holding) in &entries {
             let found = match holding {
-                Holding::Chunks => shard_devices.contains_key(id),
+                Holding::Chunks => shard_specs.contains_key(id),
                 _ => present.contains(id),
             };
             if !found {
@@ -176,7 +176,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                         Some(range) => files.read_range(saved, &name, range.clone())?,
                         None => TensorData::from_bytes_vec(Vec::new(), [0], entry.dtype),
                     };
-                    shards.insert(*id, padded(data, chunk, &shard_devices[id]));
+                    let spec = &shard_specs[id];
+                    let shard = padded(data, chunk, &spec.shard.device());
+                    shards.insert(*id, spec.ctx.try_home(shard)?);
                 }
                 _ => {
                     let data = files.read_range(saved, &name, 0..numel)?;

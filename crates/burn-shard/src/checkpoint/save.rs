@@ -24,6 +24,7 @@ use crate::overlap::bucket_reducer::BucketReducer;
 use crate::stage::Stage;
 use crate::step::optimizer::ShardedOptimizer;
 use crate::step::slot_state::SavedTensor;
+use crate::swap::shard_store::Shard;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Saves `model` (the one `step` returned) and this optimizer into the new directory `dir`,
@@ -249,7 +250,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             };
             let value = match holding {
                 Holding::Chunks => shards.remove(id),
-                _ => values.remove(id),
+                _ => values.remove(id).map(Shard::Held),
             }
             .ok_or_else(|| ShardError::UnknownParam {
                 path: entry.path.clone(),
@@ -259,11 +260,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 Holding::Chunks => 0, // a shard starts at its own range
                 _ => range.start,
             };
-            // Read when the writer reaches it: a rank file is written with one tensor in
-            // memory at a time, not a second copy of every parameter.
+            // Read when the writer reaches it (from the shard file with NVMe parameter
+            // offload): a rank file is written with one tensor in memory at a time, not a
+            // second copy of every parameter.
             let len = range.len();
             file.push_deferred(format!("param/{}", entry.path), value.dtype(), len, move || {
-                Ok(value.clone().narrow(0, start, len).into_data())
+                Ok(value.read()?.narrow(0, start, len).into_data())
             });
             if let Some(index) = self.layout.slot_of(id) {
                 self.push_optimizer_piece(&mut file, index, &entry.path, range.len());

@@ -15,12 +15,13 @@ use burn::tensor::Tensor;
 
 use crate::hooks::gather_op::GatherSpec;
 use crate::overlap::collectives::{all_gather_full, pad_to};
+use crate::swap::shard_store::Shard;
 
 enum Exchange {
     /// Sharded states reported by `visit`.
     CollectSpecs(HashMap<ParamId, GatherSpec>),
     /// Shards `map` puts in place of the current ones.
-    Replace(HashMap<ParamId, Tensor<1>>),
+    Replace(HashMap<ParamId, Shard>),
 }
 
 thread_local! {
@@ -59,8 +60,9 @@ pub(crate) fn collect_specs<M: Module>(model: &M) -> HashMap<ParamId, GatherSpec
     }
 }
 
-/// Every shard `model` holds, by parameter id (`[chunk]`, plain tensors; cheap clones).
-pub(crate) fn collect_shards<M: Module>(model: &M) -> HashMap<ParamId, Tensor<1>> {
+/// Every shard `model` holds, by parameter id (`[chunk]`, plain, in memory or on disk; cheap
+/// clones).
+pub(crate) fn collect_shards<M: Module>(model: &M) -> HashMap<ParamId, Shard> {
     collect_specs(model)
         .into_iter()
         .map(|(id, spec)| (id, spec.param.shard))
@@ -69,9 +71,11 @@ pub(crate) fn collect_shards<M: Module>(model: &M) -> HashMap<ParamId, Tensor<1>
 
 /// The full value of `spec`'s parameter, all-gathered (a collective: every rank calls it for
 /// the same parameters in the same order), in its full shape, plain. A failed collective is
-/// recorded in the context (`CommContext::take_error`) and gives zeros.
+/// recorded in the context (`CommContext::take_error`) and gives zeros, as does a shard that
+/// cannot be read from disk.
 pub(crate) fn full_value<const D: usize>(spec: &GatherSpec) -> Tensor<D> {
-    all_gather_full(&spec.ctx, spec.shard.clone(), spec.numel, spec.tag).reshape(spec.full_shape.clone())
+    let shard = spec.ctx.read(&spec.shard);
+    all_gather_full(&spec.ctx, shard, spec.numel, spec.tag).reshape(spec.full_shape.clone())
 }
 
 /// This rank's `[chunk]` shard of `full` (the parameter's full value, any shape), in the shard's
@@ -85,8 +89,9 @@ pub(crate) fn shard_of<const D: usize>(spec: &GatherSpec, full: Tensor<D>) -> Te
 }
 
 /// `model` with the shards of the parameters in `shards` replaced (each `[chunk]`, the
-/// parameter's dtype, plain); the other parameters and buffers are unchanged.
-pub(crate) fn replace_shards<M: Module>(model: M, shards: HashMap<ParamId, Tensor<1>>) -> M {
+/// parameter's dtype, plain; one in memory is moved where shards live, see
+/// `GatherSpec::set_shard`); the other parameters and buffers are unchanged.
+pub(crate) fn replace_shards<M: Module>(model: M, shards: HashMap<ParamId, Shard>) -> M {
     struct Same;
     impl ModuleMapper for Same {}
     let active = Active::start(Exchange::Replace(shards));

@@ -48,6 +48,7 @@ use burn::tensor::{Shape, Tensor};
 
 use crate::overlap::context::FsdpContext;
 use crate::overlap::spec::{ParamSpec, Phase, next_version};
+use crate::swap::shard_store::Shard;
 
 /// What a gather op carries: the rank's shared context and what the gather is of. Reads of the
 /// [`ParamSpec`] fields (shard, shapes, tag, version, phase, unit scope) go through `Deref`;
@@ -60,9 +61,13 @@ pub struct GatherSpec {
 
 impl GatherSpec {
     /// Puts `shard` in place as the parameter's current shard, under a new version (moved to
-    /// host memory with parameter offload).
-    pub(crate) fn set_shard(&mut self, shard: Tensor<1>) {
-        self.param.shard = self.ctx.to_home(shard);
+    /// host memory with parameter offload, written to the shard file with NVMe parameter
+    /// offload, unless it is there already).
+    pub(crate) fn set_shard(&mut self, shard: Shard) {
+        self.param.shard = match shard {
+            Shard::Held(shard) => self.ctx.to_home(shard),
+            stored @ Shard::Stored(_) => stored,
+        };
         self.param.version = next_version();
         self.ctx.register(&self.param);
     }
@@ -278,7 +283,10 @@ fn hand_to_reducer<B: Backend + FlatPrimitive, const N: usize>(grads: &mut Gradi
     let spec = ops.state;
     let full = B::into_flat(grad, spec.numel, &spec.ctx);
     for done in spec.ctx.reduce(&spec, placeholder, full) {
-        grads.register::<B>(done.node, B::from_flat(done.shard, done.shard_shape));
+        // With NVMe parameter offload the shard goes to disk instead, for the step.
+        if let Some(done) = spec.ctx.keep_reduced(done) {
+            grads.register::<B>(done.node, B::from_flat(done.shard, done.shard_shape));
+        }
     }
 }
 

@@ -20,6 +20,7 @@ use burn::module::{
 };
 use burn::tensor::{Device, Shape, Tensor};
 
+use crate::error::ShardError;
 use crate::hooks::exchange;
 use crate::hooks::gather_op::{FsdpOps, GatherSpec};
 use crate::hooks::unit::current_unit;
@@ -29,6 +30,7 @@ use crate::model::units::UnitPolicy;
 use crate::overlap::call_tag::CallTag;
 use crate::overlap::context::FsdpContext;
 use crate::overlap::spec::{ParamSpec, Phase, next_version};
+use crate::swap::shard_store::Shard;
 
 /// The reparameterization of a stage-3 parameter: it holds this rank's shard, and `param.val()`
 /// all-gathers the full value on demand (see the module docs).
@@ -40,10 +42,14 @@ pub struct ShardedParam {
 impl ShardedParam {
     /// This rank's shard: `[chunk]` elements, `chunk = ceil(numel / world_size)`, the last
     /// rank's tail zero-padded; the parameter's dtype; not tracked by autodiff; in host memory
-    /// with [`ShardConfig::offload_params`](crate::ShardConfig::offload_params), on the
-    /// parameter's device otherwise.
-    pub fn shard(&self) -> &Tensor<1> {
-        &self.spec.shard
+    /// with [`ShardConfig::offload_params`](crate::ShardConfig::offload_params) (read from the
+    /// rank's shard file with [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params)),
+    /// on the parameter's device otherwise.
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] when the shard file cannot be read.
+    pub fn shard(&self) -> Result<Tensor<1>, ShardError> {
+        self.spec.shard.read()
     }
 
     /// The full (logical) shape of the parameter.
@@ -97,9 +103,12 @@ impl Module for ShardedParam {
         let device = device.clone().without_autodiff();
         // With parameter offload the shard stays in host memory: `init` chose the compute
         // device, and a gather copies the shard there.
-        if self.spec.shard.device() != device && self.spec.ctx.offloaded_compute().is_none() {
-            let shard = self.spec.shard.clone().to_device(&device);
-            self.spec.set_shard(shard);
+        if let Some(shard) = self.spec.shard.held()
+            && shard.device() != device
+            && self.spec.ctx.offloaded_compute().is_none()
+        {
+            let shard = shard.clone().to_device(&device);
+            self.spec.set_shard(Shard::Held(shard));
         }
         self
     }
@@ -129,7 +138,7 @@ impl Module for ShardedParam {
 impl ModuleDisplayDefault for ShardedParam {
     fn content(&self, content: Content) -> Option<Content> {
         content
-            .add_formatted(&format!("ShardedParam {{shard: {:?}}}", self.spec.shard.dims()))
+            .add_formatted(&format!("ShardedParam {{shard: [{}]}}", self.spec.shard.numel()))
             .optional()
     }
 }
@@ -216,7 +225,9 @@ impl Reparameterizer for &mut Sharder {
         shard_dims[D - 1] = chunk;
         let param = ParamSpec {
             id,
-            shard,
+            // Written to the shard file with NVMe parameter offload (a failed write is recorded:
+            // `init` returns it).
+            shard: self.ctx.to_home(shard),
             full_shape,
             shard_shape: Shape::new(shard_dims),
             numel,

@@ -44,7 +44,9 @@ pub struct MemoryReport {
     /// counts its state as device-resident.
     pub host_bytes: usize,
     /// Bytes of optimizer state (moments and `f32` master weights) this rank keeps on disk
-    /// between steps, with [`NvmeOffload`](crate::NvmeOffload) (ZeRO-Infinity); 0 otherwise. Not
+    /// between steps, with [`NvmeOffload`](crate::NvmeOffload) (ZeRO-Infinity), and of stage-3
+    /// parameter shards with [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params)
+    /// (their values, not the file's free space); 0 otherwise. Not
     /// in memory, so in neither [`MemoryReport::model_state_bytes`] nor
     /// [`MemoryReport::total_bytes`].
     pub disk_bytes: usize,

@@ -8,25 +8,32 @@ use std::sync::{Arc, Mutex, Weak};
 
 use burn::backend::Flex;
 use burn::tensor::{Device, Tensor};
-use burn_shard_comm::{Collective, CommError};
+use burn_shard_comm::Collective;
+
+use crate::error::ShardError;
+use crate::swap::shard_store::{Shard, ShardStore};
 
 /// The collective of one rank with its first error and transient-memory probes.
 pub(crate) struct CommContext {
     comm: Arc<dyn Collective>,
-    first_error: Mutex<Option<CommError>>,
+    first_error: Mutex<Option<ShardError>>,
     transient: Mutex<TransientProbes>,
     /// Where the shards live when that is not where they are gathered.
     param_home: Option<ParamHome>,
 }
 
 /// Parameter offload ([`crate::ShardConfig::offload_params`]): this rank's shards live in host
-/// memory and are copied to the compute device when they are gathered.
+/// memory and are copied to the compute device when they are gathered; with
+/// [`crate::ShardConfig::nvme_offload_params`] they live on disk and are read into host memory
+/// first (`host` and `compute` are then the same device for a model on Burn's `Flex`).
 #[derive(Clone, Debug)]
 pub(crate) struct ParamHome {
     /// Where the shards live (Burn's `Flex` CPU device).
     pub(crate) host: Device,
     /// Where they are gathered, and where the model computes (plain, without autodiff).
     pub(crate) compute: Device,
+    /// The rank's file of shards, with NVMe parameter offload.
+    pub(crate) store: Option<Arc<ShardStore>>,
 }
 
 impl CommContext {
@@ -66,12 +73,51 @@ impl CommContext {
     }
 
     /// `shard` where shards live: a shard the optimizer or a checkpoint load put on the compute
-    /// device goes back to the host with parameter offload.
-    pub(crate) fn to_home(&self, shard: Tensor<1>) -> Tensor<1> {
+    /// device goes back to the host with parameter offload, and is written to the rank's shard
+    /// file with NVMe parameter offload. A failed write is recorded (the step returns it) and
+    /// the shard stays in memory, so no value is lost.
+    pub(crate) fn to_home(&self, shard: Tensor<1>) -> Shard {
+        match self.try_home(shard.clone()) {
+            Ok(shard) => shard,
+            Err(e) => {
+                self.record_error(e);
+                Shard::Held(self.to_host(shard))
+            }
+        }
+    }
+
+    /// As [`CommContext::to_home`], returning a failed write instead of recording it.
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] as [`ShardStore::put`] says.
+    pub(crate) fn try_home(&self, shard: Tensor<1>) -> Result<Shard, ShardError> {
+        let shard = self.to_host(shard);
+        match self.shard_store() {
+            Some(store) => Ok(Shard::Stored(Arc::new(store.put(&shard)?))),
+            None => Ok(Shard::Held(shard)),
+        }
+    }
+
+    /// `shard` in host memory with parameter offload, as is otherwise.
+    fn to_host(&self, shard: Tensor<1>) -> Tensor<1> {
         match &self.param_home {
             Some(home) if shard.device() != home.host => shard.to_device(&home.host),
             _ => shard,
         }
+    }
+
+    /// The values of `shard` (read from disk when stored); a failed read is recorded (the step
+    /// returns it) and gives zeros, as a failed collective does.
+    pub(crate) fn read(&self, shard: &Shard) -> Tensor<1> {
+        shard.read().unwrap_or_else(|e| {
+            self.record_error(e);
+            Tensor::zeros([shard.numel()], (&shard.device(), shard.dtype()))
+        })
+    }
+
+    /// The rank's file of parameter shards, with NVMe parameter offload.
+    pub(crate) fn shard_store(&self) -> Option<&Arc<ShardStore>> {
+        self.param_home.as_ref()?.store.as_ref()
     }
 
     /// The rank's collective.
@@ -79,16 +125,18 @@ impl CommContext {
         self.comm.as_ref()
     }
 
-    /// Ops cannot return errors through Burn's autodiff: they record the first one here and
+    /// Ops cannot return errors through Burn's autodiff: they record the first one (a failed
+    /// collective, or a shard file that could not be read or written) here and
     /// [`ShardedOptimizer::step`](crate::ShardedOptimizer::step) returns it.
-    pub(crate) fn record_error(&self, err: CommError) {
+    pub(crate) fn record_error(&self, err: impl Into<ShardError>) {
+        let err = err.into();
         let mut slot = self.first_error.lock().unwrap_or_else(|p| p.into_inner());
-        tracing::error!(rank = self.comm.rank(), "stage-3 collective failed: {err}");
+        tracing::error!(rank = self.comm.rank(), "stage-3 gather or reduction failed: {err}");
         slot.get_or_insert(err);
     }
 
     /// The first error an op recorded since the last call, taken (the step returns it).
-    pub(crate) fn take_error(&self) -> Option<CommError> {
+    pub(crate) fn take_error(&self) -> Option<ShardError> {
         self.first_error.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 

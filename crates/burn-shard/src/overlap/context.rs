@@ -1,11 +1,13 @@
 //! Per-rank state shared by every stage-3 op of one model: the rank's [`CommContext`] (a leaf)
 //! with the gather schedule and the unit reducer that use it.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
 use burn::backend::autodiff::NodeId;
+use burn::module::ParamId;
 use burn::tensor::Tensor;
 use burn_shard_comm::Collective;
 
@@ -14,6 +16,7 @@ use crate::overlap::comm_context::{CommContext, ParamHome};
 use crate::overlap::gather_schedule::Schedule;
 use crate::overlap::spec::{POLICY_SCOPE, ParamSpec};
 use crate::overlap::unit_reducer::{Reduced, Reducer};
+use crate::swap::shard_store::Shard;
 
 /// Shared by the sharded parameters of one model on one rank. Cheap to clone. Dereferences to
 /// its [`CommContext`] (the collective, the first error, transient memory), which the schedule
@@ -29,6 +32,19 @@ struct Inner {
     /// The policy unit whose forward gathers ran last in this pass (`None` at a pass's start),
     /// and the scopes numbered so far.
     policy_scope: Mutex<(Option<u32>, u64)>,
+    /// With NVMe parameter offload: the gradient shards reduced since the last step, in the
+    /// rank's shard file.
+    stored_grads: Mutex<StoredGrads>,
+}
+
+/// Gradient shards on disk, per parameter in the order they were reduced (several with
+/// micro-batches or a parameter used by two forwards), each with the backward pass it came
+/// from (the step sums those of one pass in the gradient's dtype, as Burn's gradients do, and
+/// the passes in `f32`, as `accumulate` does).
+#[derive(Default)]
+struct StoredGrads {
+    pass: u64,
+    by_param: HashMap<ParamId, Vec<(u64, Shard)>>,
 }
 
 impl Deref for FsdpContext {
@@ -58,6 +74,7 @@ impl FsdpContext {
             schedule: Mutex::new(Schedule::default()),
             reducer: Mutex::new(Reducer::default()),
             policy_scope: Mutex::new((None, 0)),
+            stored_grads: Mutex::new(StoredGrads::default()),
         }))
     }
 
@@ -69,7 +86,7 @@ impl FsdpContext {
             return full;
         }
         drop(schedule);
-        let full = all_gather_full(self, spec.shard.clone(), spec.numel, spec.tag);
+        let full = all_gather_full(self, self.read(&spec.shard), spec.numel, spec.tag);
         self.watch_tensor(&full, spec.numel * full.dtype().size());
         full
     }
@@ -94,6 +111,41 @@ impl FsdpContext {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .finish(&self.0.comm)
+    }
+
+    /// With NVMe parameter offload, writes the reduced gradient shard `reduced` to the shard
+    /// file and keeps it for the step (`None`: nothing for Burn's gradients to hold, so they
+    /// never hold the gradients of the whole model); without it, or when the write fails (the
+    /// error is recorded and the step returns it), gives it back.
+    pub(crate) fn keep_reduced(&self, reduced: Reduced) -> Option<Reduced> {
+        let Some(store) = self.shard_store() else {
+            return Some(reduced);
+        };
+        match store.put(&reduced.shard) {
+            Ok(stored) => {
+                let mut kept = self.0.stored_grads.lock().unwrap_or_else(|p| p.into_inner());
+                let pass = kept.pass;
+                let shard = Shard::Stored(Arc::new(stored));
+                kept.by_param.entry(reduced.id).or_default().push((pass, shard));
+                None
+            }
+            Err(e) => {
+                self.record_error(e);
+                Some(reduced)
+            }
+        }
+    }
+
+    /// Ends a backward pass for [`FsdpContext::keep_reduced`] (after its last shards are kept).
+    pub(crate) fn end_grad_pass(&self) {
+        self.0.stored_grads.lock().unwrap_or_else(|p| p.into_inner()).pass += 1;
+    }
+
+    /// The gradient shards [`FsdpContext::keep_reduced`] kept since the last call, taken, each
+    /// with its backward pass.
+    pub(crate) fn take_stored_grads(&self) -> HashMap<ParamId, Vec<(u64, Shard)>> {
+        let mut kept = self.0.stored_grads.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut kept.by_param)
     }
 
     /// Records that `spec`'s shard is the parameter's current one (at sharding, and each time

@@ -28,14 +28,16 @@ use crate::overlap::call_tag::CallTag;
 use crate::overlap::collectives::dtype_group;
 use crate::overlap::comm_context::CommContext;
 use crate::overlap::spec::{ParamSpec, Phase};
+use crate::swap::shard_store::Shard;
 
 /// A group: the phase and the tag of the group's first parameter.
 type GroupKey = (Phase, u64);
 
-/// A parameter's current shard, as it was last written (`[chunk]`, plain).
+/// A parameter's current shard, as it was last written (`[chunk]`, plain; read when its group
+/// is gathered).
 struct Registered {
     version: u64,
-    shard: Tensor<1>,
+    shard: Shard,
     numel: usize,
 }
 
@@ -235,7 +237,7 @@ impl Schedule {
                 chunk,
                 offset: *width,
             });
-            shards.push(reg.shard.clone());
+            shards.push(ctx.read(&reg.shard));
             *width += chunk;
         }
         if by_dtype.is_empty() {

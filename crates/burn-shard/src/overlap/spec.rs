@@ -4,7 +4,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::module::ParamId;
-use burn::tensor::{Shape, Tensor};
+use burn::tensor::Shape;
+
+use crate::swap::shard_store::Shard;
 
 /// Where a gather runs: in forward (`param.val()`), or re-gathered in backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -19,11 +21,12 @@ pub struct ParamSpec {
     /// The parameter's id.
     pub(crate) id: ParamId,
     /// This rank's shard: `[chunk]`, the parameter's dtype, plain (not tracked by autodiff), on
-    /// the compute device, or in host memory with parameter offload (`CommContext::to_compute`
-    /// copies it for each gather).
+    /// the compute device, in host memory with parameter offload (`CommContext::to_compute`
+    /// copies it for each gather), or in the rank's shard file with NVMe parameter offload
+    /// (`CommContext::read` reads it for each gather).
     /// Ops keep the clone they were given, so a re-gather in backward uses the values of the
     /// forward even if the optimizer has replaced the shard since.
-    pub(crate) shard: Tensor<1>,
+    pub(crate) shard: Shard,
     /// Shape of the full parameter.
     pub(crate) full_shape: Shape,
     /// Shape of the shard's gradient, registered on the placeholder: `[1, .., 1, chunk]`

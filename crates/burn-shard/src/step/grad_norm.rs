@@ -28,7 +28,7 @@ pub(crate) struct GradNorms {
     pub(crate) total: f64,
 }
 
-/// Measures the norms. `grads[b]` is bucket `b`'s averaged gradient over this rank's owned
+/// Measures the norms. `grad(b)` gives bucket `b`'s averaged gradient over this rank's owned
 /// range (`plan.owned_range`), of any float dtype.
 ///
 /// Exact to `f32` rounding at any size, and free of overflow for any finite gradient: each
@@ -39,13 +39,17 @@ pub(crate) struct GradNorms {
 /// combined on the host in `f64` as `Σ m²·Σ(g/m)²` (the scaled sum of LAPACK's `xNRM2` and
 /// Blue's algorithm, ACM TOMS 4(1), 1978). A non-finite element makes the norm non-finite.
 ///
+/// `grad(index)` gives bucket `index`'s owned-range gradient (read from disk with NVMe
+/// parameter offload, one bucket at a time).
+///
 /// # Errors
-/// [`ShardError::Comm`] when the all-gather of the per-parameter pairs fails.
+/// [`ShardError::Comm`] when the all-gather of the per-parameter pairs fails; what `grad`
+/// returns.
 pub(crate) fn measure(
     layout: &FlatLayout,
     plan: &StagePlan,
     comm: &dyn Collective,
-    grads: &[Tensor<1>],
+    grad: &mut dyn FnMut(usize) -> Result<Tensor<1>, ShardError>,
     device: &Device,
 ) -> Result<GradNorms, ShardError> {
     let slots = layout.slots().len();
@@ -57,7 +61,8 @@ pub(crate) fn measure(
     }
     // Per slot: [m, Σ(g/m)²] of this rank's piece, in f32 (zeros where it owns none).
     let mut pairs: Vec<Option<Tensor<1>>> = vec![None; slots];
-    for (bucket, grad) in layout.buckets().iter().zip(grads) {
+    for (index, bucket) in layout.buckets().iter().enumerate() {
+        let grad = grad(index)?;
         let range = plan.owned_range(bucket, comm.rank());
         for index in bucket.slots.clone() {
             let slot = &layout.slots()[index];

@@ -17,4 +17,8 @@ pub(crate) struct LastStep {
     pub(crate) gradients_bytes: usize,
     /// Peak bytes of transient buffers during the last step.
     pub(crate) temporary_peak_bytes: usize,
+    /// Bytes (read, written) of the rank's parameter shard file from the end of the step
+    /// before to the end of the last one (its forward, backward and update), with NVMe
+    /// parameter offload.
+    pub(crate) param_io: (u64, u64),
 }

@@ -1,5 +1,6 @@
 //! [`ShardedOptimizer`]: one ZeRO step around one of Burn's optimizers.
 
+use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::ops::Range;
 use std::sync::Arc;
@@ -24,11 +25,13 @@ use crate::optim::loss_scale::LossScaler;
 use crate::optim::master::MasterWeightStep;
 use crate::overlap::bucket_reducer::{BucketReducer, Early};
 use crate::stage::Stage;
+use crate::step::bucket_grads::BucketGrads;
 use crate::step::grad_norm::{self, GradNorms};
 use crate::step::last_step::LastStep;
 use crate::step::pending::PendingGradients;
 use crate::step::slot_state::SlotStates;
-use crate::step::stage_plan::StagePlan;
+use crate::step::stage_plan::{StagePlan, Updated};
+use crate::swap::shard_store::Shard;
 use crate::swap::swapper::Swapper;
 
 /// A Burn optimizer whose state (stages 1-3), gradients (stages 2-3) and parameters (stage 3)
@@ -92,6 +95,32 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// This run's history, saved with its checkpoints: a new run id at `init` and at every
     /// load, and the checkpoint loaded (see [`crate::run::Lineage`]).
     pub(crate) lineage: crate::run::Lineage,
+}
+
+/// A slot's gradient shards on disk, each with the backward pass it came from.
+type PassShards = Vec<(u64, Shard)>;
+
+/// The sum of a slot's gradient shards, read, as the in-memory path sums them: the shards of
+/// one backward pass in their dtype, in order (Burn's `Gradients::register`); several passes
+/// (`accumulate`'s micro-batches) each widened to `f32`, summed in order and cast back to
+/// `dtype` (`PendingGradients`); `None` without shards.
+fn sum_passes(shards: &PassShards, dtype: DType) -> Result<Option<Tensor<1>>, ShardError> {
+    let mut passes: Vec<Tensor<1>> = Vec::new();
+    let mut last_pass = None;
+    for (pass, shard) in shards {
+        let grad = shard.read()?;
+        match passes.pop() {
+            Some(sum) if last_pass == Some(*pass) => passes.push(sum + grad),
+            Some(sum) => passes.extend([sum, grad]),
+            None => passes.push(grad),
+        }
+        last_pass = Some(*pass);
+    }
+    if passes.len() < 2 {
+        return Ok(passes.pop());
+    }
+    let widened = passes.into_iter().map(crate::optim::master::widen_half);
+    Ok(widened.reduce(|sum, grad| sum + grad).map(|sum| sum.cast(dtype)))
 }
 
 /// What `ShardConfig` asks of the step beyond the stage (global-norm clipping, loss scaling,
@@ -272,7 +301,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// structure, see [`crate::fsdp`]'s reducer). Every rank calls this at the same point.
     fn take_reduced<M: Module>(&self, model: &M, grads: &mut GradientsParams) {
         if let Some(fsdp) = self.plan.fsdp() {
-            crate::overlap::unit_reducer::add_to_grads(model, fsdp.finish_reduce(), grads);
+            let reduced = fsdp.finish_reduce().into_iter().filter_map(|r| fsdp.keep_reduced(r));
+            crate::overlap::unit_reducer::add_to_grads(model, reduced.collect(), grads);
+            fsdp.end_grad_pass();
         }
     }
 
@@ -298,6 +329,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// reduced inside backward.
     pub(crate) fn drop_kept_sums(&mut self) {
         self.pending.clear();
+        if let Some(fsdp) = self.plan.fsdp() {
+            fsdp.take_stored_grads();
+        }
     }
 
     /// Stage 3: returns the first error a collective met inside forward or backward (gathers
@@ -305,7 +339,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// use zeros). `step` checks this itself; call it after an evaluation pass run outside it.
     pub fn check_collectives(&self) -> Result<(), ShardError> {
         match self.plan.fsdp().and_then(|ctx| ctx.take_error()) {
-            Some(err) => Err(err.into()),
+            Some(err) => Err(err),
             None => Ok(()),
         }
     }
@@ -362,13 +396,17 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // Stage 3: the gradients were reduce-scattered inside backward (the last units' may
         // still be in flight); a collective that failed there left its error behind.
         self.take_reduced(&model, &mut grads);
-        self.check_collectives()?;
+        self.check_gathers()?;
         // Stages 0-2: the buckets reduced inside backward (none without a reducer).
         let early = self.take_early(true)?;
 
         let (mut grad_parts, device) = flat::take_grads(&model, &layout, &mut grads)?;
         drop(grads);
         self.pending.add_to_step(&mut grad_parts, layout.slots().iter());
+        // Stage 3 with NVMe parameter offload: the gradient shards backward wrote to disk.
+        let stored = self.stored_gradients(&mut grad_parts);
+        let any_stored = stored.as_ref().is_some_and(|s| s.iter().any(|g| !g.is_empty()));
+        let device = device.or_else(|| any_stored.then(|| self.device.clone()));
         let Some(device) = device else {
             // No trainable parameter (a frozen teacher): only the buffers move.
             self.last.applied = true;
@@ -377,8 +415,16 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let (has_grad, reduce_in_step) = self.with_gradient(&grad_parts, early.as_ref(), &device)?;
         let early_reduced = early.map(|e| e.reduced).unwrap_or_default();
 
-        let reduced = self.reduce_buckets(grad_parts, early_reduced, &reduce_in_step, &device, &mut temp)?;
-        let grads = self.owned_gradients(reduced);
+        let grads = match stored {
+            Some(stored) => {
+                self.last.gradients_bytes = 0;
+                BucketGrads::Stored(stored)
+            }
+            None => {
+                let reduced = self.reduce_buckets(grad_parts, early_reduced, &reduce_in_step, &device, &mut temp)?;
+                BucketGrads::Held(self.owned_gradients(reduced).into_iter().map(Some).collect())
+            }
+        };
         let Measured::Apply(norms) = self.measure(&grads, &device)? else {
             return self.buffers.sync(self.comm.as_ref(), model);
         };
@@ -389,10 +435,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             },
             norms: norms.as_ref(),
         };
-        let full = self.update_and_publish(lr, &clip, &model, grads, &has_grad, &device, &mut temp)?;
+        let updated = self.update_and_publish(lr, &clip, &model, grads, &has_grad, &device, &mut temp)?;
         self.record_temporary_peak(&temp);
         let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
-        let model = self.plan.write_values(model, &layout, &full, &keep);
+        let model = self.plan.write_values(model, &layout, updated, &keep);
+        if let Some(store) = self.plan.fsdp().and_then(|ctx| ctx.shard_store()) {
+            self.last.param_io = store.take_io();
+        }
         self.last.applied = true;
         self.buffers.sync(self.comm.as_ref(), model)
     }
@@ -436,6 +485,55 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         Ok(reduced)
     }
 
+    /// Stage 3 with NVMe parameter offload: each layout slot's gradient shards that backward
+    /// wrote to the shard file, in the order they were reduced, with the slot's gradient in
+    /// memory (if any, a write that failed) first; the slot's entry of `grad_parts` becomes a
+    /// stride-0 zero view of its length (no memory), so the phases that ask which slots have a
+    /// gradient see it. `None` without NVMe parameter offload.
+    fn stored_gradients(&self, grad_parts: &mut flat::SlotValues) -> Option<Vec<PassShards>> {
+        let ctx = self.plan.fsdp()?;
+        ctx.shard_store()?;
+        let mut kept = ctx.take_stored_grads();
+        let mut stored = vec![Vec::new(); self.layout.slots().len()];
+        for (index, slot) in self.layout.slots().iter().enumerate() {
+            let Some(mut shards) = kept.remove(&slot.id) else {
+                continue;
+            };
+            if let Some(held) = grad_parts[index].take() {
+                shards.insert(0, (0, Shard::Held(held)));
+            }
+            grad_parts[index] = Some(Tensor::<1>::zeros([1], (&self.device, slot.dtype)).expand([slot.numel]));
+            stored[index] = shards;
+        }
+        Some(stored)
+    }
+
+    /// Bucket `index`'s owned-range gradient, unscaled: taken from memory when `take` (else a
+    /// cheap clone), or read from the shard file (each slot's shards summed as Burn's gradients
+    /// and `accumulate` sum them in memory, see [`sum_passes`], then assembled and unscaled as
+    /// [`Self::reduce_buckets`] and [`Self::owned_gradients`] do, so the values are the same).
+    fn bucket_grad(
+        &self,
+        grads: &mut BucketGrads,
+        index: usize,
+        take: bool,
+        device: &Device,
+    ) -> Result<Tensor<1>, ShardError> {
+        let stored = match grads {
+            BucketGrads::Held(held) if take => return Ok(held[index].take().expect("each bucket is taken once")),
+            BucketGrads::Held(held) => return Ok(held[index].clone().expect("not taken yet")),
+            BucketGrads::Stored(stored) => stored,
+        };
+        let bucket = &self.layout.buckets()[index];
+        let mut values: flat::SlotValues = vec![None; self.layout.slots().len()];
+        for index in bucket.slots.clone() {
+            values[index] = sum_passes(&stored[index], self.layout.slots()[index].dtype)?;
+        }
+        let flat = flat::assemble(&self.layout, bucket, &values, 0..bucket.padded_numel, device);
+        let range = self.plan.owned_range(bucket, self.comm.rank());
+        Ok(self.unscale(self.plan.gradient_of_range(flat, range)))
+    }
+
     /// Phase 2a: the owned range of each bucket's reduced gradient, unscaled.
     fn owned_gradients(&self, reduced: Vec<Tensor<1>>) -> Vec<Tensor<1>> {
         self.layout
@@ -451,15 +549,20 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
     /// Phase 2b: the gradients' norms where clipping or loss scaling needs them (one small
     /// all-reduce at stages 1-3), and the loss scaler's verdict.
-    fn measure(&mut self, grads: &[Tensor<1>], device: &Device) -> Result<Measured, ShardError> {
+    fn measure(&mut self, grads: &BucketGrads, device: &Device) -> Result<Measured, ShardError> {
         let norms = match self.needs_norms() {
-            true => Some(grad_norm::measure(
-                &self.layout,
-                &self.plan,
-                self.comm.as_ref(),
-                grads,
-                device,
-            )?),
+            true => {
+                // Stored gradients are read once more for their norms.
+                let mut grads = grads.clone();
+                let mut grad = |index| self.bucket_grad(&mut grads, index, false, device);
+                Some(grad_norm::measure(
+                    &self.layout,
+                    &self.plan,
+                    self.comm.as_ref(),
+                    &mut grad,
+                    device,
+                )?)
+            }
             false => None,
         };
         self.last.grad_norm = norms.as_ref().map(|n| n.total);
@@ -490,7 +593,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
     /// Phase 3: Burn's optimizer on each parameter's piece of the owned range, then the
     /// all-gather of the updated shards; returns each bucket's updated values as this stage
-    /// holds them. Where backward reduces buckets (the collectives overlap compute), each
+    /// holds them (at stage 3 the new shards, each put where shards live as soon as its bucket
+    /// is stepped). Where backward reduces buckets (the collectives overlap compute), each
     /// bucket's all-gather is started as soon as the bucket is stepped and runs while the next
     /// one is; all are waited for before returning.
     #[allow(clippy::too_many_arguments)]
@@ -499,40 +603,76 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         lr: &ModuleLearningRate,
         clip: &Clip,
         model: &M,
-        grads: Vec<Tensor<1>>,
+        mut grads: BucketGrads,
         has_grad: &[bool],
         device: &Device,
         temp: &mut PeakTracker,
-    ) -> Result<Vec<Tensor<1>>, ShardError> {
+    ) -> Result<Updated, ShardError> {
         let layout = self.layout.clone();
         let overlap = self.bucket_reducer.is_some();
+        let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
         let values = self.plan.read_values(model, &layout)?;
         self.slots.begin_step(self.stepped_slots(has_grad));
         let mut publishing = Vec::with_capacity(layout.buckets().len());
-        for (index, (bucket, grad)) in layout.buckets().iter().zip(grads).enumerate() {
+        let mut shards = HashMap::new();
+        let mut failed = None;
+        for (index, bucket) in layout.buckets().iter().enumerate() {
             let range = self.plan.owned_range(bucket, self.comm.rank());
-            let param = self.update_range(lr, clip, bucket, range, &values, grad, has_grad, device);
+            let grad = self.bucket_grad(&mut grads, index, true, device);
+            let param = match grad
+                .and_then(|grad| self.update_range(lr, clip, bucket, range, &values, grad, has_grad, device))
+            {
+                Ok(param) => param,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            };
             let param_bytes = bytes_on(&param, device);
             temp.alloc(param_bytes);
-            publishing.push((
-                param_bytes,
-                self.plan.publish(self.comm.as_ref(), param, index, overlap),
-            ));
+            // Stage 3: the new shards go where shards live now (to disk with NVMe parameter
+            // offload), so the step holds one bucket of them at a time.
+            match self.plan.home_shards(&layout, bucket, &param, &keep) {
+                Some(Ok(homed)) => {
+                    temp.free(param_bytes);
+                    let held = homed.iter().filter_map(|(_, s)| s.held()).map(|t| bytes_on(t, device));
+                    temp.alloc(held.sum());
+                    shards.extend(homed);
+                }
+                Some(Err(e)) => {
+                    failed = Some(e);
+                    break;
+                }
+                None => publishing.push((
+                    param_bytes,
+                    self.plan.publish(self.comm.as_ref(), param, index, overlap),
+                )),
+            }
         }
         drop(values);
         let (param_bytes, works): (Vec<usize>, Vec<_>) = publishing.into_iter().unzip();
         let waited = Work::wait_all(works.into_iter().map(Some));
         // Ended whatever the collectives did, so that no write of this step is left in flight.
         let swapped = self.slots.end_step();
+        // A failed read or write of the shard file comes first, then the swap file's.
+        let own = match failed {
+            Some(e) => Err(e),
+            None => swapped,
+        };
+        let stores_shards = self.plan.fsdp().is_some_and(|ctx| ctx.shard_store().is_some());
+        match self.slots.swaps() || stores_shards {
+            true => self.agree_on_swap(own, device)?,
+            false => own?,
+        }
         let full: Vec<Tensor<1>> = waited?.into_iter().flatten().collect();
-        if self.slots.swaps() {
-            self.agree_on_swap(swapped, device)?;
+        if self.plan.fsdp().is_some() {
+            return Ok(Updated::Shards(shards));
         }
         for (param_bytes, updated) in param_bytes.into_iter().zip(&full) {
             temp.free(param_bytes);
             temp.alloc(bytes_on(updated, device));
         }
-        Ok(full)
+        Ok(Updated::Buckets(full))
     }
 
     /// The slots this step updates on this rank, in the order `update_range` takes them: those
@@ -551,9 +691,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         order
     }
 
-    /// NVMe offload: ends the step with the same outcome on every rank (one all-reduce of
-    /// which ranks' swap failed): a rank whose swap failed returns its own error, the others
-    /// one naming it.
+    /// NVMe offload (of the optimizer state or the stage-3 shards): ends the step with the same
+    /// outcome on every rank (one all-reduce of which ranks' disk reads or writes failed): a
+    /// rank whose own failed returns its error, the others one naming it.
     fn agree_on_swap(&self, swapped: Result<(), ShardError>, device: &Device) -> Result<(), ShardError> {
         let failed = self.failed_ranks(swapped.is_err(), device);
         // This rank's own error first: it names the cause, a failed all-reduce does not.
@@ -562,13 +702,22 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         match failed.is_empty() {
             true => Ok(()),
             false => Err(ShardError::Nvme {
-                path: self.slots.swap_dir().unwrap_or_default(),
+                path: self.slots.swap_dir().unwrap_or_else(|| self.shard_dir()),
                 reason: format!(
                     "rank(s) {failed:?} could not read or write their swap files in this step (this rank's file is fine)"
                 ),
                 fix: "see those ranks' errors; then resume from the last checkpoint".into(),
             }),
         }
+    }
+
+    /// The directory of this rank's parameter shard file (NVMe parameter offload; empty
+    /// without it), which the errors naming another rank give.
+    fn shard_dir(&self) -> std::path::PathBuf {
+        let store = self.plan.fsdp().and_then(|ctx| ctx.shard_store().cloned());
+        store
+            .and_then(|store| store.path().parent().map(|dir| dir.to_path_buf()))
+            .unwrap_or_default()
     }
 
     /// The step's peak of temporary bytes, for `memory_report`.
@@ -589,7 +738,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// per-parameter state, such as Adam's step count, follows Burn's per-parameter semantics)
     /// and returns the updated `[range.len()]` range. `grad` covers `range`. Pieces of
     /// parameters without a gradient on any rank are returned as they are, their state and
-    /// master untouched; padding stays zero.
+    /// master untouched; padding stays zero. Each value is read as its piece is reached (from
+    /// the shard file with NVMe parameter offload: an error when it cannot be).
     #[allow(clippy::too_many_arguments)]
     fn update_range(
         &mut self,
@@ -597,17 +747,18 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         clip: &Clip,
         bucket: &Bucket,
         range: Range<usize>,
-        values: &flat::SlotValues,
+        values: &[Option<Shard>],
         grad: Tensor<1>,
         has_grad: &[bool],
         device: &Device,
-    ) -> Tensor<1> {
+    ) -> Result<Tensor<1>, ShardError> {
         let layout = self.layout.clone();
         let mut pieces = Vec::new();
         for (index, part) in layout.pieces(bucket, &range) {
             let slot = &layout.slots()[index];
             let len = part.len();
-            let param = flat::slot_piece(&values[index], slot, part.clone(), bucket.dtype, device);
+            let value = values[index].as_ref().map(Shard::read).transpose()?;
+            let param = flat::slot_piece(&value, slot, part.clone(), bucket.dtype, device);
             if !has_grad[index] {
                 pieces.push(param);
                 continue;
@@ -618,7 +769,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             let param = self.slots.step(index, self.groups.optim(index), lr, param, grad);
             pieces.push(param);
         }
-        flat::join_range(pieces, bucket, range, device)
+        Ok(flat::join_range(pieces, bucket, range, device))
     }
 
     /// Whether this step measures gradient norms: to clip by them, or to detect an overflow.
@@ -689,6 +840,29 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         Ok((flags, in_step))
     }
 
+    /// Stage 3: as [`ShardedOptimizer::check_collectives`], and with NVMe parameter offload the
+    /// ranks agree (one all-reduce of a flag per rank): a shard file that could not be read in
+    /// forward or backward fails this step on every rank, the others naming the rank.
+    fn check_gathers(&self) -> Result<(), ShardError> {
+        if self.plan.fsdp().and_then(|ctx| ctx.shard_store()).is_none() {
+            return self.check_collectives();
+        }
+        let own = self.check_collectives();
+        let failed = self.failed_ranks(own.is_err(), &self.device);
+        own?;
+        match failed?.as_slice() {
+            [] => Ok(()),
+            failed => Err(ShardError::Nvme {
+                path: self.shard_dir(),
+                reason: format!(
+                    "rank(s) {failed:?} could not read or write their parameter shard files in forward or backward \
+                     (this rank's file is fine)"
+                ),
+                fix: "see those ranks' errors; then resume from the last checkpoint".into(),
+            }),
+        }
+    }
+
     /// The ranks that passed `failed = true`, in order (one all-reduce of a flag per rank, on
     /// `device`): how ranks that each did their part of an operation agree on its outcome.
     pub(crate) fn failed_ranks(&self, failed: bool, device: &Device) -> Result<Vec<usize>, ShardError> {
@@ -716,20 +890,25 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Optimizer state (moments, `f32` masters) counts as `optimizer_state_bytes` when its
     /// tensors are on the parameters' device and as `host_bytes` when they are elsewhere (in
     /// host memory, with [`Offload`](crate::Offload)), tensor by tensor; stage-3 shards count
-    /// as `parameters_bytes` on the device and as `host_bytes` in host memory (with
-    /// [`ShardConfig::offload_params`](crate::ShardConfig::offload_params)).
+    /// as `parameters_bytes` on the device, as `host_bytes` in host memory (with
+    /// [`ShardConfig::offload_params`](crate::ShardConfig::offload_params)) and as `disk_bytes`
+    /// in the shard file (with [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params)).
     pub fn memory_report<M: Module>(&self, model: &M) -> MemoryReport {
         let device = flat::plain_device(model).ok();
         let state = self.slots.bytes(device.as_ref());
-        // Stage 3: shards by where they live (host memory with parameter offload).
-        let (mut shards_on_device, mut shards_elsewhere) = (0, 0);
+        // Stage 3: shards by where they live (host memory with parameter offload, disk with
+        // NVMe parameter offload).
+        let (mut shards_on_device, mut shards_elsewhere, mut shards_on_disk) = (0, 0, 0);
         let parameters_bytes = match self.plan.fsdp() {
             Some(_) => {
                 let shards = exchange::collect_shards(model);
                 for shard in shards.values() {
-                    match device.as_ref().is_none_or(|d| shard.device() == *d) {
-                        true => shards_on_device += tensor_bytes(shard),
-                        false => shards_elsewhere += tensor_bytes(shard),
+                    match shard.held() {
+                        None => shards_on_disk += shard.numel() * shard.dtype().size(),
+                        Some(held) if device.as_ref().is_none_or(|d| held.device() == *d) => {
+                            shards_on_device += tensor_bytes(held)
+                        }
+                        Some(held) => shards_elsewhere += tensor_bytes(held),
                     }
                 }
                 shards_on_device + module_param_bytes(model, |id| shards.contains_key(id))
@@ -744,7 +923,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             gradients_bytes: self.last.gradients_bytes + self.pending.last_cycle_bytes(),
             optimizer_state_bytes: state.on_device,
             host_bytes: state.elsewhere + shards_elsewhere,
-            disk_bytes: state.on_disk,
+            disk_bytes: state.on_disk + shards_on_disk,
             temporary_peak_bytes: self.last.temporary_peak_bytes,
         }
     }
@@ -838,10 +1017,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
     /// With [`NvmeOffload`](crate::NvmeOffload): the bytes the last step read from and wrote to
     /// this rank's swap file, as `(read, written)` (each the whole state and masters of the
-    /// pieces it stepped, once); `(0, 0)` without it and before the first step.
+    /// pieces it stepped, once); with [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params)
+    /// also those of its parameter shard file since the step before (the shards read by the
+    /// gathers of forward and backward and by the update, and the updated shards written);
+    /// `(0, 0)` without either and before the first step.
     pub fn nvme_io_bytes(&self) -> (u64, u64) {
         let io = self.slots.last_step_io();
-        (io.read, io.written)
+        (io.read + self.last.param_io.0, io.written + self.last.param_io.1)
     }
 
     /// The ZeRO stage.

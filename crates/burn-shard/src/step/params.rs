@@ -42,7 +42,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             inner: visitor,
             specs: &specs,
         });
-        fsdp.take_error().map_or(Ok(()), |e| Err(e.into()))
+        fsdp.take_error().map_or(Ok(()), Err)
     }
 
     /// `model.map(mapper)` with every parameter's full value, at every stage, for edits such as
@@ -56,7 +56,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// mapper. `model.map` at stage 3 would map placeholders, and the edits would be lost.
     ///
     /// # Errors
-    /// [`ShardError::Comm`] when an all-gather failed (stage 3); the model is then unchanged.
+    /// [`ShardError::Comm`] when an all-gather failed (stage 3), [`ShardError::Nvme`] when a
+    /// shard could not be read or written with NVMe parameter offload; the model is then
+    /// unchanged.
     pub fn map_params<M: Module, Mp: ModuleMapper>(&mut self, model: M, mapper: &mut Mp) -> Result<M, ShardError> {
         let mapped = match self.plan.fsdp() {
             None => model.map(mapper),
@@ -72,8 +74,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                     shards: &mut shards,
                 });
                 if let Some(e) = fsdp.take_error() {
-                    return Err(e.into());
+                    return Err(e);
                 }
+                // Where shards live (the shard file with NVMe parameter offload), before any
+                // is replaced: a failed write leaves the model as it was.
+                let shards = shards
+                    .into_iter()
+                    .map(|(id, shard)| Ok((id, fsdp.try_home(shard)?)))
+                    .collect::<Result<_, ShardError>>()?;
                 exchange::replace_shards(mapped, shards)
             }
         };

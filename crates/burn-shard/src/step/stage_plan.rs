@@ -12,12 +12,13 @@ use burn_shard_comm::{Collective, Work};
 
 use crate::error::ShardError;
 use crate::hooks::exchange;
-use crate::model::flat::{self, SlotValues};
+use crate::model::flat;
 use crate::model::layout::{Bucket, FlatLayout};
 use crate::overlap::bucket_reducer::BucketReduction;
 use crate::overlap::call_tag::CallTag;
 use crate::overlap::context::FsdpContext;
 use crate::stage::Stage;
+use crate::swap::shard_store::Shard;
 
 /// The stage, with what stage 3 needs (the context its gather ops share); the only record of
 /// which stage runs.
@@ -131,8 +132,13 @@ impl StagePlan {
     }
 
     /// The current values of the layout's slots: the parameters (stages 0-2) or this rank's
-    /// shards (stage 3).
-    pub(crate) fn read_values<M: Module>(&self, model: &M, layout: &FlatLayout) -> Result<SlotValues, ShardError> {
+    /// shards (stage 3; read one by one as the step reaches them, from disk with NVMe
+    /// parameter offload).
+    pub(crate) fn read_values<M: Module>(
+        &self,
+        model: &M,
+        layout: &FlatLayout,
+    ) -> Result<Vec<Option<Shard>>, ShardError> {
         Ok(match self {
             StagePlan::Three(_) => {
                 let mut shards = exchange::collect_shards(model);
@@ -146,32 +152,55 @@ impl StagePlan {
                 }
                 values
             }
-            _ => flat::param_values(model, layout)?.0,
+            _ => flat::param_values(model, layout)?
+                .0
+                .into_iter()
+                .map(|value| value.map(Shard::Held))
+                .collect(),
         })
     }
 
-    /// `model` rebuilt from the published buckets, slots with `keep` set left as they are.
-    pub(crate) fn write_values<M: Module>(
+    /// Stage 3: the updated shard of each slot of `bucket` that was stepped (`keep` unset), cut
+    /// from the bucket's updated values and put where shards live (written to the shard file
+    /// with NVMe parameter offload, so the step holds one bucket's shards at a time); `None` at
+    /// stages 0-2, whose buckets are published whole.
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] when a shard cannot be written.
+    pub(crate) fn home_shards(
         &self,
-        model: M,
         layout: &FlatLayout,
-        buckets: &[Tensor<1>],
+        bucket: &Bucket,
+        updated: &Tensor<1>,
         keep: &[bool],
-    ) -> M {
-        match self {
-            StagePlan::Three(_) => exchange::replace_shards(model, updated_shards(layout, buckets, keep)),
-            _ => flat::scatter_into(model, layout, buckets, keep),
+    ) -> Option<Result<Vec<(ParamId, Shard)>, ShardError>> {
+        let StagePlan::Three(ctx) = self else { return None };
+        let slots = bucket.slots.clone().zip(&layout.slots()[bucket.slots.clone()]);
+        let stepped = slots.filter(|(index, _)| !keep[*index]);
+        Some(
+            stepped
+                .map(|(_, slot)| {
+                    Ok((
+                        slot.id,
+                        ctx.try_home(updated.clone().narrow(0, slot.offset, slot.numel))?,
+                    ))
+                })
+                .collect(),
+        )
+    }
+
+    /// `model` rebuilt from the step's update, slots with `keep` set left as they are.
+    pub(crate) fn write_values<M: Module>(&self, model: M, layout: &FlatLayout, updated: Updated, keep: &[bool]) -> M {
+        match updated {
+            Updated::Shards(shards) => exchange::replace_shards(model, shards),
+            Updated::Buckets(buckets) => flat::scatter_into(model, layout, &buckets, keep),
         }
     }
 }
 
-/// Stage 3: the updated shard of each slot that was stepped, cut from the updated buckets.
-fn updated_shards(layout: &FlatLayout, buckets: &[Tensor<1>], keep: &[bool]) -> HashMap<ParamId, Tensor<1>> {
-    layout
-        .slots()
-        .iter()
-        .zip(keep)
-        .filter(|(_, keep)| !**keep)
-        .map(|(slot, _)| (slot.id, buckets[slot.bucket].clone().narrow(0, slot.offset, slot.numel)))
-        .collect()
+/// What a step updated: each bucket's published values (stages 0-2), or at stage 3 the
+/// stepped slots' new shards, already where shards live.
+pub(crate) enum Updated {
+    Buckets(Vec<Tensor<1>>),
+    Shards(HashMap<ParamId, Shard>),
 }

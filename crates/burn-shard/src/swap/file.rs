@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use crate::error::ShardError;
 
-/// One rank's swap file, `burn-shard-rank{rank}.swap` in the configured directory: exclusively
+/// One rank's swap file in the configured directory (`burn-shard-rank{rank}.swap` for the
+/// optimizer state, `burn-shard-rank{rank}-params.swap` for stage-3 parameter shards): exclusively
 /// locked while it is open (an advisory `flock`, released by the kernel when the process ends,
 /// also when it is killed), read and written at offsets from any thread, removed on drop.
 pub(crate) struct SwapFile {
@@ -14,15 +15,17 @@ pub(crate) struct SwapFile {
     file: File,
     /// `(device, inode)` of the file created, to notice it being deleted or replaced.
     identity: (u64, u64),
+    /// Whether the file has a name (see [`SwapFile::create_unlinked`]).
+    linked: bool,
 }
 
 impl SwapFile {
-    /// Creates (or takes over, when a killed job left it) rank `rank`'s file in `dir`, locked.
+    /// Creates (or takes over, when a killed job left it) the file `name` in `dir`, locked.
     ///
     /// # Errors
     /// [`ShardError::Nvme`] when `dir` is not an existing directory, the file cannot be created
     /// or written there, or another job holds it.
-    pub(crate) fn create(dir: &Path, rank: usize) -> Result<Self, ShardError> {
+    pub(crate) fn create(dir: &Path, name: &str) -> Result<Self, ShardError> {
         // Absolute, so that a later change of the working directory does not make the file
         // look deleted (or keep it from being removed).
         let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
@@ -33,16 +36,19 @@ impl SwapFile {
                     false => "this directory does not exist".into(),
                 },
                 path: dir,
-                fix: "create it (mkdir -p) on a local disk with room for the optimizer state, or name another \
-                      directory in NvmeOffload::new"
+                fix: "create it (mkdir -p) on a local disk with room for what is offloaded, or name another \
+                      directory (NvmeOffload::new, with_nvme_offload_params)"
                     .into(),
             });
         }
-        let path = dir.join(format!("burn-shard-rank{rank}.swap"));
-        let not_writable = |e: io::Error| ShardError::Nvme {
+        let path = dir.join(name);
+        let not_writable = |e: io::Error| {
+            ShardError::Nvme {
             path: path.clone(),
             reason: format!("the swap file cannot be created and written ({e})"),
-            fix: "name a writable directory on a local disk in NvmeOffload::new (not a read-only mount)".into(),
+            fix: "name a writable directory on a local disk (NvmeOffload::new, with_nvme_offload_params), not a read-only mount"
+                .into(),
+        }
         };
         // A job that ends removes its file after its lock is taken: the file locked must still
         // be the one at the path, else open again.
@@ -76,7 +82,36 @@ impl SwapFile {
         os::write_at(&file, &[0; 8], 0)
             .and_then(|()| file.sync_data())
             .map_err(not_writable)?;
-        Ok(Self { identity, path, file })
+        Ok(Self {
+            identity,
+            path,
+            file,
+            linked: true,
+        })
+    }
+
+    /// As [`SwapFile::create`], under a name no other file has (`name.{pid}.{n}`), which is then
+    /// removed at once on Unix: the file lives as long as this handle, so no other program can
+    /// delete, truncate or overwrite it, two jobs never share it, and its space is freed
+    /// whenever this process ends, also when it is killed or when something holds the handle
+    /// until the process exits. (Elsewhere it keeps its name and is removed on drop.)
+    ///
+    /// # Errors
+    /// As [`SwapFile::create`].
+    pub(crate) fn create_unlinked(dir: &Path, name: &str) -> Result<Self, ShardError> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let unique = format!("{name}.{}.{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let mut file = Self::create(dir, &unique)?;
+        if cfg!(unix) {
+            std::fs::remove_file(&file.path).map_err(|e| ShardError::Nvme {
+                path: file.path.clone(),
+                reason: format!("the file could not be unlinked after it was created ({e})"),
+                fix: "name a directory on a local disk that allows removing files".into(),
+            })?;
+            file.linked = false;
+        }
+        Ok(file)
     }
 
     /// The file's path.
@@ -113,6 +148,9 @@ impl SwapFile {
     /// # Errors
     /// [`ShardError::Nvme`] naming the file.
     pub(crate) fn check_present(&self) -> Result<(), ShardError> {
+        if !self.linked {
+            return Ok(());
+        }
         match std::fs::metadata(&self.path) {
             Ok(meta) if os::identity(&meta) == self.identity => Ok(()),
             found => Err(ShardError::Nvme {
@@ -139,7 +177,7 @@ impl SwapFile {
         let fix = match e.kind() {
             io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded | io::ErrorKind::FileTooLarge => format!(
                 "the disk (or this user's quota or file-size limit) is full: free space there or name a larger \
-                 disk in NvmeOffload::new, then {then}"
+                 disk (NvmeOffload::new, with_nvme_offload_params), then {then}"
             ),
             io::ErrorKind::UnexpectedEof => "the swap file was truncated while the job ran: the optimizer state on \
                                              disk is lost; resume from the last checkpoint, and keep other \
@@ -158,7 +196,7 @@ impl SwapFile {
 impl Drop for SwapFile {
     /// Removes the file, unless it is no longer this job's (replaced at its path).
     fn drop(&mut self) {
-        if self.check_present().is_ok() {
+        if self.linked && self.check_present().is_ok() {
             let _ = std::fs::remove_file(&self.path);
         }
     }

@@ -4,7 +4,7 @@
 /// The free regions of a swap file below its end, and the end (where the file grows).
 #[derive(Clone, Debug)]
 pub(crate) struct FreeSpace {
-    /// `(offset, bytes)` of each free region, unordered; whole blocks.
+    /// `(offset, bytes)` of each free region, by offset, none adjacent; whole blocks.
     regions: Vec<(u64, u64)>,
     /// The first offset past every slot and region.
     end: u64,
@@ -26,7 +26,7 @@ impl FreeSpace {
             let (offset, len) = self.regions[i];
             match len == bytes {
                 true => {
-                    self.regions.swap_remove(i);
+                    self.regions.remove(i);
                 }
                 false => self.regions[i] = (offset + bytes, len - bytes),
             }
@@ -37,8 +37,19 @@ impl FreeSpace {
         offset
     }
 
-    /// Frees `bytes` bytes at `offset` (a slot that moved, or a state a load replaced).
+    /// Frees `bytes` bytes at `offset` (a slot that moved, a state a load replaced, a parameter
+    /// shard the optimizer replaced). Adjacent free regions merge, so that freed space of any
+    /// sizes serves a larger request.
     pub(crate) fn give(&mut self, offset: u64, bytes: u64) {
         self.regions.push((offset, bytes));
+        self.regions.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(self.regions.len());
+        for &(at, len) in &self.regions {
+            match merged.last_mut() {
+                Some((start, size)) if *start + *size == at => *size += len,
+                _ => merged.push((at, len)),
+            }
+        }
+        self.regions = merged;
     }
 }

@@ -72,7 +72,7 @@ impl Swapper {
                 config.io_threads, config.max_in_flight
             )));
         }
-        let file = Arc::new(SwapFile::create(&config.path, rank)?);
+        let file = Arc::new(SwapFile::create(&config.path, &format!("burn-shard-rank{rank}.swap"))?);
         let pool = IoPool::new(file.clone(), config.io_threads, rank).map_err(|e| ShardError::Nvme {
             path: file.path().to_path_buf(),
             reason: format!("the I/O threads could not be started ({e})"),

@@ -1,0 +1,302 @@
+//! NVMe offload of stage-3 parameter shards (`ShardConfig::with_nvme_offload_params`,
+//! ZeRO-Infinity's `offload_param: {device: nvme}`): each rank's shards live in one file between
+//! uses. On Burn's Flex CPU device, where the same kernels run either way, training with it gives
+//! bitwise the parameters of training with the shards in memory, at world sizes 1-4, in `f32` and
+//! `bf16`/`f16` with masters, alone and with the optimizer state on disk too; checkpoints are the
+//! same files and load into either; the shard file has no name while the job runs, so nothing
+//! can damage it and nothing is left after the job; a full disk fails the step on every rank.
+
+use std::path::{Path, PathBuf};
+
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::prelude::*;
+use burn::tensor::DType;
+use burn_shard::{NvmeOffload, ShardConfig, ShardError, Stage};
+use burn_shard_comm::{InProcessGroup, run_ranks};
+
+use crate::common::*;
+use crate::nvme_offload::{GLOBAL_BATCH, LR, STEPS, Span, base, config, run, run_child, train_span};
+
+/// The same training with the shards in memory and in `dir`, optionally with the optimizer
+/// state on disk too, gathered parameter by parameter or unit by unit: bitwise the same losses
+/// and parameters on every rank; no parameter bytes in memory, the shards counted on disk
+/// instead; no gradient bytes held by the step (the gradient shards go to disk as backward
+/// reduces them); the files removed at the end.
+fn check_against_memory(ctx: &str, world_size: usize, dtype: DType, units: &[&str], with_state: bool, dir: &Path) {
+    let base = base();
+    let plain = config(Stage::Three, dtype).with_units(units.to_vec());
+    let mut nvme = plain.clone().with_nvme_offload_params(dir);
+    if with_state {
+        nvme = nvme.with_nvme_offload(NvmeOffload::new(dir));
+    }
+    let adamw = AdamWConfig::new().with_weight_decay(0.1);
+    let memory = run(&Device::flex(), world_size, &base, &plain, adamw.clone(), dtype);
+    let stored = run(&Device::flex(), world_size, &base, &nvme, adamw, dtype);
+    for (rank, (m, s)) in memory.into_iter().zip(stored).enumerate() {
+        let ctx = format!("{ctx}, rank {rank}");
+        let (m, s) = (m.expect("in-memory run"), s.unwrap_or_else(|e| panic!("{ctx}: {e}")));
+        assert!(
+            m.losses[STEPS - 1] < m.losses[0],
+            "{ctx}: the run learns: {:?}",
+            m.losses
+        );
+        assert_eq!(
+            s.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+            m.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+            "{ctx}: losses"
+        );
+        assert!(
+            s.params == m.params,
+            "{ctx}: parameters differ from the in-memory run's"
+        );
+        let (m, s) = (m.report, s.report);
+        assert!(m.parameters_bytes > 0 && m.disk_bytes == 0, "{ctx}: {m:?}");
+        assert_eq!(s.parameters_bytes, 0, "{ctx}: no parameter bytes in memory: {s:?}");
+        let state_on_disk = if with_state { m.optimizer_state_bytes } else { 0 };
+        assert_eq!(
+            s.disk_bytes,
+            m.parameters_bytes + state_on_disk,
+            "{ctx}: the shards (and the state) are on disk instead"
+        );
+        assert!(m.gradients_bytes > 0, "{ctx}: {m:?}");
+        assert_eq!(
+            s.gradients_bytes, 0,
+            "{ctx}: the gradient shards went to disk, never held by the step"
+        );
+    }
+    assert!(entries(dir).is_empty(), "{ctx}: files left: {:?}", entries(dir));
+}
+
+/// World sizes 1-4 × `f32`, `bf16` and `f16` (masters, loss scaling) × gathered per parameter
+/// or per unit (grouped gathers read a unit's shards together) × the optimizer state in memory
+/// or on disk too, with AdamW.
+#[test]
+fn nvme_param_offload_trains_bitwise_as_in_memory_at_every_world_size() {
+    let dir = scratch("nvme-params", "sweep");
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for world_size in 1..=4 {
+            for units in [&[][..], &["l1", "l2"]] {
+                for with_state in [false, true] {
+                    let ctx =
+                        format!("{dtype:?}, world_size {world_size}, units {units:?}, state on disk {with_state}");
+                    check_against_memory(&ctx, world_size, dtype, units, with_state, &dir);
+                }
+            }
+        }
+    }
+}
+
+/// Rank `comm.rank()` trains `STEPS` steps of 3 micro-batches each (`accumulate` twice, then
+/// `step`), with global-norm clipping tight enough to clip, in `dtype`; returns its parameters'
+/// bits.
+fn accumulate_rank<C: burn_shard_comm::Collective + 'static>(
+    comm: C,
+    base: &TinyMlp,
+    config: &ShardConfig,
+    dtype: DType,
+) -> Vec<u32> {
+    let device = Device::flex().autodiff();
+    let (rank, world_size) = (comm.rank(), comm.world_size());
+    let model = cast(base.clone().fork(&device), dtype);
+    let (mut model, mut optim) = config.init(model, AdamWConfig::new(), comm).unwrap();
+    let (start, end) = rank_rows(rank, world_size, GLOBAL_BATCH);
+    for step in 0..STEPS {
+        for micro in 0..3 {
+            let (x, y) = batch(3 * step + micro, GLOBAL_BATCH);
+            let x = rows(&x, IN, start, end, &device).cast(dtype);
+            let y = rows(&y, OUT, start, end, &device).cast(dtype);
+            let loss = mse(&model, x, y).div_scalar(3.0);
+            let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
+            match micro {
+                2 => model = optim.step(LR, model, grads).unwrap(),
+                _ => optim.accumulate(&model, grads).unwrap(),
+            }
+        }
+    }
+    params_of(&model.materialize()).iter().map(|p| p.to_bits()).collect()
+}
+
+/// Gradient accumulation and clipping read the gradient shards from disk as the in-memory
+/// path holds them: 3 micro-batches per step (`accumulate`, summed in `f32` for `bf16`/`f16`
+/// as in memory), global-norm clipping (the norms read the shards once more), at world sizes
+/// 1-3, `f32`, `bf16` and `f16` (with loss scaling): bitwise the parameters of the same
+/// training in memory.
+#[test]
+fn accumulation_and_clipping_with_gradient_shards_on_disk_match_memory() {
+    let dir = scratch("nvme-params", "accumulate");
+    // Built once: ranks building it at once would draw from the seeded generator in turn.
+    let base = base();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for world_size in 1..=3 {
+            let ctx = format!("{dtype:?}, world_size {world_size}");
+            let plain = config(Stage::Three, dtype).with_max_grad_norm(0.05);
+            let stored = plain.clone().with_nvme_offload_params(&dir);
+            let run = |config: &ShardConfig| {
+                run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                    accumulate_rank(comm, &base, config, dtype)
+                })
+                .expect("no rank panics")
+            };
+            let (memory, on_disk) = (run(&plain), run(&stored));
+            assert!(memory == on_disk, "{ctx}: parameters differ from the in-memory run's");
+            assert!(memory != run(&config(Stage::Three, dtype)), "{ctx}: the clipping clips");
+            assert!(entries(&dir).is_empty(), "{ctx}: files left: {:?}", entries(&dir));
+        }
+    }
+}
+
+/// A checkpoint saved with the shards on disk (2 ranks) is byte for byte the one saved with
+/// them in memory (`meta.json` aside) and resumes in memory at 3 ranks; one saved in memory
+/// resumes with the shards on disk at 3 ranks, into a model that already took a step (so the
+/// loaded shards replace stored ones): both resumed runs end bitwise alike, and where 4
+/// uninterrupted steps end (within 1e-6: other world sizes sum in another order).
+#[test]
+fn checkpoints_move_between_stored_and_resident_shards() {
+    let dir = scratch("nvme-params", "checkpoints");
+    let swap = dir.join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let resident = ShardConfig::new(Stage::Three);
+    let stored = resident.clone().with_nvme_offload_params(&swap);
+    let base = base();
+    let run = |world_size: usize, config: &ShardConfig, span: Span, steps: std::ops::Range<usize>| {
+        let ranks = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+            train_span(comm, &base, config, DType::F32, &span, steps.clone())
+        });
+        ranks.expect("no rank panics").swap_remove(0)
+    };
+    let (from_disk, from_memory) = (dir.join("saved-stored"), dir.join("saved-resident"));
+    let saving = |dir: &PathBuf| Span {
+        save: Some(dir.clone()),
+        ..Span::default()
+    };
+    run(2, &stored, saving(&from_disk), 0..2);
+    run(2, &resident, saving(&from_memory), 0..2);
+    assert!(
+        checkpoint_files(&from_disk) == checkpoint_files(&from_memory),
+        "the checkpoint saved with the shards on disk differs from the one saved with them in memory"
+    );
+    let in_memory = Span {
+        resume: Some(from_disk),
+        ..Span::default()
+    };
+    let on_disk = Span {
+        resume: Some(from_memory),
+        warm: true,
+        ..Span::default()
+    };
+    let in_memory = run(3, &resident, in_memory, 2..4);
+    let on_disk = run(3, &stored, on_disk, 2..4);
+    assert!(in_memory == on_disk, "the two resumed runs differ");
+    let reference = run(2, &resident, Span::default(), 0..4);
+    let as_f32 = |bits: &[u32]| bits.iter().map(|b| f32::from_bits(*b)).collect::<Vec<_>>();
+    let diff = max_abs_diff(&as_f32(&on_disk), &as_f32(&reference));
+    assert!(diff <= 1e-6, "resumed vs uninterrupted: max |diff| = {diff:e}");
+    assert!(entries(&swap).is_empty(), "files left: {:?}", entries(&swap));
+}
+
+/// Every entry of `dir`, whatever its name.
+fn entries(dir: &Path) -> Vec<PathBuf> {
+    let mut all: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    all.sort();
+    all
+}
+
+/// The shard file has no name while the job runs (it is unlinked as soon as it is made), so
+/// nothing can delete, truncate or overwrite it, two jobs in one directory never share it, and
+/// nothing is left after the job, even one killed or one whose autodiff graph outlives it: the
+/// directory is empty while the shards are on disk, and a second job there trains too.
+#[test]
+fn the_shard_file_has_no_name_while_the_job_runs() {
+    let dir = scratch("nvme-params", "unnamed");
+    let config = ShardConfig::new(Stage::Three).with_nvme_offload_params(&dir);
+    let device = Device::flex().autodiff();
+    let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+    let (model, optim) = config
+        .init(base().fork(&device), AdamWConfig::new(), comm)
+        .expect("init");
+    let report = optim.memory_report(&model);
+    assert!(report.disk_bytes > 0 && report.parameters_bytes == 0, "{report:?}");
+    assert!(entries(&dir).is_empty(), "no file has a name: {:?}", entries(&dir));
+    // A second job in the same directory, while the first holds its shards there.
+    let second = run(&Device::flex(), 2, &base(), &config, AdamWConfig::new(), DType::F32);
+    assert!(second.iter().all(Result::is_ok), "{second:?}");
+    drop((model, optim));
+    assert!(entries(&dir).is_empty(), "files left: {:?}", entries(&dir));
+}
+
+/// A disk that fills mid-step: the shard file's writes fail with "File too large" under a
+/// 24 KiB file-size limit (`ulimit -f 24`, SIGXFSZ ignored), in a child process running
+/// [`shard_disk_full_child`]. `init` writes the shards of the 5 parameters (a 4 KiB block each
+/// after the first block: 24 KiB); the step writes each updated shard beside the old one, past
+/// the limit: the step fails on every rank, naming the file, "full" and the fix.
+#[test]
+fn a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named() {
+    let dir = scratch("nvme-params", "disk-full");
+    run_child(
+        "ulimit -f 24",
+        "nvme_params::shard_disk_full_child",
+        "BURN_SHARD_DISK_FULL_DIR",
+        &dir,
+    );
+    assert!(entries(&dir).is_empty(), "files left: {:?}", entries(&dir));
+}
+
+/// The child of [`a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named`]
+/// (ignored unless run by it).
+#[test]
+#[ignore = "run by a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named under a file-size limit"]
+fn shard_disk_full_child() {
+    let dir = PathBuf::from(std::env::var_os("BURN_SHARD_DISK_FULL_DIR").expect("run by the parent test"));
+    let config = ShardConfig::new(Stage::Three).with_nvme_offload_params(&dir);
+    // `init` fits under the limit: what fails below is the step.
+    let device = Device::flex().autodiff();
+    let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
+    drop(
+        config
+            .init(base().fork(&device), AdamWConfig::new(), comm)
+            .expect("init fits"),
+    );
+    let started = std::time::Instant::now();
+    let results = run(&Device::flex(), 2, &base(), &config, AdamWConfig::new(), DType::F32);
+    for (rank, result) in results.into_iter().enumerate() {
+        let err = result.expect_err("the step's writes must fail");
+        let msg = err.to_string();
+        println!("rank {rank}: {msg}");
+        assert!(matches!(err, ShardError::Nvme { .. }), "rank {rank}: {err:?}");
+        assert!(
+            msg.contains(&format!("burn-shard-rank{rank}-params.swap"))
+                && msg.contains("writing a parameter shard")
+                && msg.contains("File too large")
+                && msg.contains("is full"),
+            "rank {rank}: {msg}"
+        );
+    }
+    assert!(started.elapsed().as_secs() < 10, "within seconds");
+}
+
+/// `init` refuses NVMe parameter offload below stage 3 (nothing is sharded there) and a
+/// directory that does not exist, on every rank, naming the fix.
+#[test]
+fn nvme_param_offload_is_refused_where_it_cannot_apply() {
+    let dir = scratch("nvme-params", "refused");
+    for stage in [Stage::Zero, Stage::One, Stage::Two] {
+        let config = ShardConfig::new(stage).with_nvme_offload_params(&dir);
+        for result in run(&Device::flex(), 2, &base(), &config, AdamWConfig::new(), DType::F32) {
+            let err = result.expect_err("below stage 3");
+            assert!(
+                matches!(err, ShardError::InvalidConfig(_)) && err.to_string().contains("use stage 3"),
+                "stage {stage}: {err}"
+            );
+        }
+    }
+    let missing = dir.join("missing");
+    let config = ShardConfig::new(Stage::Three).with_nvme_offload_params(&missing);
+    for result in run(&Device::flex(), 2, &base(), &config, AdamWConfig::new(), DType::F32) {
+        let msg = result.expect_err("a missing directory").to_string();
+        assert!(
+            msg.contains(&missing.display().to_string()) && msg.contains("does not exist") && msg.contains("mkdir -p"),
+            "{msg}"
+        );
+    }
+    assert!(entries(&dir).is_empty(), "files left: {:?}", entries(&dir));
+}
