@@ -133,20 +133,7 @@ fn check_against_memory<O: IntoOptimizer + Clone + Send + Sync>(
     for (rank, (m, s)) in memory.into_iter().zip(swapped).enumerate() {
         let ctx = format!("{ctx}, rank {rank}");
         let (m, s) = (m.expect("in-memory run"), s.unwrap_or_else(|e| panic!("{ctx}: {e}")));
-        assert!(
-            m.losses[STEPS - 1] < m.losses[0],
-            "{ctx}: the run learns: {:?}",
-            m.losses
-        );
-        assert_eq!(
-            s.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
-            m.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
-            "{ctx}: losses"
-        );
-        assert!(
-            s.params == m.params,
-            "{ctx}: parameters differ from the in-memory run's"
-        );
+        assert_same_training(&ctx, &m, &s);
         let (m, s, io) = (m.report, s.report, s.io);
         assert!(m.optimizer_state_bytes > 0 && m.disk_bytes == 0, "{ctx}: {m:?}");
         assert_eq!(s.optimizer_state_bytes, 0, "{ctx}: no state in memory between steps");
@@ -168,6 +155,25 @@ fn check_against_memory<O: IntoOptimizer + Clone + Send + Sync>(
         swap_files(dir).is_empty(),
         "{ctx}: swap files left: {:?}",
         swap_files(dir)
+    );
+}
+
+/// `s` trained bitwise as the in-memory run `m` (the same losses and parameters), which
+/// learned.
+pub(super) fn assert_same_training(ctx: &str, m: &RankRun, s: &RankRun) {
+    assert!(
+        m.losses[STEPS - 1] < m.losses[0],
+        "{ctx}: the run learns: {:?}",
+        m.losses
+    );
+    assert_eq!(
+        s.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+        m.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+        "{ctx}: losses"
+    );
+    assert!(
+        s.params == m.params,
+        "{ctx}: parameters differ from the in-memory run's"
     );
 }
 
@@ -536,23 +542,28 @@ pub(super) fn run_child(limit: &str, child: &str, var: &str, dir: &Path) {
 fn disk_full_child() {
     let dir = PathBuf::from(std::env::var_os("BURN_SHARD_DISK_FULL_DIR").expect("run by the parent test"));
     let config = ShardConfig::new(Stage::Two).with_nvme_offload(NvmeOffload::new(&dir));
-    let results = run(&Device::flex(), 2, &base(), &config, AdamWConfig::new(), DType::F32);
+    // Each rank's own writes fail (its file holds more than 4 KiB): the step, not init.
+    assert_disk_full(&config, "burn-shard-rank{rank}.swap", "writing a piece");
+    let own = swap_files(&dir);
+    assert!(own.is_empty(), "files left: {own:?}");
+}
+
+/// Trains 2 ranks with `config` under a file-size limit: both fail with `ShardError::Nvme`
+/// naming their own file (`file` with `{rank}` replaced), `what` failed, "File too large" and
+/// the fix ("is full").
+pub(super) fn assert_disk_full(config: &ShardConfig, file: &str, what: &str) {
+    let results = run(&Device::flex(), 2, &base(), config, AdamWConfig::new(), DType::F32);
     for (rank, result) in results.into_iter().enumerate() {
         let err = result.expect_err("the writes must fail");
         let msg = err.to_string();
         println!("rank {rank}: {msg}");
         assert!(matches!(err, ShardError::Nvme { .. }), "rank {rank}: {err:?}");
-        // Each rank's own writes fail (its file holds more than 4 KiB): the step, not init.
+        let file = file.replace("{rank}", &rank.to_string());
         assert!(
-            msg.contains(&format!("burn-shard-rank{rank}.swap"))
-                && msg.contains("writing a piece")
-                && msg.contains("File too large")
-                && msg.contains("is full"),
+            msg.contains(&file) && msg.contains(what) && msg.contains("File too large") && msg.contains("is full"),
             "rank {rank}: {msg}"
         );
     }
-    let own = swap_files(&dir);
-    assert!(own.is_empty(), "files left: {own:?}");
 }
 
 /// On an accelerator (wgpu over lavapipe here, where `Offload` applies), `NvmeOffload` combines

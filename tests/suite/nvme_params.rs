@@ -15,7 +15,9 @@ use burn_shard::{NvmeOffload, ShardConfig, ShardError, Stage};
 use burn_shard_comm::{InProcessGroup, run_ranks};
 
 use crate::common::*;
-use crate::nvme_offload::{GLOBAL_BATCH, LR, STEPS, Span, base, config, run, run_child, train_span};
+use crate::nvme_offload::{
+    GLOBAL_BATCH, LR, STEPS, Span, assert_disk_full, assert_same_training, base, config, run, run_child, train_span,
+};
 
 /// The same training with the shards in memory and in `dir`, optionally with the optimizer
 /// state on disk too, gathered parameter by parameter or unit by unit: bitwise the same losses
@@ -35,20 +37,7 @@ fn check_against_memory(ctx: &str, world_size: usize, dtype: DType, units: &[&st
     for (rank, (m, s)) in memory.into_iter().zip(stored).enumerate() {
         let ctx = format!("{ctx}, rank {rank}");
         let (m, s) = (m.expect("in-memory run"), s.unwrap_or_else(|e| panic!("{ctx}: {e}")));
-        assert!(
-            m.losses[STEPS - 1] < m.losses[0],
-            "{ctx}: the run learns: {:?}",
-            m.losses
-        );
-        assert_eq!(
-            s.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
-            m.losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
-            "{ctx}: losses"
-        );
-        assert!(
-            s.params == m.params,
-            "{ctx}: parameters differ from the in-memory run's"
-        );
+        assert_same_training(&ctx, &m, &s);
         let (m, s) = (m.report, s.report);
         assert!(m.parameters_bytes > 0 && m.disk_bytes == 0, "{ctx}: {m:?}");
         assert_eq!(s.parameters_bytes, 0, "{ctx}: no parameter bytes in memory: {s:?}");
@@ -224,31 +213,33 @@ fn the_shard_file_has_no_name_while_the_job_runs() {
     assert!(entries(&dir).is_empty(), "files left: {:?}", entries(&dir));
 }
 
-/// A disk that fills mid-step: the shard file's writes fail with "File too large" under a
-/// 24 KiB file-size limit (`ulimit -f 24`, SIGXFSZ ignored), in a child process running
-/// [`shard_disk_full_child`]. `init` writes the shards of the 5 parameters (a 4 KiB block each
-/// after the first block: 24 KiB); the step writes each updated shard beside the old one, past
-/// the limit: the step fails on every rank, naming the file, "full" and the fix.
+/// A disk that fills during training: the shard file's writes fail with "File too large"
+/// under a file-size limit (`ulimit -f`, SIGXFSZ ignored), in a child process. `init` writes
+/// the shards of the 5 parameters (a 4 KiB block each after the first block: 24 KiB); backward
+/// writes the 5 gradient shards (44 KiB); the step writes each updated shard beside the old
+/// one (64 KiB). Under 24 KiB ([`backward_disk_full_child`]) backward's writes fail, and the
+/// step reports it; under 44 KiB ([`step_disk_full_child`]) the step's own writes fail. Either
+/// way the step fails on both ranks within seconds, each naming its file, what was written,
+/// "File too large" and the fix; nothing is left in the directory.
 #[test]
 fn a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named() {
-    let dir = scratch("nvme-params", "disk-full");
-    run_child(
-        "ulimit -f 24",
-        "nvme_params::shard_disk_full_child",
-        "BURN_SHARD_DISK_FULL_DIR",
-        &dir,
-    );
-    assert!(entries(&dir).is_empty(), "files left: {:?}", entries(&dir));
+    for (limit, child) in [("24", "backward_disk_full_child"), ("44", "step_disk_full_child")] {
+        let dir = scratch("nvme-params", &format!("disk-full-{limit}"));
+        run_child(
+            &format!("ulimit -f {limit}"),
+            &format!("nvme_params::{child}"),
+            "BURN_SHARD_DISK_FULL_DIR",
+            &dir,
+        );
+        assert!(entries(&dir).is_empty(), "{child}: files left: {:?}", entries(&dir));
+    }
 }
 
-/// The child of [`a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named`]
-/// (ignored unless run by it).
-#[test]
-#[ignore = "run by a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named under a file-size limit"]
-fn shard_disk_full_child() {
+/// Under the limit the parent set, `init` fits and training fails writing a `what` shard.
+fn shard_disk_full(what: &str) {
     let dir = PathBuf::from(std::env::var_os("BURN_SHARD_DISK_FULL_DIR").expect("run by the parent test"));
     let config = ShardConfig::new(Stage::Three).with_nvme_offload_params(&dir);
-    // `init` fits under the limit: what fails below is the step.
+    // `init` fits under the limit: what fails below is training.
     let device = Device::flex().autodiff();
     let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
     drop(
@@ -257,21 +248,26 @@ fn shard_disk_full_child() {
             .expect("init fits"),
     );
     let started = std::time::Instant::now();
-    let results = run(&Device::flex(), 2, &base(), &config, AdamWConfig::new(), DType::F32);
-    for (rank, result) in results.into_iter().enumerate() {
-        let err = result.expect_err("the step's writes must fail");
-        let msg = err.to_string();
-        println!("rank {rank}: {msg}");
-        assert!(matches!(err, ShardError::Nvme { .. }), "rank {rank}: {err:?}");
-        assert!(
-            msg.contains(&format!("burn-shard-rank{rank}-params.swap"))
-                && msg.contains("writing a parameter shard")
-                && msg.contains("File too large")
-                && msg.contains("is full"),
-            "rank {rank}: {msg}"
-        );
-    }
+    assert_disk_full(
+        &config,
+        "burn-shard-rank{rank}-params.swap",
+        &format!("writing a {what} shard"),
+    );
     assert!(started.elapsed().as_secs() < 10, "within seconds");
+}
+
+/// A child of [`a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named`].
+#[test]
+#[ignore = "run by a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named under a file-size limit"]
+fn backward_disk_full_child() {
+    shard_disk_full("gradient");
+}
+
+/// A child of [`a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named`].
+#[test]
+#[ignore = "run by a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named under a file-size limit"]
+fn step_disk_full_child() {
+    shard_disk_full("parameter");
 }
 
 /// `init` refuses NVMe parameter offload below stage 3 (nothing is sharded there) and a
@@ -299,4 +295,79 @@ fn nvme_param_offload_is_refused_where_it_cannot_apply() {
         );
     }
     assert!(entries(&dir).is_empty(), "files left: {:?}", entries(&dir));
+}
+
+/// Rank `comm.rank()` trains `STEPS` steps; before each, a backward on another batch whose
+/// gradients `discard_gradients` drops (when `extra`). At the end it gives `accumulate` one more
+/// micro-batch and tries to save. Returns the parameters' bits and the save's error.
+fn discard_rank<C: burn_shard_comm::Collective + 'static>(
+    comm: C,
+    base: &TinyMlp,
+    config: &ShardConfig,
+    extra: bool,
+    dir: &Path,
+) -> (Vec<u32>, Option<String>) {
+    let device = Device::flex().autodiff();
+    let (rank, world_size) = (comm.rank(), comm.world_size());
+    let (mut model, mut optim) = config
+        .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+        .unwrap();
+    let (start, end) = rank_rows(rank, world_size, GLOBAL_BATCH);
+    let grads = |model: &TinyMlp, index: usize| {
+        let (x, y) = batch(index, GLOBAL_BATCH);
+        let loss = mse(
+            model,
+            rows(&x, IN, start, end, &device),
+            rows(&y, OUT, start, end, &device),
+        );
+        GradientsParams::from_grads(loss.backward(), model)
+    };
+    for step in 0..STEPS {
+        if extra {
+            drop(grads(&model, 50 + step));
+            optim.discard_gradients().unwrap();
+        }
+        let g = grads(&model, step);
+        model = optim.step(LR, model, g).unwrap();
+    }
+    let params = params_of(&model.clone().materialize())
+        .iter()
+        .map(|p| p.to_bits())
+        .collect();
+    let g = grads(&model, 99);
+    optim.accumulate(&model, g).unwrap();
+    let saved = optim.save_checkpoint(&model, dir, &serde_json::json!({}));
+    (params, saved.err().map(|e| e.to_string()))
+}
+
+/// With the gradient shards on disk, `discard_gradients` drops those of a backward the step
+/// must not apply (the parameters are bitwise those of the same steps without that backward,
+/// in memory or not), and a save between `accumulate` and `step` is refused as in memory: the
+/// gradient shards on disk would not be in the checkpoint.
+#[test]
+fn discarded_and_pending_gradient_shards_behave_as_in_memory() {
+    let dir = scratch("nvme-params", "discard");
+    let swap = dir.join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let base = base();
+    let resident = ShardConfig::new(Stage::Three);
+    let stored = resident.clone().with_nvme_offload_params(&swap);
+    let run = |config: &ShardConfig, extra: bool, name: &str| {
+        run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            discard_rank(comm, &base, config, extra, &dir.join(name))
+        })
+        .expect("no rank panics")
+    };
+    let plain = run(&resident, false, "plain");
+    for (config, name) in [(&resident, "resident"), (&stored, "stored")] {
+        for (rank, (params, refused)) in run(config, true, name).into_iter().enumerate() {
+            assert!(
+                params == plain[rank].0,
+                "{name}, rank {rank}: the discarded backward was applied"
+            );
+            let refused = refused.unwrap_or_else(|| panic!("{name}, rank {rank}: the save must be refused"));
+            assert!(refused.contains("accumulate()"), "{name}, rank {rank}: {refused}");
+        }
+    }
+    assert!(entries(&swap).is_empty(), "files left: {:?}", entries(&swap));
 }

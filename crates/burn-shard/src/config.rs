@@ -259,36 +259,45 @@ impl ShardConfig {
         self
     }
 
-    /// Stage 3: keeps this rank's parameter shards in a file in `dir`,
-    /// `burn-shard-rank{rank}-params.swap`, instead of in memory: ZeRO-Infinity's parameter
-    /// offload to NVMe (Rajbhandari et al., SC21, §5.1; DeepSpeed's
-    /// `offload_param: {device: nvme, nvme_path}`). With Burn's `Flex` CPU device this is what
-    /// takes the parameters out of memory (with [`ShardConfig::with_nvme_offload`] for the
-    /// optimizer state, what is left in memory is the gradient shards until the step and the
-    /// units being gathered and used); on an accelerator the shards pass through host memory
-    /// on their way to the device, as with [`ShardConfig::with_offload_params`], whose
-    /// conditions then apply.
+    /// Stage 3: keeps this rank's parameter shards, and its gradient shards from backward to
+    /// the step, in a file in `dir` instead of in memory: ZeRO-Infinity's offload to NVMe
+    /// (Rajbhandari et al., SC21, §5.1; DeepSpeed's `offload_param: {device: nvme, nvme_path}`).
+    /// With Burn's `Flex` CPU device this is what takes the parameters and gradients out of
+    /// memory (with [`ShardConfig::with_nvme_offload`] for the optimizer state, memory holds the
+    /// units being gathered and used, the activations and one bucket of the step); on an
+    /// accelerator the shards pass through host memory on their way to the device, as with
+    /// [`ShardConfig::with_offload_params`], whose conditions then apply.
     ///
-    /// What it costs per step: each gather reads its shards from the file (`Ψ·b/N` bytes per
-    /// pass for `Ψ` parameters of `b` bytes on `N` ranks: once in forward, once more in backward
-    /// with `reshard_after_forward`), on the thread that gathers, when its unit is gathered or
-    /// prefetched (the page cache may serve repeated reads); the step reads each shard once and
-    /// writes its update once, bucket by bucket, so it holds one bucket's shards at a time. An
-    /// updated shard is written beside the old one, whose space is reused once nothing uses the
-    /// old values, so the file holds up to twice the shards during a step. Each shard carries a
-    /// CRC-32 that every read checks. Checkpoints are the same files as with the shards in
-    /// memory and load into either; a load writes each loaded shard to the file as it reads it.
-    /// Results are bitwise those of the same training with the shards in memory.
+    /// What it costs per step (`Ψ` parameters of `b` bytes on `N` ranks): each gather reads its
+    /// shards (`Ψ·b/N` per pass: forward, and backward again with `reshard_after_forward`), on
+    /// the thread that gathers, when its unit is gathered or prefetched; backward writes each
+    /// reduced gradient shard; the step reads the gradient shards (once more when clipping or
+    /// loss scaling measures their norm) and the parameter shards, and writes the updated
+    /// parameter shards, bucket by bucket, so it holds one bucket at a time. I/O goes through
+    /// the page cache. An updated shard is written beside the old one, whose space is reused
+    /// once nothing holds the old values, so the file holds up to twice the parameter shards
+    /// during a step, plus the gradient shards of the step (of every micro-batch with
+    /// `accumulate`). Each shard carries a CRC-32 that every read checks.
     ///
-    /// The file is created at `init`, locked for the job's lifetime (a second job given the same
-    /// directory is refused) and removed when the last clone of the model is dropped, also
-    /// after an error.
+    /// The step applies every gradient shard reduced since the last `step`, `accumulate` or
+    /// [`ShardedOptimizer::discard_gradients`](crate::ShardedOptimizer::discard_gradients),
+    /// whatever the `grads` passed to it hold for the sharded parameters: call
+    /// `discard_gradients` after a backward you do not step with. Checkpoints are the same files
+    /// as with the shards in memory and load into either; a load writes each loaded shard to
+    /// the file as it reads it. On `Flex`, results are bitwise those of the same training with
+    /// the shards in memory.
+    ///
+    /// The file, `burn-shard-rank{rank}-params.swap.{pid}.{n}`, is unlinked as soon as it is
+    /// created: it has no name while the job runs (no other program can delete or overwrite
+    /// it, and jobs sharing `dir` do not share it), and its space is freed when the process
+    /// ends, also when it is killed.
     ///
     /// # Errors
-    /// At `init`: [`ShardError::InvalidConfig`] below stage 3; [`ShardError::Nvme`] when `dir`
-    /// is not an existing writable directory, or is in use by another job. During training:
-    /// [`ShardError::Nvme`] from the step (or `check_collectives`) when the file was deleted,
-    /// truncated or overwritten, or a write failed (a full disk), naming the file and the fix.
+    /// At `init`: [`ShardError::InvalidConfig`] below stage 3, and on an accelerator without
+    /// [`Offload`](crate::Offload); [`ShardError::Nvme`] when `dir` is not an existing writable
+    /// directory. During training: [`ShardError::Nvme`] from the step (on every rank, the
+    /// others naming the rank whose file failed) when a read or write failed (a full disk) or
+    /// a read came back with other bytes, naming the file and the fix.
     pub fn with_nvme_offload_params(mut self, dir: impl Into<PathBuf>) -> Self {
         self.nvme_offload_params = Some(dir.into());
         self
@@ -389,6 +398,7 @@ impl ShardConfig {
                 .as_ref()
                 .map(|nvme| Swapper::new(nvme, comm.rank(), O::state_device(&device)))
                 .transpose()?,
+            stores_shards: param_home.as_ref().is_some_and(|home| home.store.is_some()),
         };
         // Ranks must also agree on what the step does: clipping and loss scaling add a
         // collective and decide skips.

@@ -118,7 +118,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let lineage = self.agreed_lineage()?;
         // 1. Every rank checks the target and finds what to set aside (one filesystem: they
         //    agree).
-        let pending = self.pending.count() + self.bucket_reducer.as_ref().map_or(0, BucketReducer::pending_slots);
+        let pending = self.pending.count()
+            + self.bucket_reducer.as_ref().map_or(0, BucketReducer::pending_slots)
+            + self.plan.fsdp().map_or(0, |fsdp| fsdp.stored_grad_count());
         let checked = match pending {
             // The sums would not be saved: refuse rather than lose them on resume.
             0 => to_set_aside(&root, &lineage)

@@ -30,7 +30,9 @@ pub struct MemoryReport {
     /// Bytes of the reduced gradient buffers held while the last step ran the optimizer
     /// (whole buckets for stages 0-1, this rank's shards for stage 2), plus the peak of the
     /// micro-batch gradient sums held by `ShardedOptimizer::accumulate` before it (unreduced
-    /// and whole at stages 0-2, shards at stage 3).
+    /// and whole at stages 0-2, shards at stage 3); 0 with
+    /// [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params), whose
+    /// gradient shards go to disk as backward reduces them.
     pub gradients_bytes: usize,
     /// Bytes of the optimizer state this rank holds on the parameters' device (e.g. Adam's two
     /// moments, and the `f32` master weights of `bf16`/`f16` parameters); 0 with

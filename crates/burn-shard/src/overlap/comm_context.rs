@@ -93,7 +93,7 @@ impl CommContext {
     pub(crate) fn try_home(&self, shard: Tensor<1>) -> Result<Shard, ShardError> {
         let shard = self.to_host(shard);
         match self.shard_store() {
-            Some(store) => Ok(Shard::Stored(Arc::new(store.put(&shard)?))),
+            Some(store) => Ok(Shard::Stored(Arc::new(store.put(&shard, "parameter")?))),
             None => Ok(Shard::Held(shard)),
         }
     }

@@ -121,7 +121,7 @@ impl FsdpContext {
         let Some(store) = self.shard_store() else {
             return Some(reduced);
         };
-        match store.put(&reduced.shard) {
+        match store.put(&reduced.shard, "gradient") {
             Ok(stored) => {
                 let mut kept = self.0.stored_grads.lock().unwrap_or_else(|p| p.into_inner());
                 let pass = kept.pass;
@@ -134,6 +134,17 @@ impl FsdpContext {
                 Some(reduced)
             }
         }
+    }
+
+    /// Parameters with gradient shards on disk, kept for the next step (a checkpoint cannot
+    /// hold them).
+    pub(crate) fn stored_grad_count(&self) -> usize {
+        self.0
+            .stored_grads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_param
+            .len()
     }
 
     /// Ends a backward pass for [`FsdpContext::keep_reduced`] (after its last shards are kept).

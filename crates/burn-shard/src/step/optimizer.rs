@@ -103,12 +103,13 @@ type PassShards = Vec<(u64, Shard)>;
 /// The sum of a slot's gradient shards, read, as the in-memory path sums them: the shards of
 /// one backward pass in their dtype, in order (Burn's `Gradients::register`); several passes
 /// (`accumulate`'s micro-batches) each widened to `f32`, summed in order and cast back to
-/// `dtype` (`PendingGradients`); `None` without shards.
-fn sum_passes(shards: &PassShards, dtype: DType) -> Result<Option<Tensor<1>>, ShardError> {
+/// `dtype` (`PendingGradients`); on `device`, where the in-memory path holds them; `None`
+/// without shards.
+fn sum_passes(shards: &PassShards, dtype: DType, device: &Device) -> Result<Option<Tensor<1>>, ShardError> {
     let mut passes: Vec<Tensor<1>> = Vec::new();
     let mut last_pass = None;
     for (pass, shard) in shards {
-        let grad = shard.read()?;
+        let grad = shard.read()?.to_device(device);
         match passes.pop() {
             Some(sum) if last_pass == Some(*pass) => passes.push(sum + grad),
             Some(sum) => passes.extend([sum, grad]),
@@ -135,6 +136,9 @@ pub(crate) struct StepOptions {
     /// NVMe offload: the swap file the optimizer state lives in between steps (the step then
     /// ends with one more all-reduce, of the ranks whose swap failed).
     pub(crate) swap: Option<Swapper>,
+    /// NVMe parameter offload (stage 3): the step starts and ends with one more all-reduce
+    /// each, of the ranks whose shard file failed.
+    pub(crate) stores_shards: bool,
 }
 
 impl StepOptions {
@@ -146,6 +150,7 @@ impl StepOptions {
         self.loss_scaler.as_ref().map(LossScaler::fingerprint).hash(&mut h);
         crate::optim::groups::clipping_key(self.clipping.as_ref()).hash(&mut h);
         self.swap.is_some().hash(&mut h);
+        self.stores_shards.hash(&mut h);
         h.finish()
     }
 }
@@ -308,8 +313,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     }
 
     /// Drops every gradient handed to the optimizer since the last `step` or `accumulate`
-    /// without applying it: the micro-batch sums `accumulate` kept, and at stages 0-2 the
-    /// gradients of backwards whose buckets were reduced inside backward. Call it after a
+    /// without applying it: the micro-batch sums `accumulate` kept, at stages 0-2 the
+    /// gradients of backwards whose buckets were reduced inside backward, and at stage 3 the
+    /// last units' reductions still in flight and, with
+    /// [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params), every
+    /// gradient shard on disk (there the step applies every gradient shard reduced since the
+    /// last `step`, `accumulate` or `discard_gradients`, whatever `grads` holds). Call it after a
     /// backward whose gradients you do not step with (a NaN loss you skip, an auxiliary
     /// backward): reduced inside backward, they would otherwise add to the next step, as
     /// PyTorch's `.grad` does until `zero_grad()`. A collective: every rank calls it at the same
@@ -318,6 +327,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// [`ShardError::Comm`] when a reduction in flight failed.
     pub fn discard_gradients(&mut self) -> Result<(), ShardError> {
+        // Stage 3: the last units' reductions still in flight belong to the discarded backward.
+        if let Some(fsdp) = self.plan.fsdp() {
+            drop(fsdp.finish_reduce());
+        }
         self.drop_kept_sums();
         match &self.bucket_reducer {
             Some(reducer) => reducer.discard(),
@@ -486,8 +499,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     }
 
     /// Stage 3 with NVMe parameter offload: each layout slot's gradient shards that backward
-    /// wrote to the shard file, in the order they were reduced, with the slot's gradient in
-    /// memory (if any, a write that failed) first; the slot's entry of `grad_parts` becomes a
+    /// wrote to the shard file, in the order they were reduced; the slot's entry of `grad_parts` becomes a
     /// stride-0 zero view of its length (no memory), so the phases that ask which slots have a
     /// gradient see it. `None` without NVMe parameter offload.
     fn stored_gradients(&self, grad_parts: &mut flat::SlotValues) -> Option<Vec<PassShards>> {
@@ -496,12 +508,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let mut kept = ctx.take_stored_grads();
         let mut stored = vec![Vec::new(); self.layout.slots().len()];
         for (index, slot) in self.layout.slots().iter().enumerate() {
-            let Some(mut shards) = kept.remove(&slot.id) else {
+            let Some(shards) = kept.remove(&slot.id) else {
                 continue;
             };
-            if let Some(held) = grad_parts[index].take() {
-                shards.insert(0, (0, Shard::Held(held)));
-            }
+            // Every reduced shard went to disk (a failed write fails the step before here), and
+            // `accumulate` keeps none in memory: nothing of the slot is in `grad_parts`.
+            debug_assert!(grad_parts[index].is_none(), "a gradient both in memory and on disk");
             grad_parts[index] = Some(Tensor::<1>::zeros([1], (&self.device, slot.dtype)).expand([slot.numel]));
             stored[index] = shards;
         }
@@ -527,7 +539,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let bucket = &self.layout.buckets()[index];
         let mut values: flat::SlotValues = vec![None; self.layout.slots().len()];
         for index in bucket.slots.clone() {
-            values[index] = sum_passes(&stored[index], self.layout.slots()[index].dtype)?;
+            values[index] = sum_passes(&stored[index], self.layout.slots()[index].dtype, device)?;
         }
         let flat = flat::assemble(&self.layout, bucket, &values, 0..bucket.padded_numel, device);
         let range = self.plan.owned_range(bucket, self.comm.rank());

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use crate::error::ShardError;
 
 /// One rank's swap file in the configured directory (`burn-shard-rank{rank}.swap` for the
-/// optimizer state, `burn-shard-rank{rank}-params.swap` for stage-3 parameter shards): exclusively
-/// locked while it is open (an advisory `flock`, released by the kernel when the process ends,
+/// optimizer state; stage-3 shards use [`SwapFile::create_unlinked`], which has no name):
+/// exclusively locked while it is open (an advisory `flock`, released by the kernel when the process ends,
 /// also when it is killed), read and written at offsets from any thread, removed on drop.
 pub(crate) struct SwapFile {
     path: PathBuf,

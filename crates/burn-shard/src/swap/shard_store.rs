@@ -62,12 +62,13 @@ impl ShardStore {
         }))
     }
 
-    /// Writes `shard` (`[chunk]`, any float dtype) to free space.
+    /// Writes `shard` (`[chunk]`, any float dtype; `what` it holds, "parameter" or "gradient",
+    /// for the errors) to free space.
     ///
     /// # Errors
-    /// [`ShardError::Nvme`] when the file was deleted or replaced, or the write failed (a full
-    /// disk): the shard is then still the caller's.
-    pub(crate) fn put(self: &Arc<Self>, shard: &Tensor<1>) -> Result<StoredShard, ShardError> {
+    /// [`ShardError::Nvme`] when the write failed (a full disk): the shard is then still the
+    /// caller's.
+    pub(crate) fn put(self: &Arc<Self>, shard: &Tensor<1>, what: &'static str) -> Result<StoredShard, ShardError> {
         self.file.check_present()?;
         let data = shard.clone().into_data();
         let bytes = data.as_bytes();
@@ -75,12 +76,7 @@ impl ShardStore {
         let at = self.space().take(len);
         if let Err(e) = self.file.write_at(bytes, at) {
             self.space().give(at, len);
-            return Err(self.file.io_error_then(
-                "writing a parameter shard",
-                bytes.len(),
-                &e,
-                "resume from the last checkpoint",
-            ));
+            return Err(self.file.io_error(&format!("writing a {what} shard"), bytes.len(), &e));
         }
         self.written.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         Ok(StoredShard {
@@ -91,6 +87,7 @@ impl ShardStore {
             numel: shard.dims()[0],
             dtype: data.dtype(),
             crc: crc32fast::hash(bytes),
+            what,
         })
     }
 
@@ -124,6 +121,8 @@ pub(crate) struct StoredShard {
     numel: usize,
     dtype: DType,
     crc: u32,
+    /// "parameter" or "gradient", for the errors.
+    what: &'static str,
 }
 
 impl StoredShard {
@@ -136,14 +135,14 @@ impl StoredShard {
         file.check_present()?;
         let bytes = file
             .read_at(self.bytes, self.at)
-            .map_err(|e| file.io_error("reading a parameter shard", self.bytes, &e))?;
+            .map_err(|e| file.io_error(&format!("reading a {} shard", self.what), self.bytes, &e))?;
         if crc32fast::hash(&bytes) != self.crc {
             return Err(ShardError::Nvme {
                 path: file.path().to_path_buf(),
                 reason: format!(
-                    "a parameter shard of {} bytes at offset {} reads back different bytes (CRC-32 mismatch; the file \
+                    "a {} shard of {} bytes at offset {} reads back different bytes (CRC-32 mismatch; the file \
                      has no name, so no other program wrote it: the disk or the filesystem returned other bytes)",
-                    self.bytes, self.at
+                    self.what, self.bytes, self.at
                 ),
                 fix: "check the disk (dmesg); the parameters on disk are lost: resume from the last checkpoint".into(),
             });
