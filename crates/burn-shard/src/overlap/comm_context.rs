@@ -77,12 +77,14 @@ impl CommContext {
     /// file with NVMe parameter offload. A failed write is recorded (the step returns it) and
     /// the shard stays in memory, so no value is lost.
     pub(crate) fn to_home(&self, shard: Tensor<1>) -> Shard {
-        match self.try_home(shard.clone()) {
-            Ok(shard) => shard,
-            Err(e) => {
+        let shard = self.to_host(shard);
+        match self.store(&shard) {
+            Some(Ok(stored)) => stored,
+            Some(Err(e)) => {
                 self.record_error(e);
-                Shard::Held(self.to_host(shard))
+                Shard::Held(shard)
             }
+            None => Shard::Held(shard),
         }
     }
 
@@ -92,10 +94,18 @@ impl CommContext {
     /// [`ShardError::Nvme`] as [`ShardStore::put`] says.
     pub(crate) fn try_home(&self, shard: Tensor<1>) -> Result<Shard, ShardError> {
         let shard = self.to_host(shard);
-        match self.shard_store() {
-            Some(store) => Ok(Shard::Stored(Arc::new(store.put(&shard, "parameter")?))),
-            None => Ok(Shard::Held(shard)),
-        }
+        self.store(&shard).unwrap_or(Ok(Shard::Held(shard)))
+    }
+
+    /// `shard` (in host memory) written to the shard file; `None` without NVMe parameter
+    /// offload.
+    fn store(&self, shard: &Tensor<1>) -> Option<Result<Shard, ShardError>> {
+        let store = self.shard_store()?;
+        Some(
+            store
+                .put(shard, "parameter")
+                .map(|stored| Shard::Stored(Arc::new(stored))),
+        )
     }
 
     /// `shard` in host memory with parameter offload, as is otherwise.

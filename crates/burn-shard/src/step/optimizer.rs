@@ -28,7 +28,7 @@ use crate::stage::Stage;
 use crate::step::bucket_grads::BucketGrads;
 use crate::step::grad_norm::{self, GradNorms};
 use crate::step::last_step::LastStep;
-use crate::step::pending::PendingGradients;
+use crate::step::pending::{self, PendingGradients};
 use crate::step::slot_state::SlotStates;
 use crate::step::stage_plan::{StagePlan, Updated};
 use crate::swap::shard_store::Shard;
@@ -95,33 +95,6 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// This run's history, saved with its checkpoints: a new run id at `init` and at every
     /// load, and the checkpoint loaded (see [`crate::run::Lineage`]).
     pub(crate) lineage: crate::run::Lineage,
-}
-
-/// A slot's gradient shards on disk, each with the backward pass it came from.
-type PassShards = Vec<(u64, Shard)>;
-
-/// The sum of a slot's gradient shards, read, as the in-memory path sums them: the shards of
-/// one backward pass in their dtype, in order (Burn's `Gradients::register`); several passes
-/// (`accumulate`'s micro-batches) each widened to `f32`, summed in order and cast back to
-/// `dtype` (`PendingGradients`); on `device`, where the in-memory path holds them; `None`
-/// without shards.
-fn sum_passes(shards: &PassShards, dtype: DType, device: &Device) -> Result<Option<Tensor<1>>, ShardError> {
-    let mut passes: Vec<Tensor<1>> = Vec::new();
-    let mut last_pass = None;
-    for (pass, shard) in shards {
-        let grad = shard.read()?.to_device(device);
-        match passes.pop() {
-            Some(sum) if last_pass == Some(*pass) => passes.push(sum + grad),
-            Some(sum) => passes.extend([sum, grad]),
-            None => passes.push(grad),
-        }
-        last_pass = Some(*pass);
-    }
-    if passes.len() < 2 {
-        return Ok(passes.pop());
-    }
-    let widened = passes.into_iter().map(crate::optim::master::widen_half);
-    Ok(widened.reduce(|sum, grad| sum + grad).map(|sum| sum.cast(dtype)))
 }
 
 /// What `ShardConfig` asks of the step beyond the stage (global-norm clipping, loss scaling,
@@ -502,7 +475,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// wrote to the shard file, in the order they were reduced; the slot's entry of `grad_parts` becomes a
     /// stride-0 zero view of its length (no memory), so the phases that ask which slots have a
     /// gradient see it. `None` without NVMe parameter offload.
-    fn stored_gradients(&self, grad_parts: &mut flat::SlotValues) -> Option<Vec<PassShards>> {
+    fn stored_gradients(&self, grad_parts: &mut flat::SlotValues) -> Option<Vec<pending::PassShards>> {
         let ctx = self.plan.fsdp()?;
         ctx.shard_store()?;
         let mut kept = ctx.take_stored_grads();
@@ -520,26 +493,19 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         Some(stored)
     }
 
-    /// Bucket `index`'s owned-range gradient, unscaled: taken from memory when `take` (else a
-    /// cheap clone), or read from the shard file (each slot's shards summed as Burn's gradients
-    /// and `accumulate` sum them in memory, see [`sum_passes`], then assembled and unscaled as
+    /// Bucket `index`'s owned-range gradient, unscaled: taken from memory, or read from the
+    /// shard file (each slot's shards summed as Burn's gradients
+    /// and `accumulate` sum them in memory, see [`pending::sum_passes`], then assembled and unscaled as
     /// [`Self::reduce_buckets`] and [`Self::owned_gradients`] do, so the values are the same).
-    fn bucket_grad(
-        &self,
-        grads: &mut BucketGrads,
-        index: usize,
-        take: bool,
-        device: &Device,
-    ) -> Result<Tensor<1>, ShardError> {
+    fn bucket_grad(&self, grads: &mut BucketGrads, index: usize, device: &Device) -> Result<Tensor<1>, ShardError> {
         let stored = match grads {
-            BucketGrads::Held(held) if take => return Ok(held[index].take().expect("each bucket is taken once")),
-            BucketGrads::Held(held) => return Ok(held[index].clone().expect("not taken yet")),
+            BucketGrads::Held(held) => return Ok(held[index].take().expect("each bucket is taken once")),
             BucketGrads::Stored(stored) => stored,
         };
         let bucket = &self.layout.buckets()[index];
         let mut values: flat::SlotValues = vec![None; self.layout.slots().len()];
         for index in bucket.slots.clone() {
-            values[index] = sum_passes(&stored[index], self.layout.slots()[index].dtype, device)?;
+            values[index] = pending::sum_passes(&stored[index], self.layout.slots()[index].dtype, device)?;
         }
         let flat = flat::assemble(&self.layout, bucket, &values, 0..bucket.padded_numel, device);
         let range = self.plan.owned_range(bucket, self.comm.rank());
@@ -564,9 +530,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     fn measure(&mut self, grads: &BucketGrads, device: &Device) -> Result<Measured, ShardError> {
         let norms = match self.needs_norms() {
             true => {
-                // Stored gradients are read once more for their norms.
+                // Taken from a clone (handles): stored gradients are read once more for their
+                // norms.
                 let mut grads = grads.clone();
-                let mut grad = |index| self.bucket_grad(&mut grads, index, false, device);
+                let mut grad = |index| self.bucket_grad(&mut grads, index, device);
                 Some(grad_norm::measure(
                     &self.layout,
                     &self.plan,
@@ -630,7 +597,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let mut failed = None;
         for (index, bucket) in layout.buckets().iter().enumerate() {
             let range = self.plan.owned_range(bucket, self.comm.rank());
-            let grad = self.bucket_grad(&mut grads, index, true, device);
+            let grad = self.bucket_grad(&mut grads, index, device);
             let param = match grad
                 .and_then(|grad| self.update_range(lr, clip, bucket, range, &values, grad, has_grad, device))
             {
@@ -673,7 +640,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         };
         let stores_shards = self.plan.fsdp().is_some_and(|ctx| ctx.shard_store().is_some());
         match self.slots.swaps() || stores_shards {
-            true => self.agree_on_swap(own, device)?,
+            true => self.agree_on_disk(own, device, "in this step")?,
             false => own?,
         }
         let full: Vec<Tensor<1>> = waited?.into_iter().flatten().collect();
@@ -703,20 +670,20 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         order
     }
 
-    /// NVMe offload (of the optimizer state or the stage-3 shards): ends the step with the same
-    /// outcome on every rank (one all-reduce of which ranks' disk reads or writes failed): a
-    /// rank whose own failed returns its error, the others one naming it.
-    fn agree_on_swap(&self, swapped: Result<(), ShardError>, device: &Device) -> Result<(), ShardError> {
-        let failed = self.failed_ranks(swapped.is_err(), device);
+    /// NVMe offload (of the optimizer state or the stage-3 shards): gives a phase (`when`) the
+    /// same outcome on every rank (one all-reduce of which ranks' disk reads or writes failed):
+    /// a rank whose own failed (`own`) returns its error, the others one naming it.
+    fn agree_on_disk(&self, own: Result<(), ShardError>, device: &Device, when: &str) -> Result<(), ShardError> {
+        let failed = self.failed_ranks(own.is_err(), device);
         // This rank's own error first: it names the cause, a failed all-reduce does not.
-        swapped?;
+        own?;
         let failed = failed?;
         match failed.is_empty() {
             true => Ok(()),
             false => Err(ShardError::Nvme {
                 path: self.slots.swap_dir().unwrap_or_else(|| self.shard_dir()),
                 reason: format!(
-                    "rank(s) {failed:?} could not read or write their swap files in this step (this rank's file is fine)"
+                    "rank(s) {failed:?} could not read or write their swap files {when} (this rank's files are fine)"
                 ),
                 fix: "see those ranks' errors; then resume from the last checkpoint".into(),
             }),
@@ -859,20 +826,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         if self.plan.fsdp().and_then(|ctx| ctx.shard_store()).is_none() {
             return self.check_collectives();
         }
-        let own = self.check_collectives();
-        let failed = self.failed_ranks(own.is_err(), &self.device);
-        own?;
-        match failed?.as_slice() {
-            [] => Ok(()),
-            failed => Err(ShardError::Nvme {
-                path: self.shard_dir(),
-                reason: format!(
-                    "rank(s) {failed:?} could not read or write their parameter shard files in forward or backward \
-                     (this rank's file is fine)"
-                ),
-                fix: "see those ranks' errors; then resume from the last checkpoint".into(),
-            }),
-        }
+        self.agree_on_disk(self.check_collectives(), &self.device, "in forward or backward")
     }
 
     /// The ranks that passed `failed = true`, in order (one all-reduce of a flag per rank, on

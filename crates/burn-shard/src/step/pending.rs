@@ -9,12 +9,14 @@
 //! `bf16`/`f16` sums are kept in `f32`, rounded once by the step (as one backward on the
 //! concatenated batch would round, not once per micro-batch).
 
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Device, Tensor};
 
+use crate::error::ShardError;
 use crate::model::flat::{SlotValues, tensor_bytes};
 use crate::model::layout::ParamSlot;
 use crate::optim::master::widen_half;
 use crate::overlap::bucket_reducer::Early;
+use crate::swap::shard_store::Shard;
 
 /// The micro-batch sums waiting for the next step, and their peak size.
 pub(crate) struct PendingGradients {
@@ -116,4 +118,32 @@ impl PendingGradients {
     pub(crate) fn last_cycle_bytes(&self) -> usize {
         self.last_cycle_bytes
     }
+}
+
+/// A slot's gradient shards on disk, each with the backward pass it came from.
+pub(crate) type PassShards = Vec<(u64, Shard)>;
+
+/// The sum of a slot's gradient shards, read, as the in-memory path sums them: the shards of
+/// one backward pass in their dtype, in order (Burn's `Gradients::register`); several passes
+/// (`accumulate`'s micro-batches) each widened to `f32`, summed in order and cast back to
+/// `dtype` ([`PendingGradients`], whose rules these are, for the gradient shards
+/// that stage 3 keeps on disk with NVMe parameter offload); on `device`, where the in-memory path holds them; `None`
+/// without shards.
+pub(crate) fn sum_passes(shards: &PassShards, dtype: DType, device: &Device) -> Result<Option<Tensor<1>>, ShardError> {
+    let mut passes: Vec<Tensor<1>> = Vec::new();
+    let mut last_pass = None;
+    for (pass, shard) in shards {
+        let grad = shard.read()?.to_device(device);
+        match passes.pop() {
+            Some(sum) if last_pass == Some(*pass) => passes.push(sum + grad),
+            Some(sum) => passes.extend([sum, grad]),
+            None => passes.push(grad),
+        }
+        last_pass = Some(*pass);
+    }
+    if passes.len() < 2 {
+        return Ok(passes.pop());
+    }
+    let widened = passes.into_iter().map(widen_half);
+    Ok(widened.reduce(|sum, grad| sum + grad).map(|sum| sum.cast(dtype)))
 }
