@@ -31,7 +31,7 @@ use burn::prelude::*;
 use burn_shard::{ShardConfig, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 
-use crate::common::{Rng, max_abs_diff, sharded_step};
+use crate::common::{Rng, max_abs_diff, scratch, sharded_step};
 
 /// Features per sample; every layer reads a sample as its own input shape.
 const F: usize = 24;
@@ -313,7 +313,14 @@ struct RankResult {
 /// do (Burn then averages their pending updates itself); otherwise each rank has its own, as
 /// separate processes do, and only the sharded optimizer's buffer rule brings them together.
 /// The ranks train on `device` (an autodiff device: the CPU's, or a GPU's in the GPU suite).
-fn sharded(base: &Layer, device: &Device, world_size: usize, stage: Stage, shared_buffers: bool) -> Vec<RankResult> {
+fn sharded(
+    base: &Layer,
+    device: &Device,
+    world_size: usize,
+    config: &ShardConfig,
+    shared_buffers: bool,
+) -> Vec<RankResult> {
+    let stage = config.stage;
     let base = own_copy(base, device);
     run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
         let rank = comm.rank();
@@ -322,7 +329,7 @@ fn sharded(base: &Layer, device: &Device, world_size: usize, stage: Stage, share
             true => base.clone().fork(&device),
             false => own_copy(&base, &device),
         };
-        let (mut model, mut optim) = ShardConfig::new(stage)
+        let (mut model, mut optim) = config
             .init(model, AdamWConfig::new().with_weight_decay(0.05), comm)
             .unwrap_or_else(|e| panic!("init at stage {stage}: {e}"));
         let num_params = model.num_params();
@@ -356,7 +363,7 @@ pub(crate) fn sweep_on(name: &str, rank_device: &Device, world_sizes: impl IntoI
     for world_size in world_sizes {
         let (ref_params, ref_stats) = reference(&base, world_size);
         for (stage, shared_buffers) in STAGES.into_iter().flat_map(|s| [(s, true), (s, false)]) {
-            let ranks = sharded(&base, rank_device, world_size, stage, shared_buffers);
+            let ranks = sharded(&base, rank_device, world_size, &ShardConfig::new(stage), shared_buffers);
             for (rank, r) in ranks.iter().enumerate() {
                 let at = format!(
                     "{name} on {rank_device:?}, stage {stage}, world size {world_size}, rank {rank}, buffers shared: {shared_buffers}"
@@ -436,6 +443,39 @@ sweep_tests! {
     bi_lstm_trains_exactly_at_every_stage => "BiLstm",
     prelu_trains_exactly_at_every_stage => "PRelu",
     swiglu_trains_exactly_at_every_stage => "SwiGlu",
+}
+
+/// Every module trains at stage 3 with its parameter and gradient shards on disk
+/// (`ShardConfig::with_nvme_offload_params`) bitwise as with them in memory (parameters and
+/// running statistics; each rank with its own copy of the buffers, since ranks sharing one
+/// race on it), at world sizes 1 and 3.
+#[test]
+fn every_module_trains_bitwise_with_its_shards_on_disk() {
+    let dir = scratch("nvme-params", "modules");
+    let resident = ShardConfig::new(Stage::Three);
+    let stored = resident.clone().with_nvme_offload_params(&dir);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for name in MODULES {
+        let device = Device::flex().autodiff();
+        device.seed(3);
+        let base = Layer::new(name, &device);
+        for world_size in [1, 3] {
+            let memory = sharded(&base, &device, world_size, &resident, false);
+            let on_disk = sharded(&base, &device, world_size, &stored, false);
+            for (rank, (m, s)) in memory.iter().zip(&on_disk).enumerate() {
+                let at = format!("{name}, world size {world_size}, rank {rank}");
+                assert!(!m.params.is_empty(), "{at}: trainable parameters");
+                assert_eq!(bits(&s.params), bits(&m.params), "{at}: parameters");
+                let stats = |r: &RankResult| r.stats.as_ref().map(|(mean, var)| (bits(mean), bits(var)));
+                assert_eq!(stats(s), stats(m), "{at}: running statistics");
+            }
+        }
+    }
+    assert!(
+        std::fs::read_dir(&dir).unwrap().next().is_none(),
+        "files left in {}",
+        dir.display()
+    );
 }
 
 /// docs/training.md's "What works at stage 3" list names exactly the modules the sweep trains.
