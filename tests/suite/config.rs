@@ -4,7 +4,7 @@
 //! values are errors naming the field.
 
 use burn::config::Config;
-use burn_shard::{LossScaler, ShardConfig, Stage};
+use burn_shard::{LossScaler, NvmeOffload, ShardConfig, Stage};
 
 use crate::common::scratch;
 
@@ -45,6 +45,21 @@ fn shard_config_nested_in_a_burn_config_round_trips_through_config_json() {
             }
         }
     }
+}
+
+/// `nvme_offload_params` round-trips with its I/O settings, and a directory alone (as configs
+/// saved before those settings existed hold it) reads as `NvmeOffload::new(dir)`.
+#[test]
+fn nvme_offload_params_reads_its_settings_or_a_directory_alone() {
+    let nvme = NvmeOffload::new("/nvme/swap").with_io_threads(3).with_max_in_flight(7);
+    let config = ShardConfig::new(Stage::Three).with_nvme_offload_params(nvme.clone());
+    let json = serde_json::to_string(&config).unwrap();
+    let loaded: ShardConfig = serde_json::from_str(&json).unwrap();
+    assert_eq!(loaded.nvme_offload_params, Some(nvme));
+    let old: ShardConfig = serde_json::from_str("{\"stage\": 3, \"nvme_offload_params\": \"/nvme/swap\"}").unwrap();
+    assert_eq!(old.nvme_offload_params, Some(NvmeOffload::new("/nvme/swap")));
+    let none: ShardConfig = serde_json::from_str("{\"stage\": 3, \"nvme_offload_params\": null}").unwrap();
+    assert_eq!(none.nvme_offload_params, None);
 }
 
 #[test]

@@ -220,10 +220,17 @@ fn the_shard_file_has_no_name_while_the_job_runs() {
 /// one (64 KiB). Under 24 KiB ([`backward_disk_full_child`]) backward's writes fail, and the
 /// step reports it; under 44 KiB ([`step_disk_full_child`]) the step's own writes fail. Either
 /// way the step fails on both ranks within seconds, each naming its file, what was written,
-/// "File too large" and the fix; nothing is left in the directory.
+/// "File too large" and the fix; nothing is left in the directory. Under 8 KiB
+/// ([`init_disk_full_child`]) `init`'s writes fail, and `init` returns that (its writes are
+/// queued behind the sharding and waited for before it returns).
 #[test]
 fn a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named() {
-    for (limit, child) in [("24", "backward_disk_full_child"), ("44", "step_disk_full_child")] {
+    let children = [
+        ("8", "init_disk_full_child"),
+        ("24", "backward_disk_full_child"),
+        ("44", "step_disk_full_child"),
+    ];
+    for (limit, child) in children {
         let dir = scratch("nvme-params", &format!("disk-full-{limit}"));
         run_child(
             &format!("ulimit -f {limit}"),
@@ -252,6 +259,21 @@ fn shard_disk_full(what: &str) {
         &config,
         "burn-shard-rank{rank}-params.swap",
         &format!("writing a {what} shard"),
+    );
+    assert!(started.elapsed().as_secs() < 10, "within seconds");
+}
+
+/// A child of [`a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named`].
+#[test]
+#[ignore = "run by a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named under a file-size limit"]
+fn init_disk_full_child() {
+    let dir = PathBuf::from(std::env::var_os("BURN_SHARD_DISK_FULL_DIR").expect("run by the parent test"));
+    let config = ShardConfig::new(Stage::Three).with_nvme_offload_params(&dir);
+    let started = std::time::Instant::now();
+    assert_disk_full(
+        &config,
+        "burn-shard-rank{rank}-params.swap",
+        "writing a parameter shard",
     );
     assert!(started.elapsed().as_secs() < 10, "within seconds");
 }
@@ -370,4 +392,81 @@ fn discarded_and_pending_gradient_shards_behave_as_in_memory() {
         }
     }
     assert!(entries(&swap).is_empty(), "files left: {:?}", entries(&swap));
+}
+
+/// `DEPTH` linear layers, each a unit: a model long enough for the gather schedule to read
+/// units ahead.
+#[derive(Module, Debug)]
+struct Deep {
+    layers: Vec<burn::nn::Linear>,
+}
+
+const DEPTH: usize = 6;
+const DEEP_WIDTH: usize = 16;
+
+impl Deep {
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let mut h = x;
+        for layer in &self.layers {
+            h = burn_shard::fsdp::unit(&h, || burn::tensor::activation::relu(layer.forward(h.clone())));
+        }
+        h
+    }
+}
+
+/// Rank `comm.rank()` trains 3 steps of `Deep` with its shards on disk (one layer per bucket:
+/// stage 3's buckets hold shards); returns `nvme_io_bytes().0` and
+/// `nvme_read_on_demand_bytes()` of the last step.
+fn deep_rank<C: burn_shard_comm::Collective + 'static>(comm: C, base: &Deep, dir: &Path) -> (u64, u64) {
+    let device = Device::flex().autodiff();
+    let world_size = comm.world_size();
+    let layer_shards = (DEEP_WIDTH * DEEP_WIDTH).div_ceil(world_size) + DEEP_WIDTH.div_ceil(world_size);
+    let config = ShardConfig::new(Stage::Three)
+        .with_nvme_offload_params(dir)
+        .with_bucket_numel(layer_shards);
+    let (mut model, mut optim) = config
+        .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+        .unwrap();
+    for step in 0..3 {
+        let mut rng = Rng::new(step as u64);
+        let x = Tensor::<2>::from_data(TensorData::new(rng.vec(4 * DEEP_WIDTH), [4, DEEP_WIDTH]), &device);
+        let loss = model.forward(x).powi_scalar(2).mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(LR, model, grads).unwrap();
+    }
+    (optim.nvme_io_bytes().0, optim.nvme_read_on_demand_bytes())
+}
+
+/// The shard file is read ahead of its use, off the compute thread: once the gather schedule
+/// knows the units (from the second step), a pass waits for the disk only for its first two
+/// units (the one it gathers on entry and the one it prefetches then); the others are read
+/// while the unit two before computes. The step waits only for its first bucket's gradient
+/// and parameter shards; the next bucket's are read while one is stepped. With `DEPTH` units
+/// whose shards on a rank are `u` bytes (`w` of them the weight's), a step reads: forward
+/// `DEPTH·u`; backward `(DEPTH - 1)·w` (it re-gathers only weights, and not the first unit's,
+/// whose input needs no gradient); the update's gradient and parameter shards `2·DEPTH·u`.
+/// It waits for `2u + 2w + 2u` of them, at world sizes 1-3.
+#[test]
+fn shard_reads_run_ahead_of_the_units_and_buckets_that_use_them() {
+    let dir = scratch("nvme-params", "read-ahead");
+    let device = Device::flex().autodiff();
+    let base = Deep {
+        layers: (0..DEPTH)
+            .map(|_| burn::nn::LinearConfig::new(DEEP_WIDTH, DEEP_WIDTH).init(&device))
+            .collect(),
+    };
+    for world_size in 1..=3 {
+        let w = 4 * (DEEP_WIDTH * DEEP_WIDTH).div_ceil(world_size) as u64;
+        let u = w + 4 * DEEP_WIDTH.div_ceil(world_size) as u64;
+        let depth = DEPTH as u64;
+        let io = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+            deep_rank(comm, &base, &dir)
+        })
+        .unwrap();
+        for (rank, (read, on_demand)) in io.into_iter().enumerate() {
+            let ctx = format!("world_size {world_size}, rank {rank}");
+            assert_eq!(read, depth * u + (depth - 1) * w + 2 * depth * u, "{ctx}: bytes read");
+            assert_eq!(on_demand, 2 * u + 2 * w + 2 * u, "{ctx}: bytes waited for");
+        }
+    }
 }

@@ -99,6 +99,8 @@ struct BigRun {
     losses: Vec<f32>,
     /// Swap-file bytes (read, written) of each step.
     io: Vec<(u64, u64)>,
+    /// Of the bytes read, those not read ahead (`nvme_read_on_demand_bytes`), per step.
+    on_demand: Vec<u64>,
     /// `memory_report` after the last step: parameters, gradients, in-memory optimizer state,
     /// on-disk optimizer state.
     report: (usize, usize, usize, usize),
@@ -258,6 +260,7 @@ struct Trained {
     losses: Vec<f32>,
     step_s: Vec<f64>,
     io: Vec<(u64, u64)>,
+    on_demand: Vec<u64>,
     /// `memory_report` after the last step: parameters, gradients, optimizer state in memory,
     /// optimizer state on disk (bytes).
     report: (usize, usize, usize, usize),
@@ -308,6 +311,7 @@ fn train(
         losses: Vec::new(),
         step_s: Vec::new(),
         io: Vec::new(),
+        on_demand: Vec::new(),
         report: (0, 0, 0, 0),
         peak_rss: 0,
         checkpoint: None,
@@ -321,11 +325,13 @@ fn train(
         model = optim.step(lr, model, grads).map_err(|e| e.to_string())?;
         out.step_s.push(start.elapsed().as_secs_f64());
         out.io.push(optim.nvme_io_bytes());
+        out.on_demand.push(optim.nvme_read_on_demand_bytes());
         eprintln!(
-            "  step {step}: {:.2} s, loss {:.4}, swap read {:.2} GB, written {:.2} GB, RSS {:.2} GiB",
+            "  step {step}: {:.2} s, loss {:.4}, swap read {:.2} GB ({:.2} GB not read ahead), written {:.2} GB, RSS {:.2} GiB",
             out.step_s[step],
             out.losses[step],
             out.io[step].0 as f64 / GB,
+            out.on_demand[step] as f64 / GB,
             out.io[step].1 as f64 / GB,
             status_bytes("VmRSS") as f64 / GIB
         );
@@ -455,6 +461,7 @@ fn big_run(args: &Args, corpus: &CharCorpus, layers: usize) -> Result<BigRun, St
         step_s: trained.step_s,
         losses: trained.losses,
         io: trained.io,
+        on_demand: trained.on_demand,
         report: trained.report,
         checkpoint: trained.checkpoint,
     })
@@ -500,6 +507,7 @@ fn print_table(
     let steady: Vec<usize> = (1..big.step_s.len()).collect();
     let step_s = median(&steady.iter().map(|&i| big.step_s[i]).collect::<Vec<_>>());
     let (read, written) = steady.last().map_or((0, 0), |&i| big.io[i]);
+    let on_demand = steady.last().map_or(0, |&i| big.on_demand[i]);
     let disk_bound = read as f64 / read_bps + written as f64 / write_bps;
     let compute_bound = two_layer_s * big.layers as f64 / 2.0;
     let fs = filesystem_of(&args.swap_dir);
@@ -538,6 +546,12 @@ fn print_table(
         written as f64 / GB,
         8.0 * psi / GB,
         4.0 * psi / GB
+    );
+    println!(
+        "| of those reads, parameter and gradient shards the compute thread waited for (not read ahead: the first \
+         two units of each pass, the first bucket of the update) | {:.2} GB = {:.2} of the bytes read |",
+        on_demand as f64 / GB,
+        on_demand as f64 / read.max(1) as f64
     );
     println!(
         "| disk, sequential, this run | write {:.0} MB/s, read {:.0} MB/s |",

@@ -1,6 +1,5 @@
 //! [`ShardConfig`]: the one call that turns sharding on.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -101,10 +100,12 @@ pub struct ShardConfig {
     pub offload_params: bool,
     /// Stage 3: keep this rank's parameter shards in a file in this directory instead of in
     /// memory (ZeRO-Infinity's parameter offload to NVMe, DeepSpeed's
-    /// `offload_param: {device: nvme, nvme_path}`; default `None`). See
-    /// [`ShardConfig::with_nvme_offload_params`].
-    #[serde(default)]
-    pub nvme_offload_params: Option<PathBuf>,
+    /// `offload_param: {device: nvme, nvme_path}`; default `None`), read and written by
+    /// `io_threads` threads with at most `max_in_flight` writes queued. See
+    /// [`ShardConfig::with_nvme_offload_params`]. Reads a path alone too (configs saved before
+    /// the I/O settings existed).
+    #[serde(default, deserialize_with = "defaults::nvme_params::deserialize")]
+    pub nvme_offload_params: Option<NvmeOffload>,
 }
 
 impl burn::config::Config for ShardConfig {}
@@ -119,6 +120,26 @@ mod defaults {
 
     pub(super) fn yes() -> bool {
         true
+    }
+
+    /// `nvme_offload_params`: an [`NvmeOffload`](crate::NvmeOffload), or a directory alone.
+    pub(super) mod nvme_params {
+        use super::*;
+        use crate::swap::config::NvmeOffload;
+
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Given {
+            Path(std::path::PathBuf),
+            Full(NvmeOffload),
+        }
+
+        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<NvmeOffload>, D::Error> {
+            Ok(Option::<Given>::deserialize(d)?.map(|given| match given {
+                Given::Path(path) => NvmeOffload::new(path),
+                Given::Full(nvme) => nvme,
+            }))
+        }
     }
 
     /// `max_grad_norm`: a number, `null` (no clipping) or `"inf"` (measure without clipping:
@@ -260,7 +281,8 @@ impl ShardConfig {
     }
 
     /// Stage 3: keeps this rank's parameter shards, and its gradient shards from backward to
-    /// the step, in a file in `dir` instead of in memory: ZeRO-Infinity's offload to NVMe
+    /// the step, in a file in `nvme.path` instead of in memory (a path alone takes the default
+    /// I/O settings of [`NvmeOffload::new`]): ZeRO-Infinity's offload to NVMe
     /// (Rajbhandari et al., SC21, §5.1; DeepSpeed's `offload_param: {device: nvme, nvme_path}`).
     /// With Burn's `Flex` CPU device this is what takes the parameters and gradients out of
     /// memory (with [`ShardConfig::with_nvme_offload`] for the optimizer state, memory holds the
@@ -268,13 +290,25 @@ impl ShardConfig {
     /// accelerator the shards pass through host memory on their way to the device, as with
     /// [`ShardConfig::with_offload_params`], whose conditions then apply.
     ///
-    /// What it costs per step (`Ψ` parameters of `b` bytes on `N` ranks): each gather reads its
-    /// shards (`Ψ·b/N` per pass: forward, and backward again with `reshard_after_forward`), on
-    /// the thread that gathers, when its unit is gathered or prefetched; backward writes each
-    /// reduced gradient shard; the step reads the gradient shards (once more when clipping or
-    /// loss scaling measures their norm) and the parameter shards, and writes the updated
-    /// parameter shards, bucket by bucket, so it holds one bucket at a time. I/O goes through
-    /// the page cache. An updated shard is written beside the old one, whose space is reused
+    /// What it costs per step (`Ψ` parameters of `b` bytes on `N` ranks): each pass of the
+    /// gathers reads the shards (`Ψ·b/N` per pass: forward, and backward again with
+    /// `reshard_after_forward`); backward writes each reduced gradient shard; the step reads
+    /// the gradient shards (once more when clipping or loss scaling measures their norm) and
+    /// the parameter shards, and writes the updated parameter shards, bucket by bucket, so it
+    /// holds one bucket at a time.
+    ///
+    /// The reads and writes run on `nvme.io_threads` threads per rank, off the compute thread
+    /// (ZeRO-Infinity's overlap-centric design, §6.2): once the gather schedule has learned the
+    /// units (from the second step), the shards of the unit after the one being prefetched are
+    /// read while the current one computes, so a pass waits for the disk only for its first
+    /// two units; the step reads the next bucket's gradient and parameter shards while it steps
+    /// one. Writes run behind the caller: at most `nvme.max_in_flight` are queued per rank,
+    /// each holding its shard's bytes until done (a shard being written reads from memory),
+    /// and the step waits for the last ones before it returns. Host memory for the I/O: one
+    /// unit (gathers) or bucket (step) read ahead, plus the queued writes.
+    /// [`ShardedOptimizer::nvme_read_on_demand_bytes`](crate::ShardedOptimizer::nvme_read_on_demand_bytes)
+    /// says how many bytes were read without being read ahead. I/O goes through the page cache.
+    /// An updated shard is written beside the old one, whose space is reused
     /// once nothing holds the old values, so the file holds up to twice the parameter shards
     /// during a step, plus the gradient shards of the step (of every micro-batch with
     /// `accumulate`). Each shard carries a CRC-32 that every read checks.
@@ -289,17 +323,17 @@ impl ShardConfig {
     ///
     /// The file, `burn-shard-rank{rank}-params.swap.{pid}.{n}`, is unlinked as soon as it is
     /// created: it has no name while the job runs (no other program can delete or overwrite
-    /// it, and jobs sharing `dir` do not share it), and its space is freed when the process
+    /// it, and jobs sharing `nvme.path` do not share it), and its space is freed when the process
     /// ends, also when it is killed.
     ///
     /// # Errors
-    /// At `init`: [`ShardError::InvalidConfig`] below stage 3, and on an accelerator without
-    /// [`Offload`](crate::Offload); [`ShardError::Nvme`] when `dir` is not an existing writable
-    /// directory. During training: [`ShardError::Nvme`] from the step (on every rank, the
+    /// At `init`: [`ShardError::InvalidConfig`] below stage 3, on an accelerator without
+    /// [`Offload`](crate::Offload), and when `nvme.io_threads` or `nvme.max_in_flight` is 0;
+    /// [`ShardError::Nvme`] when `nvme.path` is not an existing writable directory. During training: [`ShardError::Nvme`] from the step (on every rank, the
     /// others naming the rank whose file failed) when a read or write failed (a full disk) or
     /// a read came back with other bytes, naming the file and the fix.
-    pub fn with_nvme_offload_params(mut self, dir: impl Into<PathBuf>) -> Self {
-        self.nvme_offload_params = Some(dir.into());
+    pub fn with_nvme_offload_params(mut self, nvme: impl Into<NvmeOffload>) -> Self {
+        self.nvme_offload_params = Some(nvme.into());
         self
     }
 
@@ -496,7 +530,7 @@ impl ShardConfig {
         }
         // On Flex the shards are read into host memory, where the model computes.
         let store = nvme
-            .map(|dir| ShardStore::create(dir, rank, host.clone()))
+            .map(|nvme| ShardStore::create(nvme, rank, host.clone()))
             .transpose()?;
         Ok(Some(ParamHome {
             host,
@@ -526,10 +560,12 @@ impl ShardConfig {
             units: UnitPolicy::new(&self.units)?,
         };
         let model = model.apply_reparameterization(&mut sharder);
-        // A shard that could not be written to the shard file (NVMe parameter offload).
+        // A shard that could not be written to the shard file (NVMe parameter offload): the
+        // writes were queued behind the sharding; all are done before `init` returns.
         if let Some(e) = ctx.take_error() {
             return Err(e);
         }
+        ctx.flush_home()?;
         sharder.units.check_all_used(&census)?;
         let local = Arc::new(FlatLayout::from_slots(sharder.slots, 1, self.bucket_numel)?);
         let plan = StagePlan::Three(ctx);

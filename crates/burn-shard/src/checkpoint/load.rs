@@ -178,7 +178,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                     };
                     let spec = &shard_specs[id];
                     let shard = padded(data, chunk, &spec.shard.device());
-                    shards.insert(*id, spec.ctx.try_home(shard)?);
+                    shards.insert(*id, spec.ctx.to_home(shard));
                 }
                 _ => {
                     let data = files.read_range(saved, &name, 0..numel)?;
@@ -207,6 +207,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 false => None,
             };
             slots.put(index, state, master)?;
+        }
+        // The loaded shards' writes to the shard file (NVMe parameter offload) are done and
+        // succeeded before the ranks agree on the load.
+        if let Some(ctx) = self.plan.fsdp() {
+            ctx.flush_home()?;
         }
         Ok((
             values,

@@ -225,8 +225,8 @@ impl Reparameterizer for &mut Sharder {
         shard_dims[D - 1] = chunk;
         let param = ParamSpec {
             id,
-            // Written to the shard file with NVMe parameter offload (a failed write is recorded:
-            // `init` returns it).
+            // Written to the shard file with NVMe parameter offload (queued: `init` waits for
+            // the writes and returns a failure).
             shard: self.ctx.to_home(shard),
             full_shape,
             shard_shape: Shape::new(shard_dims),

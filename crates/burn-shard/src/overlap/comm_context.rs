@@ -11,7 +11,7 @@ use burn::tensor::{Device, Tensor};
 use burn_shard_comm::Collective;
 
 use crate::error::ShardError;
-use crate::swap::shard_store::{Shard, ShardStore};
+use crate::swap::shard_store::{Shard, ShardRead, ShardStore};
 
 /// The collective of one rank with its first error and transient-memory probes.
 pub(crate) struct CommContext {
@@ -73,39 +73,25 @@ impl CommContext {
     }
 
     /// `shard` where shards live: a shard the optimizer or a checkpoint load put on the compute
-    /// device goes back to the host with parameter offload, and is written to the rank's shard
-    /// file with NVMe parameter offload. A failed write is recorded (the step returns it) and
-    /// the shard stays in memory, so no value is lost.
+    /// device goes back to the host with parameter offload, and its write to the rank's shard
+    /// file is queued with NVMe parameter offload (see [`ShardStore::put`]: the write runs
+    /// behind the caller, and a failed one keeps the values in memory, so none is lost, and is
+    /// returned by [`CommContext::flush_home`]).
     pub(crate) fn to_home(&self, shard: Tensor<1>) -> Shard {
         let shard = self.to_host(shard);
-        match self.store(&shard) {
-            Some(Ok(stored)) => stored,
-            Some(Err(e)) => {
-                self.record_error(e);
-                Shard::Held(shard)
-            }
+        match self.shard_store() {
+            Some(store) => Shard::Stored(Arc::new(store.put(&shard, "parameter"))),
             None => Shard::Held(shard),
         }
     }
 
-    /// As [`CommContext::to_home`], returning a failed write instead of recording it.
+    /// Waits for the shard writes [`CommContext::to_home`] and backward queued (nothing
+    /// without NVMe parameter offload).
     ///
     /// # Errors
-    /// [`ShardError::Nvme`] as [`ShardStore::put`] says.
-    pub(crate) fn try_home(&self, shard: Tensor<1>) -> Result<Shard, ShardError> {
-        let shard = self.to_host(shard);
-        self.store(&shard).unwrap_or(Ok(Shard::Held(shard)))
-    }
-
-    /// `shard` (in host memory) written to the shard file; `None` without NVMe parameter
-    /// offload.
-    fn store(&self, shard: &Tensor<1>) -> Option<Result<Shard, ShardError>> {
-        let store = self.shard_store()?;
-        Some(
-            store
-                .put(shard, "parameter")
-                .map(|stored| Shard::Stored(Arc::new(stored))),
-        )
+    /// [`ShardError::Nvme`] as [`ShardStore::flush`] says.
+    pub(crate) fn flush_home(&self) -> Result<(), ShardError> {
+        self.shard_store().map_or(Ok(()), |store| store.flush())
     }
 
     /// `shard` in host memory with parameter offload, as is otherwise.
@@ -119,7 +105,12 @@ impl CommContext {
     /// The values of `shard` (read from disk when stored); a failed read is recorded (the step
     /// returns it) and gives zeros, as a failed collective does.
     pub(crate) fn read(&self, shard: &Shard) -> Tensor<1> {
-        shard.read().unwrap_or_else(|e| {
+        self.wait_read(shard.start_read(), shard)
+    }
+
+    /// As [`CommContext::read`], from `read`, the read of `shard` started ahead.
+    pub(crate) fn wait_read(&self, read: ShardRead, shard: &Shard) -> Tensor<1> {
+        read.wait().unwrap_or_else(|e| {
             self.record_error(e);
             Tensor::zeros([shard.numel()], (&shard.device(), shard.dtype()))
         })

@@ -113,27 +113,20 @@ impl FsdpContext {
             .finish(&self.0.comm)
     }
 
-    /// With NVMe parameter offload, writes the reduced gradient shard `reduced` to the shard
-    /// file and keeps it for the step (`None`: nothing for Burn's gradients to hold, so they
-    /// never hold the gradients of the whole model); without it, or when the write fails (the
-    /// error is recorded and the step returns it), gives it back.
+    /// With NVMe parameter offload, queues the write of the reduced gradient shard `reduced`
+    /// to the shard file (behind backward, see [`ShardStore::put`](crate::swap::shard_store::ShardStore::put);
+    /// a failed write is returned by the step) and keeps it for the step (`None`: nothing for
+    /// Burn's gradients to hold, so they never hold the gradients of the whole model); without
+    /// it, gives it back.
     pub(crate) fn keep_reduced(&self, reduced: Reduced) -> Option<Reduced> {
         let Some(store) = self.shard_store() else {
             return Some(reduced);
         };
-        match store.put(&reduced.shard, "gradient") {
-            Ok(stored) => {
-                let mut kept = self.0.stored_grads.lock().unwrap_or_else(|p| p.into_inner());
-                let pass = kept.pass;
-                let shard = Shard::Stored(Arc::new(stored));
-                kept.by_param.entry(reduced.id).or_default().push((pass, shard));
-                None
-            }
-            Err(e) => {
-                self.record_error(e);
-                Some(reduced)
-            }
-        }
+        let shard = Shard::Stored(Arc::new(store.put(&reduced.shard, "gradient")));
+        let mut kept = self.0.stored_grads.lock().unwrap_or_else(|p| p.into_inner());
+        let pass = kept.pass;
+        kept.by_param.entry(reduced.id).or_default().push((pass, shard));
+        None
     }
 
     /// Parameters with gradient shards on disk, kept for the next step (a checkpoint cannot

@@ -28,6 +28,7 @@ use crate::overlap::call_tag::CallTag;
 use crate::overlap::collectives::dtype_group;
 use crate::overlap::comm_context::CommContext;
 use crate::overlap::spec::{ParamSpec, Phase};
+use crate::swap::read_ahead::ReadAhead;
 use crate::swap::shard_store::Shard;
 
 /// A group: the phase and the tag of the group's first parameter.
@@ -91,6 +92,9 @@ pub(crate) struct Schedule {
     /// How many times each forward group was fetched in the previous pass (once per forward in
     /// the step): a forward group is prefetched only while this pass has fetched it fewer times.
     fetches_last_pass: HashMap<GroupKey, usize>,
+    /// With NVMe parameter offload: the shards of the group after the one in flight, being
+    /// read from disk (ZeRO-Infinity's read-ahead, one unit ahead of the all-gather).
+    ahead: ReadAhead,
 }
 
 impl Schedule {
@@ -147,6 +151,7 @@ impl Schedule {
         self.entered.clear();
         self.ready.clear();
         self.in_flight = None;
+        self.ahead.clear();
     }
 
     /// Starts group `key` (in forward, under unit scope `scope`): on its first entry in this
@@ -193,6 +198,14 @@ impl Schedule {
             }
         {
             self.in_flight = self.start_group(ctx, next);
+            // The group that came after `next` is read from disk (with NVMe parameter offload)
+            // while this one computes and `next` is gathered; reads of a wrong guess are dropped.
+            self.ahead.clear();
+            if let Some(after) = self.next.get(&next).filter(|after| after.0 == next.0) {
+                let tags = self.groups.get(after).into_iter().flatten();
+                let shards = tags.filter_map(|tag| self.registry.get(tag)).map(|reg| &reg.shard);
+                self.ahead.start(shards, true);
+            }
         }
     }
 
@@ -221,7 +234,7 @@ impl Schedule {
 
     /// Starts the all-gathers of group `key` as learned (one per dtype, in first-seen order);
     /// `None` for a group not seen yet.
-    fn start_group(&self, ctx: &CommContext, key: GroupKey) -> Option<GroupGather> {
+    fn start_group(&mut self, ctx: &CommContext, key: GroupKey) -> Option<GroupGather> {
         let world_size = ctx.comm().world_size();
         let mut by_dtype: Vec<(DType, Vec<Member>, Vec<Tensor<1>>, usize)> = Vec::new();
         for tag in self.groups.get(&key)? {
@@ -237,7 +250,7 @@ impl Schedule {
                 chunk,
                 offset: *width,
             });
-            shards.push(ctx.read(&reg.shard));
+            shards.push(ctx.wait_read(self.ahead.take(&reg.shard), &reg.shard));
             *width += chunk;
         }
         if by_dtype.is_empty() {

@@ -2,6 +2,8 @@
 //! update was applied, how many buckets overlapped backward, and the gradient and transient
 //! bytes behind [`MemoryReport`](crate::MemoryReport).
 
+use crate::swap::shard_store::ShardIo;
+
 /// Measurements of the last `step` (or `accumulate`, for `overlapped_buckets`).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct LastStep {
@@ -20,5 +22,5 @@ pub(crate) struct LastStep {
     /// Bytes (read, written) of the rank's parameter shard file from the end of the step
     /// before to the end of the last one (its forward, backward and update), with NVMe
     /// parameter offload.
-    pub(crate) param_io: (u64, u64),
+    pub(crate) param_io: ShardIo,
 }

@@ -25,12 +25,13 @@ use crate::optim::loss_scale::LossScaler;
 use crate::optim::master::MasterWeightStep;
 use crate::overlap::bucket_reducer::{BucketReducer, Early};
 use crate::stage::Stage;
-use crate::step::bucket_grads::BucketGrads;
+use crate::step::bucket_grads::{BucketGrads, StoredGrads};
 use crate::step::grad_norm::{self, GradNorms};
 use crate::step::last_step::LastStep;
 use crate::step::pending::{self, PendingGradients};
 use crate::step::slot_state::SlotStates;
 use crate::step::stage_plan::{StagePlan, Updated};
+use crate::swap::read_ahead::ReadAhead;
 use crate::swap::shard_store::Shard;
 use crate::swap::swapper::Swapper;
 
@@ -70,7 +71,7 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// The optimizer (and per-parameter clipping) of each parameter.
     groups: Groups<O>,
     /// The parameters' (plain) device, where small agreement collectives place their tensors.
-    device: Device,
+    pub(crate) device: Device,
     pub(crate) comm: Arc<dyn Collective>,
     pub(crate) layout: Arc<FlatLayout>,
     pub(crate) plan: StagePlan,
@@ -402,9 +403,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let early_reduced = early.map(|e| e.reduced).unwrap_or_default();
 
         let grads = match stored {
-            Some(stored) => {
+            Some(shards) => {
                 self.last.gradients_bytes = 0;
-                BucketGrads::Stored(stored)
+                BucketGrads::Stored(StoredGrads {
+                    shards,
+                    ahead: ReadAhead::default(),
+                })
             }
             None => {
                 let reduced = self.reduce_buckets(grad_parts, early_reduced, &reduce_in_step, &device, &mut temp)?;
@@ -497,15 +501,25 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// shard file (each slot's shards summed as Burn's gradients
     /// and `accumulate` sum them in memory, see [`pending::sum_passes`], then assembled and unscaled as
     /// [`Self::reduce_buckets`] and [`Self::owned_gradients`] do, so the values are the same).
+    /// The next bucket's shards are read while this one is used (buckets are taken in order).
     fn bucket_grad(&self, grads: &mut BucketGrads, index: usize, device: &Device) -> Result<Tensor<1>, ShardError> {
         let stored = match grads {
             BucketGrads::Held(held) => return Ok(held[index].take().expect("each bucket is taken once")),
             BucketGrads::Stored(stored) => stored,
         };
-        let bucket = &self.layout.buckets()[index];
+        let buckets = self.layout.buckets();
+        let bucket = &buckets[index];
+        // This bucket's reads first (started with the previous bucket, but for the first).
+        let this: Vec<_> = stored.shards_of(bucket).cloned().collect();
+        stored.ahead.start(&this, false);
+        if let Some(next) = buckets.get(index + 1) {
+            let next: Vec<_> = stored.shards_of(next).cloned().collect();
+            stored.ahead.start(&next, true);
+        }
         let mut values: flat::SlotValues = vec![None; self.layout.slots().len()];
         for index in bucket.slots.clone() {
-            values[index] = pending::sum_passes(&stored[index], self.layout.slots()[index].dtype, device)?;
+            let dtype = self.layout.slots()[index].dtype;
+            values[index] = pending::sum_passes(&stored.shards[index], dtype, device, &mut stored.ahead)?;
         }
         let flat = flat::assemble(&self.layout, bucket, &values, 0..bucket.padded_numel, device);
         let range = self.plan.owned_range(bucket, self.comm.rank());
@@ -595,12 +609,22 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let mut publishing = Vec::with_capacity(layout.buckets().len());
         let mut shards = HashMap::new();
         let mut failed = None;
+        // With NVMe parameter offload: the next bucket's parameter shards are read while this
+        // one is stepped (this bucket's first, for the first bucket).
+        let mut param_reads = ReadAhead::default();
         for (index, bucket) in layout.buckets().iter().enumerate() {
+            // Queued in the order they are waited for: this bucket's parameters and gradients,
+            // then the next bucket's gradients and parameters.
+            param_reads.start(&self.piece_shards(&values, bucket), false);
             let range = self.plan.owned_range(bucket, self.comm.rank());
             let grad = self.bucket_grad(&mut grads, index, device);
-            let param = match grad
-                .and_then(|grad| self.update_range(lr, clip, bucket, range, &values, grad, has_grad, device))
-            {
+            if let Some(next) = layout.buckets().get(index + 1) {
+                param_reads.start(&self.piece_shards(&values, next), true);
+            }
+            let param = match grad.and_then(|grad| {
+                let reads = &mut param_reads;
+                self.update_range(lr, clip, bucket, range, &values, reads, grad, has_grad, device)
+            }) {
                 Ok(param) => param,
                 Err(e) => {
                     failed = Some(e);
@@ -609,18 +633,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             };
             let param_bytes = bytes_on(&param, device);
             temp.alloc(param_bytes);
-            // Stage 3: the new shards go where shards live now (to disk with NVMe parameter
-            // offload), so the step holds one bucket of them at a time.
+            // Stage 3: the new shards go where shards live now (written behind the step with
+            // NVMe parameter offload), so the step holds one bucket of them at a time.
             match self.plan.home_shards(&layout, bucket, &param, &keep) {
-                Some(Ok(homed)) => {
+                Some(homed) => {
                     temp.free(param_bytes);
                     let held = homed.iter().filter_map(|(_, s)| s.held()).map(|t| bytes_on(t, device));
                     temp.alloc(held.sum());
                     shards.extend(homed);
-                }
-                Some(Err(e)) => {
-                    failed = Some(e);
-                    break;
                 }
                 None => publishing.push((
                     param_bytes,
@@ -628,15 +648,16 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 )),
             }
         }
-        drop(values);
+        drop((values, param_reads));
         let (param_bytes, works): (Vec<usize>, Vec<_>) = publishing.into_iter().unzip();
         let waited = Work::wait_all(works.into_iter().map(Some));
         // Ended whatever the collectives did, so that no write of this step is left in flight.
         let swapped = self.slots.end_step();
+        let homed = self.plan.fsdp().map_or(Ok(()), |ctx| ctx.flush_home());
         // A failed read or write of the shard file comes first, then the swap file's.
         let own = match failed {
             Some(e) => Err(e),
-            None => swapped,
+            None => homed.and(swapped),
         };
         let stores_shards = self.plan.fsdp().is_some_and(|ctx| ctx.shard_store().is_some());
         match self.slots.swaps() || stores_shards {
@@ -652,6 +673,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             temp.alloc(bytes_on(updated, device));
         }
         Ok(Updated::Buckets(full))
+    }
+
+    /// The values of the pieces of `bucket` this rank steps (stage 3: their shards).
+    fn piece_shards(&self, values: &[Option<Shard>], bucket: &Bucket) -> Vec<Shard> {
+        let range = self.plan.owned_range(bucket, self.comm.rank());
+        let pieces = self.layout.pieces(bucket, &range);
+        pieces.filter_map(|(index, _)| values[index].clone()).collect()
     }
 
     /// The slots this step updates on this rank, in the order `update_range` takes them: those
@@ -673,7 +701,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// NVMe offload (of the optimizer state or the stage-3 shards): gives a phase (`when`) the
     /// same outcome on every rank (one all-reduce of which ranks' disk reads or writes failed):
     /// a rank whose own failed (`own`) returns its error, the others one naming it.
-    fn agree_on_disk(&self, own: Result<(), ShardError>, device: &Device, when: &str) -> Result<(), ShardError> {
+    pub(crate) fn agree_on_disk(
+        &self,
+        own: Result<(), ShardError>,
+        device: &Device,
+        when: &str,
+    ) -> Result<(), ShardError> {
         let failed = self.failed_ranks(own.is_err(), device);
         // This rank's own error first: it names the cause, a failed all-reduce does not.
         own?;
@@ -717,8 +750,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// per-parameter state, such as Adam's step count, follows Burn's per-parameter semantics)
     /// and returns the updated `[range.len()]` range. `grad` covers `range`. Pieces of
     /// parameters without a gradient on any rank are returned as they are, their state and
-    /// master untouched; padding stays zero. Each value is read as its piece is reached (from
-    /// the shard file with NVMe parameter offload: an error when it cannot be).
+    /// master untouched; padding stays zero. Each value is taken as its piece is reached (from
+    /// the shard file with NVMe parameter offload, its read started in `reads`: an error when it
+    /// cannot be read).
     #[allow(clippy::too_many_arguments)]
     fn update_range(
         &mut self,
@@ -727,6 +761,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         bucket: &Bucket,
         range: Range<usize>,
         values: &[Option<Shard>],
+        reads: &mut ReadAhead,
         grad: Tensor<1>,
         has_grad: &[bool],
         device: &Device,
@@ -736,7 +771,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         for (index, part) in layout.pieces(bucket, &range) {
             let slot = &layout.slots()[index];
             let len = part.len();
-            let value = values[index].as_ref().map(Shard::read).transpose()?;
+            let value = values[index].as_ref().map(|v| reads.take(v).wait()).transpose()?;
             let param = flat::slot_piece(&value, slot, part.clone(), bucket.dtype, device);
             if !has_grad[index] {
                 pieces.push(param);
@@ -823,10 +858,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// ranks agree (one all-reduce of a flag per rank): a shard file that could not be read in
     /// forward or backward fails this step on every rank, the others naming the rank.
     fn check_gathers(&self) -> Result<(), ShardError> {
-        if self.plan.fsdp().and_then(|ctx| ctx.shard_store()).is_none() {
+        let Some(ctx) = self.plan.fsdp().filter(|ctx| ctx.shard_store().is_some()) else {
             return self.check_collectives();
-        }
-        self.agree_on_disk(self.check_collectives(), &self.device, "in forward or backward")
+        };
+        // The gradient shards backward queued for writing are on disk, or their failure known.
+        let own = self.check_collectives().and(ctx.flush_home());
+        self.agree_on_disk(own, &self.device, "in forward or backward")
     }
 
     /// The ranks that passed `failed = true`, in order (one all-reduce of a flag per rank, on
@@ -989,7 +1026,26 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// `(0, 0)` without either and before the first step.
     pub fn nvme_io_bytes(&self) -> (u64, u64) {
         let io = self.slots.last_step_io();
-        (io.read + self.last.param_io.0, io.written + self.last.param_io.1)
+        (
+            io.read + self.last.param_io.read,
+            io.written + self.last.param_io.written,
+        )
+    }
+
+    /// With [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params): of
+    /// the bytes read from this rank's parameter shard file since the step before (counted in
+    /// [`ShardedOptimizer::nvme_io_bytes`]), those whose read was not started ahead of its use,
+    /// so that the thread that needed them waited for the disk. In a pass of `U` units learned
+    /// by the gather schedule these are the shards of its first two units (the one gathered and
+    /// the one prefetched on entering it) and of parameters gathered outside units; the other
+    /// units' shards are read while the unit two before computes. The step reads each bucket's
+    /// gradient and parameter shards while the previous bucket is stepped, so there these are
+    /// the first bucket's (its gradient shards once more when clipping or loss scaling
+    /// measures their norm first). Shards whose write is still queued are taken from memory
+    /// and count as neither. 0 without NVMe
+    /// parameter offload and before the first step.
+    pub fn nvme_read_on_demand_bytes(&self) -> u64 {
+        self.last.param_io.read_on_demand
     }
 
     /// The ZeRO stage.

@@ -76,12 +76,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 if let Some(e) = fsdp.take_error() {
                     return Err(e);
                 }
-                // Where shards live (the shard file with NVMe parameter offload), before any
-                // is replaced: a failed write leaves the model as it was.
+                // Where shards live (the shard file with NVMe parameter offload), written before
+                // any is replaced: a failed write leaves the model as it was.
                 let shards = shards
                     .into_iter()
-                    .map(|(id, shard)| Ok((id, fsdp.try_home(shard)?)))
-                    .collect::<Result<_, ShardError>>()?;
+                    .map(|(id, shard)| (id, fsdp.to_home(shard)))
+                    .collect();
+                // Every rank replaces its shards, or none does.
+                self.agree_on_disk(fsdp.flush_home(), &self.device, "in map_params")?;
                 exchange::replace_shards(mapped, shards)
             }
         };

@@ -16,6 +16,7 @@ use crate::model::flat::{SlotValues, tensor_bytes};
 use crate::model::layout::ParamSlot;
 use crate::optim::master::widen_half;
 use crate::overlap::bucket_reducer::Early;
+use crate::swap::read_ahead::ReadAhead;
 use crate::swap::shard_store::Shard;
 
 /// The micro-batch sums waiting for the next step, and their peak size.
@@ -129,11 +130,17 @@ pub(crate) type PassShards = Vec<(u64, Shard)>;
 /// `dtype` ([`PendingGradients`], whose rules these are, for the gradient shards
 /// that stage 3 keeps on disk with NVMe parameter offload); on `device`, where the in-memory path holds them; `None`
 /// without shards.
-pub(crate) fn sum_passes(shards: &PassShards, dtype: DType, device: &Device) -> Result<Option<Tensor<1>>, ShardError> {
+/// Each shard is taken from `ahead` when its read was started there.
+pub(crate) fn sum_passes(
+    shards: &PassShards,
+    dtype: DType,
+    device: &Device,
+    ahead: &mut ReadAhead,
+) -> Result<Option<Tensor<1>>, ShardError> {
     let mut passes: Vec<Tensor<1>> = Vec::new();
     let mut last_pass = None;
     for (pass, shard) in shards {
-        let grad = shard.read()?.to_device(device);
+        let grad = ahead.take(shard).wait()?.to_device(device);
         match passes.pop() {
             Some(sum) if last_pass == Some(*pass) => passes.push(sum + grad),
             Some(sum) => passes.extend([sum, grad]),

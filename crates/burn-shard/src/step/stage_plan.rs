@@ -162,29 +162,22 @@ impl StagePlan {
 
     /// Stage 3: the updated shard of each slot of `bucket` that was stepped (`keep` unset), cut
     /// from the bucket's updated values and put where shards live (written to the shard file
-    /// with NVMe parameter offload, so the step holds one bucket's shards at a time); `None` at
-    /// stages 0-2, whose buckets are published whole.
-    ///
-    /// # Errors
-    /// [`ShardError::Nvme`] when a shard cannot be written.
+    /// with NVMe parameter offload, behind the step: the step holds one bucket's shards at a
+    /// time, plus the writes in flight, and calls [`FsdpContext::flush_home`](crate::overlap::comm_context::CommContext::flush_home) at its end);
+    /// `None` at stages 0-2, whose buckets are published whole.
     pub(crate) fn home_shards(
         &self,
         layout: &FlatLayout,
         bucket: &Bucket,
         updated: &Tensor<1>,
         keep: &[bool],
-    ) -> Option<Result<Vec<(ParamId, Shard)>, ShardError>> {
+    ) -> Option<Vec<(ParamId, Shard)>> {
         let StagePlan::Three(ctx) = self else { return None };
         let slots = bucket.slots.clone().zip(&layout.slots()[bucket.slots.clone()]);
         let stepped = slots.filter(|(index, _)| !keep[*index]);
         Some(
             stepped
-                .map(|(_, slot)| {
-                    Ok((
-                        slot.id,
-                        ctx.try_home(updated.clone().narrow(0, slot.offset, slot.numel))?,
-                    ))
-                })
+                .map(|(_, slot)| (slot.id, ctx.to_home(updated.clone().narrow(0, slot.offset, slot.numel))))
                 .collect(),
         )
     }

@@ -2,11 +2,15 @@
 
 use std::path::PathBuf;
 
+use crate::error::ShardError;
+
 /// Keeps the optimizer state and the `f32` master weights on a local disk between steps
 /// (ZeRO-Infinity's NVMe offload of the optimizer state, Rajbhandari et al., SC21; DeepSpeed's
 /// `offload_optimizer: {device: nvme, nvme_path}`): set it with
 /// [`ShardConfig::with_nvme_offload`](crate::ShardConfig::with_nvme_offload), at any stage and
-/// with any Burn optimizer.
+/// with any Burn optimizer. [`ShardConfig::with_nvme_offload_params`](crate::ShardConfig::with_nvme_offload_params)
+/// takes the same settings for stage 3's parameter shard file (its own file, in the same or
+/// another directory).
 ///
 /// Each rank keeps one swap file, `burn-shard-rank{rank}.swap` in `path`, holding the state of
 /// the parameter pieces it steps (for Adam with `f32` parameters 8 bytes per element it steps,
@@ -40,12 +44,14 @@ pub struct NvmeOffload {
     /// NVMe drive for speed), with room for this node's ranks' optimizer state. Each job needs
     /// its own.
     pub path: PathBuf,
-    /// Threads per rank that read and write the swap file (default 2).
+    /// Threads per rank that read and write the swap file (default 2), or the parameter shard
+    /// file.
     #[serde(default = "defaults::io_threads")]
     pub io_threads: usize,
     /// Pieces (one parameter's optimizer state and master each) read ahead at once, and
     /// written behind at once, per rank (default 4): host memory holds at most twice this many
-    /// pieces beyond the one being stepped.
+    /// pieces beyond the one being stepped. For the parameter shard file: the shard writes
+    /// queued at once per rank (each holds its shard's bytes until written).
     #[serde(default = "defaults::max_in_flight")]
     pub max_in_flight: usize,
 }
@@ -80,5 +86,53 @@ impl NvmeOffload {
     pub fn with_max_in_flight(mut self, max_in_flight: usize) -> Self {
         self.max_in_flight = max_in_flight;
         self
+    }
+
+    /// # Errors
+    /// [`ShardError::InvalidConfig`] when `io_threads` or `max_in_flight` is 0.
+    pub(crate) fn check(&self) -> Result<(), ShardError> {
+        if self.io_threads == 0 || self.max_in_flight == 0 {
+            return Err(ShardError::InvalidConfig(format!(
+                "NvmeOffload needs at least one I/O thread and one piece in flight, got io_threads = {} and \
+                 max_in_flight = {}",
+                self.io_threads, self.max_in_flight
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A directory alone: [`NvmeOffload::new`] with the default I/O settings.
+impl From<PathBuf> for NvmeOffload {
+    fn from(path: PathBuf) -> Self {
+        Self::new(path)
+    }
+}
+
+/// A directory alone: [`NvmeOffload::new`] with the default I/O settings.
+impl From<&PathBuf> for NvmeOffload {
+    fn from(path: &PathBuf) -> Self {
+        Self::new(path.clone())
+    }
+}
+
+/// A directory alone: [`NvmeOffload::new`] with the default I/O settings.
+impl From<&std::path::Path> for NvmeOffload {
+    fn from(path: &std::path::Path) -> Self {
+        Self::new(path)
+    }
+}
+
+/// A directory alone: [`NvmeOffload::new`] with the default I/O settings.
+impl From<String> for NvmeOffload {
+    fn from(path: String) -> Self {
+        Self::new(path)
+    }
+}
+
+/// A directory alone: [`NvmeOffload::new`] with the default I/O settings.
+impl From<&str> for NvmeOffload {
+    fn from(path: &str) -> Self {
+        Self::new(path)
     }
 }

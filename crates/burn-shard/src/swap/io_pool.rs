@@ -5,6 +5,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use crate::error::ShardError;
 use crate::swap::file::SwapFile;
 
 /// A read or write handed to the pool, answered on `reply`.
@@ -16,7 +17,8 @@ enum Job {
     },
     Write {
         offset: u64,
-        bytes: Vec<u8>,
+        /// Shared with the caller, which may read them while the write is queued.
+        bytes: Arc<Vec<u8>>,
         reply: Sender<io::Result<()>>,
     },
 }
@@ -41,8 +43,19 @@ impl<T> Pending<T> {
 }
 
 impl IoPool {
-    /// Starts `threads` threads (at least one) on `file`.
-    pub(crate) fn new(file: Arc<SwapFile>, threads: usize, rank: usize) -> io::Result<Self> {
+    /// Starts `threads` threads (at least one) on `file`, for rank `rank`.
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] naming the file when a thread cannot be started.
+    pub(crate) fn start(file: Arc<SwapFile>, threads: usize, rank: usize) -> Result<Self, ShardError> {
+        Self::spawn(file.clone(), threads, rank).map_err(|e| ShardError::Nvme {
+            path: file.path().to_path_buf(),
+            reason: format!("the I/O threads could not be started ({e})"),
+            fix: "lower NvmeOffload::io_threads, or raise the process's thread limit (ulimit -u)".into(),
+        })
+    }
+
+    fn spawn(file: Arc<SwapFile>, threads: usize, rank: usize) -> io::Result<Self> {
         let (jobs, queue) = channel::<Job>();
         let queue = Arc::new(Mutex::new(queue));
         let threads = (0..threads.max(1))
@@ -81,7 +94,7 @@ impl IoPool {
     }
 
     /// Writes `bytes` at `offset`.
-    pub(crate) fn write(&self, offset: u64, bytes: Vec<u8>) -> Pending<()> {
+    pub(crate) fn write(&self, offset: u64, bytes: Arc<Vec<u8>>) -> Pending<()> {
         let (reply, answer) = channel();
         self.submit(Job::Write { offset, bytes, reply });
         Pending(answer)

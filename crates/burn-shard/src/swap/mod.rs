@@ -10,6 +10,8 @@
 //! - `io_pool.rs`: `IoPool`, the threads that read and write off the compute thread.
 //! - `slot_bytes.rs`: one slot's optimizer state and master as bytes, and back (through Burn's
 //!   `RecordState`, so any Burn optimizer's state swaps).
+//! - `read_ahead.rs`: `ReadAhead`, shard reads started before their use (the gather schedule's
+//!   next unit but one, the step's next bucket).
 //! - `shard_store.rs`: `Shard`, what a stage-3 parameter holds (in memory or on disk), and
 //!   `ShardStore`, one rank's file of parameter shards (`ShardConfig::with_nvme_offload_params`).
 //! - `swapper.rs`: `Swapper`, where each slot's bytes are on disk and the step's read-ahead and
@@ -19,6 +21,7 @@ pub(crate) mod config;
 pub(crate) mod file;
 pub(crate) mod free_space;
 pub(crate) mod io_pool;
+pub(crate) mod read_ahead;
 pub(crate) mod shard_store;
 pub(crate) mod slot_bytes;
 pub(crate) mod swapper;

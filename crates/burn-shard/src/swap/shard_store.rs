@@ -9,16 +9,19 @@
 //! backward reads the values of the forward, as with shards in memory). The file therefore
 //! holds up to two copies of the shards during a step, one between steps.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use crate::error::ShardError;
+use crate::swap::config::NvmeOffload;
 use crate::swap::file::SwapFile;
 use crate::swap::free_space::FreeSpace;
+use crate::swap::io_pool::{IoPool, Pending};
 
 /// Shards are placed at multiples of this many bytes (4 KiB, a page and the common block size).
 const BLOCK: u64 = 4096;
@@ -27,15 +30,43 @@ const BLOCK: u64 = 4096;
 /// and unlinked at once (see [`SwapFile::create_unlinked`]: the shards are reachable from
 /// Burn's autodiff graph, which may keep a forward that never ran backward until the process
 /// exits, so only the process's end can be relied on to free the file), with its free space.
-/// Shards are read and written on the thread that needs them (the gather or the step).
+///
+/// Reads and writes run on an [`IoPool`] off the compute thread:
+/// - a write is queued behind the caller ([`ShardStore::put`] returns at once), with the
+///   shard's values kept in memory until it is done, so that a shard being written reads from
+///   memory and a failed write loses nothing; at most `max_in_flight` writes are queued (the
+///   oldest is waited for first), and [`ShardStore::flush`] waits for all of them and returns
+///   the first failure;
+/// - a read can be started ahead of its use ([`StoredShard::start_read`], [`ReadAhead`](crate::swap::read_ahead::ReadAhead)): the gather schedule
+///   reads the unit after the one being gathered, and the step the bucket after the one being
+///   stepped.
 pub(crate) struct ShardStore {
-    file: SwapFile,
+    file: Arc<SwapFile>,
+    pool: IoPool,
     space: Mutex<FreeSpace>,
+    /// Writes queued and not yet waited for, oldest first.
+    writes: Mutex<VecDeque<Arc<WriteBehind>>>,
+    max_in_flight: usize,
+    /// The first write that failed since the last [`ShardStore::flush`].
+    failed: Mutex<Option<ShardError>>,
     /// Where a read shard is built (Burn's `Flex` CPU device).
     host: Device,
-    /// Bytes read and written since the last [`ShardStore::take_io`].
+    /// Bytes read and written (writes counted when done) since the last
+    /// [`ShardStore::take_io`], and of the reads those bytes that were not started ahead of
+    /// their use.
     read: AtomicU64,
     written: AtomicU64,
+    read_on_demand: AtomicU64,
+}
+
+/// Bytes of a [`ShardStore`]'s I/O over a span (one step).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ShardIo {
+    pub(crate) read: u64,
+    pub(crate) written: u64,
+    /// Of `read`, the bytes whose reads the thread that needed them started itself and waited
+    /// for (not read ahead).
+    pub(crate) read_on_demand: u64,
 }
 
 impl fmt::Debug for ShardStore {
@@ -45,58 +76,106 @@ impl fmt::Debug for ShardStore {
 }
 
 impl ShardStore {
-    /// Rank `rank`'s store, its file created now in `dir` (see [`SwapFile::create_unlinked`]);
-    /// read shards are built on `host`.
+    /// Rank `rank`'s store, its file created now in `nvme.path` (see
+    /// [`SwapFile::create_unlinked`]) with `nvme.io_threads` I/O threads and at most
+    /// `nvme.max_in_flight` writes queued; read shards are built on `host`.
     ///
     /// # Errors
-    /// [`ShardError::Nvme`] as [`SwapFile::create`] says.
-    pub(crate) fn create(dir: &Path, rank: usize, host: Device) -> Result<Arc<Self>, ShardError> {
-        let file = SwapFile::create_unlinked(dir, &format!("burn-shard-rank{rank}-params.swap"))?;
+    /// As [`NvmeOffload::check`], [`SwapFile::create`] and [`IoPool::start`] say.
+    pub(crate) fn create(nvme: &NvmeOffload, rank: usize, host: Device) -> Result<Arc<Self>, ShardError> {
+        nvme.check()?;
+        let file = Arc::new(SwapFile::create_unlinked(
+            &nvme.path,
+            &format!("burn-shard-rank{rank}-params.swap"),
+        )?);
+        let pool = IoPool::start(file.clone(), nvme.io_threads, rank)?;
         Ok(Arc::new(Self {
             file,
+            pool,
             // The first block holds the probe `SwapFile::create` wrote.
             space: Mutex::new(FreeSpace::new(BLOCK)),
+            writes: Mutex::new(VecDeque::new()),
+            max_in_flight: nvme.max_in_flight,
+            failed: Mutex::new(None),
             host,
             read: AtomicU64::new(0),
             written: AtomicU64::new(0),
+            read_on_demand: AtomicU64::new(0),
         }))
     }
 
-    /// Writes `shard` (`[chunk]`, any float dtype; `what` it holds, "parameter" or "gradient",
-    /// for the errors) to free space.
+    /// Queues the write of `shard` (`[chunk]`, any float dtype, in host memory; `what` it
+    /// holds, "parameter" or "gradient", for the errors) to free space, behind the caller: the
+    /// returned shard reads from memory until the write is done, and from memory for good when
+    /// it failed. Waits for the oldest queued write first when `max_in_flight` are queued.
     ///
-    /// # Errors
-    /// [`ShardError::Nvme`] when the write failed (a full disk): the shard is then still the
-    /// caller's.
-    pub(crate) fn put(self: &Arc<Self>, shard: &Tensor<1>, what: &'static str) -> Result<StoredShard, ShardError> {
-        self.file.check_present()?;
+    /// A failed write is reported by [`ShardStore::flush`] (the step, a load and
+    /// `map_params` call it before they agree on their outcome), not here.
+    pub(crate) fn put(self: &Arc<Self>, shard: &Tensor<1>, what: &'static str) -> StoredShard {
         let data = shard.clone().into_data();
-        let bytes = data.as_bytes();
-        let len = (bytes.len() as u64).div_ceil(BLOCK) * BLOCK;
+        let dtype = data.dtype();
+        // One copy of the values, shared by the write and the reads while it is queued (the
+        // caller's tensor, which may be a view of a larger one, is not kept).
+        let values = Arc::new(data.into_bytes().to_vec());
+        let bytes = values.len();
+        let crc = crc32fast::hash(&values);
+        let len = (bytes as u64).div_ceil(BLOCK) * BLOCK;
         let at = self.space().take(len);
-        if let Err(e) = self.file.write_at(bytes, at) {
-            self.space().give(at, len);
-            return Err(self.file.io_error(&format!("writing a {what} shard"), bytes.len(), &e));
+        let write = Arc::new(WriteBehind {
+            what,
+            bytes,
+            state: Mutex::new(WriteState::Queued {
+                done: self.pool.write(at, values.clone()),
+                values,
+            }),
+        });
+        let oldest = {
+            let mut writes = self.writes();
+            writes.push_back(write.clone());
+            match writes.len() > self.max_in_flight {
+                true => writes.pop_front(),
+                false => None,
+            }
+        };
+        if let Some(oldest) = oldest {
+            oldest.settle(self);
         }
-        self.written.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        Ok(StoredShard {
+        StoredShard {
             store: self.clone(),
             at,
             len,
-            bytes: bytes.len(),
+            bytes,
             numel: shard.dims()[0],
-            dtype: data.dtype(),
-            crc: crc32fast::hash(bytes),
+            dtype,
+            crc,
             what,
-        })
+            write,
+        }
     }
 
-    /// Bytes (read, written) since the last call.
-    pub(crate) fn take_io(&self) -> (u64, u64) {
-        (
-            self.read.swap(0, Ordering::Relaxed),
-            self.written.swap(0, Ordering::Relaxed),
-        )
+    /// Waits for every queued write.
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] naming the file when a write since the last call failed (a full
+    /// disk); the shards it held are still in memory.
+    pub(crate) fn flush(&self) -> Result<(), ShardError> {
+        let queued: Vec<_> = self.writes().drain(..).collect();
+        for write in queued {
+            write.settle(self);
+        }
+        match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Bytes read and written since the last call.
+    pub(crate) fn take_io(&self) -> ShardIo {
+        ShardIo {
+            read: self.read.swap(0, Ordering::Relaxed),
+            written: self.written.swap(0, Ordering::Relaxed),
+            read_on_demand: self.read_on_demand.swap(0, Ordering::Relaxed),
+        }
     }
 
     /// The file's path.
@@ -104,13 +183,72 @@ impl ShardStore {
         self.file.path()
     }
 
-    fn space(&self) -> std::sync::MutexGuard<'_, FreeSpace> {
+    fn record_failure(&self, e: ShardError) {
+        tracing::error!(path = %self.file.path().display(), "shard write failed: {e}");
+        self.failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+    }
+
+    fn space(&self) -> MutexGuard<'_, FreeSpace> {
         self.space.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn writes(&self) -> MutexGuard<'_, VecDeque<Arc<WriteBehind>>> {
+        self.writes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A shard's write on the store's I/O threads, with its values kept until it is done.
+struct WriteBehind {
+    /// "parameter" or "gradient", and the bytes written, for the errors.
+    what: &'static str,
+    bytes: usize,
+    state: Mutex<WriteState>,
+}
+
+enum WriteState {
+    /// Queued or being written: the values' bytes, read from memory meanwhile.
+    Queued { done: Pending<()>, values: Arc<Vec<u8>> },
+    /// On disk.
+    Written,
+    /// The write failed (reported once, by the store's next flush): the bytes stay here.
+    Failed(Arc<Vec<u8>>),
+}
+
+impl WriteBehind {
+    /// Waits for the write if it is still queued, recording a failure in `store` (for its
+    /// next [`ShardStore::flush`]).
+    fn settle(&self, store: &ShardStore) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if !matches!(*state, WriteState::Queued { .. }) {
+            return;
+        }
+        let WriteState::Queued { done, values } = std::mem::replace(&mut *state, WriteState::Written) else {
+            unreachable!("matched above")
+        };
+        match done.wait() {
+            Ok(()) => {
+                store.written.fetch_add(self.bytes as u64, Ordering::Relaxed);
+            }
+            Err(e) => {
+                let what = format!("writing a {} shard", self.what);
+                store.record_failure(store.file.io_error(&what, self.bytes, &e));
+                *state = WriteState::Failed(values);
+            }
+        }
+    }
+
+    /// The values' bytes while they are in memory (queued, or the write failed); `None` once
+    /// on disk.
+    fn in_memory(&self) -> Option<Arc<Vec<u8>>> {
+        match &*self.state.lock().unwrap_or_else(|p| p.into_inner()) {
+            WriteState::Queued { values, .. } | WriteState::Failed(values) => Some(values.clone()),
+            WriteState::Written => None,
+        }
     }
 }
 
 /// One shard in a [`ShardStore`]: where its bytes are, what they hold, and their CRC-32; its
-/// space is freed when it is dropped.
+/// space is freed when it is dropped (after its write is done).
 pub(crate) struct StoredShard {
     store: Arc<ShardStore>,
     at: u64,
@@ -123,38 +261,95 @@ pub(crate) struct StoredShard {
     crc: u32,
     /// "parameter" or "gradient", for the errors.
     what: &'static str,
+    write: Arc<WriteBehind>,
 }
 
-impl StoredShard {
-    /// The shard's values, read and checked, in host memory.
+/// A shard's values on their way from disk ([`StoredShard::start_read`]): wait with
+/// [`ShardRead::wait`].
+// `Ready` (a tensor handle) is the large variant; reads are few at a time.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum ShardRead {
+    /// In memory already (the shard's write was still queued, or failed).
+    Ready(Tensor<1>),
+    /// Read on the store's I/O threads; `ahead` when started ahead of its use.
+    Reading {
+        shard: Arc<StoredShard>,
+        pending: Pending<Vec<u8>>,
+        ahead: bool,
+    },
+}
+
+impl ShardRead {
+    /// The values, read and checked, in host memory.
     ///
     /// # Errors
-    /// [`ShardError::Nvme`] naming the file when it was deleted, truncated or overwritten.
-    pub(crate) fn read(&self) -> Result<Tensor<1>, ShardError> {
-        let file = &self.store.file;
-        file.check_present()?;
-        let bytes = file
-            .read_at(self.bytes, self.at)
-            .map_err(|e| file.io_error(&format!("reading a {} shard", self.what), self.bytes, &e))?;
-        if crc32fast::hash(&bytes) != self.crc {
+    /// [`ShardError::Nvme`] naming the file when it was truncated or a read failed, or the
+    /// bytes read back differ from those written (CRC-32).
+    pub(crate) fn wait(self) -> Result<Tensor<1>, ShardError> {
+        let (shard, pending, ahead) = match self {
+            ShardRead::Ready(values) => return Ok(values),
+            ShardRead::Reading { shard, pending, ahead } => (shard, pending, ahead),
+        };
+        let file = &shard.store.file;
+        let bytes = pending
+            .wait()
+            .map_err(|e| file.io_error(&format!("reading a {} shard", shard.what), shard.bytes, &e))?;
+        if crc32fast::hash(&bytes) != shard.crc {
             return Err(ShardError::Nvme {
                 path: file.path().to_path_buf(),
                 reason: format!(
                     "a {} shard of {} bytes at offset {} reads back different bytes (CRC-32 mismatch; the file \
                      has no name, so no other program wrote it: the disk or the filesystem returned other bytes)",
-                    self.what, self.bytes, self.at
+                    shard.what, shard.bytes, shard.at
                 ),
                 fix: "check the disk (dmesg); the parameters on disk are lost: resume from the last checkpoint".into(),
             });
         }
-        self.store.read.fetch_add(self.bytes as u64, Ordering::Relaxed);
+        shard.store.read.fetch_add(shard.bytes as u64, Ordering::Relaxed);
+        if !ahead {
+            shard
+                .store
+                .read_on_demand
+                .fetch_add(shard.bytes as u64, Ordering::Relaxed);
+        }
+        Ok(shard.tensor(bytes))
+    }
+}
+
+impl StoredShard {
+    /// Starts reading the shard's values on the store's I/O threads (from memory while its
+    /// write is queued); `ahead` when that is ahead of their use (counted in
+    /// [`ShardIo::read_on_demand`] otherwise).
+    pub(crate) fn start_read(self: &Arc<Self>, ahead: bool) -> ShardRead {
+        match self.write.in_memory() {
+            Some(bytes) => ShardRead::Ready(self.tensor(bytes.to_vec())),
+            None => ShardRead::Reading {
+                shard: self.clone(),
+                pending: self.store.pool.read(self.at, self.bytes),
+                ahead,
+            },
+        }
+    }
+
+    /// The shard's values from their bytes, in host memory.
+    fn tensor(&self, bytes: Vec<u8>) -> Tensor<1> {
         let data = TensorData::from_bytes_vec(bytes, [self.numel], self.dtype);
-        Ok(Tensor::from_data(data, (&self.store.host, self.dtype)))
+        Tensor::from_data(data, (&self.store.host, self.dtype))
+    }
+
+    /// The shard's values, read and checked, in host memory.
+    ///
+    /// # Errors
+    /// As [`ShardRead::wait`].
+    pub(crate) fn read(self: &Arc<Self>) -> Result<Tensor<1>, ShardError> {
+        self.start_read(false).wait()
     }
 }
 
 impl Drop for StoredShard {
+    /// Frees the shard's space once no write to it is in flight (another shard may take it).
     fn drop(&mut self) {
+        self.write.settle(&self.store);
         self.store.space().give(self.at, self.len);
     }
 }
@@ -188,6 +383,15 @@ impl Shard {
         match self {
             Shard::Held(shard) => Ok(shard.clone()),
             Shard::Stored(stored) => stored.read(),
+        }
+    }
+
+    /// Starts reading the values, to be waited for now (on the store's I/O threads when
+    /// stored; see [`StoredShard::start_read`]).
+    pub(crate) fn start_read(&self) -> ShardRead {
+        match self {
+            Shard::Held(shard) => ShardRead::Ready(shard.clone()),
+            Shard::Stored(stored) => stored.start_read(false),
         }
     }
 

@@ -65,19 +65,9 @@ impl Swapper {
     /// # Errors
     /// As [`NvmeOffload`] says.
     pub(crate) fn new(config: &NvmeOffload, rank: usize, device: Device) -> Result<Self, ShardError> {
-        if config.io_threads == 0 || config.max_in_flight == 0 {
-            return Err(ShardError::InvalidConfig(format!(
-                "NvmeOffload needs at least one I/O thread and one piece in flight, got io_threads = {} and \
-                 max_in_flight = {}",
-                config.io_threads, config.max_in_flight
-            )));
-        }
+        config.check()?;
         let file = Arc::new(SwapFile::create(&config.path, &format!("burn-shard-rank{rank}.swap"))?);
-        let pool = IoPool::new(file.clone(), config.io_threads, rank).map_err(|e| ShardError::Nvme {
-            path: file.path().to_path_buf(),
-            reason: format!("the I/O threads could not be started ({e})"),
-            fix: "lower NvmeOffload::io_threads".into(),
-        })?;
+        let pool = IoPool::start(file.clone(), config.io_threads, rank)?;
         Ok(Self {
             file,
             pool,
@@ -190,7 +180,7 @@ impl Swapper {
             self.wait_oldest_write();
         }
         let len = layout.len;
-        self.writes.push_back((len, self.pool.write(offset, bytes)));
+        self.writes.push_back((len, self.pool.write(offset, Arc::new(bytes))));
         self.extents[index] = Some(Extent {
             offset,
             capacity,
