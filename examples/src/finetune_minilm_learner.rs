@@ -108,7 +108,8 @@ impl TrainStep for SentenceClassifier {
 
     fn step(&self, batch: SentenceBatch) -> TrainOutput<ClassificationOutput> {
         let item = self.forward_classification(batch);
-        TrainOutput::new(self, item.loss.backward(), item)
+        // Scaled when ShardedStrategy runs a loss scaler (f16); the metrics get the unscaled loss.
+        TrainOutput::new(self, burn_shard_train::scale_loss(item.loss.clone()).backward(), item)
     }
 }
 

@@ -70,7 +70,8 @@ pub fn train_step<M: Module, O: MasterWeightStep>(
         .comm()
         .all_reduce(loss.clone().inner(), ReduceOp::Avg)?
         .into_scalar::<f32>();
-    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    // Scaled when a loss scaler is configured (f16), unchanged otherwise.
+    let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
     Ok((optim.step(lr, model, grads)?, mean_loss))
 }
 

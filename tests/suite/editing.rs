@@ -1,9 +1,12 @@
 //! Reading and editing a sharded model's parameters with a user's own Burn visitor or mapper
 //! (`ShardedOptimizer::visit_params`, `map_params`), and `bf16` masters after an edit: at every
 //! stage 0-3 and world size 1-4, against single-device Burn. The reported cases: a visitor that
-//! sums squared weights read 0 at stage 3 (3.37 elsewhere); a mapper clamping weights to
+//! sums squared weights read 0 at stage 3 (3.37 elsewhere; `model.visit` now reads NaN there,
+//! which no one takes for weights, and `visit_params` the weights); a mapper clamping weights to
 //! ±0.01 had no effect at stage 3; pruning half of one `bf16` layer and calling
-//! `reset_master_weights` reset every other parameter's `f32` master too.
+//! `reset_master_weights` reset every other parameter's `f32` master too; at stage 3 a mapper that
+//! froze a layer was ignored, one that grew an embedding panicked and one that transposed a
+//! weight returned `Ok` with the old shape.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::AdamWConfig;
@@ -53,6 +56,19 @@ fn a_visitor_given_to_visit_params_sees_the_real_values_at_every_stage_and_world
                     .expect("init");
                 let mut sum = SumSquares::default();
                 optim.visit_params(&model, &mut sum).expect("visit");
+                // Burn's own traversal: the weights at stages 0-2; at stage 3 the placeholders,
+                // NaN so that they cannot pass for weights.
+                let mut raw = SumSquares::default();
+                model.visit(&mut raw);
+                let raw_ok = match stage {
+                    burn_shard::Stage::Three => raw.0.is_nan(),
+                    _ => (raw.0 - expected.0).abs() <= 1e-6 * expected.0,
+                };
+                assert!(
+                    raw_ok,
+                    "stage {stage}: model.visit summed {} (model {})",
+                    raw.0, expected.0
+                );
                 sum.0
             })
             .expect("no rank panics");
@@ -108,38 +124,16 @@ fn a_mapper_given_to_map_params_changes_the_real_values_at_every_stage_and_world
     });
 }
 
-/// Zeroes the first half (row-major) of `l1.weight`, whatever rank's shard holds it.
-struct PruneL1 {
-    inside_l1: bool,
-}
-
-impl ModuleMapper for PruneL1 {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        if name == "l1" {
-            self.inside_l1 = true;
-        }
-    }
-
-    fn exit_module(&mut self, name: &str, _container_type: &str) {
-        if name == "l1" {
-            self.inside_l1 = false;
-        }
-    }
-
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        if !self.inside_l1 || D != 2 {
-            return param;
-        }
-        remap(param, |value| {
-            let shape = value.shape();
-            let numel = shape.num_elements();
-            let keep: Vec<f32> = (0..numel).map(|i| if i < PRUNED { 0.0 } else { 1.0 }).collect();
-            let mask = Tensor::<1>::from_data(TensorData::new(keep, [numel]), &value.device())
-                .reshape(shape)
-                .cast(value.dtype());
-            value * mask
-        })
-    }
+/// `value` (`l1.weight`) with its first [`PRUNED`] elements (row-major) zeroed, whatever rank's
+/// shard holds them.
+fn prune(value: Tensor<2>) -> Tensor<2> {
+    let shape = value.shape();
+    let numel = shape.num_elements();
+    let keep: Vec<f32> = (0..numel).map(|i| if i < PRUNED { 0.0 } else { 1.0 }).collect();
+    let mask = Tensor::<1>::from_data(TensorData::new(keep, [numel]), &value.device())
+        .reshape(shape)
+        .cast(value.dtype());
+    value * mask
 }
 
 /// `l1.weight` is `[5, 7]`: the first 17 elements are pruned.
@@ -162,7 +156,7 @@ fn bf16_masters(
         .expect("init");
     for step in 0..4 {
         if step == 3 && edit {
-            model = optim.map_params(model, &mut PruneL1 { inside_l1: false }).expect("map");
+            model = optim.map_params(model, &mut EditIn::value("l1", prune)).expect("map");
         }
         let (x, y) = batch(step, GLOBAL_BATCH);
         let x = rows(&x, IN, lo, hi, &device).cast(DType::BF16);
@@ -229,6 +223,206 @@ fn editing_some_bf16_weights_keeps_the_other_elements_masters_at_every_stage_and
                 PRUNED
             };
             assert_eq!(pruned, expected, "{ctx}: pruned elements whose master became 0");
+        }
+    }
+}
+
+/// What [`EditIn`] does to each float parameter of its module.
+#[derive(Clone, Copy)]
+enum Edit {
+    /// `param.set_require_grad(_)`, as Burn's `Module::set_require_grad` does.
+    RequireGrad(bool),
+    /// The 2-D parameters' values replaced by `f(value)` (a fresh leaf, `require_grad` kept).
+    Value(fn(Tensor<2>) -> Tensor<2>),
+}
+
+/// Applies `edit` to the float parameters inside the module field named `module`.
+struct EditIn {
+    module: &'static str,
+    edit: Edit,
+    inside: bool,
+}
+
+impl EditIn {
+    fn require_grad(module: &'static str, require_grad: bool) -> Self {
+        Self::new(module, Edit::RequireGrad(require_grad))
+    }
+
+    fn value(module: &'static str, f: fn(Tensor<2>) -> Tensor<2>) -> Self {
+        Self::new(module, Edit::Value(f))
+    }
+
+    fn new(module: &'static str, edit: Edit) -> Self {
+        Self {
+            module,
+            edit,
+            inside: false,
+        }
+    }
+}
+
+impl ModuleMapper for EditIn {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.inside |= name == self.module;
+    }
+
+    fn exit_module(&mut self, name: &str, _container_type: &str) {
+        if name == self.module {
+            self.inside = false;
+        }
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        match (self.inside, self.edit) {
+            (false, _) => param,
+            (true, Edit::RequireGrad(require_grad)) => param.set_require_grad(require_grad),
+            (true, Edit::Value(_)) if D != 2 => param,
+            (true, Edit::Value(f)) => remap(param, |value| {
+                // D is 2 here: reshapes keep the dtype and the device.
+                let [rows, cols] = [value.dims()[0], value.dims()[1]];
+                let edited = f(value.reshape([rows, cols]));
+                let mut dims = [0usize; D];
+                dims.copy_from_slice(&edited.dims());
+                edited.reshape(dims)
+            }),
+        }
+    }
+}
+
+/// The reported case: a mapper given to `map_params` that froze a layer was ignored at stage 3
+/// (the layer moved 2.9e-2, the other drifted 8.5e-4 from single-device Burn). Freezing `l1`
+/// after step 2 and unfreezing it after step 9 with `map_params` trains as single-device Burn
+/// doing the same with `model.map`, loss for loss, at every stage and world size.
+#[test]
+fn freezing_and_unfreezing_a_layer_with_map_params_trains_as_burn_at_every_stage_and_world_size() {
+    const FREEZE_AFTER: usize = 2;
+    const UNFREEZE_AFTER: usize = 9;
+    let device = Device::flex().autodiff();
+    device.seed(24);
+    let base = TinyMlp::new(&device);
+    let edit = |step: usize| match step {
+        FREEZE_AFTER => Some(EditIn::require_grad("l1", false)),
+        UNFREEZE_AFTER => Some(EditIn::require_grad("l1", true)),
+        _ => None,
+    };
+    let mut optim = AdamWConfig::new().init();
+    let mut frozen_l1 = None;
+    let reference = reference_loop(&base, STEPS, GLOBAL_BATCH, |step, model, grads| {
+        let model = optim.step(LR, model, grads);
+        if step == UNFREEZE_AFTER {
+            frozen_l1 = Some(params_of(&model.l1));
+        }
+        match edit(step) {
+            Some(mut mapper) => model.map(&mut mapper),
+            None => model,
+        }
+    });
+    // The reference froze for real: l1 did not move between the freeze and the unfreeze.
+    let mut ref_optim = AdamWConfig::new().init();
+    let at_freeze = reference_loop(&base, FREEZE_AFTER + 1, GLOBAL_BATCH, |_, model, grads| {
+        ref_optim.step(LR, model, grads)
+    });
+    assert_ne!(at_freeze.1, params_of(&base), "the first steps moved the model");
+    let l1_numel = params_of(&base.l1).len();
+    assert_eq!(
+        frozen_l1.as_deref(),
+        Some(&at_freeze.1[..l1_numel]),
+        "single-device Burn kept the frozen l1"
+    );
+    sweep("freeze with map_params", &reference, 1e-4, |comm, stage| {
+        let device = Device::flex().autodiff();
+        let (lo, hi) = rank_rows(comm.rank(), comm.world_size(), GLOBAL_BATCH);
+        let (mut model, mut optim) = ShardConfig::new(stage)
+            .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+            .expect("init");
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let (x, y) = batch(step, GLOBAL_BATCH);
+            let loss = mse(&model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
+            let (next, global) = sharded_step(&mut optim, model, loss, LR);
+            model = next;
+            losses.push(global);
+            if let Some(mut mapper) = edit(step) {
+                model = optim.map_params(model, &mut mapper).expect("map");
+            }
+        }
+        (losses, params_of(&model.materialize()))
+    });
+}
+
+/// The reported model: a `[6, 8]` embedding and a linear head with a `[8, 4]` weight.
+#[derive(Module, Debug)]
+struct Vocab {
+    embed: burn::nn::Embedding,
+    head: burn::nn::Linear,
+}
+
+/// The reported cases: growing a `[6, 8]` embedding to `[8, 8]` panicked inside burn-shard at
+/// stage 3, and transposing a `[8, 4]` weight returned `Ok` with the old shape and the values
+/// laid out wrongly. A mapper that changes a parameter's shape or dtype, or unfreezes a
+/// parameter frozen at `init`, is refused on every rank at every stage and world size, naming
+/// the parameter, both values and what to do; the model keeps its values.
+#[test]
+fn a_mapper_that_changes_a_shape_or_dtype_or_unfreezes_is_refused_at_every_stage_and_world_size() {
+    let device = Device::flex().autodiff();
+    device.seed(25);
+    let base = Vocab {
+        embed: burn::nn::EmbeddingConfig::new(6, 8).init(&device),
+        head: burn::nn::LinearConfig::new(8, 4).init(&device),
+    };
+    let grow: fn(Tensor<2>) -> Tensor<2> = |v| Tensor::cat(vec![v.clone(), v.narrow(0, 0, 2).zeros_like()], 0);
+    let transpose: fn(Tensor<2>) -> Tensor<2> = |v| v.swap_dims(0, 1);
+    let to_bf16: fn(Tensor<2>) -> Tensor<2> = |v| v.cast(DType::BF16);
+    let cases = [
+        ("embed", grow, "embed.weight", "shape from [6, 8] to [8, 8]"),
+        ("head", transpose, "head.weight", "shape from [8, 4] to [4, 8]"),
+        ("head", to_bf16, "head.weight", "dtype from F32 to BF16"),
+    ];
+    let expected = params_of(&base);
+    for stage in STAGES {
+        for world_size in 1..=4 {
+            for (module, edit, path, what) in cases {
+                let ctx = format!("stage {stage}, N={world_size}, {what}");
+                let results = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                    let (model, mut optim) = ShardConfig::new(stage)
+                        .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+                        .expect("init");
+                    let err = optim.map_params(model.clone(), &mut EditIn::value(module, edit)).err();
+                    (err, params_of(&model.materialize()))
+                })
+                .expect("no rank panics");
+                for (rank, (err, params)) in results.into_iter().enumerate() {
+                    let err = err.unwrap_or_else(|| panic!("{ctx}, rank {rank}: returned Ok"));
+                    let msg = err.to_string();
+                    assert!(
+                        matches!(err, burn_shard::ShardError::MappedParamChanged { .. })
+                            && msg.contains(path)
+                            && msg.contains(what)
+                            && msg.contains("ShardConfig::init"),
+                        "{ctx}, rank {rank}: {msg}"
+                    );
+                    assert_eq!(params, expected, "{ctx}, rank {rank}: the model changed");
+                }
+            }
+            // Unfreezing what was frozen at init.
+            let frozen = Vocab {
+                embed: base.embed.clone(),
+                head: base.head.clone().no_grad(),
+            };
+            let errors = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                let (model, mut optim) = ShardConfig::new(stage)
+                    .init(frozen.clone().fork(&device), AdamWConfig::new(), comm)
+                    .expect("init");
+                optim.map_params(model, &mut EditIn::require_grad("head", true)).err()
+            })
+            .expect("no rank panics");
+            for (rank, err) in errors.into_iter().enumerate() {
+                let msg = err.map(|e| e.to_string()).unwrap_or_default();
+                assert!(
+                    msg.contains("head.weight") && msg.contains("require_grad from false to true"),
+                    "stage {stage}, N={world_size}, rank {rank}: unfreezing a parameter frozen at init: {msg:?}"
+                );
+            }
         }
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use burn::prelude::*;
 use burn::tensor::DType;
 use burn_shard_comm::{
-    Collective, CollectiveKind, CommError, InProcessGroup, ReduceOp, Rendezvous, RendezvousEnv, StoreClient,
+    Collective, CollectiveKind, CommError, InProcessGroup, JobToken, ReduceOp, Rendezvous, RendezvousEnv, StoreClient,
     StoreServer, run_ranks,
 };
 use burn_shard_launch::{LaunchConfig, LaunchError, OutputLine, OutputMode, OutputStream, launch, parse_args};
@@ -19,20 +19,27 @@ use crate::common::Rng;
 
 const SECOND: Duration = Duration::from_secs(1);
 
-fn local_server() -> (StoreServer, String) {
-    let server = StoreServer::bind("127.0.0.1:0").expect("bind a local store");
+/// The job token of these tests' stores and ranks.
+pub(crate) const TEST_TOKEN: &str = "0123456789abcdef0123456789abcdef-launch-tests";
+
+pub(crate) fn token() -> JobToken {
+    JobToken::new(TEST_TOKEN).unwrap()
+}
+
+pub(crate) fn local_server() -> (StoreServer, String) {
+    let server = StoreServer::bind("127.0.0.1:0", token()).expect("bind a local store");
     let addr = server.local_addr().to_string();
     (server, addr)
 }
 
 /// A port that was free a moment ago (the OS does not hand it out again right away).
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// The message of a rendezvous error, as `burn_shard_comm` reports it (the rendezvous crate's
 /// own errors convert into `CommError` with the same message).
-fn rendezvous_msg(result: Result<impl std::fmt::Debug, impl Into<CommError>>) -> String {
+pub(crate) fn rendezvous_msg(result: Result<impl std::fmt::Debug, impl Into<CommError>>) -> String {
     match result.map_err(Into::into) {
         Err(CommError::Rendezvous(msg)) => msg,
         other => panic!("expected a rendezvous error, got {other:?}"),
@@ -50,7 +57,7 @@ fn store_set_get_add_and_barrier_across_ranks() {
             .map(|rank| {
                 let addr = addr.clone();
                 s.spawn(move || {
-                    let store = StoreClient::connect(&addr, 5 * SECOND).unwrap();
+                    let store = StoreClient::connect(&addr, &token(), 5 * SECOND).unwrap();
                     // Ranks publish at different times: `get` must wait for late keys.
                     std::thread::sleep(Duration::from_millis(40 * (world_size - rank) as u64));
                     store.set(&format!("key/{rank}"), &vec![rank as u8; rank + 1]).unwrap();
@@ -82,7 +89,7 @@ fn store_set_get_add_and_barrier_across_ranks() {
 #[test]
 fn get_of_a_key_never_set_is_an_error_after_its_timeout() {
     let (_server, addr) = local_server();
-    let store = StoreClient::connect(&addr, 5 * SECOND).unwrap();
+    let store = StoreClient::connect(&addr, &token(), 5 * SECOND).unwrap();
     let start = Instant::now();
     let msg = rendezvous_msg(store.get("nccl-id", Duration::from_millis(300)));
     let took = start.elapsed();
@@ -100,7 +107,7 @@ fn get_of_a_key_never_set_is_an_error_after_its_timeout() {
 fn connecting_to_a_closed_port_is_an_error_in_bounded_time() {
     let addr = format!("127.0.0.1:{}", free_port());
     let start = Instant::now();
-    let msg = rendezvous_msg(StoreClient::connect(&addr, Duration::from_millis(500)));
+    let msg = rendezvous_msg(StoreClient::connect(&addr, &token(), Duration::from_millis(500)));
     let took = start.elapsed();
     assert!(took >= Duration::from_millis(500) && took < 5 * SECOND, "took {took:?}");
     assert!(msg.contains(&addr) && msg.contains("0.5 s"), "{msg}");
@@ -113,12 +120,12 @@ fn connecting_waits_for_a_store_that_starts_late() {
     let (done, wait_done) = std::sync::mpsc::channel::<()>();
     let late = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(300));
-        let server = StoreServer::bind(("127.0.0.1", port)).unwrap();
+        let server = StoreServer::bind(("127.0.0.1", port), token()).unwrap();
         let _ = wait_done.recv_timeout(10 * SECOND);
         drop(server);
     });
     let start = Instant::now();
-    let store = StoreClient::connect(&format!("127.0.0.1:{port}"), 10 * SECOND).unwrap();
+    let store = StoreClient::connect(&format!("127.0.0.1:{port}"), &token(), 10 * SECOND).unwrap();
     assert!(
         start.elapsed() >= Duration::from_millis(250),
         "connected before the store existed"
@@ -140,7 +147,7 @@ fn another_program_on_the_port_is_named_not_misread() {
         std::thread::sleep(Duration::from_millis(200));
     });
     let start = Instant::now();
-    let msg = rendezvous_msg(StoreClient::connect(&addr, 10 * SECOND));
+    let msg = rendezvous_msg(StoreClient::connect(&addr, &token(), 10 * SECOND));
     assert!(start.elapsed() < 5 * SECOND);
     assert!(
         msg.contains("not as a burn-shard rendezvous") && msg.contains("MASTER_PORT"),
@@ -158,7 +165,7 @@ fn a_barrier_that_a_rank_misses_says_how_many_arrived() {
             .map(|_| {
                 let addr = addr.clone();
                 s.spawn(move || {
-                    let store = StoreClient::connect(&addr, 5 * SECOND).unwrap();
+                    let store = StoreClient::connect(&addr, &token(), 5 * SECOND).unwrap();
                     rendezvous_msg(store.barrier(3, Duration::from_millis(300)))
                 })
             })
@@ -174,7 +181,7 @@ fn a_barrier_that_a_rank_misses_says_how_many_arrived() {
 #[test]
 fn a_store_that_goes_away_fails_waiting_ranks_at_once() {
     let (server, addr) = local_server();
-    let store = StoreClient::connect(&addr, 5 * SECOND).unwrap();
+    let store = StoreClient::connect(&addr, &token(), 5 * SECOND).unwrap();
     let waiter = std::thread::spawn(move || {
         let start = Instant::now();
         let result = store.get("never", 30 * SECOND);
@@ -192,7 +199,7 @@ fn a_store_that_goes_away_fails_waiting_ranks_at_once() {
 #[test]
 fn oversized_keys_and_non_counters_are_errors_that_keep_the_connection() {
     let (_server, addr) = local_server();
-    let store = StoreClient::connect(&addr, 5 * SECOND).unwrap();
+    let store = StoreClient::connect(&addr, &token(), 5 * SECOND).unwrap();
     let long_key = "k".repeat(burn_shard_comm::MAX_KEY_BYTES + 1);
     assert!(rendezvous_msg(store.set(&long_key, b"v")).contains("limit"));
     store.set("bytes", b"abc").unwrap();
@@ -204,13 +211,13 @@ fn oversized_keys_and_non_counters_are_errors_that_keep_the_connection() {
 #[test]
 fn a_port_in_use_is_an_error_naming_master_port() {
     let (_server, addr) = local_server();
-    let msg = rendezvous_msg(StoreServer::bind(addr.as_str()));
+    let msg = rendezvous_msg(StoreServer::bind(addr.as_str(), token()));
     assert!(msg.contains("MASTER_PORT"), "{msg}");
 }
 
 // ---------------------------------------------------------------- the environment
 
-fn job_vars(rank: usize, world_size: usize, port: u16) -> Vec<(&'static str, String)> {
+pub(crate) fn job_vars(rank: usize, world_size: usize, port: u16) -> Vec<(&'static str, String)> {
     vec![
         ("RANK", rank.to_string()),
         ("WORLD_SIZE", world_size.to_string()),
@@ -218,6 +225,7 @@ fn job_vars(rank: usize, world_size: usize, port: u16) -> Vec<(&'static str, Str
         ("LOCAL_WORLD_SIZE", world_size.to_string()),
         ("MASTER_ADDR", "127.0.0.1".into()),
         ("MASTER_PORT", port.to_string()),
+        ("BURN_SHARD_JOB_TOKEN", TEST_TOKEN.into()),
     ]
 }
 
@@ -246,6 +254,7 @@ fn environment_is_parsed_and_each_problem_names_its_variable() {
             local_world_size: 4,
             master_addr: "127.0.0.1".into(),
             master_port: 29500,
+            token: token(),
         }
     );
     assert_eq!(env.master(), "127.0.0.1:29500");
@@ -656,7 +665,8 @@ fn every_rank_runs_with_its_rank_environment() {
         3,
     )
     .with_nodes(2, 1)
-    .with_master("10.1.2.3", 29511);
+    .with_master("10.1.2.3", 29511)
+    .with_token(token());
     let outcome = launch(&config).unwrap();
     let ranks: Vec<(usize, usize, Option<i32>)> = outcome
         .ranks
@@ -683,6 +693,7 @@ fn every_rank_runs_with_its_rank_environment() {
                 local_world_size: 3,
                 master_addr: "10.1.2.3".into(),
                 master_port: 29511,
+                token: token(),
             }
         );
         assert!(
@@ -883,6 +894,13 @@ fn invalid_configurations_are_errors_before_anything_starts() {
 
 #[test]
 fn the_command_line_reads_like_torchrun() {
+    let dir = scratch_dir("cli-token");
+    let token_file = dir.join("job.token");
+    std::fs::write(&token_file, format!("{TEST_TOKEN}\n")).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
     let config = parse_args([
         "burn-shard-run",
         "--nproc-per-node",
@@ -895,6 +913,8 @@ fn the_command_line_reads_like_torchrun() {
         "10.0.0.1",
         "--master-port",
         "29600",
+        "--job-token-file",
+        token_file.to_str().unwrap(),
         "--",
         "python",
         "train.py",
@@ -907,6 +927,7 @@ fn the_command_line_reads_like_torchrun() {
     assert_eq!((config.nproc_per_node, config.nnodes, config.node_rank), (8, 2, 1));
     assert_eq!((config.master_addr.as_str(), config.master_port), ("10.0.0.1", 29600));
     assert_eq!((config.world_size(), config.rank(3)), (16, 11));
+    assert_eq!(config.token, Some(token()), "the token is read from --job-token-file");
 
     // torchrun's underscores, and no `--` before the program.
     let config = parse_args(["burn-shard-run", "--nproc_per_node=2", "./train", "-v"]).unwrap();
@@ -918,6 +939,7 @@ fn the_command_line_reads_like_torchrun() {
     assert!(err(&["burn-shard-run", "--nproc-per-node", "2"]).contains("PROGRAM"));
     assert!(err(&["burn-shard-run", "x"]).contains("--nproc-per-node"));
     assert!(err(&["burn-shard-run", "--nproc-per-node", "1", "--stop-grace=-1", "x"]).contains("--stop-grace"));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Where [`launcher_process`] has its ranks record their pids, and how many it starts.

@@ -13,9 +13,10 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::AdamConfig;
 use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::prelude::*;
+use burn::tensor::DType;
 use burn::train::checkpoint::KeepLastNCheckpoints;
-use burn::train::metric::LossMetric;
 use burn::train::metric::store::EventStoreClient;
+use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{
     ClassificationOutput, EarlyStoppingStrategy, InferenceStep, Interrupter, Learner, LearningResult,
     SupervisedTraining, TrainOutput, TrainStep,
@@ -26,7 +27,7 @@ use burn_shard_train::{RankFailures, ShardedStrategy};
 
 use burn::module::{ModuleMapper, Param};
 
-use crate::common::{Rng, max_abs_diff, params_of, remap, scratch};
+use crate::common::{Rng, cast, max_abs_diff, params_of, remap, scratch};
 
 const FEATURES: usize = 6;
 const CLASSES: usize = 3;
@@ -67,7 +68,8 @@ impl TrainStep for Classifier {
 
     fn step(&self, batch: Batch) -> TrainOutput<ClassificationOutput> {
         let item = self.classify(batch);
-        TrainOutput::new(self, item.loss.backward(), item)
+        // Scaled when ShardedStrategy runs a loss scaler; the metrics get the unscaled loss.
+        TrainOutput::new(self, burn_shard_train::scale_loss(item.loss.clone()).backward(), item)
     }
 }
 
@@ -92,27 +94,41 @@ pub struct Batch {
     y: Tensor<1, Int>,
 }
 
-/// Batches items; `hook` sees each item's `x[0]` (tests use it to act on one rank's batch).
+/// Batches items with features in `dtype` (the model's); `hook` sees each item's `x[0]`
+/// (tests use it to act on one rank's batch).
 #[derive(Clone)]
 pub(crate) struct ItemBatcher {
     hook: Arc<dyn Fn(&Item) + Send + Sync>,
+    dtype: DType,
 }
 
 impl ItemBatcher {
     fn plain() -> Self {
-        Self { hook: Arc::new(|_| {}) }
+        Self {
+            hook: Arc::new(|_| {}),
+            dtype: DType::F32,
+        }
+    }
+
+    fn of(&self, dtype: DType) -> Self {
+        Self { dtype, ..self.clone() }
     }
 }
 
 impl Batcher<Item, Batch> for ItemBatcher {
     fn batch(&self, items: Vec<Item>, device: &Device) -> Batch {
         items.iter().for_each(|i| (self.hook)(i));
-        let x: Vec<f32> = items.iter().flat_map(|i| i.x).collect();
-        let y: Vec<i64> = items.iter().map(|i| i.y).collect();
-        Batch {
-            x: Tensor::from_data(TensorData::new(x, [items.len(), FEATURES]), device),
-            y: Tensor::from_data(TensorData::new(y, [items.len()]), device),
-        }
+        make_batch(&items, device, self.dtype)
+    }
+}
+
+/// `items` as one batch on `device`, features in `dtype`.
+fn make_batch(items: &[Item], device: &Device, dtype: DType) -> Batch {
+    let x: Vec<f32> = items.iter().flat_map(|i| i.x).collect();
+    let y: Vec<i64> = items.iter().map(|i| i.y).collect();
+    Batch {
+        x: Tensor::<2>::from_data(TensorData::new(x, [items.len(), FEATURES]), device).cast(dtype),
+        y: Tensor::from_data(TensorData::new(y, [items.len()]), device),
     }
 }
 
@@ -185,6 +201,10 @@ pub(crate) struct Run {
     pub interrupter: Option<Arc<OnceLock<Interrupter>>>,
     /// burn-shard's checkpoints (default: `checkpoints/` in the run's directory).
     pub checkpoints: Option<PathBuf>,
+    /// Items of the validation set.
+    pub valid_items: usize,
+    /// The model's float dtype (`f16` needs a loss scaler in the sharded runs).
+    pub dtype: DType,
 }
 
 impl Run {
@@ -197,6 +217,8 @@ impl Run {
             resume_from: None,
             interrupter: None,
             checkpoints: None,
+            valid_items: VALID_ITEMS,
+            dtype: DType::F32,
         }
     }
 }
@@ -228,23 +250,21 @@ pub(crate) fn train_with(
     let device = Device::flex();
     let world_size = strategy.as_ref().map_or(1, |s| s.world_size());
     let base_train = items(TRAIN_ITEMS, 1);
-    let base_valid = items(VALID_ITEMS, 2);
     let train = loader(
         rank_order(&base_train, world_size),
         GLOBAL_BATCH / world_size,
-        run.batcher.clone(),
+        run.batcher.of(run.dtype),
     );
+    // Validation in the items' order: every rank's share counts once, whatever its length.
     let valid = loader(
-        rank_order(&base_valid, world_size),
+        items(run.valid_items, 2),
         GLOBAL_BATCH / world_size,
-        ItemBatcher::plain(),
+        ItemBatcher::plain().of(run.dtype),
     );
-    let model = seeded(Classifier::new(&device.clone().autodiff()));
+    let model = cast(seeded(Classifier::new(&device.clone().autodiff())), run.dtype);
     let optim = AdamConfig::new();
-    // A scheduler that changes every step: the strategy must step it once per global step.
-    let scheduler = LinearLrSchedulerConfig::new(2e-2, 2e-3, 40).init().expect("scheduler");
     let mut training = SupervisedTraining::new(dir, train, valid)
-        .metrics((LossMetric::new(),))
+        .metrics((LossMetric::new(), AccuracyMetric::new()))
         .num_epochs(run.epochs);
     if let Some(n) = run.accumulation {
         training = training.grads_accumulation(n);
@@ -263,25 +283,43 @@ pub(crate) fn train_with(
         let strategy = strategy.with_checkpoints(checkpoints, KeepLastNCheckpoints::new(2));
         training = training.with_training_strategy(strategy.into());
     }
-    training.launch(Learner::new(model, optim.init(), scheduler))
+    training.launch(Learner::new(model, optim.init(), scheduler()))
 }
 
-/// The mean of the loss the file logger wrote for `split` of `epoch`: over every item, so over
-/// every rank's batches.
+/// A scheduler that changes every step: the strategy must step it once per global step.
+fn scheduler() -> burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler {
+    LinearLrSchedulerConfig::new(2e-2, 2e-3, 40).init().expect("scheduler")
+}
+
+/// The epoch's loss the file logger wrote for `split` of `epoch` (burn-train's aggregate, over
+/// every rank's batches).
 fn logged_loss(dir: &Path, split: &str, epoch: usize) -> f64 {
-    let text =
-        std::fs::read_to_string(dir.join(split).join(format!("epoch-{epoch}")).join("Loss.log")).unwrap_or_else(|e| {
-            panic!(
-                "reading the loss log of {split} epoch {epoch} in {}: {e}",
-                dir.display()
-            )
-        });
-    let values: Vec<f64> = text
-        .lines()
-        .filter(|l| !l.is_empty())
-        .map(|l| l.split(',').next().unwrap().parse().expect("a number"))
-        .collect();
-    values.iter().sum::<f64>() / values.len() as f64
+    logged(dir, split, epoch, "Loss").0
+}
+
+/// What the file logger wrote for metric `metric` of `split` of `epoch`: the epoch's value
+/// (its `value,final` line, burn-train's aggregate of the batches weighted by the count each
+/// reported: items for accuracy, one per batch for the loss), and the counts summed (each other
+/// line is a batch's `value,count`).
+fn logged(dir: &Path, split: &str, epoch: usize, metric: &str) -> (f64, usize) {
+    let file = dir
+        .join(split)
+        .join(format!("epoch-{epoch}"))
+        .join(format!("{metric}.log"));
+    let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("reading {}: {e}", file.display()));
+    let (mut last, mut counted) = (None, 0);
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        let (value, count) = line.split_once(',').expect("value,count");
+        let value: f64 = value.parse().expect("a number");
+        match count.trim() {
+            "final" => last = Some(value),
+            count => counted += count.parse::<usize>().expect("a count"),
+        }
+    }
+    (
+        last.unwrap_or_else(|| panic!("{}: no final line", file.display())),
+        counted,
+    )
 }
 
 pub(crate) fn finished(result: &LearningResult<Classifier>, what: &str) -> Vec<f32> {
@@ -369,6 +407,7 @@ fn sharded_strategy_early_stopping_and_interrupts_end_every_rank() {
                     .stop(Some("asked by a test on rank 1"));
             }
         }),
+        ..ItemBatcher::plain()
     };
     let run = Run {
         batcher,
@@ -396,6 +435,7 @@ fn sharded_strategy_early_stopping_and_interrupts_end_every_rank() {
                 panic!("a data bug on one rank");
             }
         }),
+        ..ItemBatcher::plain()
     };
     let run = Run {
         batcher,
@@ -507,6 +547,7 @@ fn sharded_strategy_with_one_process_per_rank_trains_as_the_single_device_learne
                     slot.get().expect("set before launch").stop(Some("asked on rank 1"));
                 }
             }),
+            ..ItemBatcher::plain()
         };
         let run = Run {
             batcher,
@@ -534,4 +575,163 @@ fn sharded_strategy_with_one_process_per_rank_trains_as_the_single_device_learne
             Some("asked on rank 1".to_string())
         ]
     );
+}
+
+/// The reported case: 13 validation items at world size 2 gave 41.67 % accuracy where one
+/// device gives 38.46 %, because the last `len % world_size` items were dropped. Validation
+/// counts every item exactly once at every world size 1-4 and stage 0-3 (shares of 13 items
+/// differ by one, and at stage 3 the rank with a batch less keeps the others' gathers
+/// company): the logged validation accuracy equals the single-device Learner's, over all 13
+/// items. (burn-train's `LossMetric` weights each batch once, whatever its size, so the epoch's
+/// loss depends on how the items are batched, on one device too: it is not compared here.)
+#[test]
+fn validation_metrics_count_every_item_once_at_every_stage_and_world_size() {
+    let run = Run {
+        valid_items: 13,
+        ..Run::epochs(1)
+    };
+    let ref_dir = scratch("learner", "valid-13-reference");
+    finished(&train(&ref_dir, None, &run), "reference");
+    let (ref_accuracy, ref_items) = logged(&ref_dir, "valid", 1, "Accuracy");
+    assert_eq!(ref_items, 13, "the single-device Learner validates every item");
+    for world_size in 1..=4 {
+        for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+            let ctx = format!("stage {stage}, world size {world_size}");
+            let dir = scratch("learner", &format!("valid-13-s{stage}-w{world_size}"));
+            finished(&train(&dir, Some((world_size, ShardConfig::new(stage))), &run), &ctx);
+            let (accuracy, items) = logged(&dir, "valid", 1, "Accuracy");
+            assert_eq!(items, 13, "{ctx}: validation items counted");
+            assert!(
+                (accuracy - ref_accuracy).abs() < 1e-9,
+                "{ctx}: validation accuracy {accuracy} %, single-device {ref_accuracy} %"
+            );
+        }
+    }
+}
+
+/// `run` as a hand-written loop of burn-shard on `world_size` ranks (threads), with `config`:
+/// the shares, batches, learning-rate schedule and step rule `ShardedStrategy` uses (step after
+/// `accumulation` micro-batches or at the last one), `optim.scale_loss` before backward. Rank
+/// 0's final parameters.
+fn hand_loop(world_size: usize, config: &ShardConfig, run: &Run) -> Vec<f32> {
+    use burn::optim::GradientsParams;
+    let results = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+        let rank = comm.rank();
+        let device = Device::flex().autodiff();
+        let model = cast(seeded(Classifier::new(&device)), run.dtype);
+        let (mut model, mut optim) = config.init(model, AdamConfig::new(), comm).expect("init");
+        let mut scheduler = scheduler();
+        let (share, batch) = (TRAIN_ITEMS / world_size, GLOBAL_BATCH / world_size);
+        let ordered = rank_order(&items(TRAIN_ITEMS, 1), world_size);
+        let batches: Vec<&[Item]> = ordered[rank * share..(rank + 1) * share].chunks(batch).collect();
+        let accumulation = run.accumulation.unwrap_or(1).max(1);
+        for _ in 0..run.epochs {
+            let mut micro_batches = 0;
+            for (i, items) in batches.iter().enumerate() {
+                let loss = model.classify(make_batch(items, &device, run.dtype)).loss;
+                let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
+                micro_batches += 1;
+                if micro_batches == accumulation || i + 1 == batches.len() {
+                    model = optim.step(scheduler.step(), model, grads).expect("step");
+                    micro_batches = 0;
+                } else {
+                    optim.accumulate(&model, grads).expect("accumulate");
+                }
+            }
+        }
+        params_of(&model.materialize())
+    })
+    .expect("no rank panics");
+    results.into_iter().next().expect("rank 0")
+}
+
+/// The reported case: an `f16` model with `LossScaler::dynamic()` trained through
+/// `ShardedStrategy` moved its parameters 0.118x as far as in `f32` (the loop never scaled the
+/// loss, the step still unscaled the gradients). Every option of `ShardConfig` means the same in
+/// the Learner as in a hand-written loop: loss scaling (`f16`, dynamic), `bf16` with masters,
+/// clipping by global norm, accumulation, NVMe offload of the optimizer state and of stage 3's
+/// parameters give bitwise the hand-written loop's parameters; and `f16` moves about as far as
+/// `f32`. (Parameter groups are set on the optimizer, `ShardedOptimizer::with_group`, which the
+/// strategy does not take.)
+#[test]
+fn every_shard_config_option_means_the_same_in_the_learner_as_in_a_hand_written_loop() {
+    let nvme = scratch("learner", "options-nvme");
+    let world_size = 2;
+    type Case = (
+        &'static str,
+        DType,
+        Option<usize>,
+        fn(ShardConfig, &Path) -> ShardConfig,
+        bool,
+    );
+    let cases: [Case; 6] = [
+        (
+            "f16, dynamic loss scaler",
+            DType::F16,
+            None,
+            |c, _| c.with_loss_scaler(burn_shard::LossScaler::dynamic()),
+            false,
+        ),
+        ("bf16 with f32 masters", DType::BF16, None, |c, _| c, false),
+        (
+            "clipping by global norm",
+            DType::F32,
+            None,
+            |c, _| c.with_max_grad_norm(0.05),
+            false,
+        ),
+        ("accumulation of 2", DType::F32, Some(2), |c, _| c, false),
+        (
+            "NVMe offload of the state",
+            DType::F32,
+            None,
+            |c, dir| c.with_nvme_offload(burn_shard::NvmeOffload::new(dir)),
+            false,
+        ),
+        (
+            "stage 3's parameters on NVMe",
+            DType::F32,
+            None,
+            |c, dir| c.with_nvme_offload_params(dir),
+            true,
+        ),
+    ];
+    let initial = params_of(&seeded(Classifier::new(&Device::flex().autodiff())));
+    let moved = |params: &[f32]| -> f64 {
+        let squares: f64 = params.iter().zip(&initial).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+        squares.sqrt()
+    };
+    for (name, dtype, accumulation, option, stage3_only) in cases {
+        for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+            if stage3_only && stage != Stage::Three {
+                continue;
+            }
+            let ctx = format!("{name}, stage {stage}");
+            let config = option(ShardConfig::new(stage), &nvme);
+            let run = Run {
+                accumulation,
+                dtype,
+                ..Run::epochs(2)
+            };
+            let dir = scratch(
+                "learner",
+                &format!("options-{stage}-{}", name.replace([' ', ',', '\''], "-")),
+            );
+            let learner = finished(&train(&dir, Some((world_size, config.clone())), &run), &ctx);
+            let hand = hand_loop(world_size, &config, &run);
+            let diff = max_abs_diff(&learner, &hand);
+            assert!(
+                learner == hand,
+                "{ctx}: the Learner's parameters differ from the hand-written loop's by up to {diff}"
+            );
+            if dtype == DType::F16 {
+                let reference = hand_loop(world_size, &ShardConfig::new(stage), &Run::epochs(2));
+                let ratio = moved(&learner) / moved(&reference);
+                assert!(
+                    (0.5..1.5).contains(&ratio),
+                    "{ctx}: f16 moved the parameters {ratio:.3}x as far as f32"
+                );
+            }
+        }
+    }
 }

@@ -259,3 +259,121 @@ fn the_loss_scale_resumes_from_a_checkpoint() {
         assert_eq!(resumed, saved, "the scaler continues where it was saved");
     }
 }
+
+/// The class of the Learner's `f16` bug (its loop never scaled the loss, the step still divided
+/// the gradients by `2^16`, and parameters moved 0.118x as far as in `f32`): a backward whose
+/// loss did not go through `scale_loss` reaching `step` or `accumulate` with a loss scaler
+/// configured fails on every rank, at every stage and world size, naming the call to make;
+/// `LossScaler::fixed(1.0)` (nothing to undo) and a scaled loss pass, and a scaled loss that
+/// `discard_gradients` dropped does not cover the next backward.
+#[test]
+fn a_loss_not_scaled_for_a_configured_scaler_fails_the_step_on_every_rank() {
+    let device = Device::flex().autodiff();
+    device.seed(17);
+    let base = TinyMlp::new(&device);
+    // (scaler, how the run calls the optimizer, whether it must fail)
+    #[derive(Clone, Copy, Debug)]
+    enum Call {
+        Step,
+        Accumulate,
+        StepAfterDiscard,
+    }
+    let cases = [
+        (LossScaler::dynamic(), Call::Step, true),
+        (LossScaler::fixed(256.0), Call::Accumulate, true),
+        (LossScaler::dynamic(), Call::StepAfterDiscard, true),
+        (LossScaler::fixed(1.0), Call::Step, false),
+    ];
+    for stage in burn_shard::estimate::STAGES {
+        for world_size in 1..=4 {
+            for (scaler, call, fails) in cases.clone() {
+                let ctx = format!("stage {stage}, N={world_size}, {call:?}, scale {}", scaler.scale());
+                let results = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                    let (lo, hi) = rank_rows(comm.rank(), comm.world_size(), GLOBAL_BATCH);
+                    let config = ShardConfig::new(stage).with_loss_scaler(scaler.clone());
+                    // A rank still finishing `init` when another's step failed sees the abort there.
+                    let (model, mut optim) = match config.init(base.clone().fork(&device), AdamWConfig::new(), comm) {
+                        Ok(built) => built,
+                        Err(e) => return Some(e),
+                    };
+                    let (x, y) = batch(0, GLOBAL_BATCH);
+                    let loss = || mse(&model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
+                    match call {
+                        Call::Step => {
+                            let grads = GradientsParams::from_grads(loss().backward(), &model);
+                            optim.step(LR, model.clone(), grads).err()
+                        }
+                        Call::Accumulate => {
+                            let grads = GradientsParams::from_grads(loss().backward(), &model);
+                            optim.accumulate(&model, grads).err()
+                        }
+                        Call::StepAfterDiscard => {
+                            let discarded = optim.scale_loss(loss()).backward();
+                            drop(discarded);
+                            optim.discard_gradients().expect("discard");
+                            let grads = GradientsParams::from_grads(loss().backward(), &model);
+                            optim.step(LR, model.clone(), grads).err()
+                        }
+                    }
+                })
+                .expect("no rank panics");
+                for (rank, err) in results.into_iter().enumerate() {
+                    match (fails, err) {
+                        (true, Some(err)) => {
+                            let msg = err.to_string();
+                            // This rank's own check, or the abort of the rank that checked first.
+                            let own_or_abort = matches!(
+                                err,
+                                burn_shard::ShardError::LossNotScaled { .. }
+                                    | burn_shard::ShardError::Comm(burn_shard_comm::CommError::Aborted(_))
+                            );
+                            assert!(
+                                own_or_abort
+                                    && msg.contains("scale_loss")
+                                    && msg.contains("burn_shard_train::scale_loss"),
+                                "{ctx}, rank {rank}: {msg}"
+                            );
+                        }
+                        (false, None) => {}
+                        (_, err) => panic!("{ctx}, rank {rank}: expected failure {fails}, got {err:?}"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A `LossScaling` handle kept across a step whose scaler grew the scale multiplies by the old
+/// scale: the next step refuses it, naming both scales, instead of unscaling by the new one.
+#[test]
+fn a_loss_scaled_by_an_older_scale_fails_the_step() {
+    let device = Device::flex().autodiff();
+    device.seed(18);
+    let base = TinyMlp::new(&device);
+    for stage in burn_shard::estimate::STAGES {
+        let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let (lo, hi) = rank_rows(comm.rank(), comm.world_size(), GLOBAL_BATCH);
+            // The scale doubles after every finite step.
+            let config = ShardConfig::new(stage).with_loss_scaler(LossScaler::dynamic().with_growth_interval(1));
+            let (mut model, mut optim) = match config.init(base.clone().fork(&device), AdamWConfig::new(), comm) {
+                Ok(built) => built,
+                Err(e) => return Some(e),
+            };
+            let (x, y) = batch(0, GLOBAL_BATCH);
+            let loss = |model: &TinyMlp| mse(model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
+            let stale = optim.loss_scaling();
+            let grads = GradientsParams::from_grads(stale.scale_loss(loss(&model)).backward(), &model);
+            model = optim.step(LR, model, grads).expect("the first step, scaled by the current scale");
+            let grads = GradientsParams::from_grads(stale.scale_loss(loss(&model)).backward(), &model);
+            optim.step(LR, model, grads).err()
+        })
+        .expect("no rank panics");
+        for (rank, err) in results.into_iter().enumerate() {
+            let msg = err.map(|e| e.to_string()).unwrap_or_default();
+            assert!(
+                msg.contains("scale 131072") && msg.contains("scaled by 65536, an older scale"),
+                "stage {stage}, rank {rank}: {msg:?}"
+            );
+        }
+    }
+}

@@ -33,3 +33,4 @@ mod overlap;
 mod param_groups;
 mod param_kinds;
 mod stage3;
+mod store_auth;

@@ -500,6 +500,8 @@ fn a_swap_file_damaged_under_a_running_job_fails_the_next_step_on_every_rank() {
 /// file-size limit (`ulimit -f 4`, SIGXFSZ ignored), set for a child process that runs
 /// [`disk_full_child`], since the limit is process-wide. The first step's writes fail: the step
 /// ends with the error on every rank, naming the file and "full", and the files are removed.
+/// The step failed half-way (some slots' state written, some not): the next step and a save
+/// are refused, naming the resume from the last checkpoint.
 #[test]
 fn a_disk_that_fills_mid_step_fails_the_step_on_every_rank() {
     let dir = scratch("nvme", "disk-full");
@@ -543,18 +545,19 @@ fn disk_full_child() {
     let dir = PathBuf::from(std::env::var_os("BURN_SHARD_DISK_FULL_DIR").expect("run by the parent test"));
     let config = ShardConfig::new(Stage::Two).with_nvme_offload(NvmeOffload::new(&dir));
     // Each rank's own writes fail (its file holds more than 4 KiB): the step, not init.
-    assert_disk_full(&config, "burn-shard-rank{rank}.swap", "writing a piece");
+    assert_disk_full(&config, "burn-shard-rank{rank}.swap", "writing a piece", true);
     let own = swap_files(&dir);
     assert!(own.is_empty(), "files left: {own:?}");
 }
 
 /// Trains 2 ranks with `config` under a file-size limit: both fail with `ShardError::Nvme`
 /// naming their own file (`file` with `{rank}` replaced), `what` failed, "File too large" and
-/// the fix ("is full").
-pub(super) fn assert_disk_full(config: &ShardConfig, file: &str, what: &str) {
-    let results = run(&Device::flex(), 2, &base(), config, AdamWConfig::new(), DType::F32);
-    for (rank, result) in results.into_iter().enumerate() {
-        let err = result.expect_err("the writes must fail");
+/// the fix ("is full"). With `half_applied` (a step that failed while it updated), one more
+/// step and a save are then refused on both ranks, naming the cause and the resume.
+pub(super) fn assert_disk_full(config: &ShardConfig, file: &str, what: &str, half_applied: bool) {
+    let results =
+        run_ranks(InProcessGroup::new(2).unwrap(), |comm| fail_then_retry(comm, config)).expect("no rank panics");
+    for (rank, (err, later)) in results.into_iter().enumerate() {
         let msg = err.to_string();
         println!("rank {rank}: {msg}");
         assert!(matches!(err, ShardError::Nvme { .. }), "rank {rank}: {err:?}");
@@ -563,7 +566,53 @@ pub(super) fn assert_disk_full(config: &ShardConfig, file: &str, what: &str) {
             msg.contains(&file) && msg.contains(what) && msg.contains("File too large") && msg.contains("is full"),
             "rank {rank}: {msg}"
         );
+        if !half_applied {
+            continue;
+        }
+        for (call, later) in ["the next step", "a save"].into_iter().zip(later) {
+            let later = later.unwrap_or_else(|| panic!("rank {rank}: {call} after a half-applied step returned Ok"));
+            let msg = later.to_string();
+            assert!(
+                matches!(later, ShardError::HalfAppliedStep { .. })
+                    && msg.contains("resume from the last checkpoint")
+                    && msg.contains("File too large"),
+                "rank {rank}: {call} after a half-applied step: {msg}"
+            );
+        }
     }
+}
+
+/// One rank's run with `config` until `init` or a step fails: that error, and, after a failed
+/// step, what one more step (on the model from before it) and a save return.
+fn fail_then_retry<C: Collective + 'static>(comm: C, config: &ShardConfig) -> (ShardError, Vec<Option<ShardError>>) {
+    let device = Device::flex().autodiff();
+    let (rank, world_size) = (comm.rank(), comm.world_size());
+    let (mut model, mut optim) = match config.init(base().fork(&device), AdamWConfig::new(), comm) {
+        Ok(built) => built,
+        Err(e) => return (e, Vec::new()),
+    };
+    let (start, end) = rank_rows(rank, world_size, GLOBAL_BATCH);
+    let (x, y) = batch(0, GLOBAL_BATCH);
+    let (x, y) = (rows(&x, IN, start, end, &device), rows(&y, OUT, start, end, &device));
+    for _ in 0..STEPS {
+        let loss = mse(&model, x.clone(), y.clone());
+        let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
+        let kept = model.clone();
+        match optim.step(LR, model, grads) {
+            Ok(next) => model = next,
+            Err(e) => {
+                // At stage 3 this forward's gathers fail (the group is aborted) and give zeros.
+                let loss = mse(&kept, x.clone(), y.clone());
+                let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &kept);
+                let step = optim.step(LR, kept.clone(), grads).err();
+                let dir = std::env::temp_dir().join("burn-shard-half-applied-never-written");
+                let save = optim.save_checkpoint(&kept, &dir, &serde_json::Value::Null).err();
+                assert!(!dir.exists(), "rank {rank}: the refused save wrote {}", dir.display());
+                return (e, vec![step, save]);
+            }
+        }
+    }
+    panic!("rank {rank}: no step failed")
 }
 
 /// On an accelerator (wgpu over lavapipe here, where `Offload` applies), `NvmeOffload` combines

@@ -220,7 +220,8 @@ fn the_shard_file_has_no_name_while_the_job_runs() {
 /// one (64 KiB). Under 24 KiB ([`backward_disk_full_child`]) backward's writes fail, and the
 /// step reports it; under 44 KiB ([`step_disk_full_child`]) the step's own writes fail. Either
 /// way the step fails on both ranks within seconds, each naming its file, what was written,
-/// "File too large" and the fix; nothing is left in the directory. Under 8 KiB
+/// "File too large" and the fix; nothing is left in the directory. A step whose own writes
+/// failed is half applied: the next step and a save are refused, naming the resume. Under 8 KiB
 /// ([`init_disk_full_child`]) `init`'s writes fail, and `init` returns that (its writes are
 /// queued behind the sharding and waited for before it returns).
 #[test]
@@ -242,8 +243,9 @@ fn a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named() {
     }
 }
 
-/// Under the limit the parent set, `init` fits and training fails writing a `what` shard.
-fn shard_disk_full(what: &str) {
+/// Under the limit the parent set, `init` fits and training fails writing a `what` shard; a
+/// failure in the step's own writes (`half_applied`) then refuses the next step and a save.
+fn shard_disk_full(what: &str, half_applied: bool) {
     let dir = PathBuf::from(std::env::var_os("BURN_SHARD_DISK_FULL_DIR").expect("run by the parent test"));
     let config = ShardConfig::new(Stage::Three).with_nvme_offload_params(&dir);
     // `init` fits under the limit: what fails below is training.
@@ -259,6 +261,7 @@ fn shard_disk_full(what: &str) {
         &config,
         "burn-shard-rank{rank}-params.swap",
         &format!("writing a {what} shard"),
+        half_applied,
     );
     assert!(started.elapsed().as_secs() < 10, "within seconds");
 }
@@ -274,6 +277,7 @@ fn init_disk_full_child() {
         &config,
         "burn-shard-rank{rank}-params.swap",
         "writing a parameter shard",
+        false,
     );
     assert!(started.elapsed().as_secs() < 10, "within seconds");
 }
@@ -282,14 +286,14 @@ fn init_disk_full_child() {
 #[test]
 #[ignore = "run by a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named under a file-size limit"]
 fn backward_disk_full_child() {
-    shard_disk_full("gradient");
+    shard_disk_full("gradient", false);
 }
 
 /// A child of [`a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named`].
 #[test]
 #[ignore = "run by a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named under a file-size limit"]
 fn step_disk_full_child() {
-    shard_disk_full("parameter");
+    shard_disk_full("parameter", true);
 }
 
 /// `init` refuses NVMe parameter offload below stage 3 (nothing is sharded there) and a

@@ -34,7 +34,8 @@ mod stats;
 mod work;
 
 pub use burn_shard_rendezvous::{
-    MAX_KEY_BYTES, MAX_VALUE_BYTES, RENDEZVOUS_DEFAULT_TIMEOUT, Rendezvous, RendezvousEnv, StoreClient, StoreServer,
+    JOB_TOKEN, JOB_TOKEN_FILE, JobToken, MAX_KEY_BYTES, MAX_VALUE_BYTES, RENDEZVOUS_DEFAULT_TIMEOUT, Rendezvous,
+    RendezvousEnv, StoreClient, StoreLimits, StoreServer,
 };
 pub use collective::{Collective, ReduceOp};
 pub use error::CommError;

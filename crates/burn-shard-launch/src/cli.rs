@@ -7,6 +7,8 @@ use std::time::Duration;
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
 
+use burn_shard_rendezvous::JobToken;
+
 use crate::{DEFAULT_MASTER_PORT, LaunchConfig};
 
 /// Starts one process per rank with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
@@ -19,7 +21,12 @@ use crate::{DEFAULT_MASTER_PORT, LaunchConfig};
     after_help = "Examples:\n  \
         burn-shard-run --nproc-per-node 8 -- ./train --steps 1000\n  \
         # two nodes, on each (K = 0, 1):\n  \
-        burn-shard-run --nnodes 2 --node-rank K --nproc-per-node 8 --master-addr 10.0.0.1 -- ./train\n\n\
+        burn-shard-run --nnodes 2 --node-rank K --nproc-per-node 8 --master-addr 10.0.0.1 \\\n    \
+        --job-token-file job.token -- ./train\n\n\
+        Job token: node 0's rendezvous admits only ranks that hold the job's token. On one node, \
+        burn-shard-run makes a fresh one per job. With several nodes, make one (`openssl rand -hex 32 > \
+        job.token && chmod 600 job.token`), copy it to every node and pass it with --job-token-file, \
+        BURN_SHARD_JOB_TOKEN_FILE or BURN_SHARD_JOB_TOKEN.\n\n\
         Exit status: 0 when every rank exits 0; else the failed rank's exit code (128+N for signal N), \
         127 when the program cannot be started, 2 for bad options."
 )]
@@ -40,6 +47,11 @@ pub struct Cli {
     /// TCP port of the rendezvous on node 0, the same on every node.
     #[arg(long, alias = "master_port", default_value_t = DEFAULT_MASTER_PORT, value_name = "PORT")]
     pub master_port: u16,
+    /// File holding the job token (readable by its owner only: chmod 600), the same on every
+    /// node. Default: $BURN_SHARD_JOB_TOKEN, else the file named by $BURN_SHARD_JOB_TOKEN_FILE,
+    /// else (one node only) a fresh random token. Required with --nnodes > 1.
+    #[arg(long, value_name = "FILE")]
+    pub job_token_file: Option<std::path::PathBuf>,
     /// Seconds between SIGTERM and SIGKILL when stopping the ranks after a failure.
     #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
     pub stop_grace: f64,
@@ -58,8 +70,10 @@ impl Cli {
     ///
     /// # Errors
     /// A clap error (printable as usage) naming the option: `--nnodes > 1` without
-    /// `--master-addr`, a negative or non-finite `--stop-grace`, or anything
-    /// [`LaunchConfig::validate`] rejects.
+    /// `--master-addr`, a negative or non-finite `--stop-grace`, a job token that cannot be read
+    /// (`--job-token-file`, `BURN_SHARD_JOB_TOKEN`, `BURN_SHARD_JOB_TOKEN_FILE`: a file readable
+    /// by others, a token too short), or anything [`LaunchConfig::validate`] rejects (several
+    /// nodes without a token included).
     pub fn into_config(self) -> Result<LaunchConfig, clap::Error> {
         let invalid = |msg: String| Cli::command().error(ErrorKind::InvalidValue, msg);
         let master_addr = match (self.master_addr, self.nnodes) {
@@ -77,6 +91,12 @@ impl Cli {
                 self.stop_grace
             ))
         })?;
+        let token = match &self.job_token_file {
+            Some(path) => Some(JobToken::from_file(path)),
+            None => JobToken::from_env().transpose(),
+        }
+        .transpose()
+        .map_err(|e| invalid(e.to_string()))?;
         let mut command = self.command.into_iter();
         let program = command.next().unwrap_or_default();
         let config = LaunchConfig::new(program, self.nproc_per_node)
@@ -84,6 +104,10 @@ impl Cli {
             .with_nodes(self.nnodes, self.node_rank)
             .with_master(master_addr, self.master_port)
             .with_stop_grace(stop_grace);
+        let config = match token {
+            Some(token) => config.with_token(token),
+            None => config,
+        };
         config.validate().map_err(|e| invalid(e.to_string()))?;
         Ok(config)
     }

@@ -3,7 +3,9 @@
 use std::ffi::OsString;
 use std::time::Duration;
 
-use burn_shard_rendezvous::{LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE};
+use burn_shard_rendezvous::{
+    JOB_TOKEN, JOB_TOKEN_FILE, JobToken, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+};
 
 use crate::LaunchError;
 
@@ -29,8 +31,9 @@ pub enum OutputMode {
 /// `nnodes·nproc_per_node`.
 ///
 /// Each process gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
-/// `MASTER_PORT` (the names `torchrun` uses) on top of this process's environment, which is
-/// otherwise passed unchanged (`CUDA_VISIBLE_DEVICES` included). Stdin is closed.
+/// `MASTER_PORT` (the names `torchrun` uses) and `BURN_SHARD_JOB_TOKEN` on top of this
+/// process's environment, which is otherwise passed unchanged (`CUDA_VISIBLE_DEVICES`
+/// included; `BURN_SHARD_JOB_TOKEN_FILE` removed, the token taking its place). Stdin is closed.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LaunchConfig {
     /// The program (a path, or a name looked up on `PATH`).
@@ -52,6 +55,10 @@ pub struct LaunchConfig {
     /// When stopping ranks, how long to wait after SIGTERM before SIGKILL (default
     /// [`DEFAULT_STOP_GRACE`]).
     pub stop_grace: Duration,
+    /// The job's secret, which the rendezvous store asks every rank to prove (default `None`:
+    /// [`launch`](crate::launch) makes a fresh random one for a single node). Required with
+    /// `nnodes > 1`, the same on every node: node 0's store admits only ranks that hold it.
+    pub token: Option<JobToken>,
 }
 
 impl LaunchConfig {
@@ -67,6 +74,7 @@ impl LaunchConfig {
             master_port: DEFAULT_MASTER_PORT,
             output: OutputMode::default(),
             stop_grace: DEFAULT_STOP_GRACE,
+            token: None,
         }
     }
 
@@ -102,6 +110,12 @@ impl LaunchConfig {
         self
     }
 
+    /// Sets the job token (the same on every node of the job).
+    pub fn with_token(mut self, token: JobToken) -> Self {
+        self.token = Some(token);
+        self
+    }
+
     /// Ranks in the job over all nodes: `nnodes·nproc_per_node`.
     pub fn world_size(&self) -> usize {
         self.nnodes.saturating_mul(self.nproc_per_node)
@@ -116,7 +130,8 @@ impl LaunchConfig {
     ///
     /// # Errors
     /// [`LaunchError::Config`] naming the field: zero processes or nodes, `node_rank >= nnodes`,
-    /// an empty program or `master_addr`, port 0, or a world size that overflows.
+    /// an empty program or `master_addr`, port 0, a world size that overflows, or several nodes
+    /// without a token (the message says how to make one and pass it to every node).
     pub fn validate(&self) -> Result<(), LaunchError> {
         let fail = |msg: String| Err(LaunchError::Config(msg));
         if self.program.is_empty() {
@@ -143,10 +158,21 @@ impl LaunchConfig {
         if self.master_port == 0 {
             return fail("master_port is 0; give a fixed TCP port (the same on every node)".into());
         }
+        if self.nnodes > 1 && self.token.is_none() {
+            return fail(format!(
+                "nnodes is {} but no job token was given: node 0's rendezvous admits only ranks that hold the \
+                 job's token, so every node needs the same one. Make one per job (`openssl rand -hex 32 > job.token \
+                 && chmod 600 job.token`), copy it to every node, and on each set {JOB_TOKEN_FILE}=job.token (or \
+                 pass --job-token-file job.token, or set {JOB_TOKEN}=<its text>)",
+                self.nnodes
+            ));
+        }
         Ok(())
     }
 
-    /// The variables set for `local_rank`'s process.
+    /// The variables set for `local_rank`'s process, but for the token: [`launch`](crate::launch)
+    /// adds `BURN_SHARD_JOB_TOKEN` (this configuration's token, or one it makes) and removes
+    /// `BURN_SHARD_JOB_TOKEN_FILE`.
     pub fn rank_env(&self, local_rank: usize) -> Vec<(&'static str, String)> {
         vec![
             (RANK, self.rank(local_rank).to_string()),

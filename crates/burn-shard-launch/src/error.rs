@@ -50,6 +50,10 @@ pub enum LaunchError {
         /// The operating system's error.
         error: String,
     },
+    /// The system's random source could not make a job token (a token given by the user is
+    /// read with the configuration: a bad one is a [`LaunchError::Config`]).
+    #[error("job token: {0}")]
+    Token(burn_shard_rendezvous::RendezvousError),
     /// This operating system is not supported.
     #[error("burn-shard-run runs on Linux only (it uses process groups and waitid)")]
     Unsupported,
@@ -58,14 +62,14 @@ pub enum LaunchError {
 impl LaunchError {
     /// The exit code `burn-shard-run` ends with: the failed rank's exit code, `128 + signal`
     /// for a rank killed by a signal or an interrupted launcher (as shells report it), 127 when
-    /// the program cannot be started, 2 for a bad configuration, 1 otherwise.
+    /// the program cannot be started, 2 for a bad configuration (a bad token included), 1 otherwise.
     pub fn exit_code(&self) -> u8 {
         match self {
             LaunchError::Config(_) => 2,
             LaunchError::Spawn { .. } => 127,
             LaunchError::RankFailed { status, .. } => status_code(status),
             LaunchError::Interrupted { signal } => (128 + signal).clamp(1, 255) as u8,
-            LaunchError::Watch { .. } | LaunchError::Unsupported => 1,
+            LaunchError::Watch { .. } | LaunchError::Token(_) | LaunchError::Unsupported => 1,
         }
     }
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use crate::output::{ReaderEvent, spawn_reader};
 use crate::process_group::{self, Exit, SIGKILL, SIGTERM};
 use crate::{LaunchConfig, LaunchError, OutputLine, OutputStream, signals};
+use burn_shard_rendezvous::{JOB_TOKEN, JOB_TOKEN_FILE, JobToken};
 
 /// How often the ranks' processes are checked (the delay before a failure is acted on).
 const POLL: Duration = Duration::from_millis(20);
@@ -53,7 +54,9 @@ enum Failure {
 }
 
 /// Starts `config.nproc_per_node` processes of `config.program`, each with its rank's
-/// variables ([`LaunchConfig::rank_env`]), forwards or captures their output, and waits.
+/// variables ([`LaunchConfig::rank_env`]) and the job token in `BURN_SHARD_JOB_TOKEN` (its own,
+/// or a fresh random one per call when it has none: a single node needs nothing shared),
+/// forwards or captures their output, and waits.
 ///
 /// Fail-fast, as `torchrun`: when a rank exits non-zero or is killed, every other rank of this
 /// node gets SIGTERM (its whole process group), then SIGKILL after `config.stop_grace`; the
@@ -71,6 +74,7 @@ enum Failure {
 ///
 /// # Errors
 /// - [`LaunchError::Config`] for an invalid `config` (nothing is started);
+/// - [`LaunchError::Token`] when the system cannot make a random token (nothing is started);
 /// - [`LaunchError::Spawn`] when the program cannot be started (ranks already started are stopped);
 /// - [`LaunchError::RankFailed`] naming the first rank seen failing, with its exit status;
 /// - [`LaunchError::Interrupted`] when the launcher got SIGINT/SIGTERM/SIGHUP (with
@@ -80,6 +84,10 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     // Counted from here, so a signal that arrives while the ranks are being started still stops them.
     let signals_before = signals::count();
     config.validate()?;
+    let token = match &config.token {
+        Some(token) => token.clone(),
+        None => JobToken::generate().map_err(LaunchError::Token)?,
+    };
     let (events, event_rx) = mpsc::channel();
     let mut ranks: Vec<Rank> = Vec::with_capacity(config.nproc_per_node);
     for local_rank in 0..config.nproc_per_node {
@@ -88,6 +96,8 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         command
             .args(&config.args)
             .envs(config.rank_env(local_rank))
+            .env(JOB_TOKEN, token.reveal())
+            .env_remove(JOB_TOKEN_FILE)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

@@ -8,6 +8,12 @@
 //! the node as soon as one fails, so a crash is an error with the rank's name instead of a job
 //! that hangs in its next collective.
 //!
+//! Every rank also gets the job's token in `BURN_SHARD_JOB_TOKEN`, which rank 0's rendezvous
+//! store asks each connection to prove: on one node a fresh random one per job; with several
+//! nodes the one given to every node (`--job-token-file`, `BURN_SHARD_JOB_TOKEN_FILE` or
+//! `BURN_SHARD_JOB_TOKEN`), since node 0's store must hold the same token as the other nodes'
+//! ranks. Several nodes without a token are refused before anything starts.
+//!
 //! This crate does not depend on Burn (only on `burn-shard-rendezvous`, std only): the launcher
 //! builds in seconds and starts any program. Linux only (process groups, `waitid`).
 //!

@@ -1,4 +1,4 @@
-//! `burn-shard-run --nproc-per-node N [--nnodes M --node-rank K --master-addr A --master-port P] -- program args...`
+//! `burn-shard-run --nproc-per-node N [--nnodes M --node-rank K --master-addr A --master-port P --job-token-file F] -- program args...`
 
 use std::process::ExitCode;
 

@@ -1,6 +1,6 @@
 //! [`StoreClient`]: one rank's connection to the rendezvous store.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use super::seconds;
 use super::wire::{self, Request};
-use crate::RendezvousError;
+use crate::auth::{self, Handshake};
+use crate::{JOB_TOKEN, JOB_TOKEN_FILE, JobToken, RendezvousError};
 
 /// Longest single connection attempt; attempts repeat until the caller's timeout.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -40,14 +41,17 @@ struct Connection {
 }
 
 impl StoreClient {
-    /// Connects to the store at `addr` (`"host:port"`, `"[v6]:port"`), retrying until `timeout`
+    /// Connects to the store at `addr` (`"host:port"`, `"[v6]:port"`), proves that this process
+    /// holds the job's `token` and checks that the store holds it too, retrying until `timeout`
     /// (seconds granularity is enough: the rank hosting the store may start later than this one).
     /// `timeout` also bounds every later `set` and `add`.
     ///
     /// # Errors
-    /// [`RendezvousError::Rendezvous`] when nothing answered at `addr` within `timeout`, or when
-    /// another program, not a rendezvous store, answered there.
-    pub fn connect(addr: &str, timeout: Duration) -> Result<Self, RendezvousError> {
+    /// [`RendezvousError::Rendezvous`] when nothing answered at `addr` within `timeout` (or only
+    /// a store serving its maximum of connections), when another program, not a rendezvous
+    /// store, answered there, or at once when the store holds another job token (the message
+    /// names `BURN_SHARD_JOB_TOKEN`: give every node the same one).
+    pub fn connect(addr: &str, token: &JobToken, timeout: Duration) -> Result<Self, RendezvousError> {
         let deadline = Instant::now() + timeout;
         let mut last_error = String::from("no address to try");
         loop {
@@ -56,8 +60,10 @@ impl StoreClient {
                     for candidate in candidates {
                         let left = deadline.saturating_duration_since(Instant::now());
                         let attempt = left.min(ATTEMPT_TIMEOUT).max(Duration::from_millis(1));
-                        match TcpStream::connect_timeout(&candidate, attempt).and_then(|s| hello(s, attempt)) {
-                            Ok(Ok(stream)) => {
+                        let handshake = TcpStream::connect_timeout(&candidate, attempt)
+                            .and_then(|s| auth::connect(s, token, Instant::now() + attempt));
+                        match handshake {
+                            Ok(Handshake::Accepted(stream)) => {
                                 return Ok(Self {
                                     addr: addr.to_string(),
                                     timeout,
@@ -65,12 +71,27 @@ impl StoreClient {
                                     barriers: AtomicU64::new(0),
                                 });
                             }
-                            Ok(Err(stranger)) => {
+                            Ok(Handshake::Stranger(stranger)) => {
                                 return Err(RendezvousError::Rendezvous(format!(
                                     "{candidate} ({addr}) answered, but not as a burn-shard rendezvous ({stranger}): \
                                      another program (or another burn-shard version) holds that port; choose a free \
                                      MASTER_PORT, the same on every rank"
                                 )));
+                            }
+                            Ok(Handshake::WrongToken) => {
+                                return Err(RendezvousError::Rendezvous(format!(
+                                    "the rendezvous at {candidate} ({addr}) holds another job token than this \
+                                     process: give every process of the job the same {JOB_TOKEN} (or \
+                                     {JOB_TOKEN_FILE}); burn-shard-run passes its own to the ranks it starts, so \
+                                     with several nodes set the same one on every node. If they are the same, \
+                                     another job holds MASTER_PORT there: choose another"
+                                )));
+                            }
+                            Ok(Handshake::Busy) => {
+                                last_error = format!(
+                                    "{candidate}: the store serves its maximum of connections \
+                                     (StoreLimits::max_connections on rank 0) and refused this one"
+                                );
                             }
                             Err(e) => last_error = format!("{candidate}: {e}"),
                         }
@@ -106,8 +127,10 @@ impl StoreClient {
     ///
     /// # Errors
     /// [`RendezvousError::Rendezvous`] when the key is over [`MAX_KEY_BYTES`](super::MAX_KEY_BYTES)
-    /// or the value over [`MAX_VALUE_BYTES`](super::MAX_VALUE_BYTES) bytes, or the store is
-    /// gone or silent for the connect timeout.
+    /// or the value over [`MAX_VALUE_BYTES`](super::MAX_VALUE_BYTES) bytes (checked here), when
+    /// the store refuses it for its own [`StoreLimits`](crate::StoreLimits) (a key or value
+    /// over its size limits, or more bytes than it may hold: the message names the limit; the
+    /// connection stays usable), or when the store is gone or silent for the connect timeout.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
         check_key(key)?;
         if value.len() > wire::MAX_VALUE_BYTES {
@@ -129,7 +152,7 @@ impl StoreClient {
     ///
     /// # Errors
     /// [`RendezvousError::Rendezvous`] when the key is still unset after `timeout` (the message names
-    /// the key and the wait), or the store is gone.
+    /// the key and the wait), the key is over the store's limit, or the store is gone.
     pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, RendezvousError> {
         self.try_get(key, timeout)?.ok_or_else(|| {
             RendezvousError::Rendezvous(format!(
@@ -171,7 +194,8 @@ impl StoreClient {
     ///
     /// # Errors
     /// [`RendezvousError::Rendezvous`] when `key` holds a value set by [`StoreClient::set`] that is not
-    /// 8 bytes long, or the store is gone.
+    /// 8 bytes long, when a new counter would take the store over its
+    /// [`StoreLimits::max_stored_bytes`](crate::StoreLimits::max_stored_bytes), or the store is gone.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64, RendezvousError> {
         check_key(key)?;
         let request = Request::Add {
@@ -253,10 +277,13 @@ impl StoreClient {
             .and_then(|()| request.write(stream))
             .and_then(|()| {
                 let status = wire::read_u8(stream)?;
+                if status == wire::TOO_LARGE || status == wire::FULL {
+                    return Ok(Err((status, wire::read_u64(stream)?)));
+                }
                 read_rest(stream, status)?;
-                Ok(status)
+                Ok(Ok(status))
             });
-        result.map_err(|e| {
+        let reply = result.map_err(|e| {
             let why = match e.kind() {
                 io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
                     "the rendezvous at {} did not answer {op} '{key}' within {}: is rank 0's process alive?",
@@ -271,6 +298,38 @@ impl StoreClient {
             };
             connection.broken = Some(why.clone());
             RendezvousError::Rendezvous(why)
+        })?;
+        reply.map_err(|(status, limit)| self.refused(op, key, request, status, limit))
+    }
+
+    /// The error of a request the store refused for a limit (the connection stays usable).
+    fn refused(&self, op: &str, key: &str, request: &Request, status: u8, limit: u64) -> RendezvousError {
+        let value = match request {
+            Request::Set { value, .. } => value.len(),
+            Request::Get { .. } | Request::Add { .. } => 8,
+        };
+        let shown: String = key.chars().take(64).collect();
+        let shown = if shown.len() < key.len() {
+            format!("{shown}...")
+        } else {
+            shown
+        };
+        RendezvousError::Rendezvous(if status == wire::FULL {
+            format!(
+                "the rendezvous at {} refused {op} '{shown}' ({} bytes of key and value): the store would hold \
+                 more than its limit of {limit} bytes of keys and values (StoreLimits::max_stored_bytes where rank \
+                 0 hosts it); store less, or raise that limit",
+                self.addr,
+                key.len() + value
+            )
+        } else {
+            format!(
+                "the rendezvous at {} refused {op} '{shown}': its key ({} bytes) or value ({value} bytes) is over \
+                 the store's limit of {limit} bytes (StoreLimits::max_key_bytes and max_value_bytes where rank 0 \
+                 hosts it); use a shorter key or a smaller value, or raise that limit",
+                self.addr,
+                key.len()
+            )
         })
     }
 
@@ -285,19 +344,6 @@ impl StoreClient {
             )))
         }
     }
-}
-
-/// Sends the hello and checks the echo. `Ok(Err(..))`: something answered that is not a store.
-fn hello(mut stream: TcpStream, timeout: Duration) -> io::Result<Result<TcpStream, String>> {
-    stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.write_all(&wire::HELLO)?;
-    let mut echo = [0u8; wire::HELLO.len()];
-    stream.read_exact(&mut echo)?;
-    if echo != wire::HELLO {
-        return Ok(Err(format!("it sent {:?}", String::from_utf8_lossy(&echo))));
-    }
-    Ok(Ok(stream))
 }
 
 fn check_key(key: &str) -> Result<(), RendezvousError> {

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use crate::RendezvousError;
+use crate::{JOB_TOKEN, JOB_TOKEN_FILE, JobToken, RendezvousError, token};
 
 /// `RANK`: this process's rank in `0..WORLD_SIZE`.
 pub const RANK: &str = "RANK";
@@ -33,22 +33,28 @@ pub struct RendezvousEnv {
     pub master_addr: String,
     /// `MASTER_PORT`, in `1..=65535`.
     pub master_port: u16,
+    /// The job's secret, from `BURN_SHARD_JOB_TOKEN` or the owner-only file named by
+    /// `BURN_SHARD_JOB_TOKEN_FILE`: the store serves only processes that hold it.
+    pub token: JobToken,
 }
 
 impl RendezvousEnv {
-    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
-    /// `MASTER_PORT` from this process's environment.
+    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
+    /// `MASTER_PORT` and the job token (`BURN_SHARD_JOB_TOKEN`, or the file named by
+    /// `BURN_SHARD_JOB_TOKEN_FILE`, see [`JobToken::from_env`]) from this process's environment.
     ///
     /// # Errors
     /// [`RendezvousError::Env`] naming the first variable that is missing, not UTF-8, not a number,
-    /// or out of range (e.g. `RANK >= WORLD_SIZE`).
+    /// or out of range (e.g. `RANK >= WORLD_SIZE`); for the token, also both token variables
+    /// set, a token too short, or a token file readable by others (the fix: `chmod 600`).
     pub fn from_env() -> Result<Self, RendezvousError> {
         Self::parse(|var| match std::env::var(var) {
             Ok(value) => Ok(Some(value)),
             Err(std::env::VarError::NotPresent) => Ok(None),
             Err(std::env::VarError::NotUnicode(raw)) => Err(RendezvousError::Env {
                 var,
-                problem: format!("is not UTF-8 ({raw:?})"),
+                // Its bytes are not shown: the variable may hold the job token.
+                problem: format!("is not UTF-8 ({} bytes)", raw.len()),
             }),
         })
     }
@@ -133,6 +139,14 @@ impl RendezvousEnv {
                 });
             }
         };
+        let token = JobToken::from_lookup(&get)?.ok_or_else(|| RendezvousError::Env {
+            var: JOB_TOKEN,
+            problem: format!(
+                "is not set, nor {JOB_TOKEN_FILE}: the rendezvous serves only processes that hold the job's token \
+                 (burn-shard-run sets it for the ranks it starts; under another launcher, {})",
+                token::HOW_TO_SHARE
+            ),
+        })?;
         Ok(Self {
             rank,
             world_size,
@@ -140,6 +154,7 @@ impl RendezvousEnv {
             local_world_size,
             master_addr: master_addr.to_string(),
             master_port,
+            token,
         })
     }
 

@@ -10,10 +10,12 @@ pub enum RendezvousError {
     #[error("world_size must be at least 1, got {0}")]
     InvalidWorldSize(usize),
     /// A launcher environment variable (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-    /// `MASTER_ADDR`, `MASTER_PORT`) is missing or malformed.
+    /// `MASTER_ADDR`, `MASTER_PORT`, `BURN_SHARD_JOB_TOKEN`, `BURN_SHARD_JOB_TOKEN_FILE`) is
+    /// missing or malformed.
     #[error(
-        "environment variable {var}: {problem}; start every process with burn-shard-run (or torchrun), which sets \
-         RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
+        "environment variable {var}: {problem}; start every process with burn-shard-run, which sets \
+         RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and BURN_SHARD_JOB_TOKEN \
+         (torchrun sets all but the token)"
     )]
     Env {
         /// The variable's name.

@@ -5,16 +5,25 @@
 //! `MASTER_ADDR:MASTER_PORT`; every rank, rank 0 included, connects to it as a [`StoreClient`]
 //! and sets, waits for and counts keys. [`RendezvousEnv`] reads the launcher's variables and
 //! [`Rendezvous`] does both steps for this process, then checks that the job's ranks add up
-//! (each `RANK` once, one `WORLD_SIZE`, nobody missing). Standard library only: no serde, no
-//! async, no Burn (its own dependencies are `thiserror` and `tracing`), so the launcher
-//! `burn-shard-run` uses it too, for the variables' names. The keys it uses start with
-//! `burn-shard/`.
+//! (each `RANK` once, one `WORLD_SIZE`, nobody missing). No serde, no async, no Burn (its
+//! dependencies are `thiserror`, `tracing`, and `getrandom`, `hmac` and `sha2` for the token),
+//! so the launcher `burn-shard-run` uses it too, for the variables' names and the token. The
+//! keys it uses start with `burn-shard/`.
+//!
+//! Who may join: the store serves only processes that prove they hold the job's [`JobToken`]
+//! (`BURN_SHARD_JOB_TOKEN`, or an owner-only file named by `BURN_SHARD_JOB_TOKEN_FILE`), by an
+//! HMAC-SHA256 challenge-response in both directions; the token never crosses the wire. What
+//! one client can cost it is bounded by [`StoreLimits`]: connections, bytes held, key and
+//! value sizes, and the time to prove the token.
 
+mod auth;
 mod client;
 mod env;
 mod error;
+mod limits;
 mod membership;
 mod server;
+mod token;
 mod wire;
 
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -23,7 +32,12 @@ use std::time::Duration;
 pub use client::StoreClient;
 pub use env::{LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RANK, RendezvousEnv, WORLD_SIZE};
 pub use error::RendezvousError;
+pub use limits::{
+    DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HANDSHAKES_PER_PEER, DEFAULT_MAX_STORED_BYTES,
+    StoreLimits,
+};
 pub use server::StoreServer;
+pub use token::{GENERATED_JOB_TOKEN_BYTES, JOB_TOKEN, JOB_TOKEN_FILE, JobToken, MIN_JOB_TOKEN_CHARS};
 pub use wire::{MAX_KEY_BYTES, MAX_VALUE_BYTES};
 
 /// Default time to wait for the rendezvous and for keys (60 s): long enough for the last
@@ -59,9 +73,10 @@ impl Drop for Rendezvous {
 }
 
 impl Rendezvous {
-    /// On rank 0, starts the store on port `MASTER_PORT` of every interface of this machine;
-    /// then, on every rank, connects to `MASTER_ADDR:MASTER_PORT`, waiting up to `timeout` for
-    /// rank 0 to be listening; then registers this rank's `RANK` and `WORLD_SIZE` and waits, up
+    /// On rank 0, starts the store on port `MASTER_PORT` of every interface of this machine,
+    /// serving only the holders of `env.token`, with [`StoreLimits::for_world_size`]; then, on
+    /// every rank, connects to `MASTER_ADDR:MASTER_PORT` with that token, waiting up to `timeout`
+    /// for rank 0 to be listening; then registers this rank's `RANK` and `WORLD_SIZE` and waits, up
     /// to `timeout` again, until every rank of the job has registered.
     ///
     /// The join succeeds only when rank 0's `WORLD_SIZE` ranks registered, each `RANK` once, all
@@ -76,6 +91,8 @@ impl Rendezvous {
     /// - rank 0 cannot bind the port or resolve `MASTER_ADDR`;
     /// - a rank finds no store within `timeout` (rank 0 is not running, or `MASTER_ADDR` or
     ///   `MASTER_PORT` differ between ranks);
+    /// - at once, when rank 0's store holds another job token than this rank (the message names
+    ///   `BURN_SHARD_JOB_TOKEN`: give every node the same one);
     /// - two processes registered with the same `RANK` (the message names it);
     /// - a rank's `WORLD_SIZE` differs from rank 0's, which is how a `RANK` beyond rank 0's
     ///   `WORLD_SIZE` shows (the message names both sizes);
@@ -89,11 +106,16 @@ impl Rendezvous {
     /// to have has read the problem: so ranks still starting report it rather than a lost store.
     pub fn new(env: RendezvousEnv, timeout: Duration) -> Result<Self, RendezvousError> {
         let server = if env.rank == 0 {
-            Some(StoreServer::bind(listen_addr(&env)?)?)
+            let limits = StoreLimits::for_world_size(env.world_size);
+            Some(StoreServer::bind_with_limits(
+                listen_addr(&env)?,
+                env.token.clone(),
+                limits,
+            )?)
         } else {
             None
         };
-        let client = StoreClient::connect(&env.master(), timeout)?;
+        let client = StoreClient::connect(&env.master(), &env.token, timeout)?;
         let mut rendezvous = Self {
             env,
             client,
@@ -115,7 +137,7 @@ impl Rendezvous {
         joined.map(|()| rendezvous)
     }
 
-    /// Reads the launcher's variables ([`RendezvousEnv::from_env`]) and joins the rendezvous with
+    /// Reads the launcher's variables and the job token ([`RendezvousEnv::from_env`]) and joins the rendezvous with
     /// [`RENDEZVOUS_DEFAULT_TIMEOUT`].
     ///
     /// # Errors

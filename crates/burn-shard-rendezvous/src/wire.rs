@@ -1,23 +1,31 @@
 //! The store's wire format: one request, one reply, in order, over one TCP connection per client.
 //!
-//! A connection opens with [`HELLO`] from the client, echoed by the server, so a client that
-//! reached some other program on `MASTER_PORT` says so instead of misreading its bytes.
+//! A connection opens with the handshake of `auth.rs`: [`HELLO`] both ways (so a client that
+//! reached some other program on `MASTER_PORT` says so instead of misreading its bytes), then
+//! the proof of the job token both ways. Only then are requests read.
 //! Integers are little-endian. A request is `op: u8`, `key_len: u32`, `key` (UTF-8), then:
 //! - [`SET`]: `value_len: u32`, `value` → reply [`OK`];
 //! - [`GET`]: `wait_ms: u64` → reply [`OK`], `value_len: u32`, `value`; or [`NOT_FOUND`] once
 //!   the key stayed absent for `wait_ms`;
 //! - [`ADD`]: `delta: i64` → reply [`OK`], `sum: i64`; or [`NOT_COUNTER`] when the key holds a
 //!   value that is not an 8-byte counter.
+//!
+//! Any request may instead be answered [`TOO_LARGE`], `limit: u64` (its key or value is over
+//! the store's limit, in bytes), and a `set` or an `add` that creates a counter [`FULL`],
+//! `limit: u64` (the store would hold more bytes than that): the request's bytes were read and
+//! dropped, the connection stays in step.
 
 use std::io::{self, Read, Write};
 use std::time::Duration;
 
 /// First bytes of every connection, in both directions (protocol name and version).
-pub(crate) const HELLO: [u8; 8] = *b"BSRDV001";
+pub(crate) const HELLO: [u8; 8] = *b"BSRDV002";
 
-/// Longest key the store accepts, in bytes.
+/// Longest key the wire format carries, in bytes (a store may accept less:
+/// [`StoreLimits::max_key_bytes`](crate::StoreLimits::max_key_bytes)).
 pub const MAX_KEY_BYTES: usize = 4096;
-/// Largest value the store accepts, in bytes (64 MiB).
+/// Largest value the wire format carries, in bytes (64 MiB; a store may accept less:
+/// [`StoreLimits::max_value_bytes`](crate::StoreLimits::max_value_bytes)).
 pub const MAX_VALUE_BYTES: usize = 64 << 20;
 
 pub(crate) const SET: u8 = 1;
@@ -27,6 +35,14 @@ pub(crate) const ADD: u8 = 3;
 pub(crate) const OK: u8 = 0;
 pub(crate) const NOT_FOUND: u8 = 1;
 pub(crate) const NOT_COUNTER: u8 = 2;
+/// A key or value over the store's limit; followed by the limit (`u64`, bytes).
+pub(crate) const TOO_LARGE: u8 = 3;
+/// The store would hold more than its limit; followed by the limit (`u64`, bytes).
+pub(crate) const FULL: u8 = 4;
+/// Handshake: the store serves as many connections as it may; it closes this one.
+pub(crate) const BUSY: u8 = 5;
+/// Handshake: the client's proof of the job token is wrong; the store closes the connection.
+pub(crate) const BAD_TOKEN: u8 = 6;
 
 /// One request of a client.
 #[derive(Debug, PartialEq, Eq)]
@@ -58,40 +74,6 @@ impl Request {
         w.write_all(&buf)?;
         w.flush()
     }
-
-    /// Reads the next request; `None` when the client closed the connection between requests.
-    pub(crate) fn read(r: &mut impl Read) -> io::Result<Option<Self>> {
-        let mut op = [0u8; 1];
-        match r.read_exact(&mut op) {
-            Ok(()) => {}
-            // Nothing read: the client closed the connection between requests.
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
-            Err(e) => return Err(e),
-        }
-        let key = String::from_utf8(read_bytes(r, MAX_KEY_BYTES)?)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "key is not UTF-8"))?;
-        let request = match op[0] {
-            SET => Request::Set {
-                key,
-                value: read_bytes(r, MAX_VALUE_BYTES)?,
-            },
-            GET => Request::Get {
-                key,
-                wait: Duration::from_millis(read_u64(r)?),
-            },
-            ADD => Request::Add {
-                key,
-                delta: read_u64(r)? as i64,
-            },
-            other => {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("unknown request {other}"),
-                ));
-            }
-        };
-        Ok(Some(request))
-    }
 }
 
 /// Appends `len: u32` and the bytes.
@@ -117,6 +99,21 @@ pub(crate) fn read_bytes(r: &mut impl Read, max: usize) -> io::Result<Vec<u8>> {
     let mut bytes = vec![0u8; len];
     r.read_exact(&mut bytes)?;
     Ok(bytes)
+}
+
+pub(crate) fn read_u32(r: &mut impl Read) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+/// Reads and drops `len` bytes, a chunk at a time (a refused value is never held whole).
+pub(crate) fn skip(r: &mut impl Read, len: u64) -> io::Result<()> {
+    let skipped = io::copy(&mut r.take(len), &mut io::sink())?;
+    if skipped < len {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
 }
 
 pub(crate) fn read_u8(r: &mut impl Read) -> io::Result<u8> {

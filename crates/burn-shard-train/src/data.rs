@@ -1,4 +1,4 @@
-//! Each rank's share of a data loader.
+//! Each rank's share of a data loader: equal shares for training, every item once for validation.
 
 use std::sync::Arc;
 
@@ -35,4 +35,21 @@ pub(crate) fn equal_share<O: 'static>(
         );
     }
     loader.slice(rank * per_rank, (rank + 1) * per_rank).to_device(device)
+}
+
+/// Share `rank` of `loader` for validation, on `device`: every item in exactly one share, the
+/// shares contiguous and as equal as they come (rank `r` reads items
+/// `[⌊r·N/W⌋, ⌊(r+1)·N/W⌋)` of `N` items on `W` ranks, so their lengths differ by at most one),
+/// so that metrics over the ranks' shares are the metrics over the whole set, at every world
+/// size. Ranks may then run different numbers of batches; the rank's loop keeps them in step
+/// (see `RankJob::valid_epoch`).
+pub(crate) fn whole_share<O: 'static>(
+    loader: &Arc<dyn DataLoader<O>>,
+    rank: usize,
+    world_size: usize,
+    device: &Device,
+) -> Arc<dyn DataLoader<O>> {
+    let total = loader.num_items();
+    let bound = |r: usize| r * total / world_size;
+    loader.slice(bound(rank), bound(rank + 1)).to_device(device)
 }

@@ -8,14 +8,17 @@
 //!
 //! Files: `strategy.rs` (the public type and `fit`), `coordinator.rs` (the calling thread:
 //! events, metrics, the decisions of an epoch's end), `rank.rs` (one rank's epoch loop),
-//! `events.rs` (their messages), `error.rs` (failed ranks), `data.rs` (equal shares of a data loader).
+//! `events.rs` (their messages), `error.rs` (failed ranks), `data.rs` (each rank's share of a data loader),
+//! `loss_scale.rs` ([`scale_loss`] for a `TrainStep`).
 
 mod coordinator;
 mod data;
 mod error;
 mod events;
+mod loss_scale;
 mod rank;
 mod strategy;
 
 pub use error::RankFailures;
+pub use loss_scale::scale_loss;
 pub use strategy::ShardedStrategy;

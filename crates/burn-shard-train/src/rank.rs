@@ -14,6 +14,7 @@ use burn_shard::{IntoOptimizer, ShardConfig, ShardError, ShardedOptimizer};
 
 use crate::error::RankFailures;
 use crate::events::{EpochDecision, RankEvent, Split};
+use crate::loss_scale::with_scaling;
 
 /// What a rank sends the coordinator.
 pub(crate) type Event<M> = RankEvent<<M as TrainStep>::Output, <M as InferenceStep>::Output>;
@@ -32,7 +33,10 @@ pub(crate) struct RankJob<'a, M: LearnerModel, O> {
     pub learner: Learner<M>,
     pub device: Device,
     pub train: std::sync::Arc<dyn DataLoader<<M as TrainStep>::Input>>,
+    /// This rank's share of the validation loader (shares may differ by one item).
     pub valid: std::sync::Arc<dyn DataLoader<<M as InferenceStep>::Input>>,
+    /// Items of the whole validation loader.
+    pub valid_total: usize,
     pub first_epoch: usize,
     pub last_epoch: usize,
     pub grad_accumulation: Option<usize>,
@@ -128,16 +132,17 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
         Ok(model.materialize())
     }
 
-    /// Every rank must run the same number of batches; with one process per rank each built
-    /// its own loaders, so their sizes are compared first (one all-gather of two numbers).
+    /// Every rank must run the same number of training batches and see the same validation
+    /// set; with one process per rank each built its own loaders, so their sizes are compared
+    /// first (one all-gather of two numbers: the training share, the whole validation set).
     fn check_same_data(&self, comm: &dyn Collective) -> Result<(), RankError> {
-        let (train, valid) = (self.train.num_items(), self.valid.num_items());
+        let (train, valid) = (self.train.num_items(), self.valid_total);
         let mine = vec![train as f32, valid as f32];
         let all = small_collective(mine, &self.device, "comparing the ranks' data", |t| comm.all_gather(t))?;
         match all.chunks(2).position(|other| other != [train as f32, valid as f32]) {
             Some(other) => Err(format!(
-                "rank {other}'s share of the data differs from rank {}'s ({train} training and {valid} validation \
-                 items): every process must build the same loaders (same data, batch size and shuffle seed)",
+                "rank {other}'s data differs from rank {}'s ({train} training items in its share, {valid} validation \
+                 items in all): every process must build the same loaders (same data, batch size and shuffle seed)",
                 self.rank
             )),
             None => Ok(()),
@@ -163,11 +168,21 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
         let mut iterator = self.train.iter();
         loop {
             let (item, failed) = next_item(iterator.next(), &self.interrupter);
-            if agree_stop(optim.comm(), &self.interrupter, failed, &self.device)? {
+            let agreed = agree_stop(optim.comm(), &self.interrupter, failed, item.is_some(), &self.device)?;
+            if agreed.stop {
                 return Ok(true);
             }
+            // Equal shares run out at the same batch; loaders built differently (another batch
+            // size in one process) would leave ranks in different collectives: refused.
+            if agreed.any_item != agreed.every_item {
+                return Err(
+                    "the ranks' training shares ran out at different batches: every process must build the same \
+                     loaders (same data, batch size and shuffle seed)"
+                        .to_string(),
+                );
+            }
             let Some(item) = item else { return Ok(false) };
-            let output = TrainStep::step(model, item);
+            let output = with_scaling(optim.loss_scaling(), || TrainStep::step(model, item));
             let progress = iterator.progress();
             micro_batches += 1;
             // Burn's rule: step after `accumulation` micro-batches, or at the last one.
@@ -192,17 +207,41 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
         }
     }
 
-    /// One validation pass over this rank's share, on every rank (at stage 3 each forward
-    /// all-gathers). Returns whether the ranks agreed to stop.
+    /// One validation pass over this rank's share, on every rank, until every rank's share is
+    /// done: shares may differ by one item, so one rank may have a batch more. A rank out of
+    /// items still agrees at each batch, and where a forward is a collective (stage 3: each
+    /// parameter is all-gathered) it runs one on a one-item batch of its share and reports
+    /// nothing, so every item counts once. Returns whether the ranks agreed to stop.
     fn valid_epoch(&self, model: &M, optim: &ShardedOptimizer<O::Optimizer>) -> Result<bool, RankError> {
         let model = model.valid();
         let mut iterator = self.valid.iter();
+        let mut done = false;
         loop {
-            let (item, failed) = next_item(iterator.next(), &self.interrupter);
-            if agree_stop(optim.comm(), &self.interrupter, failed, &self.device)? {
+            let (item, failed) = match done {
+                true => (None, false),
+                false => next_item(iterator.next(), &self.interrupter),
+            };
+            done = item.is_none();
+            let agreed = agree_stop(optim.comm(), &self.interrupter, failed, item.is_some(), &self.device)?;
+            if agreed.stop {
                 return Ok(true);
             }
-            let Some(item) = item else { break };
+            if !agreed.any_item {
+                break;
+            }
+            let Some(item) = item else {
+                if optim.forward_is_collective() {
+                    let pad = match self.valid.slice(0, 1).iter().next() {
+                        Some(Ok(pad)) => pad,
+                        Some(Err(e)) => {
+                            return Err(format!("loading a batch to keep in step with the other ranks: {e}"));
+                        }
+                        None => return Err("this rank's validation share is empty".to_string()),
+                    };
+                    drop(InferenceStep::step(&model, pad));
+                }
+                continue;
+            };
             let item = InferenceStep::step(&model, item);
             let event = RankEvent::Validated {
                 item,
@@ -306,16 +345,28 @@ fn agree_decision(comm: &dyn Collective, decision: EpochDecision, device: &Devic
 /// two: a save and a delete, or one per composed strategy).
 const MAX_ACTIONS: usize = 8;
 
-/// Whether any rank wants to stop: an interrupt, or a failure (a data error) on any rank. One
-/// all-gather of one element per rank, so every rank leaves the pass at the same batch and no
-/// collective is left waiting. A rank whose own `interrupter` has not seen the cause (one
-/// process per rank) records it there, so its `LearningResult` reports the stop or the failure.
+/// What the ranks agreed at one batch.
+struct Agreed {
+    /// Some rank wants to stop: an interrupt, or a failure.
+    stop: bool,
+    /// Some rank has an item for this batch.
+    any_item: bool,
+    /// Every rank has an item for this batch.
+    every_item: bool,
+}
+
+/// Whether any rank wants to stop (an interrupt, or a failure such as a data error) and
+/// whether any rank has an item (`has_item` here). One all-gather of two elements per rank, so
+/// every rank leaves the pass at the same batch and no collective is left waiting. A rank whose
+/// own `interrupter` has not seen the cause (one process per rank) records it there, so its
+/// `LearningResult` reports the stop or the failure.
 fn agree_stop(
     comm: &dyn Collective,
     interrupter: &Interrupter,
     failed: bool,
+    has_item: bool,
     device: &Device,
-) -> Result<bool, RankError> {
+) -> Result<Agreed, RankError> {
     const NONE: f32 = 0.0;
     const STOP: f32 = 1.0;
     const FAILURE: f32 = 2.0;
@@ -324,7 +375,13 @@ fn agree_stop(
         (false, true) => STOP,
         (false, false) => NONE,
     };
-    let kinds = small_collective(vec![local], device, "agreeing whether to stop", |t| comm.all_gather(t))?;
+    let has = if has_item { 1.0 } else { 0.0 };
+    let agreed = small_collective(vec![local, has], device, "agreeing whether to stop", |t| {
+        comm.all_gather(t)
+    })?;
+    let kinds: Vec<f32> = agreed.iter().step_by(2).copied().collect();
+    let any_item = agreed.iter().skip(1).step_by(2).any(|h| *h > 0.0);
+    let every_item = agreed.iter().skip(1).step_by(2).all(|h| *h > 0.0);
     if let Some(rank) = kinds.iter().position(|k| *k == FAILURE)
         && interrupter.error().is_none()
     {
@@ -337,7 +394,11 @@ fn agree_stop(
     {
         interrupter.stop(Some(&format!("stopped by rank {rank}")));
     }
-    Ok(kinds.iter().any(|k| *k != NONE))
+    Ok(Agreed {
+        stop: kinds.iter().any(|k| *k != NONE),
+        any_item,
+        every_item,
+    })
 }
 
 /// Runs `collective` on `values` (`f32`, on `device` without autodiff: the device's default

@@ -14,7 +14,7 @@ use burn_shard::comm::{Collective, InProcessGroup};
 use burn_shard::{IntoOptimizer, ShardConfig};
 
 use crate::coordinator::Coordinator;
-use crate::data::equal_share;
+use crate::data::{equal_share, whole_share};
 use crate::error::RankFailures;
 use crate::rank::RankJob;
 
@@ -38,10 +38,14 @@ use crate::rank::RankJob;
 ///   (Burn's `AdamConfig`/`AdamWConfig` become the fused Adam step); the `ModuleOptimizer`
 ///   given to `Learner::new` is not used (the Learner keeps it private). The Learner's
 ///   learning-rate scheduler is used, stepped once per optimizer step on every rank.
-/// - **Data**: each rank trains and validates on an equal, contiguous share of the loaders
-///   (rank `r` of `n` reads items `[r·k, (r+1)·k)`, `k = num_items / n`; the last
-///   `num_items % n` items are dropped, with a warning): every rank must run the same number of
-///   batches. A step trains on the union of one batch per rank, so the global batch is
+/// - **Data**: each rank trains on an equal, contiguous share of the training loader (rank `r`
+///   of `n` reads items `[r·k, (r+1)·k)`, `k = num_items / n`; the last `num_items % n` items
+///   are dropped, with a warning, as `DistributedSampler(drop_last=True)` does): every step is
+///   a collective. Validation counts every item exactly once: rank `r` reads items
+///   `[⌊r·N/n⌋, ⌊(r+1)·N/n⌋)` of the `N`, so the validation metrics equal one device's at every
+///   world size; a rank whose share ends a batch early waits for the others (at stage 3 it runs
+///   the forward of a one-item batch whose outputs it drops, since every forward all-gathers).
+///   A step trains on the union of one batch per rank, so the global batch is
 ///   `world_size` times the loader's batch size; gradients are averaged over the ranks. A
 ///   loader's `shuffle` permutes within each share, so a data set stored in order (sorted by
 ///   label, say) should be shuffled as a whole first (Burn's `ShuffledDataset`).
@@ -227,6 +231,7 @@ where
             return (learner.model(), processor);
         }
         let world_size = self.world_size();
+        let valid_total = valid.num_items();
         if world_size == 0 || train.num_items() < world_size || valid.num_items() < world_size {
             self.refuse(
                 &interrupter,
@@ -256,7 +261,7 @@ where
                 };
                 let train_share = equal_share(&train, rank, world_size, &train_device, "training");
                 let valid_device = train_device.clone().without_autodiff();
-                let valid_share = equal_share(&valid, rank, world_size, &valid_device, "validation");
+                let valid_share = whole_share(&valid, rank, world_size, &valid_device);
                 (rank, comm, train_device, train_share, valid_share)
             })
             .collect();
@@ -270,7 +275,7 @@ where
             early_stopping: components.early_stopping,
             checkpointing: self.checkpoints.as_ref().map(|(_, s)| s),
             train_items: local[0].3.num_items() * local_ranks,
-            valid_items: local[0].4.num_items() * local_ranks,
+            valid_items: local.iter().map(|l| l.4.num_items()).sum(),
             failures: Vec::new(),
         };
         let last_epoch = components.num_epochs;
@@ -288,6 +293,7 @@ where
                     device,
                     train,
                     valid,
+                    valid_total,
                     first_epoch: starting_epoch,
                     last_epoch,
                     grad_accumulation: components.grad_accumulation,

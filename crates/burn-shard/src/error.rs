@@ -122,6 +122,49 @@ pub enum ShardError {
         /// What to do about it.
         fix: String,
     },
+    /// An earlier `ShardedOptimizer::step` failed after it had started updating (a disk that
+    /// filled with NVMe offload, a collective lost mid-update): some buckets hold the new
+    /// values and some the old, on this rank or across ranks. Every later `step`, `accumulate`,
+    /// `map_params` and save returns this, so a half-applied step is never trained on or saved.
+    #[error(
+        "an earlier ShardedOptimizer::step failed half-way ({cause}): the parameters and the optimizer state are \
+         partly updated, so this optimizer refuses to {op}; restart the job and resume from the last checkpoint \
+         (ShardedOptimizer::load_checkpoint)"
+    )]
+    HalfAppliedStep {
+        /// What the refused call was (`step`, `save a checkpoint`, ...).
+        op: String,
+        /// The error of the step that failed half-way.
+        cause: String,
+    },
+    /// A mapper given to `ShardedOptimizer::map_params` changed what the sharded layout is
+    /// built on (a parameter's shape or dtype, or made a parameter frozen at `init` trainable);
+    /// nothing was replaced.
+    #[error("map_params: the mapper changed parameter `{path}`'s {what}, which is refused; {fix}; nothing was changed")]
+    MappedParamChanged {
+        /// The parameter's module path.
+        path: String,
+        /// What changed, from what to what.
+        what: String,
+        /// Why it cannot be kept, and what to call instead.
+        fix: String,
+    },
+    /// A [`LossScaler`](crate::LossScaler) is configured but the loss of a backward that
+    /// reached the optimizer was not multiplied by its scale: the step would divide unscaled
+    /// gradients by the scale (`2^16` by default) and barely train.
+    #[error(
+        "ShardConfig has a LossScaler (scale {scale}) but no loss since the last optimizer call was scaled by it{}: \
+         call backward on optim.scale_loss(loss) (in a burn-train TrainStep run by ShardedStrategy, on \
+         burn_shard_train::scale_loss(loss)), taking a new LossScaling after each optimizer call, or configure \
+         LossScaler::fixed(1.0) to keep only the overflow check",
+        scaled_by.map(|s| format!(" (the last was scaled by {s}, an older scale)")).unwrap_or_default()
+    )]
+    LossNotScaled {
+        /// The loss scale the step would have divided by.
+        scale: f32,
+        /// The scale the last loss was multiplied by, when it was an older one.
+        scaled_by: Option<f32>,
+    },
 }
 
 /// Why a checkpoint could not be saved, read or applied. Every message names the file or the

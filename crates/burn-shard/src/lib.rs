@@ -65,7 +65,7 @@ pub use error::ShardError;
 pub use model::layout::{Bucket, FlatLayout, ParamSlot};
 pub use model::memory::MemoryReport;
 pub use optim::into_optimizer::{ElementWise, IntoOptimizer};
-pub use optim::loss_scale::LossScaler;
+pub use optim::loss_scale::{LossScaler, LossScaling};
 pub use optim::master::MasterWeightStep;
 pub use optim::offload::{Offload, Offloaded};
 pub use stage::Stage;

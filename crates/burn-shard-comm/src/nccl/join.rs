@@ -91,8 +91,9 @@ impl NcclComm {
         })
     }
 
-    /// Joins the job this process was started in by `burn-shard-run` (or `torchrun`): reads
-    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`,
+    /// Joins the job this process was started in by `burn-shard-run` (or `torchrun`, with
+    /// `BURN_SHARD_JOB_TOKEN` exported on every node): reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    /// `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and the job token,
     /// exchanges the NCCL id through the [`Rendezvous`] (rank 0 creates it) and builds the
     /// communicator on CUDA device `LOCAL_RANK`. Every process of the job must call it once.
     /// Waits up to [`RENDEZVOUS_DEFAULT_TIMEOUT`] (60 s) for the other ranks, in the rendezvous

@@ -50,6 +50,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// [`CheckpointError::PeerFailed`] on the ranks that did not fail themselves, wrapped in
     /// [`ShardError::Checkpoint`]; [`ShardError::Comm`]. Every rank returns an error when one
     /// rank fails, and the group stays usable: training can go on.
+    /// [`ShardError::HalfAppliedStep`] once a step failed half-way: nothing is written.
     pub fn save_checkpoint<M: Module>(
         &self,
         model: &M,
@@ -112,6 +113,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         payload: &serde_json::Value,
         scheduler: Option<LrSchedulerRecord>,
     ) -> Result<(), ShardError> {
+        // Before any collective: a rank whose step failed half-way refuses here; the others
+        // fail at their first collective, the group having been aborted by that step.
+        self.refuse_half_applied("save a checkpoint")?;
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         let partial = partial_dir(dir);
         let root = parent_of(dir);

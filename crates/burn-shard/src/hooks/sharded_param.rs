@@ -1,8 +1,9 @@
 //! One parameter's sharded state, attached to Burn's `Param` as a reparameterization.
 //!
 //! The `Param`'s stored value is a *placeholder*: a tensor of the parameter's full (logical)
-//! shape and dtype that holds one element, expanded (stride 0) to that shape, so it costs no
-//! memory. Stock layers that ask a parameter for its shape, element count or dtype
+//! shape and dtype that holds one element, NaN, expanded (stride 0) to that shape, so it costs
+//! no memory and cannot be mistaken for the weights by code that reads it (a user's visitor
+//! given to `model.visit`; `visit_params` reads the weights). Stock layers that ask a parameter for its shape, element count or dtype
 //! (`RmsNorm`, `BatchNorm`, the transformer layers), `num_params()` and the model's `Display`
 //! therefore see the full parameter, as on one device. The placeholder is the autodiff leaf that
 //! the stage-3 gather op hangs its reduce-scattered gradient on (`[1, .., 1, chunk]`, this rank's
@@ -196,7 +197,9 @@ impl Reparameterizer for &mut Sharder {
         // Made where shards live (host memory with parameter offload).
         let home = self.ctx.shard_device(&device.clone().without_autodiff());
         let shard = Tensor::<1>::from_data(flat.narrow(0, r * chunk, chunk).into_data(), (&home, dtype));
-        let mut placeholder: Tensor<D> = Tensor::<1>::zeros([1], (&device, dtype))
+        // NaN, so that what reads the placeholder instead of the weights (a user's `model.visit`)
+        // cannot mistake it for them; nothing of burn-shard's reads its value.
+        let mut placeholder: Tensor<D> = Tensor::<1>::full([1], f32::NAN, (&device, dtype))
             .reshape([1usize; D])
             .expand(dims);
         if is_autodiff {

@@ -14,13 +14,20 @@
 //!
 //! `bf16` has `f32`'s exponent range and needs no scaling.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use burn::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ShardError;
 
-/// Loss scale for `f16` training: multiply the loss by [`LossScaler::scale`] (or call
-/// `ShardedOptimizer::scale_loss`) before `backward`; the sharded step unscales, checks for
-/// overflow on all ranks together and updates the scale.
+/// Loss scale for `f16` training: call `backward` on `ShardedOptimizer::scale_loss(loss)` (in a
+/// burn-train `TrainStep` run by burn-shard-train's `ShardedStrategy`:
+/// `burn_shard_train::scale_loss(loss)`); the sharded step unscales, checks for overflow on all
+/// ranks together and updates the scale. A step (or `accumulate`) after a backward whose loss
+/// was not scaled that way fails with [`ShardError::LossNotScaled`] instead of dividing
+/// unscaled gradients by the scale (a scale of exactly 1 needs no call).
 ///
 /// ```ignore
 /// let config = ShardConfig::new(Stage::Two).with_loss_scaler(LossScaler::dynamic());
@@ -181,4 +188,61 @@ impl LossScaler {
 fn grown(scale: f32, factor: f32) -> f32 {
     let next = scale * factor;
     if next.is_finite() { next } else { scale }
+}
+
+/// Scales losses for one [`ShardedOptimizer`](crate::ShardedOptimizer) where the optimizer is
+/// out of reach (burn-train's `TrainStep`: burn-shard-train hands this to its rank's thread),
+/// and records the scale it multiplied by: the optimizer's next `step` or `accumulate` checks
+/// the record against its scale (see [`ShardError::LossNotScaled`]) and clears it. Cheap to
+/// clone (an `Arc`), `Send`; from `ShardedOptimizer::loss_scaling`, valid until that
+/// optimizer's next call (a handle kept longer may hold an old scale, which that check refuses).
+#[derive(Clone, Debug)]
+pub struct LossScaling {
+    /// The scale of the optimizer's next step; `None` without a [`LossScaler`].
+    scale: Option<f32>,
+    /// The bits of the last scale [`LossScaling::scale_loss`] multiplied by (`0`: none since
+    /// the last optimizer call); shared with the optimizer.
+    scaled_by: Arc<AtomicU32>,
+}
+
+impl LossScaling {
+    pub(crate) fn new(scale: Option<f32>, scaled_by: Arc<AtomicU32>) -> Self {
+        Self { scale, scaled_by }
+    }
+
+    /// `loss` in `f32` multiplied by the loss scale (`loss` itself without a [`LossScaler`]):
+    /// call `backward` on this. The product is taken in `f32` so that an `f16` loss times the
+    /// scale (`2^16` by default) does not overflow; backward casts the scaled gradient back to
+    /// the loss's dtype.
+    pub fn scale_loss<const D: usize>(&self, loss: Tensor<D>) -> Tensor<D> {
+        // A scale is finite and positive (`LossScaler::validate`), so its bits are never 0.
+        self.scaled_by
+            .store(self.scale.unwrap_or(1.0).to_bits(), Ordering::SeqCst);
+        match self.scale {
+            Some(scale) => loss.cast(DType::F32).mul_scalar(scale),
+            None => loss,
+        }
+    }
+
+    /// The scale [`LossScaling::scale_loss`] multiplies by; `None` without a [`LossScaler`].
+    pub fn scale(&self) -> Option<f32> {
+        self.scale
+    }
+}
+
+/// Whether a backward since the last optimizer call scaled its loss by `scaler`'s current scale
+/// (`scaled_by`, cleared here).
+///
+/// # Errors
+/// [`ShardError::LossNotScaled`] when `scaler` has a scale other than 1 and no loss was scaled
+/// by it: none at all, or one by an older scale (a [`LossScaling`] kept across a step).
+pub(crate) fn check_scaled(scaler: Option<&LossScaler>, scaled_by: &AtomicU32) -> Result<(), ShardError> {
+    let used = scaled_by.swap(0, Ordering::SeqCst);
+    match scaler {
+        Some(scaler) if scaler.scale() != 1.0 && used != scaler.scale().to_bits() => Err(ShardError::LossNotScaled {
+            scale: scaler.scale(),
+            scaled_by: (used != 0).then(|| f32::from_bits(used)),
+        }),
+        _ => Ok(()),
+    }
 }

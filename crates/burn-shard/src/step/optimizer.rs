@@ -4,12 +4,13 @@ use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 
 use burn::module::{Module, ParamGroup};
 use burn::optim::GradientsParams;
 use burn::optim::grad_clipping::GradientClipping;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, ReduceOp, Work};
 
 use crate::error::ShardError;
@@ -21,7 +22,7 @@ use crate::model::layout::{Bucket, FlatLayout};
 use crate::model::memory::{MemoryReport, PeakTracker, module_param_bytes};
 use crate::optim::groups::Groups;
 use crate::optim::into_optimizer::IntoOptimizer;
-use crate::optim::loss_scale::LossScaler;
+use crate::optim::loss_scale::{self, LossScaler, LossScaling};
 use crate::optim::master::MasterWeightStep;
 use crate::overlap::bucket_reducer::{BucketReducer, Early};
 use crate::stage::Stage;
@@ -85,6 +86,16 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     max_grad_norm: Option<f32>,
     /// `f16` loss scaling (`ShardConfig::with_loss_scaler`).
     pub(crate) loss_scaler: Option<LossScaler>,
+    /// The bits of the scale a loss was last multiplied by ([`ShardedOptimizer::scale_loss`],
+    /// [`LossScaling`]) since the last optimizer call, 0 for none: checked and cleared by each
+    /// `step` and `accumulate`.
+    loss_scaled: Arc<AtomicU32>,
+    /// Set while a step updates the parameters and the optimizer state, bucket by bucket: an
+    /// error then leaves them half updated.
+    updating: bool,
+    /// The error of a step that failed while `updating`: every later step, `accumulate`,
+    /// `map_params` and save is refused ([`ShardError::HalfAppliedStep`]).
+    half_applied: Option<String>,
     /// What the last optimizer call measured (norm, applied, overlap, bytes), for the reports.
     last: LastStep,
     /// The micro-batch sums the next step adds (`accumulate`, and buckets reduced inside
@@ -151,6 +162,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             buffers,
             max_grad_norm: options.max_grad_norm,
             loss_scaler: options.loss_scaler,
+            loss_scaled: Arc::default(),
+            updating: false,
+            half_applied: None,
             last: LastStep::default(),
             pending: PendingGradients::new(slots, buckets),
             bucket_reducer: None,
@@ -253,7 +267,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// [`ShardError::Comm`] when a collective fails (the group is then aborted: stop training);
     /// [`ShardError::UnknownParam`] / [`ShardError::ShapeChanged`] when `model` is not the
-    /// module returned by `init`.
+    /// module returned by `init`; [`ShardError::LossNotScaled`] when a loss scaler is
+    /// configured and no loss since the last optimizer call went through
+    /// [`ShardedOptimizer::scale_loss`]; [`ShardError::HalfAppliedStep`] once a step failed
+    /// while it was updating (a disk that filled, a collective lost mid-update): this and every
+    /// later step, `accumulate`, `map_params` and save are refused, since some buckets hold the
+    /// new values and some the old; resume from the last checkpoint.
     pub fn step<M: Module>(
         &mut self,
         lr: impl Into<ModuleLearningRate>,
@@ -264,8 +283,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             // The shards are about to change: no gather of this pass is used again.
             fsdp.end_pass();
         }
-        let result = self.step_with(&lr.into(), model, grads);
+        let result = self.refuse_half_applied("step").and_then(|()| {
+            loss_scale::check_scaled(self.loss_scaler.as_ref().filter(|_| self.trains()), &self.loss_scaled)?;
+            self.step_with(&lr.into(), model, grads)
+        });
         if let Err(e) = &result {
+            if std::mem::take(&mut self.updating) && self.half_applied.is_none() {
+                self.half_applied = Some(e.to_string());
+            }
             // A rank that fails alone (a wrong model, say) must not leave the others waiting.
             self.comm.abort(&format!(
                 "rank {} failed in ShardedOptimizer::step: {e}",
@@ -273,6 +298,27 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             ));
         }
         result
+    }
+
+    /// Refuses `op` (what the caller is about to do, "save a checkpoint") once a step failed
+    /// half-way.
+    ///
+    /// # Errors
+    /// [`ShardError::HalfAppliedStep`] after a step failed while it was updating: `op` would see
+    /// parameters and optimizer state of two different steps.
+    pub(crate) fn refuse_half_applied(&self, op: &str) -> Result<(), ShardError> {
+        match &self.half_applied {
+            Some(cause) => Err(ShardError::HalfAppliedStep {
+                op: op.to_string(),
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the model has a parameter this optimizer steps (a frozen teacher has none).
+    fn trains(&self) -> bool {
+        !self.layout.slots().is_empty()
     }
 
     /// Stage 3: ends the reducer's pass (once per optimizer call) and adds to `grads` the
@@ -301,6 +347,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// [`ShardError::Comm`] when a reduction in flight failed.
     pub fn discard_gradients(&mut self) -> Result<(), ShardError> {
+        // The discarded backward's scaled loss does not cover the next one.
+        self.loss_scaled.store(0, std::sync::atomic::Ordering::SeqCst);
         // Stage 3: the last units' reductions still in flight belong to the discarded backward.
         if let Some(fsdp) = self.plan.fsdp() {
             drop(fsdp.finish_reduce());
@@ -347,7 +395,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// As [`ShardedOptimizer::step`].
     pub fn accumulate<M: Module>(&mut self, model: &M, mut grads: GradientsParams) -> Result<(), ShardError> {
         self.take_reduced(model, &mut grads);
-        let result = self.take_early(false).and_then(|early| {
+        let checked = self.refuse_half_applied("accumulate gradients").and_then(|()| {
+            loss_scale::check_scaled(self.loss_scaler.as_ref().filter(|_| self.trains()), &self.loss_scaled)
+        });
+        let result = checked.and_then(|()| self.take_early(false)).and_then(|early| {
             self.check_collectives()?;
             let (parts, _) = flat::take_grads(model, &self.layout, &mut grads)?;
             // Reduced already: kept reduced, added by the step.
@@ -425,7 +476,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             },
             norms: norms.as_ref(),
         };
+        // `update_and_publish` sets `updating` once it starts changing state (see `half_applied`).
         let updated = self.update_and_publish(lr, &clip, &model, grads, &has_grad, &device, &mut temp)?;
+        self.updating = false;
         self.record_temporary_peak(&temp);
         let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
         let model = self.plan.write_values(model, &layout, updated, &keep);
@@ -605,6 +658,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let overlap = self.bucket_reducer.is_some();
         let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
         let values = self.plan.read_values(model, &layout)?;
+        // From here an error leaves some buckets stepped and others not (see `half_applied`).
+        self.updating = true;
         self.slots.begin_step(self.stepped_slots(has_grad));
         let mut publishing = Vec::with_capacity(layout.buckets().len());
         let mut shards = HashMap::new();
@@ -997,11 +1052,24 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// `backward` on this. The product is taken in `f32` so that an `f16` loss times the scale
     /// (`2^16` by default) does not overflow; backward casts the scaled gradient back to the
     /// loss's dtype.
+    ///
+    /// Without this call (or [`LossScaling::scale_loss`]) for any backward since the last
+    /// optimizer call, the next `step` or `accumulate` fails with
+    /// [`ShardError::LossNotScaled`] when a loss scaler other than `LossScaler::fixed(1.0)` is
+    /// configured: it would divide unscaled gradients by the scale.
     pub fn scale_loss<const D: usize>(&self, loss: Tensor<D>) -> Tensor<D> {
-        match &self.loss_scaler {
-            Some(scaler) => loss.cast(DType::F32).mul_scalar(scaler.scale()),
-            None => loss,
-        }
+        self.loss_scaling().scale_loss(loss)
+    }
+
+    /// A handle that scales losses for this optimizer's next `step` or `accumulate`, for code
+    /// that cannot reach the optimizer (burn-train's `TrainStep`, which burn-shard-train's
+    /// `ShardedStrategy` serves through `burn_shard_train::scale_loss`). Take a new one after
+    /// each optimizer call: the scale changes.
+    pub fn loss_scaling(&self) -> LossScaling {
+        LossScaling::new(
+            self.loss_scaler.as_ref().map(LossScaler::scale),
+            self.loss_scaled.clone(),
+        )
     }
 
     /// Elements of the parameters this rank steps (and keeps optimizer state for): every
@@ -1051,6 +1119,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// The ZeRO stage.
     pub fn stage(&self) -> Stage {
         self.plan.stage()
+    }
+
+    /// Whether a forward pass of the model is a collective (stage 3: every sharded parameter is
+    /// all-gathered when read), so that every rank must run the same forwards in the same
+    /// order, in evaluation too; `false` at stages 0-2, where a forward is local.
+    pub fn forward_is_collective(&self) -> bool {
+        self.plan.fsdp().is_some()
     }
 
     /// The `f32` master weights of this rank's piece of each `bf16`/`f16` parameter of the

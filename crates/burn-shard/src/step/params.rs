@@ -10,15 +10,25 @@
 //! it to the visitor or mapper as a whole parameter, and put this rank's shard of the mapped value
 //! back. At every stage `map_params` also tells the `f32` masters of `bf16`/`f16` parameters to
 //! take the edited elements (see [`ShardedOptimizer::reset_master_weights`]).
+//!
+//! The rule for what a mapper may change, the same at every stage: values, and `require_grad`
+//! from `true` to `false` (freezing, as `model.no_grad()` does) or back for a parameter that was
+//! trainable at `init`. Shape and dtype are what the flat buckets, the shards and the optimizer
+//! state are laid out for, so a mapper that changes them (a vocabulary resize, a transpose, a
+//! quantisation) is refused with [`ShardError::MappedParamChanged`] naming the parameter, both
+//! values and the way that works (edit the whole model, then `ShardConfig::init` again); so is
+//! unfreezing a parameter that was frozen at `init` (it has no optimizer state). Refused means
+//! every rank returns the error and no shard is replaced.
 
 use std::collections::HashMap;
 
 use burn::module::{Flag, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::tensor::{Bool, Int, Tensor};
+use burn::tensor::{Bool, DType, Int, Tensor};
 
 use crate::error::ShardError;
 use crate::hooks::exchange;
 use crate::hooks::gather_op::GatherSpec;
+use crate::model::census::{Census, EntryKind};
 use crate::optim::master::MasterWeightStep;
 use crate::step::optimizer::ShardedOptimizer;
 
@@ -49,19 +59,37 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// weight clipping (WGAN), pruning, re-initialisation or an EMA: at stage 3 each sharded
     /// parameter is all-gathered, given to `mapper.map_float` as a whole `Param`, and this
     /// rank's shard of the result becomes the parameter's shard (in its dtype; the mapper's
-    /// changes to `require_grad` or the id of a sharded parameter are not kept). Afterwards the
+    /// change of `require_grad` is kept, its change of the id is not). Afterwards the
     /// `f32` masters of `bf16`/`f16` parameters take the edited elements at the next step (as
     /// after [`ShardedOptimizer::reset_master_weights`]); optimizer state (Adam's moments) is
     /// kept. A collective at stage 3: every rank calls it at the same point with the same
     /// mapper. `model.map` at stage 3 would map placeholders, and the edits would be lost.
     ///
+    /// A mapper may change values and `require_grad`, not shapes or dtypes (see the
+    /// [module docs](self) for the rule and what to do instead).
+    ///
     /// # Errors
-    /// [`ShardError::Comm`] when an all-gather failed (stage 3), [`ShardError::Nvme`] when a
-    /// shard could not be read or written with NVMe parameter offload; the model is then
-    /// unchanged.
+    /// [`ShardError::MappedParamChanged`] when the mapper changed a parameter's shape or dtype,
+    /// or made a parameter frozen at `init` trainable; [`ShardError::Comm`] when an all-gather
+    /// failed (stage 3), [`ShardError::Nvme`] when a shard could not be read or written with
+    /// NVMe parameter offload; [`ShardError::HalfAppliedStep`] after a step failed half-way.
+    /// Every rank returns the error and no shard is replaced.
     pub fn map_params<M: Module, Mp: ModuleMapper>(&mut self, model: M, mapper: &mut Mp) -> Result<M, ShardError> {
+        self.refuse_half_applied("map parameters")?;
         let mapped = match self.plan.fsdp() {
-            None => model.map(mapper),
+            None => {
+                let mapped = model.map(mapper);
+                // Whole parameters on every rank, mapped alike: every rank finds the same change.
+                let mut check = CheckMapped {
+                    census: &self.census,
+                    changed: None,
+                };
+                mapped.visit(&mut check);
+                if let Some(e) = check.changed {
+                    return Err(e);
+                }
+                mapped
+            }
             Some(fsdp) => {
                 let specs = exchange::collect_specs(&model);
                 let mut gathering = Gathering {
@@ -69,11 +97,16 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                     specs: &specs,
                 };
                 let mut shards = HashMap::new();
-                let mapped = model.clone().map(&mut Scattering {
+                let mut scattering = Scattering {
                     gathering: &mut gathering,
                     shards: &mut shards,
-                });
-                if let Some(e) = fsdp.take_error() {
+                    census: &self.census,
+                    changed: None,
+                };
+                let mapped = model.clone().map(&mut scattering);
+                // Both taken: an all-gather's error must not surface at the next call instead.
+                let gather_error = fsdp.take_error();
+                if let Some(e) = scattering.changed.take().or(gather_error) {
                     return Err(e);
                 }
                 // Where shards live (the shard file with NVMe parameter offload), written before
@@ -131,10 +164,14 @@ impl<V: ModuleVisitor> ModuleVisitor for Gathering<'_, V> {
 }
 
 /// Maps each sharded parameter's full value with the user's mapper and keeps this rank's shard
-/// of the result in `shards` (put in place afterwards); the placeholder itself is unchanged.
+/// of the result in `shards` (put in place afterwards); the placeholder keeps its value and
+/// takes the mapper's `require_grad`. The first change the rule refuses is kept in `changed`
+/// (the traversal goes on, so every rank runs the same all-gathers).
 struct Scattering<'a, 'b, Mp> {
     gathering: &'a mut Gathering<'b, Mp>,
     shards: &'a mut HashMap<ParamId, Tensor<1>>,
+    census: &'a Census,
+    changed: Option<ShardError>,
 }
 
 impl<Mp: ModuleMapper> ModuleMapper for Scattering<'_, '_, Mp> {
@@ -142,10 +179,37 @@ impl<Mp: ModuleMapper> ModuleMapper for Scattering<'_, '_, Mp> {
         let Some(spec) = self.gathering.specs.get(&param.id) else {
             return self.gathering.inner.map_float(param);
         };
-        let full = Param::initialized(param.id, exchange::full_value::<D>(spec));
-        let mapped = self.gathering.inner.map_float(full).into_value();
+        // During `map` the parameter comes without its reparameterization: this is the
+        // placeholder, whose autodiff state is the parameter's.
+        let placeholder = param.base();
+        let require_grad = placeholder.is_require_grad();
+        let mut full = exchange::full_value::<D>(spec);
+        if placeholder.is_autodiff() {
+            // The mapper sees the parameter as Burn would hand it: tracked, and requiring grad
+            // when the parameter does, so `set_require_grad` (and `no_grad`) mean what they say.
+            full = full.autodiff();
+            if require_grad {
+                full = full.require_grad();
+            }
+        }
+        let mapped = self
+            .gathering
+            .inner
+            .map_float(Param::initialized(param.id, full))
+            .into_value();
+        let expected = (spec.full_shape.to_vec(), spec.shard.dtype());
+        let found = (mapped.shape().to_vec(), mapped.dtype());
+        let now_require_grad = placeholder.is_autodiff() && mapped.is_require_grad();
+        if let Some(e) = refused_change(self.census, param.id, expected, found, now_require_grad) {
+            self.changed.get_or_insert(e);
+            return param;
+        }
         self.shards.insert(param.id, exchange::shard_of(spec, mapped));
-        param
+        if now_require_grad == require_grad || !placeholder.is_autodiff() {
+            param
+        } else {
+            param.set_require_grad(now_require_grad)
+        }
     }
 
     fn map_int<const D: usize>(&mut self, param: Param<Tensor<D, Int>>) -> Param<Tensor<D, Int>> {
@@ -167,4 +231,66 @@ impl<Mp: ModuleMapper> ModuleMapper for Scattering<'_, '_, Mp> {
     fn exit_module(&mut self, name: &str, container_type: &str) {
         self.gathering.inner.exit_module(name, container_type);
     }
+}
+
+/// Finds, at stages 0-2, the first parameter the mapper changed against the rule (see the
+/// [module docs](self)).
+struct CheckMapped<'a> {
+    census: &'a Census,
+    changed: Option<ShardError>,
+}
+
+impl ModuleVisitor for CheckMapped<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let Some(entry) = self.census.get(&param.id) else {
+            return;
+        };
+        if self.changed.is_some() || entry.kind == EntryKind::Buffer {
+            return;
+        }
+        // The stored value: the gradient hook of stages 0-2 is not run for a look.
+        let value = param.base();
+        let found = (value.shape().to_vec(), value.dtype());
+        let expected = (entry.shape.clone(), entry.dtype);
+        self.changed = refused_change(self.census, param.id, expected, found, value.is_require_grad());
+    }
+}
+
+/// The error for a mapped parameter whose `(shape, dtype)` went from `expected` to `found`, or
+/// that requires grad now (`require_grad`) though it was frozen at `init`; `None` when the rule
+/// allows the change.
+fn refused_change(
+    census: &Census,
+    id: ParamId,
+    expected: (Vec<usize>, DType),
+    found: (Vec<usize>, DType),
+    require_grad: bool,
+) -> Option<ShardError> {
+    let entry = census.get(&id)?;
+    let path = entry.path.clone();
+    let what = if expected.0 != found.0 {
+        format!("shape from {:?} to {:?}", expected.0, found.0)
+    } else if expected.1 != found.1 {
+        format!("dtype from {:?} to {:?}", expected.1, found.1)
+    } else if require_grad && !entry.require_grad {
+        return Some(ShardError::MappedParamChanged {
+            path,
+            what: "require_grad from false to true".to_string(),
+            fix: "it was frozen at ShardConfig::init, so it has no optimizer state and no place in the buckets: \
+                  make it trainable before ShardConfig::init (freezing with map_params or no_grad, and unfreezing \
+                  what was trainable at init, both work)"
+                .to_string(),
+        });
+    } else {
+        return None;
+    };
+    Some(ShardError::MappedParamChanged {
+        path,
+        what,
+        fix: "the flat buckets, the shards and the optimizer state are laid out for the old one: to resize, \
+              transpose or re-type a parameter, edit the whole model (`model.materialize()` gives it with plain \
+              parameters on every rank, or load a consolidated checkpoint into the plain model) and call \
+              ShardConfig::init on it again (its optimizer state starts afresh)"
+            .to_string(),
+    })
 }
