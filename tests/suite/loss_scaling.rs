@@ -363,7 +363,9 @@ fn a_loss_scaled_by_an_older_scale_fails_the_step() {
             let loss = |model: &TinyMlp| mse(model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
             let stale = optim.loss_scaling();
             let grads = GradientsParams::from_grads(stale.scale_loss(loss(&model)).backward(), &model);
-            model = optim.step(LR, model, grads).expect("the first step, scaled by the current scale");
+            model = optim
+                .step(LR, model, grads)
+                .expect("the first step, scaled by the current scale");
             let grads = GradientsParams::from_grads(stale.scale_loss(loss(&model)).backward(), &model);
             optim.step(LR, model, grads).err()
         })
