@@ -103,6 +103,9 @@ pub(crate) fn accept(mut stream: &TcpStream, token: &JobToken, deadline: Instant
     let mut client_nonce = [0u8; NONCE_BYTES];
     read_exact_by(stream, &mut hello, deadline)?;
     if hello != HELLO {
+        // Our hello first, so that a client of another burn-shard version reads the version it
+        // met and says so, instead of retrying until its timeout.
+        let _ = stream.write_all(&HELLO[..]);
         return Err(io::Error::new(io::ErrorKind::InvalidData, "not a rendezvous client"));
     }
     read_exact_by(stream, &mut client_nonce, deadline)?;
