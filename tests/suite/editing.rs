@@ -102,26 +102,44 @@ fn a_mapper_given_to_map_params_changes_the_real_values_at_every_stage_and_world
         }
     });
     sweep("clamp with map_params", &reference, 1e-4, |comm, stage| {
-        let device = Device::flex().autodiff();
-        let (lo, hi) = rank_rows(comm.rank(), comm.world_size(), GLOBAL_BATCH);
-        let (mut model, mut optim) = ShardConfig::new(stage)
-            .init(base.clone().fork(&device), AdamWConfig::new(), comm)
-            .expect("init");
-        let mut losses = Vec::new();
-        for step in 0..STEPS {
-            let (x, y) = batch(step, GLOBAL_BATCH);
-            let loss = mse(&model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
-            let (next, global) = sharded_step(&mut optim, model, loss, LR);
-            model = next;
-            losses.push(global);
-            if step == CLAMP_AFTER {
-                model = optim.map_params(model, &mut Clamp).expect("map");
-                let params = params_of(&model.clone().materialize());
-                assert!(params.iter().all(|v| v.abs() <= LIMIT), "stage {stage}: clamped values");
+        train_editing(comm, stage, &base, |step, optim, model| {
+            if step != CLAMP_AFTER {
+                return model;
             }
-        }
-        (losses, params_of(&model.materialize()))
+            let model = optim.map_params(model, &mut Clamp).expect("map");
+            let params = params_of(&model.clone().materialize());
+            assert!(params.iter().all(|v| v.abs() <= LIMIT), "stage {stage}: clamped values");
+            model
+        })
     });
+}
+
+/// One rank's `STEPS` sharded AdamW steps from `base` at `stage`, `edit(step, optim, model)`
+/// after each: the global losses and the final parameters, as [`sweep`] takes them.
+fn train_editing(
+    comm: burn_shard_comm::InProcessComm,
+    stage: burn_shard::Stage,
+    base: &TinyMlp,
+    mut edit: impl FnMut(
+        usize,
+        &mut burn_shard::ShardedOptimizer<<AdamWConfig as burn_shard::IntoOptimizer>::Optimizer>,
+        TinyMlp,
+    ) -> TinyMlp,
+) -> (Vec<f32>, Vec<f32>) {
+    let device = Device::flex().autodiff();
+    let (lo, hi) = rank_rows(comm.rank(), comm.world_size(), GLOBAL_BATCH);
+    let (mut model, mut optim) = ShardConfig::new(stage)
+        .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+        .expect("init");
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = batch(step, GLOBAL_BATCH);
+        let loss = mse(&model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
+        let (next, global) = sharded_step(&mut optim, model, loss, LR);
+        losses.push(global);
+        model = edit(step, &mut optim, next);
+    }
+    (losses, params_of(&model.materialize()))
 }
 
 /// `value` (`l1.weight`) with its first [`PRUNED`] elements (row-major) zeroed, whatever rank's
@@ -330,23 +348,10 @@ fn freezing_and_unfreezing_a_layer_with_map_params_trains_as_burn_at_every_stage
         "single-device Burn kept the frozen l1"
     );
     sweep("freeze with map_params", &reference, 1e-4, |comm, stage| {
-        let device = Device::flex().autodiff();
-        let (lo, hi) = rank_rows(comm.rank(), comm.world_size(), GLOBAL_BATCH);
-        let (mut model, mut optim) = ShardConfig::new(stage)
-            .init(base.clone().fork(&device), AdamWConfig::new(), comm)
-            .expect("init");
-        let mut losses = Vec::new();
-        for step in 0..STEPS {
-            let (x, y) = batch(step, GLOBAL_BATCH);
-            let loss = mse(&model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
-            let (next, global) = sharded_step(&mut optim, model, loss, LR);
-            model = next;
-            losses.push(global);
-            if let Some(mut mapper) = edit(step) {
-                model = optim.map_params(model, &mut mapper).expect("map");
-            }
-        }
-        (losses, params_of(&model.materialize()))
+        train_editing(comm, stage, &base, |step, optim, model| match edit(step) {
+            Some(mut mapper) => optim.map_params(model, &mut mapper).expect("map"),
+            None => model,
+        })
     });
 }
 

@@ -48,15 +48,7 @@ impl RendezvousEnv {
     /// or out of range (e.g. `RANK >= WORLD_SIZE`); for the token, also both token variables
     /// set, a token too short, or a token file readable by others (the fix: `chmod 600`).
     pub fn from_env() -> Result<Self, RendezvousError> {
-        Self::parse(|var| match std::env::var(var) {
-            Ok(value) => Ok(Some(value)),
-            Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(std::env::VarError::NotUnicode(raw)) => Err(RendezvousError::Env {
-                var,
-                // Its bytes are not shown: the variable may hold the job token.
-                problem: format!("is not UTF-8 ({} bytes)", raw.len()),
-            }),
-        })
+        Self::parse(process_var)
     }
 
     /// Like [`RendezvousEnv::from_env`], from the given `(name, value)` pairs instead of the
@@ -165,5 +157,21 @@ impl RendezvousEnv {
         } else {
             format!("{}:{}", self.master_addr, self.master_port)
         }
+    }
+}
+
+/// Variable `var` of this process's environment; `None` when unset.
+///
+/// # Errors
+/// [`RendezvousError::Env`] when it is not UTF-8 (its bytes are not shown: it may hold the job
+/// token).
+pub(crate) fn process_var(var: &'static str) -> Result<Option<String>, RendezvousError> {
+    match std::env::var(var) {
+        Ok(value) => Ok(Some(value)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(raw)) => Err(RendezvousError::Env {
+            var,
+            problem: format!("is not UTF-8 ({} bytes)", raw.len()),
+        }),
     }
 }

@@ -107,15 +107,7 @@ impl JobToken {
     /// As [`JobToken::new`] and [`JobToken::from_file`]; [`RendezvousError::Env`] when both
     /// variables are set, or one is not UTF-8.
     pub fn from_env() -> Result<Option<Self>, RendezvousError> {
-        Self::from_lookup(|var| match std::env::var(var) {
-            Ok(value) => Ok(Some(value)),
-            Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(std::env::VarError::NotUnicode(raw)) => Err(RendezvousError::Env {
-                var,
-                // Its bytes are not shown: the variable may hold the job token.
-                problem: format!("is not UTF-8 ({} bytes)", raw.len()),
-            }),
-        })
+        Self::from_lookup(crate::env::process_var)
     }
 
     /// [`JobToken::from_env`] with the variables read by `get`.
