@@ -420,20 +420,31 @@ fn parent_of(dir: &Path) -> PathBuf {
 }
 
 /// Completes a checkpoint whose rank files are in `DIR.partial`: writes `meta.json`, then the
-/// `COMPLETE` marker, then renames the directory to `dir`.
+/// `COMPLETE` marker, then renames the directory to `dir` and syncs `dir`'s parent, so that
+/// after a power loss the checkpoint is there whole or not at all (a rename is durable only
+/// once its directory is synced).
 pub(crate) fn finish(dir: &Path, meta: &CheckpointMeta) -> Result<(), CheckpointError> {
     let partial = partial_dir(dir);
     let json = serde_json::to_string_pretty(meta).expect("metadata serialises");
     write_atomically(&partial.join(META), json.as_bytes())?;
     write_atomically(&partial.join(COMPLETE), b"")?;
-    std::fs::rename(&partial, dir).map_err(|e| CheckpointError::io(dir, e))
+    std::fs::rename(&partial, dir)
+        .and_then(|()| sync_dir(&parent_of(dir)))
+        .map_err(|e| CheckpointError::io(dir, e))
 }
 
-/// Writes `bytes` to `path` through a temporary file renamed into place.
+/// Writes `bytes` to `path` through a temporary file, synced, renamed into place, and the
+/// directory synced (so the rename survives a power loss).
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes)
         .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
         .and_then(|_| std::fs::rename(&tmp, path))
+        .and_then(|_| sync_dir(&parent_of(path)))
         .map_err(|e| CheckpointError::io(path, e))
+}
+
+/// `fsync` of directory `dir`: makes the renames and creations in it durable.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
 }
