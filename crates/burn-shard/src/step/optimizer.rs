@@ -283,10 +283,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             // The shards are about to change: no gather of this pass is used again.
             fsdp.end_pass();
         }
-        let result = self.refuse_half_applied("step").and_then(|()| {
-            loss_scale::check_scaled(self.loss_scaler.as_ref().filter(|_| self.trains()), &self.loss_scaled)?;
-            self.step_with(&lr.into(), model, grads)
-        });
+        let result = self
+            .check_call("step")
+            .and_then(|()| self.step_with(&lr.into(), model, grads));
         if let Err(e) = &result {
             if std::mem::take(&mut self.updating) && self.half_applied.is_none() {
                 self.half_applied = Some(e.to_string());
@@ -316,9 +315,17 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
     }
 
-    /// Whether the model has a parameter this optimizer steps (a frozen teacher has none).
-    fn trains(&self) -> bool {
-        !self.layout.slots().is_empty()
+    /// What `step` and `accumulate` (`op`) check before they take a gradient: no step failed
+    /// half-way, and the backwards since the last call scaled their loss by the current scale
+    /// when a loss scaler is configured and the model has a parameter to step (a frozen teacher
+    /// has none). Local: every rank finds the same.
+    ///
+    /// # Errors
+    /// [`ShardError::HalfAppliedStep`], [`ShardError::LossNotScaled`].
+    fn check_call(&self, op: &str) -> Result<(), ShardError> {
+        self.refuse_half_applied(op)?;
+        let trains = !self.layout.slots().is_empty();
+        loss_scale::check_scaled(self.loss_scaler.as_ref().filter(|_| trains), &self.loss_scaled)
     }
 
     /// Stage 3: ends the reducer's pass (once per optimizer call) and adds to `grads` the
@@ -395,21 +402,21 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// As [`ShardedOptimizer::step`].
     pub fn accumulate<M: Module>(&mut self, model: &M, mut grads: GradientsParams) -> Result<(), ShardError> {
         self.take_reduced(model, &mut grads);
-        let checked = self.refuse_half_applied("accumulate gradients").and_then(|()| {
-            loss_scale::check_scaled(self.loss_scaler.as_ref().filter(|_| self.trains()), &self.loss_scaled)
-        });
-        let result = checked.and_then(|()| self.take_early(false)).and_then(|early| {
-            self.check_collectives()?;
-            let (parts, _) = flat::take_grads(model, &self.layout, &mut grads)?;
-            // Reduced already: kept reduced, added by the step.
-            self.pending.keep(early, parts);
-            if let Some(reducer) = self.bucket_reducer.as_ref().filter(|r| r.armed()) {
-                // The next backward is expected to end in a step: its buckets carry these
-                // sums, so the step has nothing left to reduce.
-                reducer.seed(self.pending.unreduced_mut());
-            }
-            Ok(())
-        });
+        let result = self
+            .check_call("accumulate gradients")
+            .and_then(|()| self.take_early(false))
+            .and_then(|early| {
+                self.check_collectives()?;
+                let (parts, _) = flat::take_grads(model, &self.layout, &mut grads)?;
+                // Reduced already: kept reduced, added by the step.
+                self.pending.keep(early, parts);
+                if let Some(reducer) = self.bucket_reducer.as_ref().filter(|r| r.armed()) {
+                    // The next backward is expected to end in a step: its buckets carry these
+                    // sums, so the step has nothing left to reduce.
+                    reducer.seed(self.pending.unreduced_mut());
+                }
+                Ok(())
+            });
         if let Err(e) = &result {
             self.comm.abort(&format!(
                 "rank {} failed in ShardedOptimizer::accumulate: {e}",

@@ -197,10 +197,9 @@ impl<Mp: ModuleMapper> ModuleMapper for Scattering<'_, '_, Mp> {
             .inner
             .map_float(Param::initialized(param.id, full))
             .into_value();
-        let expected = (spec.full_shape.to_vec(), spec.shard.dtype());
         let found = (mapped.shape().to_vec(), mapped.dtype());
         let now_require_grad = placeholder.is_autodiff() && mapped.is_require_grad();
-        if let Some(e) = refused_change(self.census, param.id, expected, found, now_require_grad) {
+        if let Some(e) = refused_change(self.census, param.id, found, now_require_grad) {
             self.changed.get_or_insert(e);
             return param;
         }
@@ -251,46 +250,38 @@ impl ModuleVisitor for CheckMapped<'_> {
         // The stored value: the gradient hook of stages 0-2 is not run for a look.
         let value = param.base();
         let found = (value.shape().to_vec(), value.dtype());
-        let expected = (entry.shape.clone(), entry.dtype);
-        self.changed = refused_change(self.census, param.id, expected, found, value.is_require_grad());
+        self.changed = refused_change(self.census, param.id, found, value.is_require_grad());
     }
 }
 
-/// The error for a mapped parameter whose `(shape, dtype)` went from `expected` to `found`, or
-/// that requires grad now (`require_grad`) though it was frozen at `init`; `None` when the rule
-/// allows the change.
-fn refused_change(
-    census: &Census,
-    id: ParamId,
-    expected: (Vec<usize>, DType),
-    found: (Vec<usize>, DType),
-    require_grad: bool,
-) -> Option<ShardError> {
+/// The error for a mapped parameter whose `(shape, dtype)` is now `found` where `init` saw
+/// another, or that requires grad now (`require_grad`) though it was frozen at `init`; `None`
+/// when the rule allows the change (the census holds what `init` saw).
+fn refused_change(census: &Census, id: ParamId, found: (Vec<usize>, DType), require_grad: bool) -> Option<ShardError> {
     let entry = census.get(&id)?;
-    let path = entry.path.clone();
-    let what = if expected.0 != found.0 {
-        format!("shape from {:?} to {:?}", expected.0, found.0)
-    } else if expected.1 != found.1 {
-        format!("dtype from {:?} to {:?}", expected.1, found.1)
+    let (what, fix) = if entry.shape != found.0 {
+        (format!("shape from {:?} to {:?}", entry.shape, found.0), RELAYOUT)
+    } else if entry.dtype != found.1 {
+        (format!("dtype from {:?} to {:?}", entry.dtype, found.1), RELAYOUT)
     } else if require_grad && !entry.require_grad {
-        return Some(ShardError::MappedParamChanged {
-            path,
-            what: "require_grad from false to true".to_string(),
-            fix: "it was frozen at ShardConfig::init, so it has no optimizer state and no place in the buckets: \
-                  make it trainable before ShardConfig::init (freezing with map_params or no_grad, and unfreezing \
-                  what was trainable at init, both work)"
-                .to_string(),
-        });
+        ("require_grad from false to true".to_string(), UNFROZEN)
     } else {
         return None;
     };
     Some(ShardError::MappedParamChanged {
-        path,
+        path: entry.path.clone(),
         what,
-        fix: "the flat buckets, the shards and the optimizer state are laid out for the old one: to resize, \
-              transpose or re-type a parameter, edit the whole model (`model.materialize()` gives it with plain \
-              parameters on every rank, or load a consolidated checkpoint into the plain model) and call \
-              ShardConfig::init on it again (its optimizer state starts afresh)"
-            .to_string(),
+        fix: fix.to_string(),
     })
 }
+
+/// What to do instead of changing a parameter's shape or dtype with `map_params`.
+const RELAYOUT: &str = "the flat buckets, the shards and the optimizer state are laid out for the old one: to \
+    resize, transpose or re-type a parameter, edit the whole model (`model.materialize()` gives it with plain \
+    parameters on every rank, or load a consolidated checkpoint into the plain model) and call ShardConfig::init \
+    on it again (its optimizer state starts afresh)";
+
+/// What to do instead of unfreezing with `map_params` a parameter frozen at `init`.
+const UNFROZEN: &str = "it was frozen at ShardConfig::init, so it has no optimizer state and no place in the \
+    buckets: make it trainable before ShardConfig::init (freezing with map_params or no_grad, and unfreezing what \
+    was trainable at init, both work)";
