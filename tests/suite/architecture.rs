@@ -41,6 +41,7 @@ const CORE_LAYERS: &[&[&str]] = &[
     &["model"],
     &["optim"],
     &["swap"],
+    &["placement"],
     &["overlap"],
     &["hooks"],
     &["step"],
@@ -354,5 +355,45 @@ fn architecture_doc_names_every_source_file() {
         wrong.is_empty(),
         "docs/ARCHITECTURE.md is out of date:\n{}",
         wrong.join("\n")
+    );
+}
+
+/// Every stage decision of the core goes through `StagePlan` (`step/stage_plan.rs`), as every
+/// upward import is refused above: no other file matches on the plan's variants (`config.rs`
+/// builds the plan), reaches stage 3's context through it, or names a stage in the layers that
+/// run the step (they ask the plan a question instead: `owned_range`, `shards_parameters`, ...).
+#[test]
+fn stage_decisions_go_through_the_stage_plan() {
+    let src = root().join("crates/burn-shard/src");
+    let variants = ["Zero", "One", "Two", "Three"];
+    let mut branches = Vec::new();
+    for file in rust_files(&src) {
+        if file == "step/stage_plan.rs" {
+            continue;
+        }
+        let runs_the_step = ["model/", "optim/", "swap/", "placement/", "overlap/", "hooks/", "step/"]
+            .iter()
+            .any(|folder| file.starts_with(folder));
+        let text = fs::read_to_string(src.join(&file)).unwrap();
+        for (line, code) in code_lines(&text) {
+            let mut named: Vec<String> = Vec::new();
+            if code.contains(".fsdp()") {
+                named.push("`.fsdp()` (stage 3's context)".into());
+            }
+            for variant in variants {
+                if file != "config.rs" && code.contains(&format!("StagePlan::{variant}")) {
+                    named.push(format!("`StagePlan::{variant}`"));
+                }
+                if runs_the_step && code.contains(&format!("Stage::{variant}")) {
+                    named.push(format!("`Stage::{variant}`"));
+                }
+            }
+            branches.extend(named.into_iter().map(|what| format!("{file}:{line}: {what}")));
+        }
+    }
+    assert!(
+        branches.is_empty(),
+        "stage branches outside step/stage_plan.rs (add a method to StagePlan and ask it):\n{}",
+        branches.join("\n")
     );
 }

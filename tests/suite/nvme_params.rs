@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::DType;
-use burn_shard::{NvmeOffload, ShardConfig, ShardError, Stage};
+use burn_shard::{LossScaler, NvmeOffload, ShardConfig, ShardError, Stage};
 use burn_shard_comm::{InProcessGroup, run_ranks};
 
 use crate::common::*;
@@ -76,14 +76,14 @@ fn nvme_param_offload_trains_bitwise_as_in_memory_at_every_world_size() {
 }
 
 /// Rank `comm.rank()` trains `STEPS` steps of 3 micro-batches each (`accumulate` twice, then
-/// `step`), with global-norm clipping tight enough to clip, in `dtype`; returns its parameters'
-/// bits.
+/// `step`) with `config` (the callers' clip or scale the loss), in `dtype`; returns its
+/// parameters' bits, and the loss scale and skipped steps at the end where a scaler is set.
 fn accumulate_rank<C: burn_shard_comm::Collective + 'static>(
     comm: C,
     base: &TinyMlp,
     config: &ShardConfig,
     dtype: DType,
-) -> Vec<u32> {
+) -> (Vec<u32>, Option<(f32, usize)>) {
     let device = Device::flex().autodiff();
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let model = cast(base.clone().fork(&device), dtype);
@@ -102,7 +102,8 @@ fn accumulate_rank<C: burn_shard_comm::Collective + 'static>(
             }
         }
     }
-    params_of(&model.materialize()).iter().map(|p| p.to_bits()).collect()
+    let scaler = optim.loss_scaler().map(|s| (s.scale(), s.skipped_steps()));
+    (params_of(&model.materialize()).iter().map(|p| p.to_bits()).collect(), scaler)
 }
 
 /// Gradient accumulation and clipping read the gradient shards from disk as the in-memory
@@ -129,6 +130,39 @@ fn accumulation_and_clipping_with_gradient_shards_on_disk_match_memory() {
             let (memory, on_disk) = (run(&plain), run(&stored));
             assert!(memory == on_disk, "{ctx}: parameters differ from the in-memory run's");
             assert!(memory != run(&config(Stage::Three, dtype)), "{ctx}: the clipping clips");
+            assert!(entries(&dir).is_empty(), "{ctx}: files left: {:?}", entries(&dir));
+        }
+    }
+}
+
+/// A loss scale that changes at a step (a dynamic scaler that grows after every finite step)
+/// divides that step's gradients by the scale their losses were multiplied by, whether the
+/// gradient shards are read from disk or held in memory: the update reads stored shards after
+/// the scaler has measured the step and grown, so it must not take the scale anew (it did, and
+/// divided by twice the scale on every step that grew it). World sizes 1-3, `f32`, `bf16` and
+/// `f16`, 3 micro-batches per step: bitwise the in-memory run, the scale grown on every step.
+#[test]
+fn a_loss_scale_that_grows_at_a_step_unscales_stored_gradients_as_in_memory() {
+    let dir = scratch("nvme-params", "growing-scale");
+    let base = base();
+    let scaler = LossScaler::dynamic().with_scale(256.0).with_growth_interval(1);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for world_size in 1..=3 {
+            let ctx = format!("{dtype:?}, world_size {world_size}");
+            let plain = ShardConfig::new(Stage::Three)
+                .with_bucket_numel(64)
+                .with_loss_scaler(scaler.clone());
+            let stored = plain.clone().with_nvme_offload_params(&dir);
+            let run = |config: &ShardConfig| {
+                run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                    accumulate_rank(comm, &base, config, dtype)
+                })
+                .expect("no rank panics")
+            };
+            let (memory, on_disk) = (run(&plain), run(&stored));
+            let grown = 256.0 * 2f32.powi(STEPS as i32);
+            assert_eq!(memory[0].1, Some((grown, 0)), "{ctx}: the scale grew at every step");
+            assert!(memory == on_disk, "{ctx}: parameters differ from the in-memory run's");
             assert!(entries(&dir).is_empty(), "{ctx}: files left: {:?}", entries(&dir));
         }
     }

@@ -20,11 +20,12 @@ use crate::optim::loss_scale::LossScaler;
 use crate::optim::master::MasterWeightStep;
 use crate::optim::offload::Offloaded;
 use crate::overlap::bucket_reducer::{BucketReducer, reduces_in_backward};
-use crate::overlap::comm_context::ParamHome;
+use crate::placement::home::ParamHome;
 use crate::overlap::context::FsdpContext;
 use crate::stage::Stage;
 use crate::step::optimizer::ShardedOptimizer;
-use crate::step::optimizer::{StepOptions, check_one_norm_clipping};
+use crate::step::measure::check_one_norm_clipping;
+use crate::step::options::StepOptions;
 use crate::step::stage_plan::StagePlan;
 use crate::swap::config::NvmeOffload;
 use crate::swap::shard_store::ShardStore;
@@ -565,7 +566,7 @@ impl ShardConfig {
         if let Some(e) = ctx.take_error() {
             return Err(e);
         }
-        ctx.flush_home()?;
+        ctx.home().flush()?;
         sharder.units.check_all_used(&census)?;
         let local = Arc::new(FlatLayout::from_slots(sharder.slots, 1, self.bucket_numel)?);
         let plan = StagePlan::Three(ctx);

@@ -21,8 +21,10 @@
 //!   `forward` cannot carry [`unit()`] calls: the same grouped all-gathers and reduce-scatters, the
 //!   reduce-scatters at the end of backward;
 //! - `overlap/comm_context.rs`: what every collective of a rank shares: the collective, the first
-//!   error, and the transient-memory probes; `overlap/context.rs` owns it with the schedule and
-//!   the unit reducer;
+//!   error, and the transient-memory probes; `overlap/context.rs` owns it with the shards' home
+//!   (`placement/home.rs`: the compute device, host memory or disk), the schedule and the unit
+//!   reducer;
+//! - `placement/shard.rs`: what a sharded parameter holds (`Shard`: in memory or on disk);
 //! - `overlap/backward_log.rs`: the gradients' arrival order, from which the reducer learns one
 //!   backward;
 //! - `overlap/spec.rs`: what one gather is of (`ParamSpec`), shared by the ops (whose

@@ -37,8 +37,8 @@
 //! - empty parameters are left as they are.
 
 // Layers, bottom to top; each imports only the ones above it in this list (checked by the test
-// suite's `architecture` module): error, run, stage, backend < model < optim < swap < overlap < hooks < step <
-// checkpoint < config < estimate. `bucket` and `fsdp` are the public pages of the two overlap
+// suite's `architecture` module): error, run, stage, backend < model < optim < swap < placement <
+// overlap < hooks < step < checkpoint < config < estimate. `bucket` and `fsdp` are the public pages of the two overlap
 // systems and re-export what users name.
 mod backend;
 mod error;
@@ -47,8 +47,9 @@ mod stage;
 
 mod model;
 mod optim;
-mod overlap;
 mod swap;
+mod placement;
+mod overlap;
 
 mod hooks;
 mod step;

@@ -22,7 +22,7 @@ use crate::model::flat;
 use crate::optim::master::MasterWeightStep;
 use crate::step::optimizer::ShardedOptimizer;
 use crate::step::slot_state::LoadedSlots;
-use crate::swap::shard_store::Shard;
+use crate::placement::shard::Shard;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Loads the checkpoint in `dir` into `model` (the one `init` returned) and this optimizer,
@@ -178,7 +178,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                     };
                     let spec = &shard_specs[id];
                     let shard = padded(data, chunk, &spec.shard.device());
-                    shards.insert(*id, spec.ctx.to_home(shard));
+                    shards.insert(*id, spec.ctx.home().to_home(shard));
                 }
                 _ => {
                     let data = files.read_range(saved, &name, 0..numel)?;
@@ -210,9 +210,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
         // The loaded shards' writes to the shard file (NVMe parameter offload) are done and
         // succeeded before the ranks agree on the load.
-        if let Some(ctx) = self.plan.fsdp() {
-            ctx.flush_home()?;
-        }
+        self.plan.flush_home()?;
         Ok((
             values,
             shards,

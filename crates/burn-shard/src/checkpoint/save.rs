@@ -24,7 +24,7 @@ use crate::overlap::bucket_reducer::BucketReducer;
 use crate::stage::Stage;
 use crate::step::optimizer::ShardedOptimizer;
 use crate::step::slot_state::SavedTensor;
-use crate::swap::shard_store::Shard;
+use crate::placement::shard::Shard;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Saves `model` (the one `step` returned) and this optimizer into the new directory `dir`,
@@ -124,7 +124,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         //    agree).
         let pending = self.pending.count()
             + self.bucket_reducer.as_ref().map_or(0, BucketReducer::pending_slots)
-            + self.plan.fsdp().map_or(0, |fsdp| fsdp.stored_grad_count());
+            + self.plan.stored_grad_count();
         let checked = match pending {
             // The sums would not be saved: refuse rather than lose them on resume.
             0 => to_set_aside(&root, &lineage)
@@ -223,15 +223,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// other rank [`CheckpointError::PeerFailed`] naming it. No rank is left waiting, and the
     /// group stays usable.
     pub(crate) fn agree<T>(&self, result: Result<T, ShardError>, op: &str) -> Result<T, ShardError> {
-        let failed = self.failed_ranks(result.is_err(), &burn::tensor::Device::flex())?;
-        match result {
-            Ok(_) if !failed.is_empty() => Err(CheckpointError::PeerFailed {
-                op: op.to_string(),
-                ranks: failed,
-            }
-            .into()),
-            result => result,
-        }
+        crate::step::agreement::agree(self.comm.as_ref(), result, op)
     }
 
     /// Writes this rank's file into `partial`.

@@ -14,8 +14,8 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, ParamId};
 use burn::tensor::Tensor;
 
 use crate::hooks::gather_op::GatherSpec;
-use crate::overlap::collectives::{all_gather_full, pad_to};
-use crate::swap::shard_store::Shard;
+use crate::overlap::collectives::pad_to;
+use crate::placement::shard::Shard;
 
 enum Exchange {
     /// Sharded states reported by `visit`.
@@ -74,8 +74,9 @@ pub(crate) fn collect_shards<M: Module>(model: &M) -> HashMap<ParamId, Shard> {
 /// recorded in the context (`CommContext::take_error`) and gives zeros, as does a shard that
 /// cannot be read from disk.
 pub(crate) fn full_value<const D: usize>(spec: &GatherSpec) -> Tensor<D> {
-    let shard = spec.ctx.read(&spec.shard);
-    all_gather_full(&spec.ctx, shard, spec.numel, spec.tag).reshape(spec.full_shape.clone())
+    spec.ctx
+        .gather_alone(&spec.shard, spec.numel, spec.tag)
+        .reshape(spec.full_shape.clone())
 }
 
 /// This rank's `[chunk]` shard of `full` (the parameter's full value, any shape), in the shard's

@@ -48,7 +48,7 @@ use burn::tensor::{Shape, Tensor};
 
 use crate::overlap::context::FsdpContext;
 use crate::overlap::spec::{ParamSpec, Phase, next_version};
-use crate::swap::shard_store::Shard;
+use crate::placement::shard::Shard;
 
 /// What a gather op carries: the rank's shared context and what the gather is of. Reads of the
 /// [`ParamSpec`] fields (shard, shapes, tag, version, phase, unit scope) go through `Deref`;
@@ -65,7 +65,7 @@ impl GatherSpec {
     /// offload, unless it is there already).
     pub(crate) fn set_shard(&mut self, shard: Shard) {
         self.param.shard = match shard {
-            Shard::Held(shard) => self.ctx.to_home(shard),
+            Shard::Held(shard) => self.ctx.home().to_home(shard),
             stored @ Shard::Stored(_) => stored,
         };
         self.param.version = next_version();

@@ -31,7 +31,7 @@ use crate::model::units::UnitPolicy;
 use crate::overlap::call_tag::CallTag;
 use crate::overlap::context::FsdpContext;
 use crate::overlap::spec::{ParamSpec, Phase, next_version};
-use crate::swap::shard_store::Shard;
+use crate::placement::shard::Shard;
 
 /// The reparameterization of a stage-3 parameter: it holds this rank's shard, and `param.val()`
 /// all-gathers the full value on demand (see the module docs).
@@ -85,7 +85,7 @@ impl Reparameterization for ShardedParam {
 impl Module for ShardedParam {
     fn collect_devices(&self, mut devices: Devices) -> Devices {
         // The device the parameter computes on, also when its shard lives in host memory.
-        let device = match self.spec.ctx.offloaded_compute() {
+        let device = match self.spec.ctx.home().offloaded_compute() {
             Some(compute) => compute.clone(),
             None => self.spec.shard.device(),
         };
@@ -106,7 +106,7 @@ impl Module for ShardedParam {
         // device, and a gather copies the shard there.
         if let Some(shard) = self.spec.shard.held()
             && shard.device() != device
-            && self.spec.ctx.offloaded_compute().is_none()
+            && self.spec.ctx.home().offloaded_compute().is_none()
         {
             let shard = shard.clone().to_device(&device);
             self.spec.set_shard(Shard::Held(shard));
@@ -195,7 +195,7 @@ impl Reparameterizer for &mut Sharder {
         }
         // A new buffer from data: a view of the full tensor would keep the full weight alive.
         // Made where shards live (host memory with parameter offload).
-        let home = self.ctx.shard_device(&device.clone().without_autodiff());
+        let home = self.ctx.home().shard_device(&device.clone().without_autodiff());
         let shard = Tensor::<1>::from_data(flat.narrow(0, r * chunk, chunk).into_data(), (&home, dtype));
         // NaN, so that what reads the placeholder instead of the weights (a user's `model.visit`)
         // cannot mistake it for them; nothing of burn-shard's reads its value.
@@ -230,7 +230,7 @@ impl Reparameterizer for &mut Sharder {
             id,
             // Written to the shard file with NVMe parameter offload (queued: `init` waits for
             // the writes and returns a failure).
-            shard: self.ctx.to_home(shard),
+            shard: self.ctx.home().to_home(shard),
             full_shape,
             shard_shape: Shape::new(shard_dims),
             numel,

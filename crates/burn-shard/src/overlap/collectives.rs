@@ -5,11 +5,11 @@ use burn::tensor::{DType, Tensor};
 
 use crate::overlap::comm_context::CommContext;
 
-/// This rank's `[chunk]` shard -> the full `[numel]` parameter (padding dropped), on the compute
-/// device (see [`CommContext::to_compute`]).
+/// This rank's `[chunk]` shard, on the device it is gathered on (see
+/// [`ShardHome::to_compute`](crate::placement::home::ShardHome::to_compute)) -> the full
+/// `[numel]` parameter (padding dropped) there.
 /// On a collective error the error is recorded and zeros are returned (the step then fails).
 pub(crate) fn all_gather_full(ctx: &CommContext, shard: Tensor<1>, numel: usize, tag: u64) -> Tensor<1> {
-    let shard = ctx.to_compute(shard);
     let (device, dtype) = (shard.device(), shard.dtype());
     match ctx.comm().all_gather_tagged(shard, tag) {
         Ok(full) if full.dims()[0] == numel => full,

@@ -11,12 +11,14 @@ use burn::module::ParamId;
 use burn::tensor::Tensor;
 use burn_shard_comm::Collective;
 
+use crate::error::ShardError;
 use crate::overlap::collectives::all_gather_full;
-use crate::overlap::comm_context::{CommContext, ParamHome};
+use crate::overlap::comm_context::CommContext;
 use crate::overlap::gather_schedule::Schedule;
 use crate::overlap::spec::{POLICY_SCOPE, ParamSpec};
 use crate::overlap::unit_reducer::{Reduced, Reducer};
-use crate::swap::shard_store::Shard;
+use crate::placement::home::{ParamHome, ShardHome};
+use crate::placement::shard::Shard;
 
 /// Shared by the sharded parameters of one model on one rank. Cheap to clone. Dereferences to
 /// its [`CommContext`] (the collective, the first error, transient memory), which the schedule
@@ -26,6 +28,8 @@ pub(crate) struct FsdpContext(Arc<Inner>);
 
 struct Inner {
     comm: CommContext,
+    /// Where this rank's shards live (the compute device, host memory or the shard file).
+    home: ShardHome,
     reshard_after_forward: bool,
     schedule: Mutex<Schedule>,
     reducer: Mutex<Reducer>,
@@ -69,7 +73,8 @@ impl FsdpContext {
     /// The context of `comm`'s rank; `param_home` with parameter offload (see [`ParamHome`]).
     pub(crate) fn new(comm: Arc<dyn Collective>, reshard_after_forward: bool, param_home: Option<ParamHome>) -> Self {
         Self(Arc::new(Inner {
-            comm: CommContext::new(comm, param_home),
+            comm: CommContext::new(comm),
+            home: ShardHome::new(param_home),
             reshard_after_forward,
             schedule: Mutex::new(Schedule::default()),
             reducer: Mutex::new(Reducer::default()),
@@ -82,13 +87,33 @@ impl FsdpContext {
     /// schedule fetched it, else all-gathered alone (see [`crate::overlap::gather_schedule`]).
     pub(crate) fn gather(&self, spec: &ParamSpec) -> Tensor<1> {
         let mut schedule = self.0.schedule.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(full) = schedule.take(&self.0.comm, spec) {
+        if let Some(full) = schedule.take(&self.0.comm, &self.0.home, spec) {
             return full;
         }
         drop(schedule);
-        let full = all_gather_full(self, self.read(&spec.shard), spec.numel, spec.tag);
+        let full = self.gather_alone(&spec.shard, spec.numel, spec.tag);
         self.watch_tensor(&full, spec.numel * full.dtype().size());
         full
+    }
+
+    /// The full `[numel]` parameter of `shard` (`[chunk]`), all-gathered alone under `tag`, on
+    /// the compute device; zeros after a failed read or collective (the error recorded).
+    pub(crate) fn gather_alone(&self, shard: &Shard, numel: usize, tag: u64) -> Tensor<1> {
+        let shard = self.0.home.to_compute(self.read(shard));
+        all_gather_full(self, shard, numel, tag)
+    }
+
+    /// The values of `shard` (read from disk when stored); a failed read is recorded (the step
+    /// returns it) and gives zeros, as a failed collective does.
+    pub(crate) fn read(&self, shard: &Shard) -> Tensor<1> {
+        self.0
+            .home
+            .wait_read(shard.start_read(), shard, |e: ShardError| self.record_error(e))
+    }
+
+    /// Where this rank's shards live, and how they move to the compute device and back.
+    pub(crate) fn home(&self) -> &ShardHome {
+        &self.0.home
     }
 
     /// Takes the complete full gradient (`[numel]`) of `spec`'s parameter, whose autodiff leaf
@@ -119,7 +144,7 @@ impl FsdpContext {
     /// Burn's gradients to hold, so they never hold the gradients of the whole model); without
     /// it, gives it back.
     pub(crate) fn keep_reduced(&self, reduced: Reduced) -> Option<Reduced> {
-        let Some(store) = self.shard_store() else {
+        let Some(store) = self.0.home.store() else {
             return Some(reduced);
         };
         let shard = Shard::Stored(Arc::new(store.put(&reduced.shard, "gradient")));

@@ -28,8 +28,9 @@ use crate::overlap::call_tag::CallTag;
 use crate::overlap::collectives::dtype_group;
 use crate::overlap::comm_context::CommContext;
 use crate::overlap::spec::{ParamSpec, Phase};
-use crate::swap::read_ahead::ReadAhead;
-use crate::swap::shard_store::Shard;
+use crate::placement::home::ShardHome;
+use crate::placement::read_ahead::ReadAhead;
+use crate::placement::shard::Shard;
 
 /// A group: the phase and the tag of the group's first parameter.
 type GroupKey = (Phase, u64);
@@ -112,7 +113,7 @@ impl Schedule {
 
     /// The full `[numel]` parameter of `spec` if its group fetched it; `None` means: gather it
     /// alone. Also learns the groups and starts the prefetch of the next one.
-    pub(crate) fn take(&mut self, ctx: &CommContext, spec: &ParamSpec) -> Option<Tensor<1>> {
+    pub(crate) fn take(&mut self, ctx: &CommContext, home: &ShardHome, spec: &ParamSpec) -> Option<Tensor<1>> {
         let key = match spec.phase {
             Phase::Forward => {
                 let scope = spec.unit_scope?;
@@ -128,7 +129,7 @@ impl Schedule {
             .as_ref()
             .is_some_and(|c| c.key == key && (spec.phase == Phase::Backward || c.scope == spec.unit_scope));
         if !same {
-            self.enter(ctx, key, spec.unit_scope);
+            self.enter(ctx, home, key, spec.unit_scope);
         }
         let current = self.current.as_mut().expect("entered above");
         if !current.tags.contains(&spec.tag) {
@@ -161,7 +162,7 @@ impl Schedule {
     /// between, where that unit's output is no checkpoint boundary: see [`crate::fsdp::unit`])
     /// gathers alone: fetching it whole again would move its bytes twice. Only the first entry of
     /// the pass is learned.
-    fn enter(&mut self, ctx: &CommContext, key: GroupKey, scope: Option<u64>) {
+    fn enter(&mut self, ctx: &CommContext, home: &ShardHome, key: GroupKey, scope: Option<u64>) {
         self.finish_current(Some(key));
         // Unused gathers of the previous group are freed here: one unit at a time.
         self.ready.clear();
@@ -180,7 +181,7 @@ impl Schedule {
         let fetched = match in_flight {
             Some(g) if g.key == key => Some(g),
             // A prefetch that guessed wrong is dropped; it completes unseen.
-            _ => self.start_group(ctx, key),
+            _ => self.start_group(ctx, home, key),
         };
         if let Some(g) = fetched {
             self.finish(ctx, g);
@@ -197,7 +198,7 @@ impl Schedule {
                 Phase::Backward => fetched(&next) == 0,
             }
         {
-            self.in_flight = self.start_group(ctx, next);
+            self.in_flight = self.start_group(ctx, home, next);
             // The group that came after `next` is read from disk (with NVMe parameter offload)
             // while this one computes and `next` is gathered; reads of a wrong guess are dropped.
             self.ahead.clear();
@@ -234,7 +235,7 @@ impl Schedule {
 
     /// Starts the all-gathers of group `key` as learned (one per dtype, in first-seen order);
     /// `None` for a group not seen yet.
-    fn start_group(&mut self, ctx: &CommContext, key: GroupKey) -> Option<GroupGather> {
+    fn start_group(&mut self, ctx: &CommContext, home: &ShardHome, key: GroupKey) -> Option<GroupGather> {
         let world_size = ctx.comm().world_size();
         let mut by_dtype: Vec<(DType, Vec<Member>, Vec<Tensor<1>>, usize)> = Vec::new();
         for tag in self.groups.get(&key)? {
@@ -250,7 +251,8 @@ impl Schedule {
                 chunk,
                 offset: *width,
             });
-            shards.push(ctx.wait_read(self.ahead.take(&reg.shard), &reg.shard));
+            let read = self.ahead.take(&reg.shard);
+            shards.push(home.wait_read(read, &reg.shard, |e| ctx.record_error(e)));
             *width += chunk;
         }
         if by_dtype.is_empty() {
@@ -267,7 +269,7 @@ impl Schedule {
                 let tags: Vec<u64> = members.iter().map(|m| m.tag).collect();
                 let tag = CallTag::Group(&tags).value();
                 // With parameter offload: one host-to-device copy of the group's shards.
-                let flat = ctx.to_compute(Tensor::cat(shards, 0));
+                let flat = home.to_compute(Tensor::cat(shards, 0));
                 sample.get_or_insert_with(|| flat.clone());
                 (members, width, ctx.comm().all_gather_async(flat, tag))
             })

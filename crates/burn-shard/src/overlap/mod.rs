@@ -5,8 +5,8 @@
 //!   [`crate::bucket`]);
 //! - `comm_context`: what every stage-3 collective of a rank shares (the collective, the first
 //!   error, transient memory), a leaf;
-//! - `context`: what stage 3's ops share per rank: the `comm_context` with the
-//!   `gather_schedule` and the `unit_reducer` that take it;
+//! - `context`: what stage 3's ops share per rank: the `comm_context` and the shards' home
+//!   (`crate::placement`) with the `gather_schedule` and the `unit_reducer` that take them;
 //! - `backward_log`: the gradients since the optimizer's last call, in arrival order, from
 //!   which both reducers learn one backward;
 //! - `call_tag`: how every collective call is named for the collectives' cross-rank check;
@@ -15,7 +15,7 @@
 //! - `gather_schedule`: per-unit grouped all-gathers with prefetch;
 //! - `unit_reducer`: per-unit grouped reduce-scatters.
 //!
-//! Imports `model`, `error` and `stage` of this crate.
+//! Imports `placement`, `swap`, `model`, `error` and `stage` of this crate.
 
 pub(crate) mod backward_log;
 pub(crate) mod bucket_reducer;

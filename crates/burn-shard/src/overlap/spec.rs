@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use burn::module::ParamId;
 use burn::tensor::Shape;
 
-use crate::swap::shard_store::Shard;
+use crate::placement::shard::Shard;
 
 /// Where a gather runs: in forward (`param.val()`), or re-gathered in backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -21,9 +21,9 @@ pub struct ParamSpec {
     /// The parameter's id.
     pub(crate) id: ParamId,
     /// This rank's shard: `[chunk]`, the parameter's dtype, plain (not tracked by autodiff), on
-    /// the compute device, in host memory with parameter offload (`CommContext::to_compute`
+    /// the compute device, in host memory with parameter offload (`ShardHome::to_compute`
     /// copies it for each gather), or in the rank's shard file with NVMe parameter offload
-    /// (`CommContext::read` reads it for each gather).
+    /// (`FsdpContext::read` reads it for each gather).
     /// Ops keep the clone they were given, so a re-gather in backward uses the values of the
     /// forward even if the optimizer has replaced the shard since.
     pub(crate) shard: Shard,

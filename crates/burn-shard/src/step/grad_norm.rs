@@ -11,12 +11,10 @@
 //! and one non-finite element on any rank makes the global norm non-finite on all of them.
 
 use burn::optim::grad_clipping::GradientClipping;
-use burn::tensor::{DType, Device, Tensor, TensorData};
-use burn_shard_comm::Collective;
+use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::error::ShardError;
-use crate::model::layout::FlatLayout;
-use crate::step::stage_plan::StagePlan;
+use crate::step::context::StepContext;
 
 /// L2 norms of the gradient averaged over the ranks.
 #[derive(Clone, Debug)]
@@ -46,12 +44,10 @@ pub(crate) struct GradNorms {
 /// [`ShardError::Comm`] when the all-gather of the per-parameter pairs fails; what `grad`
 /// returns.
 pub(crate) fn measure(
-    layout: &FlatLayout,
-    plan: &StagePlan,
-    comm: &dyn Collective,
+    cx: &StepContext,
     grad: &mut dyn FnMut(usize) -> Result<Tensor<1>, ShardError>,
-    device: &Device,
 ) -> Result<GradNorms, ShardError> {
+    let (layout, plan, comm, device) = (cx.layout, cx.plan, cx.comm, &cx.device);
     let slots = layout.slots().len();
     if slots == 0 {
         return Ok(GradNorms {

@@ -1,15 +1,27 @@
-//! One optimizer step: [`ShardedOptimizer`](crate::ShardedOptimizer) (`optimizer`), what each
-//! stage does at each point of it (`stage_plan`), the gradients it updates with, in memory or
-//! on disk (`bucket_grads`), the gradient norm and clipping
-//! (`grad_norm`), the micro-batch sums kept between optimizer calls (`pending`), the
-//! per-slot optimizer state and masters that checkpoints save (`slot_state`), what the last call
-//! measured for the reports (`last_step`), and reading or editing the parameters with a user's visitor or mapper (`params`). Imports `hooks`, `overlap`, `optim`, `model`, `error` and `stage`.
+//! One optimizer step. [`ShardedOptimizer`](crate::ShardedOptimizer) (`optimizer`) is the
+//! public face; `step` builds the step's `context` and runs its phases in order: `reduce`
+//! (which slots have a gradient, the buckets reduced), `measure` (norms, the loss scaler's
+//! verdict, clipping; `grad_norm`), `update` (Burn's optimizer on each piece, then publishing).
+//! Beside them: what each stage does at each point (`stage_plan`, the one place that asks the
+//! stage), how ranks agree on an outcome (`agreement`), the gradients per bucket, in memory or on
+//! disk (`bucket_grads`), the micro-batch sums kept between optimizer calls (`pending`), the
+//! per-slot optimizer state and masters that checkpoints save (`slot_state`), what `init` asks of
+//! the step (`options`), what the last call measured and the reports (`last_step`, `reports`),
+//! and reading or editing the parameters with a user's visitor or mapper (`params`). Imports
+//! `hooks`, `overlap`, `placement`, `swap`, `optim`, `model`, `error` and `stage`.
 
+pub(crate) mod agreement;
 pub(crate) mod bucket_grads;
+pub(crate) mod context;
 pub(crate) mod grad_norm;
 pub(crate) mod last_step;
+pub(crate) mod measure;
 pub(crate) mod optimizer;
+pub(crate) mod options;
 pub(crate) mod params;
 pub(crate) mod pending;
+pub(crate) mod reduce;
+pub(crate) mod reports;
 pub(crate) mod slot_state;
 pub(crate) mod stage_plan;
+pub(crate) mod update;

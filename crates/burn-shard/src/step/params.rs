@@ -43,16 +43,16 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// [`ShardError::Comm`] when an all-gather failed (stage 3).
     pub fn visit_params<M: Module, V: ModuleVisitor>(&self, model: &M, visitor: &mut V) -> Result<(), ShardError> {
-        let Some(fsdp) = self.plan.fsdp() else {
+        if !self.plan.shards_parameters() {
             model.visit(visitor);
             return Ok(());
-        };
+        }
         let specs = exchange::collect_specs(model);
         model.visit(&mut Gathering {
             inner: visitor,
             specs: &specs,
         });
-        fsdp.take_error().map_or(Ok(()), Err)
+        self.plan.take_error().map_or(Ok(()), Err)
     }
 
     /// `model.map(mapper)` with every parameter's full value, at every stage, for edits such as
@@ -76,8 +76,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Every rank returns the error and no shard is replaced.
     pub fn map_params<M: Module, Mp: ModuleMapper>(&mut self, model: M, mapper: &mut Mp) -> Result<M, ShardError> {
         self.refuse_half_applied("map parameters")?;
-        let mapped = match self.plan.fsdp() {
-            None => {
+        let mapped = match self.plan.shards_parameters() {
+            false => {
                 let mapped = model.map(mapper);
                 // Whole parameters on every rank, mapped alike: every rank finds the same change.
                 let mut check = CheckMapped {
@@ -90,7 +90,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 }
                 mapped
             }
-            Some(fsdp) => {
+            true => {
                 let specs = exchange::collect_specs(&model);
                 let mut gathering = Gathering {
                     inner: mapper,
@@ -105,7 +105,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 };
                 let mapped = model.clone().map(&mut scattering);
                 // Both taken: an all-gather's error must not surface at the next call instead.
-                let gather_error = fsdp.take_error();
+                let gather_error = self.plan.take_error();
                 if let Some(e) = scattering.changed.take().or(gather_error) {
                     return Err(e);
                 }
@@ -113,10 +113,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 // any is replaced: a failed write leaves the model as it was.
                 let shards = shards
                     .into_iter()
-                    .map(|(id, shard)| (id, fsdp.to_home(shard)))
+                    .map(|(id, shard)| (id, self.plan.to_home(shard)))
                     .collect();
                 // Every rank replaces its shards, or none does.
-                self.agree_on_disk(fsdp.flush_home(), &self.device, "in map_params")?;
+                self.agree_on_disk(self.plan.flush_home(), "in map_params")?;
                 exchange::replace_shards(mapped, shards)
             }
         };

@@ -16,8 +16,8 @@ use crate::model::flat::{SlotValues, tensor_bytes};
 use crate::model::layout::ParamSlot;
 use crate::optim::master::widen_half;
 use crate::overlap::bucket_reducer::Early;
-use crate::swap::read_ahead::ReadAhead;
-use crate::swap::shard_store::Shard;
+use crate::placement::read_ahead::ReadAhead;
+use crate::placement::shard::Shard;
 
 /// The micro-batch sums waiting for the next step, and their peak size.
 pub(crate) struct PendingGradients {

@@ -10,18 +10,17 @@
 //! - `io_pool.rs`: `IoPool`, the threads that read and write off the compute thread.
 //! - `slot_bytes.rs`: one slot's optimizer state and master as bytes, and back (through Burn's
 //!   `RecordState`, so any Burn optimizer's state swaps).
-//! - `read_ahead.rs`: `ReadAhead`, shard reads started before their use (the gather schedule's
-//!   next unit but one, the step's next bucket).
-//! - `shard_store.rs`: `Shard`, what a stage-3 parameter holds (in memory or on disk), and
-//!   `ShardStore`, one rank's file of parameter shards (`ShardConfig::with_nvme_offload_params`).
+//! - `blocks.rs`: what both files share: space in whole 4 KiB blocks, a CRC-32 per piece.
+//! - `shard_store.rs`: `ShardStore`, one rank's file of stage-3 parameter and gradient shards
+//!   (`ShardConfig::with_nvme_offload_params`), and `StoredShard`, one shard in it.
 //! - `swapper.rs`: `Swapper`, where each slot's bytes are on disk and the step's read-ahead and
 //!   write-behind, bounded by `max_in_flight`.
 
+pub(crate) mod blocks;
 pub(crate) mod config;
 pub(crate) mod file;
 pub(crate) mod free_space;
 pub(crate) mod io_pool;
-pub(crate) mod read_ahead;
 pub(crate) mod shard_store;
 pub(crate) mod slot_bytes;
 pub(crate) mod swapper;

@@ -1,7 +1,7 @@
 //! Stage-3 parameter shards on disk (ZeRO-Infinity's parameter offload to NVMe, Rajbhandari et
-//! al., SC21, §5.1; DeepSpeed's `offload_param: {device: nvme}`): [`Shard`] is what a sharded
-//! parameter holds, its values in memory or in the rank's shard file, and [`ShardStore`] is
-//! that file.
+//! al., SC21, §5.1; DeepSpeed's `offload_param: {device: nvme}`): [`ShardStore`] is the rank's
+//! file of shards and [`StoredShard`] one shard in it (a parameter's
+//! [`Shard`](crate::placement::shard::Shard) holds one when its values are on disk).
 //!
 //! A stored shard is written once and never overwritten: the optimizer writes each updated
 //! shard to free space and the old one's space is freed when the last clone of its handle is
@@ -18,13 +18,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use crate::error::ShardError;
+use crate::swap::blocks::{BLOCK, checksum, reserved};
 use crate::swap::config::NvmeOffload;
 use crate::swap::file::SwapFile;
 use crate::swap::free_space::FreeSpace;
 use crate::swap::io_pool::{IoPool, Pending};
-
-/// Shards are placed at multiples of this many bytes (4 KiB, a page and the common block size).
-const BLOCK: u64 = 4096;
 
 /// One rank's file of parameter shards, created as `burn-shard-rank{rank}-params.swap.{pid}.{n}`
 /// and unlinked at once (see [`SwapFile::create_unlinked`]: the shards are reachable from
@@ -37,7 +35,7 @@ const BLOCK: u64 = 4096;
 ///   memory and a failed write loses nothing; at most `max_in_flight` writes are queued (the
 ///   oldest is waited for first), and [`ShardStore::flush`] waits for all of them and returns
 ///   the first failure;
-/// - a read can be started ahead of its use ([`StoredShard::start_read`], [`ReadAhead`](crate::swap::read_ahead::ReadAhead)): the gather schedule
+/// - a read can be started ahead of its use ([`StoredShard::start_read`], [`ReadAhead`](crate::placement::read_ahead::ReadAhead)): the gather schedule
 ///   reads the unit after the one being gathered, and the step the bucket after the one being
 ///   stepped.
 pub(crate) struct ShardStore {
@@ -118,8 +116,8 @@ impl ShardStore {
         // caller's tensor, which may be a view of a larger one, is not kept).
         let values = Arc::new(data.into_bytes().to_vec());
         let bytes = values.len();
-        let crc = crc32fast::hash(&values);
-        let len = (bytes as u64).div_ceil(BLOCK) * BLOCK;
+        let crc = checksum(&values);
+        let len = reserved(bytes as u64);
         let at = self.space().take(len);
         let write = Arc::new(WriteBehind {
             what,
@@ -294,7 +292,7 @@ impl ShardRead {
         let bytes = pending
             .wait()
             .map_err(|e| file.io_error(&format!("reading a {} shard", shard.what), shard.bytes, &e))?;
-        if crc32fast::hash(&bytes) != shard.crc {
+        if checksum(&bytes) != shard.crc {
             return Err(ShardError::Nvme {
                 path: file.path().to_path_buf(),
                 reason: format!(
@@ -344,6 +342,21 @@ impl StoredShard {
     pub(crate) fn read(self: &Arc<Self>) -> Result<Tensor<1>, ShardError> {
         self.start_read(false).wait()
     }
+
+    /// Elements of the shard (`chunk`).
+    pub(crate) fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// The shard's dtype.
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Where a read of the shard builds its tensor: the store's host device (Burn's `Flex`).
+    pub(crate) fn host(&self) -> Device {
+        self.store.host.clone()
+    }
 }
 
 impl Drop for StoredShard {
@@ -357,73 +370,5 @@ impl Drop for StoredShard {
 impl fmt::Debug for StoredShard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "StoredShard {{ {} x {:?} at {} }}", self.numel, self.dtype, self.at)
-    }
-}
-
-/// What a stage-3 parameter holds of its values: this rank's `[chunk]` shard, in memory (on the
-/// compute device, or in host memory with parameter offload) or in the rank's [`ShardStore`].
-/// Clones are cheap (a tensor handle or an `Arc`).
-// `Held` (a tensor handle, the common case) is the large variant: boxing it would allocate
-// each time a shard is replaced, for 64 bytes saved per parameter.
-#[allow(clippy::large_enum_variant)]
-#[derive(Clone, Debug)]
-pub(crate) enum Shard {
-    /// In memory, plain (not tracked by autodiff).
-    Held(Tensor<1>),
-    /// On disk, read on each use.
-    Stored(Arc<StoredShard>),
-}
-
-impl Shard {
-    /// The values, `[chunk]`, read from disk when stored.
-    ///
-    /// # Errors
-    /// As [`StoredShard::read`].
-    pub(crate) fn read(&self) -> Result<Tensor<1>, ShardError> {
-        match self {
-            Shard::Held(shard) => Ok(shard.clone()),
-            Shard::Stored(stored) => stored.read(),
-        }
-    }
-
-    /// Starts reading the values, to be waited for now (on the store's I/O threads when
-    /// stored; see [`StoredShard::start_read`]).
-    pub(crate) fn start_read(&self) -> ShardRead {
-        match self {
-            Shard::Held(shard) => ShardRead::Ready(shard.clone()),
-            Shard::Stored(stored) => stored.start_read(false),
-        }
-    }
-
-    /// Elements (`chunk`).
-    pub(crate) fn numel(&self) -> usize {
-        match self {
-            Shard::Held(shard) => shard.dims()[0],
-            Shard::Stored(stored) => stored.numel,
-        }
-    }
-
-    /// The values' dtype.
-    pub(crate) fn dtype(&self) -> DType {
-        match self {
-            Shard::Held(shard) => shard.dtype(),
-            Shard::Stored(stored) => stored.dtype,
-        }
-    }
-
-    /// Where a read shard is: its device in memory, the host when stored.
-    pub(crate) fn device(&self) -> Device {
-        match self {
-            Shard::Held(shard) => shard.device(),
-            Shard::Stored(stored) => stored.store.host.clone(),
-        }
-    }
-
-    /// The tensor, when the shard is in memory.
-    pub(crate) fn held(&self) -> Option<&Tensor<1>> {
-        match self {
-            Shard::Held(shard) => Some(shard),
-            Shard::Stored(_) => None,
-        }
     }
 }

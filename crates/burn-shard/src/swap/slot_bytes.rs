@@ -9,6 +9,8 @@ use burn::optim::{RecordState, StateSink, StateSource};
 use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
 use burn_pack::Scalar;
 
+use crate::swap::blocks::checksum;
+
 /// A slot's optimizer state and `f32` master, each `None` when it has none.
 pub(crate) type StateAndMaster<S> = (Option<S>, Option<Tensor<1>>);
 
@@ -29,7 +31,7 @@ pub(crate) struct Field {
 impl Field {
     /// Whether `bytes` (this field's, read back) are the ones written (length and CRC-32).
     pub(crate) fn matches(&self, bytes: &[u8]) -> bool {
-        bytes.len() == self.bytes && crc32fast::hash(bytes) == self.crc
+        bytes.len() == self.bytes && checksum(bytes) == self.crc
     }
 }
 
@@ -71,7 +73,7 @@ pub(crate) fn encode<S: RecordState>(state: Option<&S>, master: Option<&Tensor<1
             shape: data.shape().clone(),
             at,
             bytes: data.as_bytes().len(),
-            crc: crc32fast::hash(data.as_bytes()),
+            crc: checksum(data.as_bytes()),
         }
     };
     let (state, scalars) = match state {

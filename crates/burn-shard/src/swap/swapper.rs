@@ -12,11 +12,8 @@ use crate::swap::config::NvmeOffload;
 use crate::swap::file::SwapFile;
 use crate::swap::free_space::FreeSpace;
 use crate::swap::io_pool::{IoPool, Pending};
+use crate::swap::blocks::{BLOCK, reserved};
 use crate::swap::slot_bytes::{self, Field, SlotLayout, StateAndMaster};
-
-/// Extents start on, and reserve, whole blocks of this many bytes (a page, and a multiple of
-/// every disk's logical block), so that no two slots share a block.
-const BLOCK: u64 = 4096;
 
 /// Where one slot's bytes are in the file.
 struct Extent {
@@ -165,7 +162,7 @@ impl Swapper {
             return;
         }
         let (bytes, layout) = slot_bytes::encode(state, master);
-        let needed = (layout.len as u64).div_ceil(BLOCK) * BLOCK;
+        let needed = reserved(layout.len as u64);
         let (offset, capacity) = match self.extents[index].take() {
             Some(extent) if extent.capacity >= needed => (extent.offset, extent.capacity),
             // New, or grown (a state that gained a tensor): in free space; the old one freed.
@@ -326,7 +323,7 @@ impl Staging {
             return Ok(());
         }
         let (bytes, layout) = slot_bytes::encode(state, master);
-        let capacity = (layout.len as u64).div_ceil(BLOCK) * BLOCK;
+        let capacity = reserved(layout.len as u64);
         let offset = self.space.take(capacity);
         self.file.write_at(&bytes, offset).map_err(|e| {
             // The live state is intact: the fix is to load again, not to resume.

@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::swap::shard_store::{Shard, ShardRead, StoredShard};
+use crate::placement::shard::Shard;
+use crate::swap::shard_store::{ShardRead, StoredShard};
 
 /// Reads started ahead, by shard (the address of its handle: the handle kept beside the read
 /// keeps the shard alive, so no other shard takes that address while the entry exists). A read

@@ -1,0 +1,91 @@
+//! How ranks that each did their part of an operation agree on its outcome: one all-reduce of
+//! one flag per rank (or per slot), so that every rank takes the same branch. The step (which
+//! slots got a gradient on some rank, which buckets it still reduces, whether every rank's disk
+//! reads and writes succeeded), `map_params` and each phase of a checkpoint save or load ask
+//! these functions; no other code decides a collective outcome.
+//!
+//! Each is a collective: every rank calls it at the same point with flags of the same length.
+
+use std::path::PathBuf;
+
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_shard_comm::{Collective, ReduceOp};
+
+use crate::error::{CheckpointError, ShardError};
+
+/// `flags` OR-ed over the ranks: `[flags.len()]` booleans, sent as one `f32` all-reduce (sum) on
+/// `device`.
+///
+/// # Errors
+/// [`ShardError::Comm`] when the all-reduce fails.
+pub(crate) fn any_rank(comm: &dyn Collective, flags: &[bool], device: &Device) -> Result<Vec<bool>, ShardError> {
+    let values: Vec<f32> = flags.iter().map(|&g| if g { 1.0 } else { 0.0 }).collect();
+    let n = values.len();
+    let summed = comm.all_reduce(Tensor::from_data(TensorData::new(values, [n]), device), ReduceOp::Sum)?;
+    let summed: Vec<f32> = summed.into_data().convert::<f32>().iter::<f32>().collect();
+    Ok(summed.iter().map(|&c| c > 0.0).collect())
+}
+
+/// The ranks that passed `failed = true`, in increasing order (one all-reduce of
+/// `world_size` flags on `device`).
+///
+/// # Errors
+/// [`ShardError::Comm`] when the all-reduce fails.
+pub(crate) fn failed_ranks(comm: &dyn Collective, failed: bool, device: &Device) -> Result<Vec<usize>, ShardError> {
+    let mut flags = vec![false; comm.world_size()];
+    flags[comm.rank()] = failed;
+    Ok((any_rank(comm, &flags, device)?.into_iter().enumerate())
+        .filter_map(|(rank, failed)| failed.then_some(rank))
+        .collect())
+}
+
+/// Ends one step of a collective file operation (`op`, e.g. "save_checkpoint") on every rank
+/// with the same outcome: a rank that failed returns its own error, every other rank
+/// [`CheckpointError::PeerFailed`] naming the failed ranks. No rank is left waiting, and the
+/// group stays usable. The flags travel on Burn's `Flex` CPU device (a checkpoint's phases
+/// involve no accelerator).
+///
+/// # Errors
+/// `result`'s own error, [`CheckpointError::PeerFailed`] (in [`ShardError::Checkpoint`]), or
+/// [`ShardError::Comm`] when the all-reduce fails.
+pub(crate) fn agree<T>(comm: &dyn Collective, result: Result<T, ShardError>, op: &str) -> Result<T, ShardError> {
+    let failed = failed_ranks(comm, result.is_err(), &Device::flex())?;
+    match result {
+        Ok(_) if !failed.is_empty() => Err(CheckpointError::PeerFailed {
+            op: op.to_string(),
+            ranks: failed,
+        }
+        .into()),
+        result => result,
+    }
+}
+
+/// NVMe offload (of the optimizer state or of the stage-3 shards): gives a phase (`when`, e.g.
+/// "in this step") the same outcome on every rank. A rank whose own reads or writes failed
+/// (`own`) returns its error; the others return [`ShardError::Nvme`] naming those ranks, with
+/// `dir` (this rank's swap or shard-file directory) as the path.
+///
+/// # Errors
+/// As above, or [`ShardError::Comm`] when the all-reduce fails.
+pub(crate) fn agree_on_disk(
+    comm: &dyn Collective,
+    own: Result<(), ShardError>,
+    device: &Device,
+    when: &str,
+    dir: PathBuf,
+) -> Result<(), ShardError> {
+    let failed = failed_ranks(comm, own.is_err(), device);
+    // This rank's own error first: it names the cause, a failed all-reduce does not.
+    own?;
+    let failed = failed?;
+    match failed.is_empty() {
+        true => Ok(()),
+        false => Err(ShardError::Nvme {
+            path: dir,
+            reason: format!(
+                "rank(s) {failed:?} could not read or write their swap files {when} (this rank's files are fine)"
+            ),
+            fix: "see those ranks' errors; then resume from the last checkpoint".into(),
+        }),
+    }
+}

@@ -1,0 +1,45 @@
+//! [`StepContext`]: what every phase of one optimizer step reads and nothing changes during it
+//! (the layout, the stage's plan, the collective, the device, the loss scale), handed to the
+//! phases as one value instead of one argument each.
+
+use std::ops::Range;
+
+use burn::tensor::{Device, Tensor};
+use burn_shard_comm::Collective;
+
+use crate::model::layout::{Bucket, FlatLayout};
+use crate::step::stage_plan::StagePlan;
+
+/// One step's fixed facts, borrowed from the [`ShardedOptimizer`](crate::ShardedOptimizer) for
+/// the length of the step.
+pub(crate) struct StepContext<'a> {
+    /// The flat layout of the trainable parameters (buckets and slots).
+    pub(crate) layout: &'a FlatLayout,
+    /// What the stage does at each point of the step.
+    pub(crate) plan: &'a StagePlan,
+    /// The rank's collective.
+    pub(crate) comm: &'a dyn Collective,
+    /// Where the step's gradients and updates are computed: the parameters' plain device.
+    pub(crate) device: Device,
+    /// The loss scale the averaged gradients are divided by, read once before the loss scaler
+    /// measures this step (which may grow or back off the scale for the next one); `None`
+    /// without a loss scaler.
+    pub(crate) loss_scale: Option<f32>,
+}
+
+impl StepContext<'_> {
+    /// The elements of `bucket` this rank updates (see [`StagePlan::owned_range`]).
+    pub(crate) fn owned_range(&self, bucket: &Bucket) -> Range<usize> {
+        self.plan.owned_range(bucket, self.comm.rank())
+    }
+
+    /// The averaged gradient divided by the loss scale, in `f32` for `bf16`/`f16` gradients (so
+    /// they lose nothing to the division; `f32` and `f64` keep their dtype); the gradient itself
+    /// without a loss scaler.
+    pub(crate) fn unscale(&self, grad: Tensor<1>) -> Tensor<1> {
+        match self.loss_scale {
+            Some(scale) => crate::optim::master::widen_half(grad).mul_scalar(1.0 / scale),
+            None => grad,
+        }
+    }
+}

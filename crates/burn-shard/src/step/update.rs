@@ -1,0 +1,207 @@
+//! Phase 3 of a step: Burn's optimizer on each parameter's piece of this rank's range, bucket
+//! by bucket, then the updated values published (all-gathered at stages 1-2) or, at stage 3,
+//! the new shards put where shards live as soon as their bucket is stepped.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use burn::module::Module;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::tensor::{Device, Tensor};
+use burn_shard_comm::Work;
+
+use crate::error::ShardError;
+use crate::model::flat::{self, tensor_bytes};
+use crate::model::layout::Bucket;
+use crate::model::memory::PeakTracker;
+use crate::optim::groups::Groups;
+use crate::optim::master::MasterWeightStep;
+use crate::step::agreement::agree_on_disk;
+use crate::step::bucket_grads::BucketGrads;
+use crate::step::context::StepContext;
+use crate::step::measure::Clip;
+use crate::step::slot_state::SlotStates;
+use crate::step::stage_plan::Updated;
+use crate::placement::read_ahead::ReadAhead;
+use crate::placement::shard::Shard;
+
+/// The update phase of one step: what it reads (the context, learning rate, clipping, which
+/// slots have a gradient, each slot's optimizer) and the per-slot state it changes.
+pub(crate) struct Update<'a, O: MasterWeightStep> {
+    pub(crate) cx: &'a StepContext<'a>,
+    /// The learning rate (one, or per group from a `ModuleLrScheduler`).
+    pub(crate) lr: &'a ModuleLearningRate,
+    pub(crate) clip: Clip<'a>,
+    /// Per layout slot: whether it received a gradient on some rank (see
+    /// [`presence`](crate::step::reduce::presence)); slots without one keep value and state.
+    pub(crate) has_grad: &'a [bool],
+    /// The optimizer (and per-parameter clipping) of each slot.
+    pub(crate) groups: &'a Groups<O>,
+    /// The optimizer state and `f32` master of each slot's piece.
+    pub(crate) slots: &'a mut SlotStates<O>,
+    /// Whether each bucket's all-gather starts as soon as the bucket is stepped and runs while
+    /// the next one is (where backward reduces buckets, the collectives overlap compute).
+    pub(crate) overlap: bool,
+    /// Set once the phase starts changing the parameters and the optimizer state: an error
+    /// after that leaves some buckets stepped and others not (`ShardedOptimizer`'s
+    /// `half_applied`).
+    pub(crate) updating: &'a mut bool,
+}
+
+impl<O: MasterWeightStep> Update<'_, O> {
+    /// Steps every bucket's owned range of `model` with `grads` and publishes it; returns each
+    /// bucket's updated values as this stage holds them (see [`Updated`]). All publishing
+    /// collectives and disk writes are waited for before returning; with NVMe offload the ranks
+    /// agree on whether every rank's reads and writes succeeded. Peak bytes of the step's
+    /// temporary tensors on the device count in `temp`.
+    ///
+    /// # Errors
+    /// [`ShardError::Comm`] when a collective fails; [`ShardError::Nvme`] when a rank's swap or
+    /// shard file could not be read or written; [`ShardError::UnknownParam`] when `model` lacks
+    /// a parameter of the layout.
+    pub(crate) fn run<M: Module>(
+        mut self,
+        model: &M,
+        mut grads: BucketGrads,
+        temp: &mut PeakTracker,
+    ) -> Result<Updated, ShardError> {
+        let cx = self.cx;
+        let (layout, plan, device) = (cx.layout, cx.plan, &cx.device);
+        let keep: Vec<bool> = self.has_grad.iter().map(|g| !g).collect();
+        let values = plan.read_values(model, layout)?;
+        // From here an error leaves some buckets stepped and others not.
+        *self.updating = true;
+        self.slots.begin_step(self.stepped_slots());
+        let mut publishing = Vec::with_capacity(layout.buckets().len());
+        let mut shards = HashMap::new();
+        let mut failed = None;
+        // With NVMe parameter offload: the next bucket's parameter shards are read while this
+        // one is stepped (this bucket's first, for the first bucket).
+        let mut param_reads = ReadAhead::default();
+        for (index, bucket) in layout.buckets().iter().enumerate() {
+            // Queued in the order they are waited for: this bucket's parameters and gradients,
+            // then the next bucket's gradients and parameters.
+            param_reads.start(&self.piece_shards(&values, bucket), false);
+            let range = cx.owned_range(bucket);
+            let grad = grads.take(cx, index);
+            if let Some(next) = layout.buckets().get(index + 1) {
+                param_reads.start(&self.piece_shards(&values, next), true);
+            }
+            let param = match grad.and_then(|grad| self.range(bucket, range, &values, &mut param_reads, grad)) {
+                Ok(param) => param,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            };
+            let param_bytes = bytes_on(&param, device);
+            temp.alloc(param_bytes);
+            // Stage 3: the new shards go where shards live now (written behind the step with
+            // NVMe parameter offload), so the step holds one bucket of them at a time.
+            match plan.home_shards(layout, bucket, &param, &keep) {
+                Some(homed) => {
+                    temp.free(param_bytes);
+                    let held = homed.iter().filter_map(|(_, s)| s.held()).map(|t| bytes_on(t, device));
+                    temp.alloc(held.sum());
+                    shards.extend(homed);
+                }
+                None => publishing.push((param_bytes, plan.publish(cx.comm, param, index, self.overlap))),
+            }
+        }
+        drop((values, param_reads));
+        let (param_bytes, works): (Vec<usize>, Vec<_>) = publishing.into_iter().unzip();
+        let waited = Work::wait_all(works.into_iter().map(Some));
+        // Ended whatever the collectives did, so that no write of this step is left in flight.
+        let swapped = self.slots.end_step();
+        let homed = plan.flush_home();
+        // A failed read or write of the shard file comes first, then the swap file's.
+        let own = match failed {
+            Some(e) => Err(e),
+            None => homed.and(swapped),
+        };
+        match self.slots.swaps() || plan.shard_store().is_some() {
+            true => {
+                let dir = self.slots.swap_dir().unwrap_or_else(|| plan.shard_dir());
+                agree_on_disk(cx.comm, own, device, "in this step", dir)?
+            }
+            false => own?,
+        }
+        // Stages 1-2: the published buckets replace the updated ranges (none at stage 3).
+        let full: Vec<Tensor<1>> = waited?.into_iter().flatten().collect();
+        for (param_bytes, updated) in param_bytes.into_iter().zip(&full) {
+            temp.free(param_bytes);
+            temp.alloc(bytes_on(updated, device));
+        }
+        Ok(plan.updated(full, shards))
+    }
+
+    /// Steps each parameter's piece of `range` of `bucket` with its own optimizer state (so
+    /// per-parameter state, such as Adam's step count, follows Burn's per-parameter semantics)
+    /// and returns the updated `[range.len()]` range. `grad` covers `range`. Pieces of
+    /// parameters without a gradient on any rank are returned as they are, their state and
+    /// master untouched; padding stays zero. Each value is taken as its piece is reached (from
+    /// the shard file with NVMe parameter offload, its read started in `reads`).
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] when a shard cannot be read.
+    fn range(
+        &mut self,
+        bucket: &Bucket,
+        range: Range<usize>,
+        values: &[Option<Shard>],
+        reads: &mut ReadAhead,
+        grad: Tensor<1>,
+    ) -> Result<Tensor<1>, ShardError> {
+        let (layout, device) = (self.cx.layout, &self.cx.device);
+        let mut pieces = Vec::new();
+        for (index, part) in layout.pieces(bucket, &range) {
+            let slot = &layout.slots()[index];
+            let len = part.len();
+            let value = values[index].as_ref().map(|v| reads.take(v).wait()).transpose()?;
+            let param = flat::slot_piece(&value, slot, part.clone(), bucket.dtype, device);
+            if !self.has_grad[index] {
+                pieces.push(param);
+                continue;
+            }
+            let grad = grad.clone().narrow(0, slot.offset + part.start - range.start, len);
+            let grad = self.clip.piece(self.groups, index, grad);
+            let lr = self.lr.lr_from_param(slot.id, Some(&slot.path));
+            let param = self.slots.step(index, self.groups.optim(index), lr, param, grad);
+            pieces.push(param);
+        }
+        Ok(flat::join_range(pieces, bucket, range, device))
+    }
+
+    /// The values of the pieces of `bucket` this rank steps (stage 3: their shards).
+    fn piece_shards(&self, values: &[Option<Shard>], bucket: &Bucket) -> Vec<Shard> {
+        let range = self.cx.owned_range(bucket);
+        let pieces = self.cx.layout.pieces(bucket, &range);
+        pieces.filter_map(|(index, _)| values[index].clone()).collect()
+    }
+
+    /// The slots this step updates on this rank, in the order `range` takes them: those with a
+    /// gradient and a piece in this rank's range, bucket by bucket.
+    fn stepped_slots(&self) -> Vec<usize> {
+        let layout = self.cx.layout;
+        let mut order = Vec::new();
+        for bucket in layout.buckets() {
+            let range = self.cx.owned_range(bucket);
+            order.extend(
+                layout
+                    .pieces(bucket, &range)
+                    .map(|(i, _)| i)
+                    .filter(|&i| self.has_grad[i]),
+            );
+        }
+        order
+    }
+}
+
+/// Bytes of `tensor` when it is on `device`, 0 elsewhere: the step's temporary peak counts the
+/// parameters' device, not the host memory that parameter offload updates its shards in.
+fn bytes_on(tensor: &Tensor<1>, device: &Device) -> usize {
+    match tensor.device() == *device {
+        true => tensor_bytes(tensor),
+        false => 0,
+    }
+}
