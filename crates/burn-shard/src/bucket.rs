@@ -2,6 +2,17 @@
 //! (stage 2) inside backward, as soon as its gradients are complete, while backward computes
 //! the rest (PyTorch DDP's bucketed reducer, DeepSpeed ZeRO-2's `overlap_comm`).
 //!
+//! Where buckets are formed: `FlatLayout::from_slots` (`model/layout.rs`), once at
+//! `ShardConfig::init`, the same on every rank. The trainable parameters are taken in the
+//! module's traversal order, grouped by dtype (one dtype per bucket; traversal order kept inside
+//! a group), and a bucket is closed when the next parameter would take it past
+//! [`ShardConfig::bucket_numel`](crate::ShardConfig::bucket_numel) elements (a parameter larger
+//! than that gets a bucket of its own). Each bucket is padded with zeros to a multiple of
+//! `world_size` elements, so rank `r`'s shard of it is elements `r * shard_numel ..
+//! (r + 1) * shard_numel`. Buckets are the unit of every collective of stages 0-2 and of the
+//! optimizer step at every stage; stage 3's gather units are chosen apart from them
+//! (`ShardConfig::with_units`, `fsdp.rs`).
+//!
 //! `ShardConfig::init` attaches a `BucketHook` (`hooks/bucket_hook.rs`) to every trainable parameter: `val()`
 //! passes the parameter through an identity op whose backward hands the parameter's gradient to
 //! the rank's `BucketReducer` (`overlap/bucket_reducer.rs`). Inside a [`unit`](fn@crate::fsdp::unit) scope the unit's
