@@ -4,7 +4,9 @@
 //! bitwise the parameters of training with the shards in memory, at world sizes 1-4, in `f32` and
 //! `bf16`/`f16` with masters, alone and with the optimizer state on disk too; checkpoints are the
 //! same files and load into either; the shard file has no name while the job runs, so nothing
-//! can damage it and nothing is left after the job; a full disk fails the step on every rank.
+//! can damage it and nothing is left after the job; a full disk fails the step on every rank; a
+//! dynamic loss scale that grows at a step unscales the gradient shards stored on disk by the
+//! scale their backward used, as in memory.
 
 use std::path::{Path, PathBuf};
 
@@ -76,7 +78,7 @@ fn nvme_param_offload_trains_bitwise_as_in_memory_at_every_world_size() {
 }
 
 /// Rank `comm.rank()` trains `STEPS` steps of 3 micro-batches each (`accumulate` twice, then
-/// `step`) with `config` (the callers' clip or scale the loss), in `dtype`; returns its
+/// `step`) with `config` (the caller's config may clip or scale the loss), in `dtype`; returns its
 /// parameters' bits, and the loss scale and skipped steps at the end where a scaler is set.
 fn accumulate_rank<C: burn_shard_comm::Collective + 'static>(
     comm: C,
@@ -103,7 +105,10 @@ fn accumulate_rank<C: burn_shard_comm::Collective + 'static>(
         }
     }
     let scaler = optim.loss_scaler().map(|s| (s.scale(), s.skipped_steps()));
-    (params_of(&model.materialize()).iter().map(|p| p.to_bits()).collect(), scaler)
+    (
+        params_of(&model.materialize()).iter().map(|p| p.to_bits()).collect(),
+        scaler,
+    )
 }
 
 /// Gradient accumulation and clipping read the gradient shards from disk as the in-memory

@@ -9,9 +9,9 @@
 //! [`ShardConfig::bucket_numel`](crate::ShardConfig::bucket_numel) elements (a parameter larger
 //! than that gets a bucket of its own). Each bucket is padded with zeros to a multiple of
 //! `world_size` elements, so rank `r`'s shard of it is elements `r * shard_numel ..
-//! (r + 1) * shard_numel`. Buckets are the unit of every collective of stages 0-2 and of the
-//! optimizer step at every stage; stage 3's gather units are chosen apart from them
-//! (`ShardConfig::with_units`, `fsdp.rs`).
+//! (r + 1) * shard_numel`. Buckets are the unit of every gradient reduction and parameter
+//! all-gather of stages 0-2 and of the optimizer step at every stage; stage 3's gather units
+//! are chosen apart from them (`ShardConfig::with_units`, `fsdp.rs`).
 //!
 //! `ShardConfig::init` attaches a `BucketHook` (`hooks/bucket_hook.rs`) to every trainable parameter: `val()`
 //! passes the parameter through an identity op whose backward hands the parameter's gradient to

@@ -47,8 +47,11 @@ mod stage;
 
 mod model;
 mod optim;
+
 mod swap;
+
 mod placement;
+
 mod overlap;
 
 mod hooks;

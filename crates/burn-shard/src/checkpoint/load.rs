@@ -20,9 +20,9 @@ use crate::error::ShardError;
 use crate::hooks::exchange;
 use crate::model::flat;
 use crate::optim::master::MasterWeightStep;
+use crate::placement::shard::Shard;
 use crate::step::optimizer::ShardedOptimizer;
 use crate::step::slot_state::LoadedSlots;
-use crate::placement::shard::Shard;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Loads the checkpoint in `dir` into `model` (the one `init` returned) and this optimizer,
@@ -110,7 +110,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // Micro-batch sums of the model before the load do not belong to the loaded one.
         self.drop_kept_sums();
         let model = flat::replace_values(model, values);
-        let model = match self.stage().shards_parameters() {
+        let model = match self.plan.shards_parameters() {
             true => exchange::replace_shards(model, shards),
             false => model,
         };
@@ -146,7 +146,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // memory with parameter offload, so a load never holds the shards on the device; the
         // rank's shard file with NVMe parameter offload, written as each shard is read (beside
         // the live shards, whose space a failed load keeps).
-        let shard_specs = match stage.shards_parameters() {
+        let shard_specs = match self.plan.shards_parameters() {
             true => exchange::collect_specs(model),
             false => HashMap::new(),
         };
@@ -192,7 +192,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             };
             // The optimizer steps the range, or at stage 3 the whole shard with its padding
             // (zeros: their gradient is zero, so they stay zero).
-            let stepped = match stage.shards_parameters() {
+            let stepped = match self.plan.shards_parameters() {
                 true => self.layout.slots()[index].numel,
                 false => range.len(),
             };

@@ -21,10 +21,10 @@ use crate::model::flat;
 use crate::model::layout::SUPPORTED;
 use crate::optim::master::MasterWeightStep;
 use crate::overlap::bucket_reducer::BucketReducer;
+use crate::placement::shard::Shard;
 use crate::stage::Stage;
 use crate::step::optimizer::ShardedOptimizer;
 use crate::step::slot_state::SavedTensor;
-use crate::placement::shard::Shard;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Saves `model` (the one `step` returned) and this optimizer into the new directory `dir`,
@@ -238,7 +238,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .map(|(id, _, _)| *id)
             .collect();
         let mut values = flat::values_by_id(model, &whole_ids);
-        let mut shards = match stage.shards_parameters() {
+        let mut shards = match self.plan.shards_parameters() {
             true => exchange::collect_shards(model),
             false => HashMap::new(),
         };
@@ -317,7 +317,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .entries()
             .filter(|(_, e)| e.numel() > 0 && SUPPORTED.contains(&e.dtype))
             .map(|(id, entry)| {
-                let holding = match (self.stage().shards_parameters(), self.layout.slot_of(&id)) {
+                let holding = match (self.plan.shards_parameters(), self.layout.slot_of(&id)) {
                     (true, _) if entry.kind == EntryKind::Param => Holding::Chunks,
                     (true, _) => Holding::Whole,
                     (false, Some(index)) => Holding::Slot(&self.layout, index),

@@ -1,5 +1,6 @@
-//! Per-rank state shared by every stage-3 op of one model: the rank's [`CommContext`] (a leaf)
-//! with the gather schedule and the unit reducer that use it.
+//! Per-rank state shared by every stage-3 op of one model: the rank's [`CommContext`] (a leaf),
+//! the [`ShardHome`] that places its shards, and the gather schedule and unit reducer that use
+//! both.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -22,7 +23,8 @@ use crate::placement::shard::Shard;
 
 /// Shared by the sharded parameters of one model on one rank. Cheap to clone. Dereferences to
 /// its [`CommContext`] (the collective, the first error, transient memory), which the schedule
-/// and the reducer are handed instead of this owner.
+/// and the reducer are handed instead of this owner, with the [`ShardHome`] (`home()`) where
+/// the schedule needs to bring a shard to the compute device.
 #[derive(Clone)]
 pub(crate) struct FsdpContext(Arc<Inner>);
 

@@ -15,7 +15,7 @@
 //! - `gather_schedule`: per-unit grouped all-gathers with prefetch;
 //! - `unit_reducer`: per-unit grouped reduce-scatters.
 //!
-//! Imports `placement`, `swap`, `model`, `error` and `stage` of this crate.
+//! Imports `placement`, `model` and `error` of this crate.
 
 pub(crate) mod backward_log;
 pub(crate) mod bucket_reducer;

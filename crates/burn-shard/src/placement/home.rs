@@ -2,8 +2,9 @@
 //! device they are gathered on (FSDP2's `FSDPParam` placement, ZeRO-Infinity's parameter
 //! offload): on the compute device, in host memory ([`crate::ShardConfig::offload_params`]), or
 //! in the rank's shard file ([`crate::ShardConfig::nvme_offload_params`]). The one place that
-//! copies a shard to the compute device for a gather, reads a stored shard, and brings a shard
-//! replaced on the device home.
+//! decides where shards live: the device a shard is gathered on, how a stored shard's read is
+//! waited for, and where a shard replaced on the device goes home (reading one stored shard is
+//! `Shard::read`, wherever it is called).
 
 use std::sync::Arc;
 

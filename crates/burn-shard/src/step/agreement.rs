@@ -2,7 +2,8 @@
 //! one flag per rank (or per slot), so that every rank takes the same branch. The step (which
 //! slots got a gradient on some rank, which buckets it still reduces, whether every rank's disk
 //! reads and writes succeeded), `map_params` and each phase of a checkpoint save or load ask
-//! these functions; no other code decides a collective outcome.
+//! these functions (the one other agreement, that every rank built the same layout, is
+//! `model::layout::check_same_layout`, below this layer).
 //!
 //! Each is a collective: every rank calls it at the same point with flags of the same length.
 
@@ -12,6 +13,9 @@ use burn::tensor::{Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, ReduceOp};
 
 use crate::error::{CheckpointError, ShardError};
+use crate::optim::master::MasterWeightStep;
+use crate::step::slot_state::SlotStates;
+use crate::step::stage_plan::StagePlan;
 
 /// `flags` OR-ed over the ranks: `[flags.len()]` booleans, sent as one `f32` all-reduce (sum) on
 /// `device`.
@@ -88,4 +92,10 @@ pub(crate) fn agree_on_disk(
             fix: "see those ranks' errors; then resume from the last checkpoint".into(),
         }),
     }
+}
+
+/// The directory a disk agreement's errors name for this rank: the optimizer-state swap file's
+/// when the state is offloaded to NVMe, else the stage-3 shard file's (empty without either).
+pub(crate) fn disk_dir<O: MasterWeightStep>(slots: &SlotStates<O>, plan: &StagePlan) -> PathBuf {
+    slots.swap_dir().unwrap_or_else(|| plan.shard_dir())
 }

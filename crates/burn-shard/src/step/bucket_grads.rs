@@ -6,11 +6,11 @@ use burn::tensor::{Device, Tensor};
 use crate::error::ShardError;
 use crate::model::flat;
 use crate::model::layout::{Bucket, FlatLayout};
-use crate::step::context::StepContext;
-use crate::step::stage_plan::StagePlan;
-use crate::step::pending::{self, PassShards};
 use crate::placement::read_ahead::ReadAhead;
 use crate::placement::shard::Shard;
+use crate::step::context::StepContext;
+use crate::step::pending::{self, PassShards};
+use crate::step::stage_plan::StagePlan;
 
 /// The step's gradients, bucket by bucket: in memory, or at stage 3 with NVMe parameter
 /// offload in the shard file, read one bucket at a time ([`BucketGrads::take`]), so the step
@@ -71,7 +71,7 @@ impl StoredGrads {
     /// so the phases that ask which slots have a gradient see it (on `device`, the parameters'
     /// device: the step may have no gradient in memory to take one from). `None` without NVMe
     /// parameter offload.
-    pub(crate) fn take(
+    pub(crate) fn from_plan(
         plan: &StagePlan,
         layout: &FlatLayout,
         device: &Device,

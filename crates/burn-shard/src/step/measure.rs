@@ -15,7 +15,8 @@ use crate::step::grad_norm::{self, GradNorms};
 
 /// What the measuring phase decided.
 pub(crate) enum Measured {
-    /// An overflow: every rank saw the same non-finite global norm and skips the step.
+    /// An overflow: every rank saw the same non-finite global norm (the value held) and skips
+    /// the step.
     Skipped(f64),
     /// Apply the step, with the norms where clipping or loss scaling measured them.
     Apply(Option<GradNorms>),

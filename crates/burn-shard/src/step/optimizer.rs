@@ -27,12 +27,12 @@ use crate::step::bucket_grads::{BucketGrads, StoredGrads};
 use crate::step::context::StepContext;
 use crate::step::last_step::LastStep;
 use crate::step::measure::{self, Clip, Measured, check_one_norm_clipping};
+use crate::step::options::StepOptions;
 use crate::step::pending::PendingGradients;
 use crate::step::reduce;
 use crate::step::slot_state::SlotStates;
 use crate::step::stage_plan::StagePlan;
 use crate::step::update::Update;
-use crate::step::options::StepOptions;
 
 /// A Burn optimizer whose state (stages 1-3), gradients (stages 2-3) and parameters (stage 3)
 /// are partitioned over the ranks of a [`Collective`]. Built by
@@ -374,10 +374,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     }
 
     /// The step, one phase after the other (each in its own file of `step/`, with the step's
-    /// [`StepContext`]): collect the gradients, (1) agree on which slots have one and reduce
-    /// them (`reduce.rs`), (2) cut the owned ranges and measure norms (`measure.rs`; a skipped
-    /// step ends there), (3) update and publish the parameters (`update.rs`), then rebuild the
-    /// model and average the buffers.
+    /// [`StepContext`]): collect the gradients, (1) agree on which slots have one, reduce them
+    /// and cut them to the owned ranges, unscaled (`reduce.rs`; stored gradient shards are cut
+    /// as each bucket is read, `bucket_grads.rs`), (2) measure norms and decide clipping or a
+    /// skip (`measure.rs`; a skipped step ends there), (3) update and publish the parameters
+    /// (`update.rs`), then rebuild the model and average the buffers.
     fn step_with<M: Module>(
         &mut self,
         lr: &ModuleLearningRate,
@@ -397,7 +398,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         drop(grads);
         self.pending.add_to_step(&mut grad_parts, self.layout.slots().iter());
         // Stage 3 with NVMe parameter offload: the gradient shards backward wrote to disk.
-        let stored = StoredGrads::take(&self.plan, &self.layout, &self.device, &mut grad_parts);
+        let stored = StoredGrads::from_plan(&self.plan, &self.layout, &self.device, &mut grad_parts);
         let any_stored = stored.as_ref().is_some_and(StoredGrads::any);
         let Some(device) = device.or_else(|| any_stored.then(|| self.device.clone())) else {
             // No trainable parameter (a frozen teacher): only the buffers move.
@@ -413,7 +414,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         };
 
         // Phase 1: which slots have a gradient, and the reduced gradients.
-        let (has_grad, reduce_in_step) = reduce::presence(&cx, &grad_parts, early.as_ref(), self.bucket_reducer.as_ref())?;
+        let (has_grad, reduce_in_step) =
+            reduce::presence(&cx, &grad_parts, early.as_ref(), self.bucket_reducer.as_ref())?;
         let early_reduced = early.map(|e| e.reduced).unwrap_or_default();
         let grads = match stored {
             Some(stored) => {
@@ -478,7 +480,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// As [`agreement::agree_on_disk`].
     pub(crate) fn agree_on_disk(&self, own: Result<(), ShardError>, when: &str) -> Result<(), ShardError> {
-        let dir = self.slots.swap_dir().unwrap_or_else(|| self.plan.shard_dir());
+        let dir = agreement::disk_dir(&self.slots, &self.plan);
         agreement::agree_on_disk(self.comm.as_ref(), own, &self.device, when, dir)
     }
 

@@ -1,5 +1,5 @@
 //! [`StepOptions`]: what `ShardConfig` asks of the step beyond the stage, handed to
-//! [`ShardedOptimizer::new`](crate::step::optimizer::ShardedOptimizer) by `init`.
+//! `ShardedOptimizer::new` by `init`.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
@@ -12,7 +12,10 @@ use crate::swap::swapper::Swapper;
 /// What `ShardConfig` asks of the step beyond the stage (global-norm clipping, loss scaling,
 /// NVMe offload), and where the parameters live.
 pub(crate) struct StepOptions {
+    /// Clip the global norm of the averaged, unscaled gradient to this (PyTorch's
+    /// `clip_grad_norm_`); `None`: no global clipping.
     pub(crate) max_grad_norm: Option<f32>,
+    /// Dynamic or static loss scaling (f16 training); `None`: the loss is not scaled.
     pub(crate) loss_scaler: Option<LossScaler>,
     /// The base group's per-parameter clipping (from the optimizer's Burn config).
     pub(crate) clipping: Option<GradientClipping>,

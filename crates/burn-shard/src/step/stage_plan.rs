@@ -25,9 +25,9 @@ use crate::model::layout::{Bucket, FlatLayout};
 use crate::overlap::bucket_reducer::BucketReduction;
 use crate::overlap::call_tag::CallTag;
 use crate::overlap::context::FsdpContext;
+use crate::placement::shard::Shard;
 use crate::stage::Stage;
 use crate::step::pending::PassShards;
-use crate::placement::shard::Shard;
 use crate::swap::shard_store::ShardStore;
 
 /// The stage, with what stage 3 needs (the context its gather ops share); the only record of
@@ -299,7 +299,12 @@ impl StagePlan {
         let stepped = slots.filter(|(index, _)| !keep[*index]);
         Some(
             stepped
-                .map(|(_, slot)| (slot.id, ctx.home().to_home(updated.clone().narrow(0, slot.offset, slot.numel))))
+                .map(|(_, slot)| {
+                    (
+                        slot.id,
+                        ctx.home().to_home(updated.clone().narrow(0, slot.offset, slot.numel)),
+                    )
+                })
                 .collect(),
         )
     }

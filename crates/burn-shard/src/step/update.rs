@@ -16,21 +16,23 @@ use crate::model::layout::Bucket;
 use crate::model::memory::PeakTracker;
 use crate::optim::groups::Groups;
 use crate::optim::master::MasterWeightStep;
-use crate::step::agreement::agree_on_disk;
+use crate::placement::read_ahead::ReadAhead;
+use crate::placement::shard::Shard;
+use crate::step::agreement::{agree_on_disk, disk_dir};
 use crate::step::bucket_grads::BucketGrads;
 use crate::step::context::StepContext;
 use crate::step::measure::Clip;
 use crate::step::slot_state::SlotStates;
 use crate::step::stage_plan::Updated;
-use crate::placement::read_ahead::ReadAhead;
-use crate::placement::shard::Shard;
 
 /// The update phase of one step: what it reads (the context, learning rate, clipping, which
 /// slots have a gradient, each slot's optimizer) and the per-slot state it changes.
 pub(crate) struct Update<'a, O: MasterWeightStep> {
+    /// The step's context (layout, plan, collective, device, loss scale).
     pub(crate) cx: &'a StepContext<'a>,
     /// The learning rate (one, or per group from a `ModuleLrScheduler`).
     pub(crate) lr: &'a ModuleLearningRate,
+    /// The clipping the measuring phase decided (global-norm factor, per-parameter norms).
     pub(crate) clip: Clip<'a>,
     /// Per layout slot: whether it received a gradient on some rank (see
     /// [`presence`](crate::step::reduce::presence)); slots without one keep value and state.
@@ -120,10 +122,7 @@ impl<O: MasterWeightStep> Update<'_, O> {
             None => homed.and(swapped),
         };
         match self.slots.swaps() || plan.shard_store().is_some() {
-            true => {
-                let dir = self.slots.swap_dir().unwrap_or_else(|| plan.shard_dir());
-                agree_on_disk(cx.comm, own, device, "in this step", dir)?
-            }
+            true => agree_on_disk(cx.comm, own, device, "in this step", disk_dir(self.slots, plan))?,
             false => own?,
         }
         // Stages 1-2: the published buckets replace the updated ranges (none at stage 3).

@@ -8,11 +8,11 @@ use burn::optim::RecordState;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::error::ShardError;
+use crate::swap::blocks::{BLOCK, reserved};
 use crate::swap::config::NvmeOffload;
 use crate::swap::file::SwapFile;
 use crate::swap::free_space::FreeSpace;
 use crate::swap::io_pool::{IoPool, Pending};
-use crate::swap::blocks::{BLOCK, reserved};
 use crate::swap::slot_bytes::{self, Field, SlotLayout, StateAndMaster};
 
 /// Where one slot's bytes are in the file.
