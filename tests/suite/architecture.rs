@@ -297,7 +297,7 @@ fn core_modules_import_without_cycles() {
     let edges = import_graph(&root().join("crates/burn-shard/src"));
     // The reader sees what it must: a use tree's members, a parent's items, `mod` declarations.
     assert!(edges["step::optimizer"].contains("step::stage_plan"));
-    assert!(edges["checkpoint::save"].contains("checkpoint::names"));
+    assert!(edges["checkpoint::save"].contains("checkpoint::format"));
     assert!(edges["checkpoint"].contains("checkpoint::save") && edges["lib"].contains("checkpoint"));
     let cycles = import_cycles(&edges);
     assert!(
