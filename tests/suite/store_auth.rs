@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use burn_shard_comm::{CommError, JobToken, Rendezvous, RendezvousEnv, StoreClient, StoreLimits, StoreServer};
 use burn_shard_launch::{LaunchConfig, LaunchError, OutputMode, launch};
 
-use crate::launch::{free_port, job_vars, local_server, rendezvous_msg, token};
+use crate::job_fixtures::{free_port, job_vars, local_server, rendezvous_msg, token};
 
 const SECOND: Duration = Duration::from_secs(1);
 /// The first bytes of the store's protocol, both ways.
@@ -192,7 +192,7 @@ fn token_files_must_be_owner_only_and_tokens_long_enough() {
     let dir = std::env::temp_dir().join(format!("burn-shard-store-auth-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("job.token");
-    std::fs::write(&file, format!("  {}\n", crate::launch::TEST_TOKEN)).unwrap();
+    std::fs::write(&file, format!("  {}\n", crate::job_fixtures::TEST_TOKEN)).unwrap();
     let with_file = |vars: Vec<(&'static str, String)>| {
         let mut vars: Vec<_> = vars.into_iter().filter(|(k, _)| *k != "BURN_SHARD_JOB_TOKEN").collect();
         vars.push(("BURN_SHARD_JOB_TOKEN_FILE", file.display().to_string()));
@@ -216,13 +216,13 @@ fn token_files_must_be_owner_only_and_tokens_long_enough() {
     assert_eq!(env.token, token(), "read from the file, whitespace trimmed");
     let shown = format!("{env:?}");
     assert!(
-        !shown.contains(crate::launch::TEST_TOKEN),
+        !shown.contains(crate::job_fixtures::TEST_TOKEN),
         "Debug shows the token: {shown}"
     );
 
     // Both variables: which one was meant?
     let mut both = with_file(job_vars(0, 1, 29500));
-    both.push(("BURN_SHARD_JOB_TOKEN", crate::launch::TEST_TOKEN.into()));
+    both.push(("BURN_SHARD_JOB_TOKEN", crate::job_fixtures::TEST_TOKEN.into()));
     let (var, msg) = env_error(both);
     assert!(var == "BURN_SHARD_JOB_TOKEN" && msg.contains("only one"), "{msg}");
 

@@ -3,8 +3,8 @@
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::{AdamConfig, AdamWConfig};
 
-use crate::AdamHyper;
-use crate::optimizer::{Fallback, FusedAdam};
+use crate::fused_adam::{Fallback, FusedAdam};
+use crate::hyper::AdamHyper;
 
 /// Configuration of [`FusedAdam`], with Burn's defaults and Burn's builder style.
 ///

@@ -2,7 +2,8 @@
 
 use rayon::prelude::*;
 
-use crate::{AdamScalars, KernelError};
+use crate::error::KernelError;
+use crate::hyper::AdamScalars;
 
 /// Fewest elements per rayon task: below this, scheduling costs more than the work.
 const MIN_CHUNK: usize = 1 << 16;

@@ -15,8 +15,8 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_shard_cube::{from_cube, into_cube};
 use cubecl::prelude::*;
 
-use crate::AdamScalars;
-use crate::optimizer::adam_state;
+use crate::fused_adam::{FusedAdam, adam_state};
+use crate::hyper::AdamScalars;
 
 /// `β·old + (1-β)·x`: one moment update.
 #[cube]
@@ -399,7 +399,7 @@ pub fn wgpu_cpu_device() -> Result<burn::tensor::Device, String> {
     Ok(burn::tensor::Device::wgpu(burn::tensor::DeviceKind::Cpu))
 }
 
-impl crate::optimizer::FusedAdam {
+impl FusedAdam {
     pub(crate) fn fused_cube<const D: usize>(
         &self,
         lr: LearningRate,

@@ -7,7 +7,7 @@ use burn::optim::{AdamState, LearningRate};
 use burn::tensor::{DType, Tensor};
 
 use crate::cpu;
-use crate::optimizer::{FusedAdam, adam_state};
+use crate::fused_adam::{FusedAdam, adam_state};
 
 impl FusedAdam {
     pub(crate) fn fused_cpu<const D: usize>(

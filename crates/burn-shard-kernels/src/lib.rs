@@ -8,8 +8,9 @@
 //! - [`cpu`]: the fused update on slices, multi-threaded with rayon, auto-vectorised.
 //! - `cube` (feature `cube`, or `wgpu`): the same update as a CubeCL kernel, run in place on
 //!   Burn tensors of the CubeCL backend (CUDA, wgpu, CubeCL's CPU runtime).
-//! - [`FusedAdam`] (`optimizer.rs`; its configuration in `config.rs`, the choice of path in
-//!   `path.rs`, the CPU path's `Flex` buffers in `flex.rs`): a `burn::optim::Optimizer` that runs the fused CPU path on Burn's pure-Rust
+//! - [`FusedAdam`] (`fused_adam.rs`; its steps in `optimizer.rs`, its configuration in
+//!   `config.rs`, the choice of path in `path.rs`, the CPU path's `Flex` buffers in `flex.rs`):
+//!   a `burn::optim::Optimizer` that runs the fused CPU path on Burn's pure-Rust
 //!   `Flex` backend, the CubeCL kernel on the CubeCL backend (when built with it), and Burn's
 //!   own Adam/AdamW elsewhere. Its state is Burn's
 //!   [`AdamState`](burn::optim::AdamState), so checkpoints move between the two.
@@ -18,14 +19,17 @@ mod config;
 pub mod cpu;
 #[cfg(feature = "cube")]
 mod cube;
+mod error;
 mod flex;
+mod fused_adam;
 mod hyper;
 mod optimizer;
 mod path;
 
 pub use config::FusedAdamConfig;
+pub use error::KernelError;
+pub use fused_adam::FusedAdam;
 pub use hyper::{AdamHyper, AdamScalars};
-pub use optimizer::FusedAdam;
 pub use path::StepPath;
 
 #[cfg(feature = "cube")]
@@ -34,24 +38,3 @@ pub use burn_shard_cube::fusion_on;
 pub use cube::cube_supports;
 #[cfg(feature = "wgpu")]
 pub use cube::wgpu_cpu_device;
-
-/// Errors of the fused kernels.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KernelError {
-    /// The flat buffers of one step differ in length.
-    #[error(
-        "fused Adam buffers differ in length: param {param}, grad {grad}, exp_avg {exp_avg}, exp_avg_sq {exp_avg_sq}, max_exp_avg_sq {max:?}; pass shards of one flat parameter"
-    )]
-    LengthMismatch {
-        /// Elements of the parameter.
-        param: usize,
-        /// Elements of the gradient.
-        grad: usize,
-        /// Elements of the first moment.
-        exp_avg: usize,
-        /// Elements of the second moment.
-        exp_avg_sq: usize,
-        /// Elements of the AMSGrad maximum, when used.
-        max: Option<usize>,
-    },
-}

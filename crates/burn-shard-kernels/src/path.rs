@@ -4,7 +4,7 @@
 use burn::optim::AdamState;
 use burn::tensor::{DType, Device, Tensor};
 
-use crate::optimizer::{FusedAdam, adam_state};
+use crate::fused_adam::{FusedAdam, adam_state};
 
 /// The implementation a [`FusedAdam`] step runs for a given tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -5,6 +5,7 @@ use std::path::Path;
 use burn_pack::Writer;
 
 use super::files::RankFiles;
+use super::format::{META, param_name, state_name, state_prefix};
 use super::meta::{CheckpointMeta, EntryMeta, parse_dtype};
 use crate::error::CheckpointError;
 
@@ -51,7 +52,7 @@ pub fn consolidate(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<Conso
     let mut tensors = Vec::with_capacity(meta.entries.len());
     for (index, entry) in meta.entries.iter().enumerate() {
         let dtype = parse_dtype(&entry.dtype).ok_or_else(|| CheckpointError::Corrupt {
-            file: dir.join(super::names::META),
+            file: dir.join(META),
             reason: format!("unknown dtype {} for `{}`", entry.dtype, entry.path),
         })?;
         let (dir, meta) = (dir.to_path_buf(), shared.clone());
@@ -64,7 +65,7 @@ pub fn consolidate(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<Conso
             move || {
                 let entry = &meta.entries[index];
                 RankFiles::verified(&dir, &meta)
-                    .read_range(entry, &format!("param/{}", entry.path), 0..entry.numel())
+                    .read_range(entry, &param_name(&entry.path), 0..entry.numel())
                     .map(|data| data.into_bytes())
                     .map_err(|e| burn_pack::Error::ValidationError(e.to_string()))
             },
@@ -94,7 +95,7 @@ pub fn consolidate_safetensors(
     let mut files = RankFiles::new(dir, &meta);
     let mut loaded = Vec::with_capacity(meta.entries.len());
     for entry in &meta.entries {
-        let data = files.read_range(entry, &format!("param/{}", entry.path), 0..entry.numel())?;
+        let data = files.read_range(entry, &param_name(&entry.path), 0..entry.numel())?;
         let dtype = match data.dtype() {
             burn::tensor::DType::F32 => safetensors::Dtype::F32,
             burn::tensor::DType::F64 => safetensors::Dtype::F64,
@@ -102,7 +103,7 @@ pub fn consolidate_safetensors(
             burn::tensor::DType::F16 => safetensors::Dtype::F16,
             other => {
                 return Err(CheckpointError::Corrupt {
-                    file: dir.join(super::names::META),
+                    file: dir.join(META),
                     reason: format!("`{}` has dtype {other:?}, which safetensors cannot hold", entry.path),
                 });
             }
@@ -113,7 +114,7 @@ pub fn consolidate_safetensors(
     for (entry, dtype, data) in &loaded {
         let view = safetensors::tensor::TensorView::new(*dtype, entry.shape.clone(), data.as_bytes()).map_err(|e| {
             CheckpointError::Corrupt {
-                file: dir.join(super::names::META),
+                file: dir.join(META),
                 reason: format!("`{}`: {e}", entry.path),
             }
         })?;
@@ -152,7 +153,7 @@ pub fn consolidate_optimizer(
         let Some(first) = entry.pieces.first() else {
             continue;
         };
-        let prefix = format!("state/{}/", entry.path);
+        let prefix = state_prefix(&entry.path);
         let fields = files.tensors_under(first.rank, &prefix)?;
         let state_scalars = files.scalars_under(first.rank, &prefix)?;
         if fields.is_empty() && state_scalars.is_empty() {
@@ -160,7 +161,7 @@ pub fn consolidate_optimizer(
         }
         let id = entry.id;
         for field in fields {
-            let data = files.read_range(entry, &format!("{prefix}{field}"), 0..entry.numel())?;
+            let data = files.read_range(entry, &state_name(&entry.path, &field), 0..entry.numel())?;
             let (bytes, _, dtype) = data.into_parts();
             tensors.push(burn_pack::Tensor::new(
                 format!("{id}.{field}"),

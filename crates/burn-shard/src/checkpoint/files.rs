@@ -10,18 +10,9 @@ use burn::tensor::{DType, TensorData};
 use burn_pack::{Reader, Scalar, Writer};
 use sha2::{Digest, Sha256};
 
+use super::format::{META, digest_file, rank_file};
 use super::meta::{CheckpointMeta, EntryMeta, FileMeta};
 use crate::error::{CheckpointError, ShardError};
-
-/// `rank-R.bpk`.
-pub(crate) fn rank_file(rank: usize) -> String {
-    format!("rank-{rank}.bpk")
-}
-
-/// `rank-R.sha256`: `HEX BYTES`, written after the rank file.
-pub(crate) fn digest_file(rank: usize) -> String {
-    format!("rank-{rank}.sha256")
-}
 
 /// The tensors and scalars of one rank file, written by [`RankFile::write`].
 #[derive(Default)]
@@ -177,7 +168,7 @@ impl<'a> RankFiles<'a> {
                 .iter()
                 .find(|f| f.name == name)
                 .ok_or_else(|| CheckpointError::Corrupt {
-                    file: self.dir.join(super::names::META),
+                    file: self.dir.join(META),
                     reason: format!("lists no digest for {name}"),
                 })?;
             if !self.verified {
@@ -267,7 +258,7 @@ impl<'a> RankFiles<'a> {
             let file = self.dir.join(rank_file(piece.rank));
             if lo != next {
                 return Err(CheckpointError::Corrupt {
-                    file: self.dir.join(super::names::META),
+                    file: self.dir.join(META),
                     reason: format!("the pieces of `{}` leave elements {next}..{lo} out", entry.path),
                 });
             }
@@ -295,7 +286,7 @@ impl<'a> RankFiles<'a> {
         match dtype {
             Some(dtype) if next == range.end => Ok(TensorData::from_bytes_vec(out, [range.len()], dtype)),
             _ => Err(CheckpointError::Corrupt {
-                file: self.dir.join(super::names::META),
+                file: self.dir.join(META),
                 reason: format!("no piece of `{}` holds elements {next}..{}", entry.path, range.end),
             }),
         }

@@ -1,10 +1,10 @@
-//! A directory of checkpoints over runs: which checkpoints a resumed run sets aside, where they
-//! go, and what a save finds left over from saves that did not finish.
+//! A directory of checkpoints over runs: which checkpoints a resumed run sets aside, and where
+//! they go. (What a save finds left over from saves that did not finish is `format.rs`'s.)
 
 use std::path::{Path, PathBuf};
 
+use super::format::COMPLETE;
 use super::meta::{CheckpointMeta, Lineage, order};
-use super::names::COMPLETE;
 use crate::error::CheckpointError;
 
 /// Prefix of the folder inside a checkpoint directory that holds the checkpoints a resumed run
@@ -91,70 +91,4 @@ pub(crate) fn set_aside(root: &Path, lineage: &Lineage, dirs: &[PathBuf]) -> Res
         aside.display()
     );
     Ok(moved)
-}
-
-/// Removes what saves that did not finish left in `root`: every `*.partial` directory other
-/// than `keep` that holds only a save's files (rank files, digests, metadata, markers,
-/// temporary files); says so with `tracing::warn!`. A `*.partial` directory holding anything
-/// else, or that cannot be removed, is reported and left alone. Only one run saves into a
-/// directory at a time, and its saves are collectives, so no save into `root` is in progress
-/// here.
-pub(crate) fn clear_leftovers(root: &Path) -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir(root) else {
-        return Vec::new();
-    };
-    let mut removed = Vec::new();
-    for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
-        if !path.is_dir() || !name_of(&path).ends_with(".partial") {
-            continue;
-        }
-        if !holds_only_save_files(&path) {
-            tracing::warn!(
-                "{} looks like an unfinished checkpoint save but holds other files: left alone; remove it by hand",
-                path.display()
-            );
-            continue;
-        }
-        if let Err(e) = std::fs::remove_dir_all(&path) {
-            tracing::warn!(
-                "{} is left from a save that did not finish, and cannot be removed: {e}",
-                path.display()
-            );
-            continue;
-        }
-        tracing::warn!(
-            "removed {}: what a save that did not finish (a crashed process) left behind",
-            path.display()
-        );
-        removed.push(path);
-    }
-    removed
-}
-
-/// Whether every entry of `dir` is a plain file a save writes.
-fn holds_only_save_files(dir: &Path) -> bool {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return false;
-    };
-    entries.into_iter().all(|e| {
-        let Ok(e) = e else { return false };
-        let name = e.file_name().to_string_lossy().into_owned();
-        e.file_type().is_ok_and(|t| t.is_file())
-            && (name.starts_with("rank-")
-                || name.ends_with(".tmp")
-                || [super::names::META, super::names::SCHEDULER, COMPLETE].contains(&name.as_str()))
-    })
-}
-
-/// Removes the `DIR.partial` of a save that failed (best effort: a failure to remove it is
-/// reported, and the next save removes it).
-pub(crate) fn discard(partial: &Path) {
-    if partial.exists()
-        && let Err(e) = std::fs::remove_dir_all(partial)
-    {
-        tracing::warn!(
-            "the failed save's {} could not be removed: {e}; the next save into its directory removes it",
-            partial.display()
-        );
-    }
 }

@@ -11,9 +11,9 @@ use burn::optim::{RecordState, StateSource};
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::files::{RankFiles, digest};
+use super::format::{SCHEDULER, master_name, param_name, state_name, state_prefix};
 use super::lineage::name_of;
 use super::meta::{CheckpointMeta, EntryMeta, Lineage, dtype_name};
-use super::names::SCHEDULER;
 use super::pieces::{Holding, piece, stepped};
 use crate::error::CheckpointError;
 use crate::error::ShardError;
@@ -166,7 +166,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let (mut values, mut shards) = (HashMap::new(), HashMap::new());
         for (id, entry, holding) in &entries {
             let saved = by_path[entry.path.as_str()];
-            let name = format!("param/{}", entry.path);
+            let name = param_name(&entry.path);
             let numel = entry.numel();
             let own = piece(stage, *holding, numel, rank, world_size);
             match holding {
@@ -197,7 +197,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 false => range.len(),
             };
             let state = read_state::<O>(&mut files, saved, range.clone(), stepped, &O::state_device(&device))?;
-            let name = format!("master/{}", entry.path);
+            let name = master_name(&entry.path);
             let master = match has_tensor(&mut files, saved, &range, &name)? {
                 true => Some(padded(
                     files.read_range(saved, &name, range)?,
@@ -326,7 +326,7 @@ fn read_state<O: MasterWeightStep>(
     stepped: usize,
     device: &Device,
 ) -> Result<Option<O::State<1>>, CheckpointError> {
-    let prefix = format!("state/{}/", entry.path);
+    let prefix = state_prefix(&entry.path);
     let Some(rank) = holder(entry, &range) else {
         return Ok(None);
     };
@@ -337,7 +337,7 @@ fn read_state<O: MasterWeightStep>(
     }
     let mut source = StateSource::new(scalars);
     for field in fields {
-        let data = files.read_range(entry, &format!("{prefix}{field}"), range.clone())?;
+        let data = files.read_range(entry, &state_name(&entry.path, &field), range.clone())?;
         source.insert_tensor(field, padded(data, stepped, device).into_data());
     }
     let state = O::State::<1>::state_unflatten("", &mut source, device);

@@ -5,14 +5,10 @@ use std::path::Path;
 use burn::tensor::DType;
 use serde::{Deserialize, Serialize};
 
+use super::format::{COMPLETE, FORMAT_VERSION, META};
 use crate::error::CheckpointError;
 pub(crate) use crate::run::order;
 pub use crate::run::{Branch, Lineage};
-
-/// Version of the layout described here; a reader refuses others. Optional fields added later
-/// (`loss_scaler`, `lineage`) do not change it: readers of version 1 ignore them, and
-/// checkpoints without them still load.
-pub const FORMAT_VERSION: u32 = 1;
 
 /// The metadata file of a checkpoint directory.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -101,10 +97,10 @@ impl CheckpointMeta {
         if !dir.is_dir() {
             return Err(CheckpointError::NotFound { dir: dir.to_path_buf() });
         }
-        if !dir.join(super::names::COMPLETE).exists() {
+        if !dir.join(COMPLETE).exists() {
             return Err(CheckpointError::Incomplete { dir: dir.to_path_buf() });
         }
-        let path = dir.join(super::names::META);
+        let path = dir.join(META);
         let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::io(&path, e))?;
         let meta: Self = serde_json::from_str(&text).map_err(|e| CheckpointError::Corrupt {
             file: path.clone(),

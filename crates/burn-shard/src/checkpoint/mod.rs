@@ -40,16 +40,17 @@
 
 mod consolidate;
 mod files;
+mod format;
 mod lineage;
 mod load;
 mod meta;
-mod names;
 mod pieces;
 mod reshard;
 mod save;
 
 pub use crate::error::CheckpointError;
 pub use consolidate::{ConsolidateReport, consolidate, consolidate_optimizer, consolidate_safetensors};
+pub use format::FORMAT_VERSION;
 pub use lineage::ABANDONED_PREFIX;
-pub use meta::{Branch, CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Lineage, Piece};
+pub use meta::{Branch, CheckpointMeta, EntryMeta, FileMeta, Lineage, Piece};
 pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, reshard};

@@ -3,11 +3,10 @@
 use std::path::{Path, PathBuf};
 
 use super::files::{RankFile, RankFiles, digest, read_digest};
-use super::lineage::{complete_dirs, discard, lineage_of, name_of};
+use super::format::{COMPLETE, META, begin, discard, finish, master_name, param_name, state_name, state_prefix};
+use super::lineage::{complete_dirs, lineage_of, name_of};
 use super::meta::CheckpointMeta;
-use super::names::COMPLETE;
 use super::pieces::{Holding, pieces};
-use super::save::{begin, finish};
 use crate::error::CheckpointError;
 use crate::stage::Stage;
 
@@ -113,31 +112,31 @@ pub fn reshard(
                     .first()
                     .map(|p| p.rank)
                     .ok_or_else(|| CheckpointError::Corrupt {
-                        file: dir.join(super::names::META),
+                        file: dir.join(META),
                         reason: format!("`{}` has no pieces", old.path),
                     })?;
                 let path = &old.path;
-                let mut names = vec![format!("param/{path}")];
-                let state = format!("state/{path}/");
+                let mut names = vec![param_name(path)];
+                let state = state_prefix(path);
                 names.extend(
                     files
                         .tensors_under(first, &state)?
                         .into_iter()
-                        .map(|f| format!("{state}{f}")),
+                        .map(|f| state_name(path, &f)),
                 );
                 if files
-                    .tensors_under(first, &format!("master/{path}"))?
+                    .tensors_under(first, &master_name(path))?
                     .iter()
                     .any(String::is_empty)
                 {
-                    names.push(format!("master/{path}"));
+                    names.push(master_name(path));
                 }
                 for name in names {
                     let data = files.read_range(old, &name, range.clone())?;
                     file.push(name, data);
                 }
                 for (field, value) in files.scalars_under(first, &state)? {
-                    file.push_scalar(format!("{state}{field}"), value);
+                    file.push_scalar(state_name(path, &field), value);
                 }
             }
             file.write_file(&partial, rank)?;

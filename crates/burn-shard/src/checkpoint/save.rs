@@ -9,9 +9,12 @@ use burn::tensor::{Tensor, TensorData};
 use burn_shard_comm::ReduceOp;
 
 use super::files::{RankFile, digest, read_digest};
-use super::lineage::{abandoned_dir, clear_leftovers, discard, name_of, set_aside, to_set_aside};
-use super::meta::{CheckpointMeta, EntryMeta, FORMAT_VERSION, FileMeta, Lineage, dtype_name};
-use super::names::{COMPLETE, META, SCHEDULER, partial_dir};
+use super::format::{
+    FORMAT_VERSION, SCHEDULER, begin, discard, finish, master_name, param_name, parent_of, partial_dir, state_name,
+    write_atomically,
+};
+use super::lineage::{abandoned_dir, name_of, set_aside, to_set_aside};
+use super::meta::{CheckpointMeta, EntryMeta, FileMeta, Lineage, dtype_name};
 use super::pieces::{Holding, piece, pieces};
 use crate::error::CheckpointError;
 use crate::error::ShardError;
@@ -262,7 +265,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             // offload): a rank file is written with one tensor in memory at a time, not a
             // second copy of every parameter.
             let len = range.len();
-            file.push_deferred(format!("param/{}", entry.path), value.dtype(), len, move || {
+            file.push_deferred(param_name(&entry.path), value.dtype(), len, move || {
                 Ok(value.read()?.narrow(0, start, len).into_data())
             });
             if let Some(index) = self.layout.slot_of(id) {
@@ -332,11 +335,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// stage-3 shard's padding is not saved).
     fn push_optimizer_piece(&self, file: &mut RankFile, index: usize, path: &str, len: usize) {
         let saved = self.slots.saved(index);
-        let names = saved
-            .state
-            .into_iter()
-            .map(|(field, t)| (format!("state/{path}/{field}"), t));
-        for (name, tensor) in names.chain(saved.master.map(|t| (format!("master/{path}"), t))) {
+        let names = saved.state.into_iter().map(|(field, t)| (state_name(path, &field), t));
+        for (name, tensor) in names.chain(saved.master.map(|t| (master_name(path), t))) {
             match tensor {
                 SavedTensor::InMemory(data) => file.push(name, trim(data, len)),
                 // NVMe offload: read from the swap file when written, one tensor at a time.
@@ -347,7 +347,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             }
         }
         for (field, value) in saved.scalars {
-            file.push_scalar(format!("state/{path}/{field}"), value);
+            file.push_scalar(state_name(path, &field), value);
         }
     }
 }
@@ -384,59 +384,4 @@ fn entry_meta<O: MasterWeightStep>(
         trainable: optim.layout.slot_of(&id).is_some(),
         pieces: pieces(stage, holding, entry.numel(), world_size),
     }
-}
-
-/// Starts a checkpoint directory: refuses an existing `dir`, removes what saves that did not
-/// finish left next to it (`*.partial`, see [`clear_leftovers`]) and creates `DIR.partial`.
-/// Returns `DIR.partial`.
-pub(crate) fn begin(dir: &Path) -> Result<PathBuf, CheckpointError> {
-    if dir.exists() {
-        return Err(CheckpointError::Exists { dir: dir.to_path_buf() });
-    }
-    clear_leftovers(&parent_of(dir));
-    let partial = partial_dir(dir);
-    if partial.exists() {
-        // What a save that failed left behind.
-        std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
-    }
-    std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
-    Ok(partial)
-}
-
-/// The directory that holds the checkpoint directory `dir` (`.` for a bare name).
-fn parent_of(dir: &Path) -> PathBuf {
-    match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
-}
-
-/// Completes a checkpoint whose rank files are in `DIR.partial`: writes `meta.json`, then the
-/// `COMPLETE` marker, then renames the directory to `dir` and syncs `dir`'s parent, so that
-/// after a power loss the checkpoint is there whole or not at all (a rename is durable only
-/// once its directory is synced).
-pub(crate) fn finish(dir: &Path, meta: &CheckpointMeta) -> Result<(), CheckpointError> {
-    let partial = partial_dir(dir);
-    let json = serde_json::to_string_pretty(meta).expect("metadata serialises");
-    write_atomically(&partial.join(META), json.as_bytes())?;
-    write_atomically(&partial.join(COMPLETE), b"")?;
-    std::fs::rename(&partial, dir)
-        .and_then(|()| sync_dir(&parent_of(dir)))
-        .map_err(|e| CheckpointError::io(dir, e))
-}
-
-/// Writes `bytes` to `path` through a temporary file, synced, renamed into place, and the
-/// directory synced (so the rename survives a power loss).
-pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes)
-        .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
-        .and_then(|_| std::fs::rename(&tmp, path))
-        .and_then(|_| sync_dir(&parent_of(path)))
-        .map_err(|e| CheckpointError::io(path, e))
-}
-
-/// `fsync` of directory `dir`: makes the renames and creations in it durable.
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    std::fs::File::open(dir)?.sync_all()
 }

@@ -1,0 +1,191 @@
+//! The checkpoint format in one place: its version, the names of a checkpoint's files and of the
+//! tensors in a rank file, and the steps that write a checkpoint directory atomically. The
+//! writer, the reader, the lineage, the resharding and the tools take them from here; this
+//! module imports none of them.
+//!
+//! A save goes [`begin`] (clear leftovers, create `DIR.partial`), the rank files, then
+//! [`finish`] (metadata, completion marker, rename to `DIR`, fsync of the parent); a failed save
+//! calls [`discard`]. Every file is written with [`write_atomically`] or synced before the
+//! directory that holds it is.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::error::CheckpointError;
+
+/// Version of the layout described here; a reader refuses others. Optional fields added later
+/// (`loss_scaler`, `lineage`) do not change it: readers of version 1 ignore them, and
+/// checkpoints without them still load.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// The metadata file.
+pub(crate) const META: &str = "meta.json";
+/// The learning-rate scheduler's record (optional), written by rank 0.
+pub(crate) const SCHEDULER: &str = "scheduler.bpk";
+/// The completion marker, written last.
+pub(crate) const COMPLETE: &str = "COMPLETE";
+/// What the names of the rank files and their digests start with.
+const RANK_PREFIX: &str = "rank-";
+
+/// `rank-R.bpk`.
+pub(crate) fn rank_file(rank: usize) -> String {
+    format!("{RANK_PREFIX}{rank}.bpk")
+}
+
+/// `rank-R.sha256`: `HEX BYTES`, written after the rank file.
+pub(crate) fn digest_file(rank: usize) -> String {
+    format!("{RANK_PREFIX}{rank}.sha256")
+}
+
+/// `param/PATH`: the values of the entry at module path `path`.
+pub(crate) fn param_name(path: &str) -> String {
+    format!("param/{path}")
+}
+
+/// `state/PATH/`: what the names of the optimizer state of the entry at `path` start with.
+pub(crate) fn state_prefix(path: &str) -> String {
+    format!("state/{path}/")
+}
+
+/// `state/PATH/FIELD`: one field of the optimizer state of the entry at `path`, in Burn's
+/// `RecordState` flattening (`momentum.moment_1`, `momentum.time`, ...).
+pub(crate) fn state_name(path: &str, field: &str) -> String {
+    format!("{}{field}", state_prefix(path))
+}
+
+/// `master/PATH`: the `f32` master of the `bf16`/`f16` entry at `path`.
+pub(crate) fn master_name(path: &str) -> String {
+    format!("master/{path}")
+}
+
+/// `dir` with `.partial` appended: where a save writes before it is complete.
+pub(crate) fn partial_dir(dir: &Path) -> PathBuf {
+    let mut name = dir.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".partial");
+    dir.with_file_name(name)
+}
+
+/// The directory that holds the checkpoint directory `dir` (`.` for a bare name).
+pub(crate) fn parent_of(dir: &Path) -> PathBuf {
+    match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// Starts a checkpoint directory: refuses an existing `dir`, removes what saves that did not
+/// finish left next to it (`*.partial`, see [`clear_leftovers`]) and creates `DIR.partial`.
+/// Returns `DIR.partial`.
+pub(crate) fn begin(dir: &Path) -> Result<PathBuf, CheckpointError> {
+    if dir.exists() {
+        return Err(CheckpointError::Exists { dir: dir.to_path_buf() });
+    }
+    clear_leftovers(&parent_of(dir));
+    let partial = partial_dir(dir);
+    if partial.exists() {
+        // What a save that failed left behind.
+        std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
+    }
+    std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
+    Ok(partial)
+}
+
+/// Completes a checkpoint whose rank files are in `DIR.partial`: writes `meta` as `meta.json`,
+/// then the `COMPLETE` marker, then renames the directory to `dir` and syncs `dir`'s parent, so
+/// that after a power loss the checkpoint is there whole or not at all (a rename is durable only
+/// once its directory is synced).
+pub(crate) fn finish(dir: &Path, meta: &impl Serialize) -> Result<(), CheckpointError> {
+    let partial = partial_dir(dir);
+    let json = serde_json::to_string_pretty(meta).expect("metadata serialises");
+    write_atomically(&partial.join(META), json.as_bytes())?;
+    write_atomically(&partial.join(COMPLETE), b"")?;
+    std::fs::rename(&partial, dir)
+        .and_then(|()| sync_dir(&parent_of(dir)))
+        .map_err(|e| CheckpointError::io(dir, e))
+}
+
+/// Writes `bytes` to `path` through a temporary file, synced, renamed into place, and the
+/// directory synced (so the rename survives a power loss).
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes)
+        .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .and_then(|_| sync_dir(&parent_of(path)))
+        .map_err(|e| CheckpointError::io(path, e))
+}
+
+/// `fsync` of directory `dir`: makes the renames and creations in it durable.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Removes what saves that did not finish left in `root`: every `*.partial` directory that
+/// holds only a save's files (rank files, digests, metadata, markers, temporary files); says
+/// so with `tracing::warn!`. A `*.partial` directory holding anything
+/// else, or that cannot be removed, is reported and left alone. Only one run saves into a
+/// directory at a time, and its saves are collectives, so no save into `root` is in progress
+/// here.
+pub(crate) fn clear_leftovers(root: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
+        let partial = path
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().ends_with(".partial"));
+        if !path.is_dir() || !partial {
+            continue;
+        }
+        if !holds_only_save_files(&path) {
+            tracing::warn!(
+                "{} looks like an unfinished checkpoint save but holds other files: left alone; remove it by hand",
+                path.display()
+            );
+            continue;
+        }
+        if let Err(e) = std::fs::remove_dir_all(&path) {
+            tracing::warn!(
+                "{} is left from a save that did not finish, and cannot be removed: {e}",
+                path.display()
+            );
+            continue;
+        }
+        tracing::warn!(
+            "removed {}: what a save that did not finish (a crashed process) left behind",
+            path.display()
+        );
+        removed.push(path);
+    }
+    removed
+}
+
+/// Whether every entry of `dir` is a plain file a save writes.
+fn holds_only_save_files(dir: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    entries.into_iter().all(|e| {
+        let Ok(e) = e else { return false };
+        let name = e.file_name().to_string_lossy().into_owned();
+        e.file_type().is_ok_and(|t| t.is_file())
+            && (name.starts_with(RANK_PREFIX)
+                || name.ends_with(".tmp")
+                || [META, SCHEDULER, COMPLETE].contains(&name.as_str()))
+    })
+}
+
+/// Removes the `DIR.partial` of a save that failed (best effort: a failure to remove it is
+/// reported, and the next save removes it).
+pub(crate) fn discard(partial: &Path) {
+    if partial.exists()
+        && let Err(e) = std::fs::remove_dir_all(partial)
+    {
+        tracing::warn!(
+            "the failed save's {} could not be removed: {e}; the next save into its directory removes it",
+            partial.display()
+        );
+    }
+}
