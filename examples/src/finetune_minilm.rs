@@ -95,6 +95,9 @@ pub struct DataArgs {
 
 /// What [`DataArgs::load`] read.
 pub struct Loaded {
+    /// What was read, for the output: the data set and its two files, e.g. `TREC
+    /// (examples/data/trec/TREC.train.all, examples/data/trec/TREC.test.all)`.
+    pub source: String,
     /// Tokenized training sentences.
     pub train: Vec<Sentence>,
     /// Tokenized evaluation sentences (SST-2's dev set, TREC's test set).
@@ -140,6 +143,7 @@ impl DataArgs {
             ));
         }
         Ok(Loaded {
+            source: format!("{task} ({}, {})", train_path.display(), eval_path.display()),
             train,
             eval,
             config,
@@ -173,6 +177,7 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
     args.shard.check_batch(args.batch_size)?;
     let stage = args.shard.stage_or(Stage::Two);
     let Loaded {
+        source,
         train,
         eval,
         config,
@@ -194,9 +199,8 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
     // threads in the order they ask: seeded once, but not reproducible draw for draw.
     device.seed(args.seed);
     println!(
-        "{:?}: {} training / {} eval sentences (up to {} tokens); all-MiniLM-L6-v2 from {} ({} params); \
+        "{source}: {} training / {} eval sentences (up to {} tokens); all-MiniLM-L6-v2 from {} ({} params); \
          world_size {}, stage {stage}, {} steps of {} sentences",
-        args.task,
         train.len(),
         eval.len(),
         args.data.max_len,
@@ -222,13 +226,10 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
         .rev()
         .find_map(|r| r.val_accuracy)
         .unwrap_or(f32::NAN);
-    let [csv, png] = metrics.write(
-        &args.out,
-        &format!("all-MiniLM-L6-v2 on {:?}, stage {stage}", args.task),
-    )?;
+    let [csv, png] = metrics.write(&args.out, &format!("all-MiniLM-L6-v2 on {}, stage {stage}", args.task))?;
     println!("{memory}");
     println!(
-        "final: {:?} accuracy {:.2}% on {} sentences | {:.1} s | wrote {} and {}",
+        "final: {} accuracy {:.2}% on {} sentences | {:.1} s | wrote {} and {}",
         args.task,
         accuracy * 100.0,
         eval.len(),

@@ -3,6 +3,7 @@
 //! `SupervisedTraining` with metrics and `Learner`. Sharding is one line: the
 //! `with_training_strategy(ShardedStrategy::threads(..))` in [`run`].
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -18,7 +19,7 @@ use burn::train::{
     ClassificationOutput, InferenceStep, Learner, LearningResult, SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_shard::{ShardConfig, Stage};
-use burn_shard_train::ShardedStrategy;
+use burn_shard_train::{LineRenderer, ShardedStrategy};
 use clap::Parser;
 
 use crate::bert::SentenceClassifier;
@@ -61,6 +62,13 @@ pub struct Args {
     /// Random seed (the head's initialisation, the data order, dropout).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// Steps between progress lines when the output is not a terminal (in a terminal with the
+    /// `tui` feature, burn-train's dashboard shows every step).
+    #[arg(long, default_value_t = 20, value_parser = at_least(1, usize::MAX as u64))]
+    pub log_every: usize,
+    /// Plain progress lines also in a terminal, instead of burn-train's dashboard.
+    #[arg(long)]
+    pub plain: bool,
     /// burn-train's directory: its metric logs, and burn-shard's sharded checkpoints under
     /// `checkpoints/`.
     #[arg(long, default_value = "runs/finetune-minilm-learner")]
@@ -122,7 +130,8 @@ impl InferenceStep for SentenceClassifier {
     }
 }
 
-/// Trains; burn-train renders progress and writes its metric logs under `--out`.
+/// Trains; burn-train's dashboard (in a terminal, with the `tui` feature) or burn-shard's
+/// [`LineRenderer`] shows the progress; burn-train writes its metric logs under `--out`.
 ///
 /// # Errors
 /// Bad options, missing weights or data (each message says what to do), or a failed run
@@ -135,6 +144,7 @@ pub fn run(args: Args) -> Result<LearningResult<SentenceClassifier>, String> {
         ));
     }
     let Loaded {
+        source,
         train,
         eval: valid,
         config,
@@ -161,9 +171,8 @@ pub fn run(args: Args) -> Result<LearningResult<SentenceClassifier>, String> {
         .map_err(|e| format!("learning-rate schedule: {e}"))?;
     let optim = AdamWConfig::new().with_weight_decay(0.01);
     println!(
-        "{:?}: {} training / {} validation sentences; all-MiniLM-L6-v2 ({} params); world_size {}, stage {}, \
-         {} epochs of {steps} steps of {} sentences",
-        args.task,
+        "{source}: {} training / {} validation sentences; all-MiniLM-L6-v2 ({} params); world_size {}, stage {}, \
+         {} epochs, {steps} steps of {} sentences",
         train.len(),
         valid.len(),
         model.num_params(),
@@ -173,10 +182,18 @@ pub fn run(args: Args) -> Result<LearningResult<SentenceClassifier>, String> {
         args.batch_size,
     );
 
-    let result = SupervisedTraining::new(&args.out, train_loader, valid_loader)
+    let mut training = SupervisedTraining::new(&args.out, train_loader, valid_loader)
         .metrics((LossMetric::new(), AccuracyMetric::new()))
         .num_epochs(args.epochs)
-        .summary()
+        .label(&format!("all-MiniLM-L6-v2 on {}", args.task));
+    // In a terminal, burn-train's dashboard (the `tui` feature) and its summary; elsewhere (a
+    // log file, CI) a line every --log-every steps and a summary of each epoch.
+    if cfg!(feature = "tui") && !args.plain && std::io::stdout().is_terminal() {
+        training = training.summary();
+    } else {
+        training = training.renderer(Box::new(LineRenderer::new(args.log_every * args.batch_size)));
+    }
+    let result = training
         // The one sharding-specific line: ZeRO stage `--stage` over `--world-size` ranks.
         .with_training_strategy(
             ShardedStrategy::threads(

@@ -16,6 +16,15 @@ pub enum Task {
     Trec,
 }
 
+impl std::fmt::Display for Task {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Task::Sst2 => "SST-2",
+            Task::Trec => "TREC",
+        })
+    }
+}
+
 impl Task {
     /// Number of classes.
     pub fn classes(self) -> usize {

@@ -493,6 +493,8 @@ fn finetune_minilm_learner_trains_alike_at_every_stage() {
             "1e-2",
             "--dropout",
             "0",
+            // Lines, not burn-train's dashboard, also when the tests run in a terminal.
+            "--plain",
             "--out",
             out.to_str().unwrap(),
         ]);

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
@@ -23,7 +23,7 @@ use burn::train::{
 };
 use burn_shard::comm::{Collective, InProcessGroup, run_ranks};
 use burn_shard::{ShardConfig, Stage};
-use burn_shard_train::{RankFailures, ShardedStrategy};
+use burn_shard_train::{LineRenderer, RankFailures, ShardedStrategy};
 
 use burn::module::{ModuleMapper, Param};
 
@@ -205,6 +205,31 @@ pub(crate) struct Run {
     pub valid_items: usize,
     /// The model's float dtype (`f16` needs a loss scaler in the sharded runs).
     pub dtype: DType,
+    /// Receives what the run's [`LineRenderer`] prints (a line every global batch); `None`:
+    /// dropped. Every run renders with it, never with burn-train's dashboard, which would take
+    /// over a terminal that runs the tests.
+    pub lines: Option<Lines>,
+}
+
+/// A buffer a [`LineRenderer`] writes into, readable after the run.
+#[derive(Clone, Default)]
+pub(crate) struct Lines(Arc<Mutex<Vec<u8>>>);
+
+impl Lines {
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).expect("UTF-8 lines")
+    }
+}
+
+impl std::io::Write for Lines {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 impl Run {
@@ -219,6 +244,7 @@ impl Run {
             checkpoints: None,
             valid_items: VALID_ITEMS,
             dtype: DType::F32,
+            lines: None,
         }
     }
 }
@@ -263,9 +289,14 @@ pub(crate) fn train_with(
     );
     let model = cast(seeded(Classifier::new(&device.clone().autodiff())), run.dtype);
     let optim = AdamConfig::new();
+    let renderer = match &run.lines {
+        Some(lines) => LineRenderer::to(GLOBAL_BATCH, lines.clone()),
+        None => LineRenderer::to(GLOBAL_BATCH, std::io::sink()),
+    };
     let mut training = SupervisedTraining::new(dir, train, valid)
         .metrics((LossMetric::new(), AccuracyMetric::new()))
-        .num_epochs(run.epochs);
+        .num_epochs(run.epochs)
+        .renderer(Box::new(renderer));
     if let Some(n) = run.accumulation {
         training = training.grads_accumulation(n);
     }
@@ -604,6 +635,62 @@ fn validation_metrics_count_every_item_once_at_every_stage_and_world_size() {
             assert!(
                 (accuracy - ref_accuracy).abs() < 1e-9,
                 "{ctx}: validation accuracy {accuracy} %, single-device {ref_accuracy} %"
+            );
+        }
+    }
+}
+
+/// Without a terminal the progress is [`LineRenderer`]'s: a line every global batch of items,
+/// counting each item once although every rank's batch reaches the renderer (an epoch ends at
+/// the data set's size, also when the validation shares differ in length), a line at each
+/// split's end and a summary; never burn-train's `Debug` dump of its progress.
+#[test]
+fn progress_lines_count_every_item_once_and_end_with_a_summary() {
+    for world_size in [1, 2, 3] {
+        let lines = Lines::default();
+        let run = Run {
+            // 13 validation items: shares of 6 and 7 on 2 ranks, 4, 4 and 5 on 3.
+            valid_items: 13,
+            lines: Some(lines.clone()),
+            ..Run::epochs(2)
+        };
+        let dir = scratch("learner", &format!("lines-w{world_size}"));
+        finished(
+            &train(&dir, Some((world_size, ShardConfig::new(Stage::Two))), &run),
+            "lines",
+        );
+        let text = lines.text();
+        let ctx = format!("world size {world_size}, the lines:\n{text}");
+        assert!(!text.contains("ProgressSnapshot"), "{ctx}");
+        // `<split> epoch <e>/2  <items>/<total> items  Loss ..  Accuracy .. %  .. items/s`
+        let counts = |split: &str, epoch: usize| -> Vec<(usize, usize)> {
+            let head = format!("{split} epoch {epoch}/2  ");
+            text.lines()
+                .filter_map(|l| l.strip_prefix(&head))
+                .map(|rest| {
+                    let (items, total) = rest.split_once(" items").unwrap().0.split_once('/').unwrap();
+                    (items.parse().unwrap(), total.parse().unwrap())
+                })
+                .collect()
+        };
+        for epoch in [1, 2] {
+            // A line at 12, 24 and 36 items (each global batch), and the split's end at 48.
+            let train: Vec<(usize, usize)> = [12, 24, 36, 48].map(|n| (n, TRAIN_ITEMS)).to_vec();
+            assert_eq!(counts("train", epoch), train, "{ctx}");
+            assert_eq!(counts("valid", epoch), vec![(12, 13), (13, 13)], "{ctx}");
+        }
+        let line = |prefix: &str| text.lines().find(|l| l.starts_with(prefix)).map(str::to_owned);
+        let end = line("train epoch 2/2  48/48 items").unwrap();
+        assert!(
+            end.contains("  Loss ") && end.contains("  Accuracy ") && end.contains(" %"),
+            "{ctx}"
+        );
+        let summary = line("summary: 96 training items in ").unwrap_or_else(|| panic!("no summary: {ctx}"));
+        assert!(summary.contains("items/s"), "{ctx}");
+        for (split, epoch, items) in [("train", 1, 48), ("valid", 1, 13), ("train", 2, 48), ("valid", 2, 13)] {
+            assert!(
+                line(&format!("  {split} epoch {epoch}: {items} items  Loss ")).is_some(),
+                "{ctx}"
             );
         }
     }

@@ -2,6 +2,7 @@
 //! items, and takes the decisions of an epoch's end (checkpoints, early stopping, interrupts)
 //! once for every rank.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, Sender};
 
@@ -132,10 +133,21 @@ impl<M: LearnerModel> Coordinator<'_, M> {
 
     /// Processes one pass's items until every rank has ended it. Returns whether the ranks
     /// stopped inside it, or `None` when a rank failed (the failure is recorded).
+    ///
+    /// Each rank's item goes through the metrics (the loss and accuracy are over every rank's
+    /// batches), so the renderer hears of each of a step's batches; the progress each carries
+    /// counts every item once: the items the ranks have reported so far in this pass, summed,
+    /// out of the pass's items (not a rank's progress times the ranks, which rendered each
+    /// step's count once per rank). The iteration is the step: the rank's batches so far in
+    /// the pass, the same on every rank at a step.
     fn pass(&mut self, split: Split, events: &Receiver<Event<M>>) -> Option<bool> {
+        let total = match split {
+            Split::Train => self.train_items,
+            Split::Valid => self.valid_items,
+        };
+        let mut counted = PassCount::default();
         let mut ended = 0;
         let mut stopped = false;
-        let mut iteration = 0;
         while ended < self.ranks {
             let Ok(event) = events.recv() else {
                 self.failures
@@ -143,15 +155,20 @@ impl<M: LearnerModel> Coordinator<'_, M> {
                 return None;
             };
             match event {
-                RankEvent::Trained { item, progress, lr } => {
-                    iteration += 1;
-                    let item = TrainingItem::new(item, self.global(progress), Some(iteration), Some(lr));
+                RankEvent::Trained {
+                    rank,
+                    item,
+                    progress,
+                    lr,
+                } => {
+                    let (progress, iteration) = counted.add(rank, &progress, total);
+                    let item = TrainingItem::new(item, progress, Some(iteration), Some(lr));
                     self.interrupter
                         .fail_on_error(self.processor.process_train(LearnerEvent::ProcessedItem(item)));
                 }
-                RankEvent::Validated { item, progress } => {
-                    iteration += 1;
-                    let item = TrainingItem::new(item, self.global(progress), Some(iteration), None);
+                RankEvent::Validated { rank, item, progress } => {
+                    let (progress, iteration) = counted.add(rank, &progress, total);
+                    let item = TrainingItem::new(item, progress, Some(iteration), None);
                     self.interrupter
                         .fail_on_error(self.processor.process_valid(LearnerEvent::ProcessedItem(item)));
                 }
@@ -173,14 +190,31 @@ impl<M: LearnerModel> Coordinator<'_, M> {
         }
         Some(stopped)
     }
+}
 
-    /// A rank's progress through its share, as progress through this process's shares (all
-    /// shares are equal).
-    fn global(&self, progress: Progress) -> Progress {
-        Progress {
-            items_processed: progress.items_processed * self.ranks,
-            items_total: progress.items_total * self.ranks,
-            unit: progress.unit,
-        }
+/// What the ranks of this process have reported in one pass: per rank, its items and batches.
+#[derive(Default)]
+struct PassCount {
+    ranks: HashMap<usize, (usize, usize)>,
+}
+
+impl PassCount {
+    /// Records `rank`'s batch with the rank's `progress` through its share; returns the
+    /// progress through the pass (every rank's items so far, summed, out of `total`) and the
+    /// rank's batches so far in the pass.
+    fn add(&mut self, rank: usize, progress: &Progress, total: usize) -> (Progress, usize) {
+        let slot = self.ranks.entry(rank).or_default();
+        slot.0 = progress.items_processed;
+        slot.1 += 1;
+        let batches = slot.1;
+        let items = self.ranks.values().map(|(items, _)| items).sum();
+        (
+            Progress {
+                items_processed: items,
+                items_total: total,
+                unit: progress.unit.clone(),
+            },
+            batches,
+        )
     }
 }

@@ -18,15 +18,16 @@ pub(crate) enum Split {
 
 /// A message from a rank to the coordinator.
 pub(crate) enum RankEvent<T, V> {
-    /// One training batch done: its output item, the rank's progress through its share, and the
-    /// learning rate of the step it belongs to.
+    /// One training batch done: the rank, its output item, the rank's progress through its
+    /// share, and the learning rate of the step it belongs to.
     Trained {
+        rank: usize,
         item: T,
         progress: Progress,
         lr: ModuleLearningRate,
     },
-    /// One validation batch done.
-    Validated { item: V, progress: Progress },
+    /// One validation batch done by `rank`.
+    Validated { rank: usize, item: V, progress: Progress },
     /// The rank finished a pass; `stopped`: the ranks agreed to stop inside it (the same on
     /// every rank, see `agree_stop`).
     SplitEnd { split: Split, stopped: bool },

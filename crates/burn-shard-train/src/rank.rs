@@ -197,6 +197,7 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
                 optim.accumulate(model, output.grads).map_err(step_error)?;
             }
             let event = RankEvent::Trained {
+                rank: self.rank,
                 item: output.item,
                 progress,
                 lr: learner.lr_current(),
@@ -244,6 +245,7 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
             };
             let item = InferenceStep::step(&model, item);
             let event = RankEvent::Validated {
+                rank: self.rank,
                 item,
                 progress: iterator.progress(),
             };

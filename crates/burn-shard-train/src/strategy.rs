@@ -50,10 +50,13 @@ use crate::rank::RankJob;
 ///   loader's `shuffle` permutes within each share, so a data set stored in order (sorted by
 ///   label, say) should be shuffled as a whole first (Burn's `ShuffledDataset`).
 /// - **Metrics** are processed by the calling thread for the items of every rank of this
-///   process: with threads, the logged loss and accuracy are the global ones and the progress
-///   and iteration count every rank's items (as burn-train's multi-device strategy counts
-///   them); with one process per rank, each process logs its own rank's (see
-///   [`ShardedStrategy::process`]).
+///   process: with threads, the logged loss and accuracy are the global ones. The renderer
+///   hears of every rank's batch (burn-train's metrics take one item at a time), with the
+///   progress counting each item once (every rank's items so far, summed: an epoch ends at the
+///   data set's size) and the iteration being the step; with one process per rank, each
+///   process logs its own rank's (see [`ShardedStrategy::process`]). Without a terminal,
+///   [`crate::LineRenderer`] prints a short line every so many items instead of burn-train's
+///   line per batch.
 /// - **Stopping**: an interrupt (the `Interrupter`, a data error, a failed event processor) on
 ///   any rank is agreed by every rank at the next batch (one all-gather of one element per
 ///   batch, which also waits for the batch before), and early stopping and the checkpointing
