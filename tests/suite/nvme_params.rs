@@ -111,6 +111,19 @@ fn accumulate_rank<C: burn_shard_comm::Collective + 'static>(
     )
 }
 
+/// [`accumulate_rank`] on `world_size` ranks as threads; each rank's result.
+fn accumulate_ranks(
+    world_size: usize,
+    base: &TinyMlp,
+    config: &ShardConfig,
+    dtype: DType,
+) -> Vec<(Vec<u32>, Option<(f32, usize)>)> {
+    run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+        accumulate_rank(comm, base, config, dtype)
+    })
+    .expect("no rank panics")
+}
+
 /// Gradient accumulation and clipping read the gradient shards from disk as the in-memory
 /// path holds them: 3 micro-batches per step (`accumulate`, summed in `f32` for `bf16`/`f16`
 /// as in memory), global-norm clipping (the norms read the shards once more), at world sizes
@@ -126,12 +139,7 @@ fn accumulation_and_clipping_with_gradient_shards_on_disk_match_memory() {
             let ctx = format!("{dtype:?}, world_size {world_size}");
             let plain = config(Stage::Three, dtype).with_max_grad_norm(0.05);
             let stored = plain.clone().with_nvme_offload_params(&dir);
-            let run = |config: &ShardConfig| {
-                run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
-                    accumulate_rank(comm, &base, config, dtype)
-                })
-                .expect("no rank panics")
-            };
+            let run = |config: &ShardConfig| accumulate_ranks(world_size, &base, config, dtype);
             let (memory, on_disk) = (run(&plain), run(&stored));
             assert!(memory == on_disk, "{ctx}: parameters differ from the in-memory run's");
             assert!(memory != run(&config(Stage::Three, dtype)), "{ctx}: the clipping clips");
@@ -158,12 +166,7 @@ fn a_loss_scale_that_grows_at_a_step_unscales_stored_gradients_as_in_memory() {
                 .with_bucket_numel(64)
                 .with_loss_scaler(scaler.clone());
             let stored = plain.clone().with_nvme_offload_params(&dir);
-            let run = |config: &ShardConfig| {
-                run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
-                    accumulate_rank(comm, &base, config, dtype)
-                })
-                .expect("no rank panics")
-            };
+            let run = |config: &ShardConfig| accumulate_ranks(world_size, &base, config, dtype);
             let (memory, on_disk) = (run(&plain), run(&stored));
             let grown = 256.0 * 2f32.powi(STEPS as i32);
             assert_eq!(memory[0].1, Some((grown, 0)), "{ctx}: the scale grew at every step");
