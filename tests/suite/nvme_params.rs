@@ -77,6 +77,9 @@ fn nvme_param_offload_trains_bitwise_as_in_memory_at_every_world_size() {
     }
 }
 
+/// One rank's parameters as bits, and its loss scale and skipped steps where a scaler is set.
+type RankOutcome = (Vec<u32>, Option<(f32, usize)>);
+
 /// Rank `comm.rank()` trains `STEPS` steps of 3 micro-batches each (`accumulate` twice, then
 /// `step`) with `config` (the caller's config may clip or scale the loss), in `dtype`; returns its
 /// parameters' bits, and the loss scale and skipped steps at the end where a scaler is set.
@@ -85,7 +88,7 @@ fn accumulate_rank<C: burn_shard_comm::Collective + 'static>(
     base: &TinyMlp,
     config: &ShardConfig,
     dtype: DType,
-) -> (Vec<u32>, Option<(f32, usize)>) {
+) -> RankOutcome {
     let device = Device::flex().autodiff();
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let model = cast(base.clone().fork(&device), dtype);
@@ -112,12 +115,7 @@ fn accumulate_rank<C: burn_shard_comm::Collective + 'static>(
 }
 
 /// [`accumulate_rank`] on `world_size` ranks as threads; each rank's result.
-fn accumulate_ranks(
-    world_size: usize,
-    base: &TinyMlp,
-    config: &ShardConfig,
-    dtype: DType,
-) -> Vec<(Vec<u32>, Option<(f32, usize)>)> {
+fn accumulate_ranks(world_size: usize, base: &TinyMlp, config: &ShardConfig, dtype: DType) -> Vec<RankOutcome> {
     run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
         accumulate_rank(comm, base, config, dtype)
     })
