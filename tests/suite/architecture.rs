@@ -290,6 +290,16 @@ fn import_cycles(edges: &BTreeMap<String, BTreeSet<String>>) -> BTreeSet<String>
     cycles
 }
 
+/// Fails naming every import cycle of `edges` (the modules of crate `name`).
+fn assert_acyclic(edges: &BTreeMap<String, BTreeSet<String>>, name: &str) {
+    let cycles = import_cycles(edges);
+    assert!(
+        cycles.is_empty(),
+        "import cycles in {name}:\n{}",
+        cycles.into_iter().collect::<Vec<_>>().join("\n")
+    );
+}
+
 /// No two modules of burn-shard import each other, directly or through others: each file's
 /// place in the layers says what it may use, and a loop would make two files one concern.
 #[test]
@@ -299,12 +309,7 @@ fn core_modules_import_without_cycles() {
     assert!(edges["step::optimizer"].contains("step::stage_plan"));
     assert!(edges["checkpoint::save"].contains("checkpoint::format"));
     assert!(edges["checkpoint"].contains("checkpoint::save") && edges["lib"].contains("checkpoint"));
-    let cycles = import_cycles(&edges);
-    assert!(
-        cycles.is_empty(),
-        "import cycles in burn-shard:\n{}",
-        cycles.into_iter().collect::<Vec<_>>().join("\n")
-    );
+    assert_acyclic(&edges, "burn-shard");
 }
 
 /// The modules of burn-shard-kernels import each other without cycles either: `FusedAdam`'s
@@ -316,12 +321,7 @@ fn kernels_modules_import_without_cycles() {
     // The reader sees the crate's edges: the dispatch, a path, and the root's `mod` declarations.
     assert!(edges["optimizer"].contains("path") && edges["path"].contains("cube"));
     assert!(edges["cube"].contains("fused_adam") && edges["lib"].contains("cube"));
-    let cycles = import_cycles(&edges);
-    assert!(
-        cycles.is_empty(),
-        "import cycles in burn-shard-kernels:\n{}",
-        cycles.into_iter().collect::<Vec<_>>().join("\n")
-    );
+    assert_acyclic(&edges, "burn-shard-kernels");
 }
 
 /// The folders whose `.rs` files `docs/ARCHITECTURE.md` must name: each under a heading
