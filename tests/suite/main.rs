@@ -38,5 +38,6 @@ mod param_kinds;
 mod rendezvous_env;
 mod rendezvous_membership;
 mod rendezvous_store;
+mod sharded_init;
 mod stage3;
 mod store_auth;

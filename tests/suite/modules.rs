@@ -28,7 +28,7 @@ use burn::nn::{
 };
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::prelude::*;
-use burn_shard::{ShardConfig, Stage};
+use burn_shard::{MasterWeightStep, ShardConfig, ShardedOptimizer, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 
 use crate::common::{Rng, max_abs_diff, scratch, sharded_step};
@@ -110,7 +110,7 @@ pub const MODULES: [&str; 27] = [
 ];
 
 impl Layer {
-    fn new(name: &str, d: &Device) -> Self {
+    pub(crate) fn new(name: &str, d: &Device) -> Self {
         match name {
             "Linear" => Layer::Linear(LinearConfig::new(F, 5).init(d)),
             "Embedding" => Layer::Embedding(EmbeddingConfig::new(7, 4).init(d)),
@@ -229,7 +229,7 @@ impl<const D: usize> FlattenRows for Tensor<D> {
 }
 
 /// The trainable parameters of `module` in traversal order (buffers left out).
-fn trainable_of<M: Module>(module: &M) -> Vec<f32> {
+pub(crate) fn trainable_of<M: Module>(module: &M) -> Vec<f32> {
     struct Collect(Vec<f32>);
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
@@ -265,10 +265,10 @@ fn own_copy(base: &Layer, device: &Device) -> Layer {
 
 /// Single-device Burn: the mean of the `world_size` ranks' losses, AdamW. Returns the final
 /// parameters and, for BatchNorm, the running statistics the buffer rule gives.
-fn reference(base: &Layer, world_size: usize) -> (Vec<f32>, Option<Stats>) {
+pub(crate) fn reference(base: &Layer, world_size: usize) -> (Vec<f32>, Option<Stats>) {
     let device = Device::flex().autodiff();
     let mut model = own_copy(base, &device);
-    let mut optim = AdamWConfig::new().with_weight_decay(0.05).init();
+    let mut optim = adamw().init();
     let per_rank = GLOBAL_BATCH / world_size;
     let mut stats = base.running_stats();
     for step in 0..STEPS {
@@ -330,14 +330,10 @@ fn sharded(
             false => own_copy(&base, &device),
         };
         let (mut model, mut optim) = config
-            .init(model, AdamWConfig::new().with_weight_decay(0.05), comm)
+            .init(model, adamw(), comm)
             .unwrap_or_else(|e| panic!("init at stage {stage}: {e}"));
         let num_params = model.num_params();
-        let per_rank = GLOBAL_BATCH / world_size;
-        for step in 0..STEPS {
-            let l = loss(&model, samples(step, rank * per_rank, (rank + 1) * per_rank, &device));
-            model = sharded_step(&mut optim, model, l, LR).0;
-        }
+        model = train_rank(model, &mut optim, rank, world_size, &device);
         RankResult {
             params: trainable_of(&model.clone().materialize()),
             stats: model.running_stats(),
@@ -345,6 +341,27 @@ fn sharded(
         }
     })
     .unwrap_or_else(|e| panic!("a rank failed at stage {stage}, world size {world_size}: {e:?}"))
+}
+
+/// The optimizer of the sweep and of its reference.
+pub(crate) fn adamw() -> AdamWConfig {
+    AdamWConfig::new().with_weight_decay(0.05)
+}
+
+/// `STEPS` sharded steps of rank `rank` of `world_size` on its part of the sweep's batches.
+pub(crate) fn train_rank(
+    mut model: Layer,
+    optim: &mut ShardedOptimizer<impl MasterWeightStep>,
+    rank: usize,
+    world_size: usize,
+    device: &Device,
+) -> Layer {
+    let per_rank = GLOBAL_BATCH / world_size;
+    for step in 0..STEPS {
+        let l = loss(&model, samples(step, rank * per_rank, (rank + 1) * per_rank, device));
+        model = sharded_step(optim, model, l, LR).0;
+    }
+    model
 }
 
 /// Trains `name` at every stage and world size and compares with the reference.

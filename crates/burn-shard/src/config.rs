@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::grad_clipping::GradientClipping;
-use burn::tensor::{DType, Device};
+use burn::tensor::{DType, Device, Tensor};
 use burn_shard_comm::Collective;
 
 use crate::error::ShardError;
@@ -14,6 +14,7 @@ use crate::model::buffers::Buffers;
 use crate::model::census::{Census, EntryKind};
 use crate::model::flat;
 use crate::model::layout::{FlatLayout, check_same_layout};
+use crate::model::root_values::{RootValues, SyncEntries};
 use crate::model::units::UnitPolicy;
 use crate::optim::into_optimizer::IntoOptimizer;
 use crate::optim::loss_scale::LossScaler;
@@ -345,8 +346,23 @@ impl ShardConfig {
     }
 
     /// Wraps `model` and `optim` for this rank: builds the flat layout, checks that every rank
-    /// built the same one, and broadcasts rank 0's parameters and buffers so all ranks start
-    /// identical (as PyTorch DDP does at construction). Every rank must call it.
+    /// built the same one, and gives every rank rank 0's parameters and buffers so all ranks
+    /// start identical (as PyTorch DDP does at construction). Every rank must call it.
+    ///
+    /// **Large models: build them lazily.** Every `burn::nn` module's parameters are lazy until
+    /// their first `val()` (Burn's `Param::uninitialized`), and `init` keeps them so: it lays
+    /// the model out from each parameter's lazy shape, device and the device's default float
+    /// dtype, then goes through the entries one at a time in module order: rank 0 runs the
+    /// entry's initializer and broadcasts the value (`numel` elements), every other rank
+    /// receives it without running its own, and at stage 3 each rank keeps its shard and drops
+    /// the rest before the next entry exists. So during `init` a stage-3 rank holds its shards
+    /// plus about one parameter (with ranks as threads, the process holds one model's shards
+    /// plus one parameter per rank), and a stage 0-2 rank one copy of the model. The values are
+    /// bitwise those single-device Burn initialises from the same seed in module order (only
+    /// rank 0 draws from the random generator). What makes a model eager before `init`: reading
+    /// a parameter (`val()`, `num_params` does not), a forward pass, `Module::map` or loading a
+    /// record; an eager model works too, at one whole copy per rank. Cloning the model shares
+    /// the lazy state: a clone kept by the caller keeps every parameter rank 0 initialises.
     ///
     /// `optim` is anything [`IntoOptimizer`] accepts; Burn's `AdamConfig` / `AdamWConfig` select
     /// the fused Adam step ([`burn_shard_kernels::FusedAdam`]) where the backend has one.
@@ -407,14 +423,10 @@ impl ShardConfig {
                  build the model on an autodiff device to train it)"
             );
         }
-        // Frozen parameters and buffers are not trained but must be identical too: broadcast
-        // everything.
+        // Frozen parameters and buffers are not trained but must be identical too: the ranks
+        // agree on every float entry (`everything`) and each takes rank 0's values.
         let everything = FlatLayout::with_frozen(&model, comm.world_size(), self.bucket_numel)?;
-        let (values, device) = flat::param_values(&model, &everything)?;
-        let device = match device {
-            Some(device) => device,
-            None => flat::plain_device(&model)?,
-        };
+        let device = compute_device(&model, &layout)?;
         // Parameter offload first: its refusal of a host model names the fix for the whole
         // combination (the optimizer's own refusal would only say to drop `Offload`).
         let param_home = self.param_home::<O>(&device, comm.rank())?;
@@ -440,20 +452,18 @@ impl ShardConfig {
         let fingerprint =
             layout.fingerprint() ^ everything.fingerprint().rotate_left(1) ^ options.fingerprint().rotate_left(2);
         check_same_layout(comm.as_ref(), fingerprint, &device)?;
-        let mut full = Vec::with_capacity(everything.buckets().len());
-        for bucket in everything.buckets() {
-            let mine = flat::assemble(&everything, bucket, &values, 0..bucket.padded_numel, &device);
-            full.push(comm.broadcast(mine, 0)?);
-        }
-        drop(values);
-        let model = flat::scatter_into(model, &everything, &full, &[]);
         let buffers = Buffers::of(&census);
+        let root = RootValues::new(comm.clone(), &model, &census)?;
         let plan = match self.stage {
             Stage::Zero => StagePlan::Zero,
             Stage::One => StagePlan::One,
             Stage::Two => StagePlan::Two,
-            Stage::Three => return self.shard_parameters(model, optim, options, comm, census, buffers, param_home),
+            // Entry by entry: each is synced and sharded before the next exists.
+            Stage::Three => return self.shard_parameters(model, optim, options, root, census, buffers, param_home),
         };
+        let mut sync = SyncEntries { census: &census, root };
+        let model = model.map(&mut sync);
+        sync.root.finish()?;
         let layout = Arc::new(layout);
         let overlaps = self.overlap_comm && reduces_in_backward(comm.as_ref(), &device) && !layout.slots().is_empty();
         let (model, reducer) = match plan.bucket_reduction() {
@@ -548,30 +558,56 @@ impl ShardConfig {
         model: M,
         optim: O,
         options: StepOptions,
-        comm: Arc<dyn Collective>,
+        root: RootValues,
         census: Census,
         buffers: Buffers,
         param_home: Option<ParamHome>,
     ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
+        let comm = root.comm().clone();
         let ctx = FsdpContext::new(comm.clone(), self.reshard_after_forward, param_home);
         let mut sharder = Sharder {
             ctx: ctx.clone(),
             census: census.clone(),
+            root,
             slots: Vec::new(),
             units: UnitPolicy::new(&self.units)?,
         };
         let model = model.apply_reparameterization(&mut sharder);
+        let Sharder { root, slots, units, .. } = sharder;
+        root.finish()?;
         // A shard that could not be written to the shard file (NVMe parameter offload): the
         // writes were queued behind the sharding; all are done before `init` returns.
         if let Some(e) = ctx.take_error() {
             return Err(e);
         }
         ctx.home().flush()?;
-        sharder.units.check_all_used(&census)?;
-        let local = Arc::new(FlatLayout::from_slots(sharder.slots, 1, self.bucket_numel)?);
+        units.check_all_used(&census)?;
+        let local = Arc::new(FlatLayout::from_slots(slots, 1, self.bucket_numel)?);
         let plan = StagePlan::Three(ctx);
         let optim = ShardedOptimizer::new(optim, comm, local, plan, census, buffers, options);
         Ok((model, optim))
+    }
+}
+
+/// The plain device the model computes on, read without initialising anything: its first
+/// trainable parameter's (the optimizer's device), else its first tensor's.
+fn compute_device<M: Module>(model: &M, layout: &FlatLayout) -> Result<Device, ShardError> {
+    struct First<'a> {
+        layout: &'a FlatLayout,
+        device: Option<Device>,
+    }
+    impl ModuleVisitor for First<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.device.is_none() && self.layout.slot_of(&param.id).is_some() {
+                self.device = Some(param.lazy_device().without_autodiff());
+            }
+        }
+    }
+    let mut first = First { layout, device: None };
+    model.visit(&mut first);
+    match first.device {
+        Some(device) => Ok(device),
+        None => flat::plain_device(model),
     }
 }
 

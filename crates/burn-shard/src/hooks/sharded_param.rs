@@ -27,6 +27,7 @@ use crate::hooks::gather_op::{FsdpOps, GatherSpec};
 use crate::hooks::unit::current_unit;
 use crate::model::census::{Census, EntryKind, SHARD_NAME};
 use crate::model::layout::ParamSlot;
+use crate::model::root_values::RootValues;
 use crate::model::units::UnitPolicy;
 use crate::overlap::call_tag::CallTag;
 use crate::overlap::context::FsdpContext;
@@ -146,14 +147,17 @@ impl ModuleDisplayDefault for ShardedParam {
 
 impl ModuleDisplay for ShardedParam {}
 
-/// Replaces every parameter that the [`Census`] calls a plain parameter by a full-shape
-/// placeholder carrying [`ShardedParam`] with this rank's shard. Running-state buffers,
+/// Gives every float entry rank 0's value ([`RootValues`]), one entry at a time, and replaces
+/// every parameter that the [`Census`] calls a plain parameter by a full-shape placeholder
+/// carrying [`ShardedParam`] with this rank's shard, before the next entry exists. Running-state buffers,
 /// parameters that already carry a reparameterization (LoRA's frozen base) and empty
 /// parameters are left whole. Records the trainable shards, in traversal order, as the slots
 /// of the optimizer's local layout.
 pub(crate) struct Sharder {
     pub(crate) ctx: FsdpContext,
     pub(crate) census: Census,
+    /// Gives each entry rank 0's value before it is sharded (or kept whole).
+    pub(crate) root: RootValues,
     /// `[chunk]` slots of the trainable shards, for `FlatLayout::from_slots`.
     pub(crate) slots: Vec<ParamSlot>,
     /// The units of `ShardConfig::units`, numbered as parameters are met.
@@ -168,11 +172,13 @@ impl Reparameterizer for &mut Sharder {
         path: &str,
         param: Param<Tensor<D>>,
     ) -> (Param<Tensor<D>>, Option<ShardedParam>) {
-        let shardable = self
-            .census
-            .get(&param.id)
-            .is_some_and(|e| e.kind == EntryKind::Param && e.shape.iter().product::<usize>() > 0);
-        if !shardable {
+        let Some(entry) = self.census.get(&param.id) else {
+            return (param, None);
+        };
+        // Rank 0's value, on every rank, before the next entry exists (`model/root_values.rs`).
+        let param = self.root.sync(param, entry);
+        let shardable = entry.kind == EntryKind::Param && entry.numel() > 0;
+        if !shardable || self.root.failed() {
             return (param, None);
         }
         let (n, r) = (self.ctx.comm().world_size(), self.ctx.comm().rank());

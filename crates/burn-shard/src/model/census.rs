@@ -14,6 +14,8 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleVisitor, Param, ParamId, Reparameterization, Reparameterizer};
 use burn::tensor::{DType, Tensor};
 
+use crate::model::lazy::entry_meta;
+
 /// What a float entry of a module is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum EntryKind {
@@ -56,7 +58,7 @@ impl Entry {
 
 impl Census {
     /// Classifies every float entry of `module` (one clone, mapped and visited; no tensor data
-    /// is read or copied).
+    /// is read or copied, and no lazy entry is initialised).
     pub(crate) fn of<M: Module>(module: &M) -> Self {
         let probed = module.clone().apply_reparameterization(AttachProbe);
         let mut visitor = CensusVisitor::default();
@@ -161,12 +163,14 @@ impl ModuleVisitor for CensusVisitor {
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         self.close_pending();
+        // Read without initialising: a lazy model stays lazy until `init` syncs it entry by entry.
+        let meta = entry_meta(param);
         let entry = Entry {
             kind: EntryKind::Buffer,
             path: self.path.join("."),
-            shape: param.lazy_shape().to_vec(),
-            dtype: param.val().dtype(),
-            require_grad: param.is_require_grad(),
+            shape: meta.shape,
+            dtype: meta.dtype,
+            require_grad: meta.require_grad,
         };
         self.pending = Some((param.id, entry));
     }

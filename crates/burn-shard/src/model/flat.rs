@@ -11,6 +11,7 @@ use burn::tensor::{Device, Tensor};
 
 use crate::error::ShardError;
 use crate::model::layout::{Bucket, FlatLayout};
+use crate::model::lazy::lazy_dtype;
 
 /// One flat `[numel]` tensor per layout slot; `None` where the value is absent (a parameter
 /// that received no gradient this step), which reads as zeros.
@@ -272,21 +273,42 @@ struct ReplaceMapper {
 
 impl ModuleMapper for ReplaceMapper {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some(flat) = self.values.remove(&param.id) else {
-            return param;
-        };
-        let (id, old, mapper) = param.consume();
-        let mut value: Tensor<D> = flat.cast(old.dtype()).reshape(old.shape());
-        if old.is_autodiff() {
-            let strategy = old.gradient_checkpointing_strategy();
-            value = value.autodiff();
-            if let Some(s) = strategy {
-                value = value.with_gradient_checkpointing_strategy(s);
-            }
-            if old.is_require_grad() {
-                value = value.require_grad();
-            }
+        match self.values.remove(&param.id) {
+            Some(flat) => replace_value(param, flat),
+            None => param,
         }
-        Param::from_mapped_value(id, value, mapper)
     }
+}
+
+/// `param` with the value `flat` (`[numel]`, reshaped and cast to the entry's shape and dtype):
+/// a fresh leaf that keeps the entry's id, autodiff, require-grad and checkpointing settings. A
+/// lazy entry takes it through Burn's `transform_for_load` (as a record load would), so its
+/// initializer never runs; the value then goes to the entry's device and its load mapper, if
+/// any, applies.
+pub(crate) fn replace_value<const D: usize>(param: Param<Tensor<D>>, flat: Tensor<1>) -> Param<Tensor<D>> {
+    if !param.is_initialized() {
+        let id = param.id;
+        let device = param.lazy_device();
+        let mut value: Tensor<D> = flat.cast(lazy_dtype(&device)).reshape(param.lazy_shape());
+        // As if made on the entry's device, as its initializer would: with that device's
+        // autodiff and checkpointing strategy (moving a value keeps its own, so a plain value
+        // would stay plain and `transform_for_load` could not make it require grad).
+        if let Some(strategy) = device.gradient_checkpointing_strategy() {
+            value = value.autodiff().with_gradient_checkpointing_strategy(strategy);
+        }
+        return param.transform_for_load(value, id);
+    }
+    let (id, old, mapper) = param.consume();
+    let mut value: Tensor<D> = flat.cast(old.dtype()).reshape(old.shape());
+    if old.is_autodiff() {
+        let strategy = old.gradient_checkpointing_strategy();
+        value = value.autodiff();
+        if let Some(s) = strategy {
+            value = value.with_gradient_checkpointing_strategy(s);
+        }
+        if old.is_require_grad() {
+            value = value.require_grad();
+        }
+    }
+    Param::from_mapped_value(id, value, mapper)
 }

@@ -9,6 +9,7 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_shard_comm::Collective;
 
 use crate::error::ShardError;
+use crate::model::lazy::entry_meta;
 
 /// One trainable parameter's place in the flat buffers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -285,15 +286,16 @@ impl ModuleVisitor for SlotCollector {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let shape = param.lazy_shape().to_vec();
+        // Read without initialising (see `lazy.rs`).
+        let meta = entry_meta(param);
         self.slots.push(Collected {
-            require_grad: param.is_require_grad(),
+            require_grad: meta.require_grad,
             slot: ParamSlot {
                 path: self.path.join("."),
                 id: param.id,
-                numel: shape.iter().product(),
-                dtype: param.val().dtype(),
-                shape,
+                numel: meta.shape.iter().product(),
+                dtype: meta.dtype,
+                shape: meta.shape,
                 bucket: 0,
                 offset: 0,
             },

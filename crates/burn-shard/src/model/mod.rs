@@ -1,6 +1,7 @@
 //! Facts about the model, independent of hooks and of the step: what each float entry is
 //! (`census`), where each trainable parameter lives in the flat buckets (`layout`), moving
-//! values between parameters and buckets (`flat`), the running-state buffers (`buffers`), the
+//! values between parameters and buckets (`flat`), reading an entry without initialising it
+//! (`lazy`), starting every rank from rank 0's values (`root_values`), the running-state buffers (`buffers`), the
 //! bytes held (`memory`) and units named by path (`units`). Imports only `error` and `stage` of
 //! this crate.
 
@@ -8,5 +9,7 @@ pub(crate) mod buffers;
 pub(crate) mod census;
 pub(crate) mod flat;
 pub(crate) mod layout;
+pub(crate) mod lazy;
 pub(crate) mod memory;
+pub(crate) mod root_values;
 pub(crate) mod units;

@@ -1,0 +1,68 @@
+//! A float entry's shape, dtype, device and whether it requires grad, read without running
+//! its lazy initializer.
+//!
+//! Every `burn::nn` parameter is built lazily (`Param::uninitialized`: `Initializer::init_with`
+//! wraps the random init in a closure that runs on the first `val()`). `ShardConfig::init` must
+//! know the model's layout before any parameter exists, so that at stage 3 a rank never holds
+//! more than its shards and the one parameter being sharded (`model/root_values.rs`). What
+//! Burn 0.22.1 gives without initialising: `lazy_shape()` and `lazy_device()`. What it does not
+//! give, and is read here instead:
+//! - the dtype: an initializer makes the device's default float dtype
+//!   (`Device::settings().float_dtype`, what `Tensor::random` and `Tensor::zeros` use);
+//!   `RootValues` checks the value rank 0 materialises against it and names the fix when a
+//!   user's own initializer made another;
+//! - whether it requires grad: `Param::lazy_is_require_grad` is crate-private, so it is read
+//!   through `Param::transform_for_load`, Burn's own route for loading a value into a lazy
+//!   parameter, which applies that setting (on a one-element stand-in value; the parameter's
+//!   shared lazy state is not touched).
+//!
+//! Deref-ing a `Param` (`param.dtype()`, `param.is_require_grad()`, `param.shape()`) runs the
+//! initializer: code that runs before `init` has sharded the model reads entries here.
+
+use burn::module::Param;
+use burn::tensor::{DType, Device, Tensor};
+
+/// What `init` needs of a float entry before its value exists.
+#[derive(Clone, Debug)]
+pub(crate) struct EntryMeta {
+    /// The full shape.
+    pub(crate) shape: Vec<usize>,
+    /// The dtype: the value's, or for a lazy entry the dtype its initializer will make.
+    pub(crate) dtype: DType,
+    /// Whether the value requires grad (false on a device without autodiff).
+    pub(crate) require_grad: bool,
+}
+
+/// `param`'s metadata; never runs its initializer.
+pub(crate) fn entry_meta<const D: usize>(param: &Param<Tensor<D>>) -> EntryMeta {
+    let shape = param.lazy_shape().to_vec();
+    if param.is_initialized() {
+        // The stored base (a reparameterization, if any, is not applied).
+        let value: &Tensor<D> = param;
+        return EntryMeta {
+            shape,
+            dtype: value.dtype(),
+            require_grad: value.is_require_grad(),
+        };
+    }
+    let device = param.lazy_device();
+    // On the entry's own device (autodiff included): `transform_for_load` sets require-grad
+    // only on a tensor that has autodiff.
+    let stand_in = Tensor::<D>::zeros([1; D], &device);
+    let require_grad = param
+        .clone()
+        .transform_for_load(stand_in, param.id)
+        .base()
+        .is_require_grad();
+    EntryMeta {
+        shape,
+        dtype: lazy_dtype(&device),
+        require_grad,
+    }
+}
+
+/// The dtype a lazy float entry on `device` is initialised with: the device's default float
+/// dtype.
+pub(crate) fn lazy_dtype(device: &Device) -> DType {
+    device.settings().float_dtype.into()
+}

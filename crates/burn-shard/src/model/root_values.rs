@@ -1,0 +1,166 @@
+//! How every rank of `ShardConfig::init` starts from rank 0's values: one float entry at a
+//! time, in traversal order.
+//!
+//! Rank 0 reads each entry's value (which runs a lazy entry's initializer, so a lazy model is
+//! materialised on rank 0 one entry at a time) and broadcasts it; every other rank receives it
+//! into that entry without ever running its own initializer (Burn's `transform_for_load`, the
+//! route a record load takes into a lazy parameter). So the values are those a single device
+//! gets when it initialises the same model in traversal order from the same seed, bitwise, at
+//! every world size, and no other rank draws from the device's random generator meanwhile
+//! (ranks as threads share it).
+//!
+//! What it costs, for `Ψ` elements of `b` bytes over `N` ranks: one broadcast per entry
+//! (DeepSpeed's `zero.Init` and PyTorch's `sync_module_states` broadcast from rank 0 as well),
+//! `Ψ·b` bytes received by each rank, and the initialisation compute on rank 0 alone. Memory:
+//! an entry's value exists on a rank from the moment it is received (or initialised, on rank 0)
+//! until the stage-3 sharder has kept its shard of it, so during `init` a stage-3 rank holds
+//! its shards plus about one entry (the largest, in the worst case), and a stage 0-2 rank one
+//! copy of the model, never the two or three a broadcast of whole buckets took.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::tensor::{Device, Tensor};
+use burn_shard_comm::Collective;
+
+use crate::error::ShardError;
+use crate::model::census::{Census, Entry};
+use crate::model::flat::{plain_device, replace_value, values_by_id};
+use crate::model::layout::SUPPORTED;
+
+/// Gives each float entry rank 0's value; see the module docs. Holds the first error: after
+/// it, entries pass through unchanged and no further collective is issued (`init` then aborts
+/// the group, so the other ranks' pending broadcast fails instead of waiting).
+pub(crate) struct RootValues {
+    comm: Arc<dyn Collective>,
+    /// Rank 0's running-state buffers, received before the model is mapped (see
+    /// [`RootValues::new`]).
+    buffers: HashMap<ParamId, Tensor<1>>,
+    error: Option<ShardError>,
+}
+
+impl RootValues {
+    /// Receives rank 0's running-state buffers first, outside any mapping of the model:
+    /// ranks that are threads may share one `RunningState` (clones share it), and Burn holds
+    /// its lock while a mapper maps it, so a broadcast issued from inside that mapping would
+    /// wait for a rank that waits for the lock. Buffers are small (BatchNorm's statistics).
+    ///
+    /// # Errors
+    /// [`ShardError::Comm`] when a broadcast fails.
+    pub(crate) fn new<M: Module>(comm: Arc<dyn Collective>, model: &M, census: &Census) -> Result<Self, ShardError> {
+        let ids: HashSet<ParamId> = census
+            .buffers()
+            .filter(|(_, e)| e.numel() > 0 && SUPPORTED.contains(&e.dtype))
+            .map(|(id, _)| id)
+            .collect();
+        let mut buffers = HashMap::new();
+        if comm.world_size() > 1 && !ids.is_empty() {
+            let mut mine = values_by_id(model, &ids);
+            for (id, entry) in census.buffers().filter(|(id, _)| ids.contains(id)) {
+                let sent = match mine.remove(&id) {
+                    Some(value) if comm.rank() == 0 => value,
+                    _ => Tensor::<1>::zeros([entry.numel()], (&plain_device(model)?, entry.dtype)),
+                };
+                buffers.insert(id, comm.broadcast(sent, 0)?);
+            }
+        }
+        Ok(Self {
+            comm,
+            buffers,
+            error: None,
+        })
+    }
+
+    /// The group the values are broadcast in.
+    pub(crate) fn comm(&self) -> &Arc<dyn Collective> {
+        &self.comm
+    }
+
+    /// `param` holding rank 0's value of `entry` (shape `entry.shape`, dtype `entry.dtype`).
+    /// On rank 0 the value is the parameter's own (initialised here if it was lazy); on
+    /// every other rank it replaces the parameter's value, whose initializer never runs.
+    /// Entries of a dtype the collectives do not carry (a quantized frozen base) and empty
+    /// ones pass through: ranks built from one clone already hold them identically.
+    pub(crate) fn sync<const D: usize>(&mut self, param: Param<Tensor<D>>, entry: &Entry) -> Param<Tensor<D>> {
+        let numel = entry.numel();
+        if self.error.is_some() || numel == 0 || !SUPPORTED.contains(&entry.dtype) {
+            return param;
+        }
+        let root = self.comm.rank() == 0;
+        if let Some(value) = self.buffers.remove(&param.id) {
+            return if root { param } else { replace_value(param, value) };
+        }
+        let sent = if root {
+            let value = param.base().inner();
+            if let Some(e) = built_otherwise(entry, value.dtype(), value.shape().num_elements()) {
+                self.error = Some(e);
+                return param;
+            }
+            if self.comm.world_size() == 1 {
+                return param;
+            }
+            value.reshape([numel])
+        } else {
+            let device: Device = param.lazy_device().without_autodiff();
+            Tensor::<1>::zeros([numel], (&device, entry.dtype))
+        };
+        match self.comm.broadcast(sent, 0) {
+            Ok(_) if root => param,
+            Ok(value) => replace_value(param, value),
+            Err(e) => {
+                self.error = Some(e.into());
+                param
+            }
+        }
+    }
+
+    /// Whether an entry failed: the caller leaves the rest as they are.
+    pub(crate) fn failed(&self) -> bool {
+        self.error.is_some()
+    }
+
+    /// The first error, if any.
+    pub(crate) fn finish(self) -> Result<(), ShardError> {
+        self.error.map_or(Ok(()), Err)
+    }
+}
+
+/// Rank 0's value differs from what the census read without initialising it: a lazy entry
+/// whose own initializer made another dtype or size than its device's default and its
+/// declared shape.
+fn built_otherwise(entry: &Entry, dtype: burn::tensor::DType, numel: usize) -> Option<ShardError> {
+    let found = match (dtype == entry.dtype, numel == entry.numel()) {
+        (true, true) => return None,
+        (false, _) => format!(
+            "dtype {dtype:?} where its device's default float dtype is {:?}",
+            entry.dtype
+        ),
+        (true, false) => format!(
+            "{numel} elements where its lazy shape {:?} has {}",
+            entry.shape,
+            entry.numel()
+        ),
+    };
+    Some(ShardError::InvalidConfig(format!(
+        "parameter `{}` was built lazily and its initializer made {found}; ShardConfig::init lays the model out before \
+         any parameter exists, from the lazy shape and the device's default float dtype: set the dtype on the device \
+         (Device::configure with DeviceConfig::float_dtype) or cast the model before init",
+        entry.path
+    )))
+}
+
+/// Stages 0-2: [`RootValues::sync`] on every float entry of a module, as a `ModuleMapper`.
+pub(crate) struct SyncEntries<'a> {
+    pub(crate) census: &'a Census,
+    pub(crate) root: RootValues,
+}
+
+impl ModuleMapper for SyncEntries<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        match self.census.get(&param.id) {
+            Some(entry) => self.root.sync(param, entry),
+            None => param,
+        }
+    }
+}
