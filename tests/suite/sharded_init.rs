@@ -212,3 +212,48 @@ fn init_peak_child() {
         mib(bound)
     );
 }
+
+/// A module whose lazy parameter's own initializer makes `bf16` on a device whose default
+/// float dtype is `f32`.
+#[derive(Module, Debug)]
+struct OwnInit {
+    w: Param<Tensor<2>>,
+}
+
+/// A lazy parameter whose initializer makes another dtype than the one `init` laid it out with
+/// (the device's default) fails `init` on every rank within seconds, naming the parameter, both
+/// dtypes and the fix, at every stage.
+#[test]
+fn a_lazy_initializer_that_makes_another_dtype_fails_init_on_every_rank() {
+    for stage in STAGES {
+        let started = std::time::Instant::now();
+        let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let device = Device::flex().autodiff();
+            let w = Param::uninitialized(
+                burn::module::ParamId::new(),
+                |device: &Device, require_grad: bool| {
+                    let t = Tensor::<2>::zeros([4, 3], (device, burn::tensor::DType::BF16));
+                    if require_grad { t.require_grad() } else { t }
+                },
+                device,
+                true,
+                [4, 3].into(),
+            );
+            ShardConfig::new(stage)
+                .init(OwnInit { w }, adamw(), comm)
+                .err()
+                .map(|e| e.to_string())
+        })
+        .unwrap();
+        for (rank, err) in results.iter().enumerate() {
+            let err = err
+                .as_deref()
+                .unwrap_or_else(|| panic!("stage {stage}, rank {rank}: init succeeded"));
+            assert!(
+                err.contains("`w`") && err.contains("BF16") && err.contains("F32") && err.contains("float_dtype"),
+                "stage {stage}, rank {rank}: {err}"
+            );
+        }
+        assert!(started.elapsed().as_secs() < 10, "stage {stage}: within seconds");
+    }
+}
