@@ -23,6 +23,14 @@ use crate::nvme_offload::run_child;
 const STAGES: [Stage; 4] = [Stage::Zero, Stage::One, Stage::Two, Stage::Three];
 const SEED: u64 = 41;
 
+/// A child test refuses to run alone: its parent sets `var`.
+fn run_by_parent(var: &str) {
+    assert!(
+        std::env::var_os(var).is_some(),
+        "run by the parent test, which sets {var}"
+    );
+}
+
 /// Every float entry of `module` (parameters, frozen ones and buffers), flattened, in
 /// traversal order.
 fn entries_of<M: Module>(module: &M) -> Vec<Vec<f32>> {
@@ -66,10 +74,7 @@ fn init_of_a_lazy_model_gives_every_rank_single_device_values_bitwise() {
 #[test]
 #[ignore = "run by init_of_a_lazy_model_gives_every_rank_single_device_values_bitwise in a process of its own"]
 fn lazy_values_child() {
-    assert!(
-        std::env::var_os("BURN_SHARD_LAZY_INIT").is_some(),
-        "run by the parent test"
-    );
+    run_by_parent("BURN_SHARD_LAZY_INIT");
     let device = Device::flex().autodiff();
     for name in MODULES {
         device.seed(SEED);
@@ -154,10 +159,7 @@ fn status_bytes(field: &str) -> u64 {
 #[test]
 #[ignore = "run by stage3_init_of_a_lazy_model_holds_shards_plus_about_one_parameter_per_rank in a process of its own"]
 fn init_peak_child() {
-    assert!(
-        std::env::var_os("BURN_SHARD_INIT_PEAK").is_some(),
-        "run by the parent test"
-    );
+    run_by_parent("BURN_SHARD_INIT_PEAK");
     const WORLD: usize = 4;
     let device = Device::flex().autodiff();
     let models: Vec<Tower> = (0..WORLD)
