@@ -9,14 +9,15 @@
 use std::path::Path;
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::nn::{Linear, LinearConfig};
-use burn::optim::AdamWConfig;
+use burn::nn::{Linear, LinearConfig, LinearLayout};
+use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::Distribution;
-use burn_shard::{ShardConfig, Stage};
+use burn_shard::{ShardConfig, ShardedOptimizer, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
+use burn_shard_kernels::FusedAdam;
 
-use crate::common::max_abs_diff;
+use crate::common::{max_abs_diff, sharded_step};
 use crate::modules::{Layer, MODULES, adamw, reference, train_rank, trainable_of};
 use crate::nvme_offload::run_child;
 
@@ -75,49 +76,153 @@ fn init_of_a_lazy_model_gives_every_rank_single_device_values_bitwise() {
 #[ignore = "run by init_of_a_lazy_model_gives_every_rank_single_device_values_bitwise in a process of its own"]
 fn lazy_values_child() {
     run_by_parent("BURN_SHARD_LAZY_INIT");
-    let device = Device::flex().autodiff();
-    for name in MODULES {
+    let plain = Device::flex().autodiff();
+    // Two modules once more on a device with gradient checkpointing: the receiving ranks' values
+    // carry the device's strategy, as the initializer's would.
+    let checkpointing = plain.clone().gradient_checkpointing();
+    let cases = MODULES
+        .iter()
+        .map(|name| (*name, &plain))
+        .chain([("Linear", &checkpointing), ("TransformerEncoder", &checkpointing)]);
+    for (name, device) in cases {
         device.seed(SEED);
-        let single = Layer::new(name, &device);
+        let single = Layer::new(name, device);
         let expected = entries_of(&single);
-        let expected_draws = next_draws(&device);
+        let expected_draws = next_draws(device);
         for world_size in 1..=4 {
             let (trained, _) = reference(&single, world_size);
             for stage in STAGES {
-                device.seed(SEED);
-                // Built before the ranks start, rank 0's first; lazy, so nothing is drawn yet.
-                let models: Vec<Layer> = (0..world_size).map(|_| Layer::new(name, &device)).collect();
-                let models = std::sync::Mutex::new(models.into_iter().map(Some).collect::<Vec<_>>());
-                let at = format!("{name}, stage {stage}, world size {world_size}");
-                let ranks = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
-                    let rank = comm.rank();
-                    let model = models.lock().unwrap()[rank].take().unwrap();
-                    let (model, mut optim) = ShardConfig::new(stage)
-                        .init(model, adamw(), comm)
-                        .unwrap_or_else(|e| panic!("{at}: {e}"));
-                    let initial = entries_of(&model.clone().materialize());
-                    let model = train_rank(model, &mut optim, rank, world_size, &device);
-                    (initial, trainable_of(&model.materialize()))
-                })
-                .unwrap_or_else(|e| panic!("{at}: a rank failed: {e:?}"));
+                let at = format!("{name} on {device:?}, stage {stage}, world size {world_size}");
+                let ranks = init_lazy(
+                    &at,
+                    device,
+                    world_size,
+                    stage,
+                    |d| Layer::new(name, d),
+                    |model, mut optim, rank| {
+                        let model = train_rank(model, &mut optim, rank, world_size, device);
+                        trainable_of(&model.materialize())
+                    },
+                );
                 for (rank, (got, after)) in ranks.iter().enumerate() {
-                    // Trainable like the ranks' own values (require-grad and autodiff as the
-                    // initializer would have made them): training matches single-device Burn.
+                    assert_bitwise(&format!("{at}, rank {rank}"), got, &expected);
+                    // Trainable like the initializer's values (require-grad and autodiff as it
+                    // would have made them): training matches single-device Burn.
                     let diff = max_abs_diff(after, &trained);
                     assert!(diff < 1e-4, "{at}, rank {rank}: trained parameters differ by {diff}");
-                    assert_eq!(got.len(), expected.len(), "{at}, rank {rank}: entries");
-                    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-                        let same = g.len() == e.len() && g.iter().zip(e).all(|(a, b)| a.to_bits() == b.to_bits());
-                        assert!(same, "{at}, rank {rank}: entry {i} differs from single-device init");
-                    }
                 }
                 assert_eq!(
-                    next_draws(&device),
+                    next_draws(device),
                     expected_draws,
                     "{at}: the random generator moved otherwise than in single-device init"
                 );
             }
         }
+    }
+    mapped_and_frozen(&plain);
+}
+
+/// `Linear` layers whose lazy weight has load, save and init mappers (`LinearLayout::Col`
+/// holds it transposed, in a square and a non-square layer) and a lazily frozen layer.
+#[derive(Module, Debug)]
+struct Mapped {
+    square: Linear,
+    rect: Linear,
+    frozen: Linear,
+}
+
+impl Mapped {
+    fn new(device: &Device) -> Self {
+        Self {
+            square: LinearConfig::new(6, 6).with_layout(LinearLayout::Col).init(device),
+            rect: LinearConfig::new(5, 3).with_layout(LinearLayout::Col).init(device),
+            frozen: LinearConfig::new(3, 2).init(device).no_grad(),
+        }
+    }
+
+    /// `[4, 6]` -> `[4, 2]`; the loss of a fixed batch.
+    fn loss(&self, device: &Device) -> Tensor<1> {
+        let x = Tensor::<1, Int>::arange(0..24, device)
+            .float()
+            .reshape([4, 6])
+            .div_scalar(24.0);
+        let h = self.square.forward(x).narrow(1, 0, 5);
+        self.frozen.forward(self.rect.forward(h)).powi_scalar(2).mean()
+    }
+}
+
+/// [`Mapped`] at every stage on 1-4 ranks, every rank on the same batch (so the mean gradient
+/// is single-device Burn's): values after `init` bitwise single-device init, three steps within
+/// 1e-5 of single-device AdamW, the frozen layer unchanged.
+fn mapped_and_frozen(device: &Device) {
+    const STEPS: usize = 3;
+    device.seed(SEED);
+    let single = Mapped::new(device);
+    let expected = entries_of(&single);
+    let mut reference = single.clone();
+    let mut optim = adamw().init();
+    for _ in 0..STEPS {
+        let grads = GradientsParams::from_grads(reference.loss(device).backward(), &reference);
+        reference = optim.step(1e-2, reference, grads);
+    }
+    let trained = entries_of(&reference);
+    for world_size in 1..=4 {
+        for stage in STAGES {
+            let at = format!("Col-layout and frozen Linear, stage {stage}, world size {world_size}");
+            let ranks = init_lazy(
+                &at,
+                device,
+                world_size,
+                stage,
+                Mapped::new,
+                |mut model, mut optim, _| {
+                    for _ in 0..STEPS {
+                        model = sharded_step(&mut optim, model.clone(), model.loss(device), 1e-2).0;
+                    }
+                    entries_of(&model.materialize())
+                },
+            );
+            for (rank, (got, after)) in ranks.iter().enumerate() {
+                assert_bitwise(&format!("{at}, rank {rank}"), got, &expected);
+                let diff = max_abs_diff(&after.concat(), &trained.concat());
+                assert!(diff < 1e-5, "{at}, rank {rank}: trained parameters differ by {diff}");
+                assert_eq!(after[4..], expected[4..], "{at}, rank {rank}: the frozen layer changed");
+            }
+        }
+    }
+}
+
+/// Seeds `device`, builds `world_size` lazy copies with `build` (rank 0's first; lazy, so
+/// nothing is drawn), and on each rank `init`s its copy at `stage`, reads its entries
+/// (gathered at stage 3), then runs `then`. Returns each rank's entries and `then`'s result.
+fn init_lazy<M: Module, T: Send>(
+    at: &str,
+    device: &Device,
+    world_size: usize,
+    stage: Stage,
+    build: impl Fn(&Device) -> M,
+    then: impl Fn(M, ShardedOptimizer<FusedAdam>, usize) -> T + Sync,
+) -> Vec<(Vec<Vec<f32>>, T)> {
+    device.seed(SEED);
+    let models: Vec<Option<M>> = (0..world_size).map(|_| Some(build(device))).collect();
+    let models = std::sync::Mutex::new(models);
+    run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+        let rank = comm.rank();
+        let model = models.lock().unwrap()[rank].take().unwrap();
+        let (model, optim) = ShardConfig::new(stage)
+            .init(model, adamw(), comm)
+            .unwrap_or_else(|e| panic!("{at}: {e}"));
+        (entries_of(&model.clone().materialize()), then(model, optim, rank))
+    })
+    .unwrap_or_else(|e| panic!("{at}: a rank failed: {e:?}"))
+}
+
+/// Every entry of `got` equals `expected`'s bit for bit.
+fn assert_bitwise(at: &str, got: &[Vec<f32>], expected: &[Vec<f32>]) {
+    assert_eq!(got.len(), expected.len(), "{at}: entries");
+    for (i, (g, e)) in got.iter().zip(expected).enumerate() {
+        let same = g.len() == e.len() && g.iter().zip(e).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{at}: entry {i} differs from single-device init");
     }
 }
 
@@ -176,11 +281,7 @@ fn init_peak_child() {
     let warm = std::sync::Mutex::new(warm);
     run_ranks(InProcessGroup::new(WORLD).unwrap(), |comm| {
         let model = warm.lock().unwrap().pop().unwrap();
-        drop(
-            ShardConfig::new(Stage::Three)
-                .init(model, AdamWConfig::new(), comm)
-                .unwrap(),
-        );
+        drop(ShardConfig::new(Stage::Three).init(model, adamw(), comm).unwrap());
     })
     .unwrap();
     let models = std::sync::Mutex::new(models);
@@ -188,9 +289,7 @@ fn init_peak_child() {
     std::fs::write("/proc/self/clear_refs", "5").unwrap();
     let held = run_ranks(InProcessGroup::new(WORLD).unwrap(), |comm| {
         let model = models.lock().unwrap().pop().unwrap();
-        ShardConfig::new(Stage::Three)
-            .init(model, AdamWConfig::new(), comm)
-            .unwrap()
+        ShardConfig::new(Stage::Three).init(model, adamw(), comm).unwrap()
     })
     .unwrap();
     let grown = status_bytes("VmHWM").saturating_sub(before);
@@ -215,47 +314,63 @@ fn init_peak_child() {
     );
 }
 
-/// A module whose lazy parameter's own initializer makes `bf16` on a device whose default
-/// float dtype is `f32`.
+/// A module with one lazy parameter built by an initializer of the user's own.
 #[derive(Module, Debug)]
 struct OwnInit {
     w: Param<Tensor<2>>,
 }
 
-/// A lazy parameter whose initializer makes another dtype than the one `init` laid it out with
-/// (the device's default) fails `init` on every rank within seconds, naming the parameter, both
-/// dtypes and the fix, at every stage.
+/// A lazy parameter whose own initializer makes what `init` could not know from its metadata
+/// fails `init` on every rank within seconds, naming the parameter, what differs and the fix, at
+/// every stage: `bf16` on a device whose default float dtype is `f32`, and a value that ignores
+/// the `require_grad` Burn passes (rank 0 would freeze what the others train).
 #[test]
-fn a_lazy_initializer_that_makes_another_dtype_fails_init_on_every_rank() {
-    for stage in STAGES {
-        let started = std::time::Instant::now();
-        let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
-            let device = Device::flex().autodiff();
-            let w = Param::uninitialized(
-                burn::module::ParamId::new(),
-                |device: &Device, require_grad: bool| {
-                    let t = Tensor::<2>::zeros([4, 3], (device, burn::tensor::DType::BF16));
-                    if require_grad { t.require_grad() } else { t }
-                },
-                device,
-                true,
-                [4, 3].into(),
-            );
-            ShardConfig::new(stage)
-                .init(OwnInit { w }, adamw(), comm)
-                .err()
-                .map(|e| e.to_string())
-        })
-        .unwrap();
-        for (rank, err) in results.iter().enumerate() {
-            let err = err
-                .as_deref()
-                .unwrap_or_else(|| panic!("stage {stage}, rank {rank}: init succeeded"));
+fn a_lazy_initializer_that_makes_what_its_metadata_does_not_say_fails_init_on_every_rank() {
+    type Init = fn(&Device, bool) -> Tensor<2>;
+    let cases: [(&str, Init, &[&str]); 2] = [
+        (
+            "bf16",
+            |device, require_grad| {
+                let t = Tensor::<2>::zeros([4, 3], (device, burn::tensor::DType::BF16));
+                if require_grad { t.require_grad() } else { t }
+            },
+            &["BF16", "F32", "float_dtype"],
+        ),
+        (
+            "ignores require_grad",
+            |device, _| Tensor::<2>::zeros([4, 3], device),
+            &["does not require grad", "set to train", "set_require_grad(false)"],
+        ),
+    ];
+    for (case, init, expected) in cases {
+        for stage in STAGES {
+            let started = std::time::Instant::now();
+            let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+                let w = Param::uninitialized(
+                    burn::module::ParamId::new(),
+                    init,
+                    Device::flex().autodiff(),
+                    true,
+                    [4, 3].into(),
+                );
+                ShardConfig::new(stage)
+                    .init(OwnInit { w }, adamw(), comm)
+                    .err()
+                    .map(|e| e.to_string())
+            })
+            .unwrap();
+            for (rank, err) in results.iter().enumerate() {
+                let at = format!("{case}, stage {stage}, rank {rank}");
+                let err = err.as_deref().unwrap_or_else(|| panic!("{at}: init succeeded"));
+                assert!(
+                    err.contains("`w`") && expected.iter().all(|e| err.contains(e)),
+                    "{at}: {err}"
+                );
+            }
             assert!(
-                err.contains("`w`") && err.contains("BF16") && err.contains("F32") && err.contains("float_dtype"),
-                "stage {stage}, rank {rank}: {err}"
+                started.elapsed().as_secs() < 10,
+                "{case}, stage {stage}: within seconds"
             );
         }
-        assert!(started.elapsed().as_secs() < 10, "stage {stage}: within seconds");
     }
 }

@@ -359,10 +359,12 @@ impl ShardConfig {
     /// plus about one parameter (with ranks as threads, the process holds one model's shards
     /// plus one parameter per rank), and a stage 0-2 rank one copy of the model. The values are
     /// bitwise those single-device Burn initialises from the same seed in module order (only
-    /// rank 0 draws from the random generator). What makes a model eager before `init`: reading
-    /// a parameter (`val()`, `num_params` does not), a forward pass, `Module::map` or loading a
-    /// record; an eager model works too, at one whole copy per rank. Cloning the model shares
-    /// the lazy state: a clone kept by the caller keeps every parameter rank 0 initialises.
+    /// rank 0 draws from the random generator). Values travel in record form (Burn's save
+    /// mapper applied, the receivers' load mapper: `LinearLayout::Col`). What makes a model
+    /// eager before `init`: reading a parameter (`val()`; `num_params` does not), a forward pass,
+    /// a mapper that reads or rebuilds values (`Param::map`, `consume`) or loading a record; an
+    /// eager model works too, at one whole copy per rank. Cloning the model shares the lazy
+    /// state: a clone kept by the caller keeps every parameter rank 0 initialises.
     ///
     /// `optim` is anything [`IntoOptimizer`] accepts; Burn's `AdamConfig` / `AdamWConfig` select
     /// the fused Adam step ([`burn_shard_kernels::FusedAdam`]) where the backend has one.

@@ -11,10 +11,12 @@
 //!   (`Device::settings().float_dtype`, what `Tensor::random` and `Tensor::zeros` use);
 //!   `RootValues` checks the value rank 0 materialises against it and names the fix when a
 //!   user's own initializer made another;
-//! - whether it requires grad: `Param::lazy_is_require_grad` is crate-private, so it is read
-//!   through `Param::transform_for_load`, Burn's own route for loading a value into a lazy
-//!   parameter, which applies that setting (on a one-element stand-in value; the parameter's
-//!   shared lazy state is not touched).
+//! - whether it requires grad, and the shape of the value (which differs from the lazy shape
+//!   where a load mapper transposes, as `LinearLayout::Col` does): `Param::lazy_is_require_grad`
+//!   is crate-private, so both are read through `Param::transform_for_load`, Burn's own route for
+//!   loading a record into a lazy parameter, on a stand-in of the lazy shape expanded from one
+//!   element (no memory; the entry's load mapper runs on it; the shared lazy state is not
+//!   touched).
 //!
 //! Deref-ing a `Param` (`param.dtype()`, `param.is_require_grad()`, `param.shape()`) runs the
 //! initializer: code that runs before `init` has sharded the model reads entries here.
@@ -46,18 +48,16 @@ pub(crate) fn entry_meta<const D: usize>(param: &Param<Tensor<D>>) -> EntryMeta 
         };
     }
     let device = param.lazy_device();
-    // On the entry's own device (autodiff included): `transform_for_load` sets require-grad
-    // only on a tensor that has autodiff.
-    let stand_in = Tensor::<D>::zeros([1; D], &device);
-    let require_grad = param
-        .clone()
-        .transform_for_load(stand_in, param.id)
-        .base()
-        .is_require_grad();
+    // A stand-in of the lazy (record) shape, expanded from one element, on the entry's own
+    // device (autodiff included: `transform_for_load` sets require-grad only on a tensor that
+    // has autodiff), through the entry's load mapper: the shape and require-grad the value
+    // will have (a `Linear` with `LinearLayout::Col` holds its weight transposed).
+    let stand_in = Tensor::<D>::zeros([1; D], &device).expand(param.lazy_shape().dims::<D>());
+    let loaded = param.clone().transform_for_load(stand_in, param.id).base();
     EntryMeta {
-        shape,
+        shape: loaded.shape().to_vec(),
         dtype: lazy_dtype(&device),
-        require_grad,
+        require_grad: loaded.is_require_grad(),
     }
 }
 

@@ -92,22 +92,36 @@ impl RootValues {
             return if root { param } else { replace_value(param, value) };
         }
         let sent = if root {
-            let value = param.base().inner();
-            if let Some(e) = built_otherwise(entry, value.dtype(), value.shape().num_elements()) {
+            let value = param.base();
+            if let Some(e) = built_otherwise(entry, &value) {
                 self.error = Some(e);
                 return param;
             }
             if self.comm.world_size() == 1 {
                 return param;
             }
-            value.reshape([numel])
+            // In record form (Burn's save mapper applied): a receiver that is still lazy
+            // takes it as a record load takes it, through the load mapper (a `Linear` with
+            // `LinearLayout::Col` stores its weight transposed and saves it back).
+            param.transform_for_save().base().inner().reshape([numel])
         } else {
             let device: Device = param.lazy_device().without_autodiff();
             Tensor::<1>::zeros([numel], (&device, entry.dtype))
         };
         match self.comm.broadcast(sent, 0) {
             Ok(_) if root => param,
-            Ok(value) => replace_value(param, value),
+            Ok(record) if param.is_initialized() => {
+                // An eager receiver holds the value form: turn the record back into it.
+                let id = param.id;
+                let record_shape = param.transform_for_save().base().shape();
+                let value = param
+                    .clone()
+                    .transform_for_load(record.reshape(record_shape), id)
+                    .base()
+                    .inner();
+                replace_value(param, value.reshape([numel]))
+            }
+            Ok(record) => replace_value(param, record),
             Err(e) => {
                 self.error = Some(e.into());
                 param
@@ -127,25 +141,39 @@ impl RootValues {
 }
 
 /// Rank 0's value differs from what the census read without initialising it: a lazy entry
-/// whose own initializer made another dtype or size than its device's default and its
-/// declared shape.
-fn built_otherwise(entry: &Entry, dtype: burn::tensor::DType, numel: usize) -> Option<ShardError> {
-    let found = match (dtype == entry.dtype, numel == entry.numel()) {
-        (true, true) => return None,
-        (false, _) => format!(
-            "dtype {dtype:?} where its device's default float dtype is {:?}",
-            entry.dtype
-        ),
-        (true, false) => format!(
-            "{numel} elements where its lazy shape {:?} has {}",
-            entry.shape,
-            entry.numel()
-        ),
+/// whose own initializer made another dtype than its device's default, another shape than its
+/// lazy shape (after its load mapper), or ignored the `require_grad` Burn passed it.
+fn built_otherwise<const D: usize>(entry: &Entry, value: &Tensor<D>) -> Option<ShardError> {
+    let (dtype, shape, require_grad) = (value.dtype(), value.shape().to_vec(), value.is_require_grad());
+    let (found, fix) = if dtype != entry.dtype {
+        (
+            format!(
+                "dtype {dtype:?} where its device's default float dtype is {:?}",
+                entry.dtype
+            ),
+            "set the dtype on the device (Device::configure with DeviceConfig::float_dtype) or cast the model before init",
+        )
+    } else if shape != entry.shape {
+        (
+            format!("shape {shape:?} where its lazy shape is {:?}", entry.shape),
+            "make the initializer build the shape it declares (Param::uninitialized's `shape`)",
+        )
+    } else if require_grad != entry.require_grad {
+        (
+            format!(
+                "a value that {} grad where the parameter is set to {}",
+                if require_grad { "requires" } else { "does not require" },
+                if entry.require_grad { "train" } else { "stay frozen" }
+            ),
+            "call `.require_grad()` on the value when the initializer's `require_grad` argument is true (Burn's \
+             initializers do), or freeze the parameter with `set_require_grad(false)` before init",
+        )
+    } else {
+        return None;
     };
     Some(ShardError::InvalidConfig(format!(
         "parameter `{}` was built lazily and its initializer made {found}; ShardConfig::init lays the model out before \
-         any parameter exists, from the lazy shape and the device's default float dtype: set the dtype on the device \
-         (Device::configure with DeviceConfig::float_dtype) or cast the model before init",
+         any parameter exists, from the lazy shape, the device's default float dtype and the require-grad setting: {fix}",
         entry.path
     )))
 }
