@@ -428,7 +428,7 @@ impl ShardConfig {
         // Frozen parameters and buffers are not trained but must be identical too: the ranks
         // agree on every float entry (`everything`) and each takes rank 0's values.
         let everything = FlatLayout::with_frozen(&model, comm.world_size(), self.bucket_numel)?;
-        let device = compute_device(&model, &layout)?;
+        let device = compute_device(&model, &everything)?;
         // Parameter offload first: its refusal of a host model names the fix for the whole
         // combination (the optimizer's own refusal would only say to drop `Offload`).
         let param_home = self.param_home::<O>(&device, comm.rank())?;
@@ -591,8 +591,8 @@ impl ShardConfig {
     }
 }
 
-/// The plain device the model computes on, read without initialising anything: its first
-/// trainable parameter's (the optimizer's device), else its first tensor's.
+/// The plain device the model computes on, read without initialising anything: that of its
+/// first entry in `everything` (in traversal order), else of its first tensor.
 fn compute_device<M: Module>(model: &M, layout: &FlatLayout) -> Result<Device, ShardError> {
     struct First<'a> {
         layout: &'a FlatLayout,
