@@ -122,6 +122,68 @@ fn lazy_values_child() {
     mapped_and_frozen(&plain);
 }
 
+/// The same in `bf16`: a device whose default float dtype is `bf16` (configured before its
+/// first tensor, so in a process of its own) builds every module lazily in `bf16`; after `init`
+/// (with `f32` masters) every rank's entries are bitwise single-device Burn's `bf16` init from
+/// the same seed, the random generator moved as there, and three steps leave every rank with
+/// bitwise the same parameters.
+#[test]
+fn init_of_a_lazy_bf16_model_gives_every_rank_single_device_values_bitwise() {
+    run_child(
+        "true",
+        "sharded_init::lazy_bf16_child",
+        "BURN_SHARD_LAZY_INIT",
+        Path::new("."),
+    );
+}
+
+#[test]
+#[ignore = "run by init_of_a_lazy_bf16_model_gives_every_rank_single_device_values_bitwise in a process of its own"]
+fn lazy_bf16_child() {
+    run_by_parent("BURN_SHARD_LAZY_INIT");
+    let mut plain = Device::flex();
+    plain
+        .configure(burn::tensor::FloatDType::BF16)
+        .expect("the first use of the device in this process");
+    let device = plain.autodiff();
+    assert_eq!(
+        burn::tensor::DType::from(device.settings().float_dtype),
+        burn::tensor::DType::BF16
+    );
+    for name in MODULES {
+        device.seed(SEED);
+        let single = Layer::new(name, &device);
+        let expected = entries_of(&single);
+        let expected_draws = next_draws(&device);
+        for world_size in 1..=4 {
+            for stage in STAGES {
+                let at = format!("{name} in bf16, stage {stage}, world size {world_size}");
+                let ranks = init_lazy(
+                    &at,
+                    &device,
+                    world_size,
+                    stage,
+                    |d| Layer::new(name, d),
+                    |model, mut optim, rank| {
+                        let model = train_rank(model, &mut optim, rank, world_size, &device);
+                        trainable_of(&model.materialize())
+                    },
+                );
+                for (rank, (got, after)) in ranks.iter().enumerate() {
+                    assert_bitwise(&format!("{at}, rank {rank}"), got, &expected);
+                    let same = after.iter().zip(&ranks[0].1).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{at}, rank {rank}: trained parameters differ from rank 0's");
+                }
+                assert_eq!(
+                    next_draws(&device),
+                    expected_draws,
+                    "{at}: the random generator moved otherwise than in single-device init"
+                );
+            }
+        }
+    }
+}
+
 /// `Linear` layers whose lazy weight has load, save and init mappers (`LinearLayout::Col`
 /// holds it transposed, in a square and a non-square layer) and a lazily frozen layer.
 #[derive(Module, Debug)]

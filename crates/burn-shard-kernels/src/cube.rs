@@ -195,7 +195,10 @@ fn body_and_tail(n: usize, mut launch: impl FnMut(usize, usize, usize, usize)) {
 
 /// The AMSGrad buffer the kernels bind when AMSGrad is off: one vector of zeros, never indexed.
 fn placeholder(like: &Tensor<1>) -> Tensor<1> {
-    Tensor::from_data(TensorData::new(vec![0.0f32; VECTOR], [VECTOR]), &like.device())
+    Tensor::from_data(
+        TensorData::new(vec![0.0f32; VECTOR], [VECTOR]),
+        (&like.device(), DType::F32),
+    )
 }
 
 /// Cube count and dimension for `threads` threads on `client`.

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::{Module, ParamId};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_shard_comm::ReduceOp;
 
 use super::files::{RankFile, digest, read_digest};
@@ -206,7 +206,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let summed = self
             .comm
             .all_reduce(
-                Tensor::<1>::from_data(TensorData::new(pieces, [4]), &device),
+                Tensor::<1>::from_data(TensorData::new(pieces, [4]), (&device, DType::F32)),
                 ReduceOp::Sum,
             )?
             .into_data()

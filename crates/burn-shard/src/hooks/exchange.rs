@@ -85,7 +85,10 @@ pub(crate) fn shard_of<const D: usize>(spec: &GatherSpec, full: Tensor<D>) -> Te
     let (n, r) = (spec.ctx.comm().world_size(), spec.ctx.comm().rank());
     let flat = pad_to(full.reshape([spec.numel]), spec.chunk * n).narrow(0, r * spec.chunk, spec.chunk);
     // A new buffer: a view would keep the whole full value alive.
-    let shard = Tensor::<1>::from_data(flat.into_data(), &spec.shard.device());
+    // In the value's own dtype, not the device's default float dtype.
+    let data = flat.into_data();
+    let dtype = data.dtype();
+    let shard = Tensor::<1>::from_data(data, (&spec.shard.device(), dtype));
     shard.cast(spec.shard.dtype())
 }
 

@@ -307,7 +307,11 @@ impl ModuleVisitor for SlotCollector {
 /// on the first rank that differs.
 pub(crate) fn check_same_layout(comm: &dyn Collective, ours: u64, device: &Device) -> Result<(), ShardError> {
     let pieces: Vec<f32> = (0..4).map(|i| ((ours >> (16 * i)) & 0xffff) as f32).collect();
-    let all = comm.all_gather(Tensor::<1>::from_data(TensorData::new(pieces, [4]), device))?;
+    // `f32` whatever the device's default float dtype (a `bf16` default would round the pieces).
+    let all = comm.all_gather(Tensor::<1>::from_data(
+        TensorData::new(pieces, [4]),
+        (device, DType::F32),
+    ))?;
     let all: Vec<f32> = all.into_data().convert::<f32>().iter::<f32>().collect();
     for (peer, p) in all.chunks(4).enumerate() {
         let theirs = p

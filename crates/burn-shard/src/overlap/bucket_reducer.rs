@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, CommError, ReduceOp, Work};
 
 use crate::error::ShardError;
@@ -352,7 +352,8 @@ impl BucketReducer {
         order.sort_by_key(|&b| (log.last_arrival(slots(b)), b));
         let mut ours: Vec<f32> = order.iter().map(|&b| b as f32).collect();
         ours.resize(buckets.len(), -1.0);
-        let ours = Tensor::<1>::from_data(TensorData::new(ours, [buckets.len()]), &self.0.device);
+        // `f32` whatever the device's default float dtype: `bf16` holds integers exactly only to 256.
+        let ours = Tensor::<1>::from_data(TensorData::new(ours, [buckets.len()]), (&self.0.device, DType::F32));
         let agreed = self.0.comm.broadcast(ours, 0)?;
         Ok(agreed
             .into_data()

@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_shard_comm::{Collective, ReduceOp};
 
 use crate::error::{CheckpointError, ShardError};
@@ -25,7 +25,11 @@ use crate::step::stage_plan::StagePlan;
 pub(crate) fn any_rank(comm: &dyn Collective, flags: &[bool], device: &Device) -> Result<Vec<bool>, ShardError> {
     let values: Vec<f32> = flags.iter().map(|&g| if g { 1.0 } else { 0.0 }).collect();
     let n = values.len();
-    let summed = comm.all_reduce(Tensor::from_data(TensorData::new(values, [n]), device), ReduceOp::Sum)?;
+    // `f32` whatever the device's default float dtype.
+    let summed = comm.all_reduce(
+        Tensor::from_data(TensorData::new(values, [n]), (device, DType::F32)),
+        ReduceOp::Sum,
+    )?;
     let summed: Vec<f32> = summed.into_data().convert::<f32>().iter::<f32>().collect();
     Ok(summed.iter().map(|&c| c > 0.0).collect())
 }

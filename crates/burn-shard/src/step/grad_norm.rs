@@ -70,7 +70,7 @@ pub(crate) fn measure(
             }
         }
     }
-    let zeros = || Tensor::<1>::from_data(TensorData::new(vec![0.0f32; 2], [2]), device);
+    let zeros = || Tensor::<1>::from_data(TensorData::new(vec![0.0f32; 2], [2]), (device, DType::F32));
     let mut pairs = Tensor::cat(pairs.into_iter().map(|p| p.unwrap_or_else(zeros)).collect(), 0);
     if plan.owned_ranges_partition() && comm.world_size() > 1 {
         pairs = comm.all_gather(pairs)?;
