@@ -85,39 +85,20 @@ fn lazy_values_child() {
         .map(|name| (*name, &plain))
         .chain([("Linear", &checkpointing), ("TransformerEncoder", &checkpointing)]);
     for (name, device) in cases {
-        device.seed(SEED);
-        let single = Layer::new(name, device);
-        let expected = entries_of(&single);
-        let expected_draws = next_draws(device);
-        for world_size in 1..=4 {
-            let (trained, _) = reference(&single, world_size);
-            for stage in STAGES {
-                let at = format!("{name} on {device:?}, stage {stage}, world size {world_size}");
-                let ranks = init_lazy(
-                    &at,
-                    device,
-                    world_size,
-                    stage,
-                    |d| Layer::new(name, d),
-                    |model, mut optim, rank| {
-                        let model = train_rank(model, &mut optim, rank, world_size, device);
-                        trainable_of(&model.materialize())
-                    },
-                );
-                for (rank, (got, after)) in ranks.iter().enumerate() {
-                    assert_bitwise(&format!("{at}, rank {rank}"), got, &expected);
-                    // Trainable like the initializer's values (require-grad and autodiff as it
-                    // would have made them): training matches single-device Burn.
+        sweep_lazy(
+            name,
+            &format!("{name} on {device:?}"),
+            device,
+            |at, ranks, single, world_size| {
+                // Trainable like the initializer's values (require-grad and autodiff as it would
+                // have made them): training matches single-device Burn.
+                let (trained, _) = reference(single, world_size);
+                for (rank, after) in ranks.iter().enumerate() {
                     let diff = max_abs_diff(after, &trained);
                     assert!(diff < 1e-4, "{at}, rank {rank}: trained parameters differ by {diff}");
                 }
-                assert_eq!(
-                    next_draws(device),
-                    expected_draws,
-                    "{at}: the random generator moved otherwise than in single-device init"
-                );
-            }
-        }
+            },
+        );
     }
     mapped_and_frozen(&plain);
 }
@@ -151,35 +132,49 @@ fn lazy_bf16_child() {
         burn::tensor::DType::BF16
     );
     for name in MODULES {
-        device.seed(SEED);
-        let single = Layer::new(name, &device);
-        let expected = entries_of(&single);
-        let expected_draws = next_draws(&device);
-        for world_size in 1..=4 {
-            for stage in STAGES {
-                let at = format!("{name} in bf16, stage {stage}, world size {world_size}");
-                let ranks = init_lazy(
-                    &at,
-                    &device,
-                    world_size,
-                    stage,
-                    |d| Layer::new(name, d),
-                    |model, mut optim, rank| {
-                        let model = train_rank(model, &mut optim, rank, world_size, &device);
-                        trainable_of(&model.materialize())
-                    },
-                );
-                for (rank, (got, after)) in ranks.iter().enumerate() {
-                    assert_bitwise(&format!("{at}, rank {rank}"), got, &expected);
-                    let same = after.iter().zip(&ranks[0].1).all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{at}, rank {rank}: trained parameters differ from rank 0's");
-                }
-                assert_eq!(
-                    next_draws(&device),
-                    expected_draws,
-                    "{at}: the random generator moved otherwise than in single-device init"
-                );
+        sweep_lazy(name, &format!("{name} in bf16"), &device, |at, ranks, _, _| {
+            for (rank, after) in ranks.iter().enumerate() {
+                let same = after.iter().zip(&ranks[0]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{at}, rank {rank}: trained parameters differ from rank 0's");
             }
+        });
+    }
+}
+
+/// Module `name` of the sweep, built lazily on `device` from the seed: once on one device (the
+/// reference) and on every rank at stages 0-3 and world sizes 1-4. Asserts every rank's entries
+/// after `init` bitwise the reference's and the random generator's next draws the reference's
+/// (no rank but 0 drew), then hands each rank's trainable parameters after three steps to
+/// `check_trained(at, ranks, reference, world_size)`.
+fn sweep_lazy(name: &str, label: &str, device: &Device, check_trained: impl Fn(&str, &[Vec<f32>], &Layer, usize)) {
+    device.seed(SEED);
+    let single = Layer::new(name, device);
+    let expected = entries_of(&single);
+    let expected_draws = next_draws(device);
+    for world_size in 1..=4 {
+        for stage in STAGES {
+            let at = format!("{label}, stage {stage}, world size {world_size}");
+            let ranks = init_lazy(
+                &at,
+                device,
+                world_size,
+                stage,
+                |d| Layer::new(name, d),
+                |model, mut optim, rank| {
+                    let model = train_rank(model, &mut optim, rank, world_size, device);
+                    trainable_of(&model.materialize())
+                },
+            );
+            let (initial, trained): (Vec<_>, Vec<_>) = ranks.into_iter().unzip();
+            for (rank, got) in initial.iter().enumerate() {
+                assert_bitwise(&format!("{at}, rank {rank}"), got, &expected);
+            }
+            assert_eq!(
+                next_draws(device),
+                expected_draws,
+                "{at}: the random generator moved otherwise than in single-device init"
+            );
+            check_trained(&at, &trained, &single, world_size);
         }
     }
 }

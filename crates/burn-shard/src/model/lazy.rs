@@ -1,5 +1,5 @@
-//! A float entry's shape, dtype, device and whether it requires grad, read without running
-//! its lazy initializer.
+//! A float entry's shape, dtype and whether it requires grad, read without running its
+//! lazy initializer.
 //!
 //! Every `burn::nn` parameter is built lazily (`Param::uninitialized`: `Initializer::init_with`
 //! wraps the random init in a closure that runs on the first `val()`). `ShardConfig::init` must
