@@ -35,6 +35,7 @@ mod offload;
 mod overlap;
 mod param_groups;
 mod param_kinds;
+mod pretrained;
 mod rendezvous_env;
 mod rendezvous_membership;
 mod rendezvous_store;

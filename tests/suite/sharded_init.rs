@@ -25,7 +25,7 @@ const STAGES: [Stage; 4] = [Stage::Zero, Stage::One, Stage::Two, Stage::Three];
 const SEED: u64 = 41;
 
 /// A child test refuses to run alone: its parent sets `var`.
-fn run_by_parent(var: &str) {
+pub(crate) fn run_by_parent(var: &str) {
     assert!(
         std::env::var_os(var).is_some(),
         "run by the parent test, which sets {var}"
@@ -34,7 +34,7 @@ fn run_by_parent(var: &str) {
 
 /// Every float entry of `module` (parameters, frozen ones and buffers), flattened, in
 /// traversal order.
-fn entries_of<M: Module>(module: &M) -> Vec<Vec<f32>> {
+pub(crate) fn entries_of<M: Module>(module: &M) -> Vec<Vec<f32>> {
     struct Collect(Vec<Vec<f32>>);
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
@@ -182,14 +182,14 @@ fn sweep_lazy(name: &str, label: &str, device: &Device, check_trained: impl Fn(&
 /// `Linear` layers whose lazy weight has load, save and init mappers (`LinearLayout::Col`
 /// holds it transposed, in a square and a non-square layer) and a lazily frozen layer.
 #[derive(Module, Debug)]
-struct Mapped {
+pub(crate) struct Mapped {
     square: Linear,
     rect: Linear,
     frozen: Linear,
 }
 
 impl Mapped {
-    fn new(device: &Device) -> Self {
+    pub(crate) fn new(device: &Device) -> Self {
         Self {
             square: LinearConfig::new(6, 6).with_layout(LinearLayout::Col).init(device),
             rect: LinearConfig::new(5, 3).with_layout(LinearLayout::Col).init(device),
@@ -275,7 +275,7 @@ fn init_lazy<M: Module, T: Send>(
 }
 
 /// Every entry of `got` equals `expected`'s bit for bit.
-fn assert_bitwise(at: &str, got: &[Vec<f32>], expected: &[Vec<f32>]) {
+pub(crate) fn assert_bitwise(at: &str, got: &[Vec<f32>], expected: &[Vec<f32>]) {
     assert_eq!(got.len(), expected.len(), "{at}: entries");
     for (i, (g, e)) in got.iter().zip(expected).enumerate() {
         let same = g.len() == e.len() && g.iter().zip(e).all(|(a, b)| a.to_bits() == b.to_bits());
@@ -311,7 +311,7 @@ fn stage3_init_of_a_lazy_model_holds_shards_plus_about_one_parameter_per_rank() 
 }
 
 /// A field of /proc/self/status in bytes (`VmHWM`, `VmRSS`).
-fn status_bytes(field: &str) -> u64 {
+pub(crate) fn status_bytes(field: &str) -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let line = status.lines().find(|l| l.starts_with(field)).unwrap();
     let kb: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();

@@ -14,6 +14,8 @@ use crate::model::buffers::Buffers;
 use crate::model::census::{Census, EntryKind};
 use crate::model::flat;
 use crate::model::layout::{FlatLayout, check_same_layout};
+use crate::model::pretrained::Pretrained;
+use crate::model::pretrained::plan::PretrainedPlan;
 use crate::model::root_values::{RootValues, SyncEntries};
 use crate::model::units::UnitPolicy;
 use crate::optim::into_optimizer::IntoOptimizer;
@@ -392,10 +394,48 @@ impl ShardConfig {
         optim: O,
         comm: C,
     ) -> Result<(M, ShardedOptimizer<O::Optimizer>), ShardError> {
+        self.init_from(model, None, optim, comm)
+    }
+
+    /// [`ShardConfig::init`] with pretrained weights loaded straight into the shards: every
+    /// float entry the file holds takes its value from it on every rank (no broadcast, and its
+    /// initializer never runs), at stage 3 reading only the bytes of the rank's shard where
+    /// the file allows (see [`Pretrained`]); entries it does not hold and
+    /// [`Pretrained::allow_missing`] names are initialised as by `init`. So a model that fits
+    /// only sharded starts from a checkpoint without any rank holding it whole: build it lazily
+    /// (as `burn::nn` modules are), do not load the record into it first. The values equal
+    /// those burn-store's `load_from` gives a whole model from the same file, with the same
+    /// key remapping and adapter (bitwise for a tensor of the parameter's dtype).
+    ///
+    /// Memory per rank during `init`: at stage 3 its shards plus one parameter (a tensor read
+    /// whole: see [`Pretrained`]); at stages 0-2 one copy of the model.
+    ///
+    /// # Errors
+    /// Those of `init`; [`ShardError::PretrainedMismatch`] on every rank, before any entry is
+    /// read or changed, when the file does not fit the model (every entry missing from it,
+    /// every tensor of another shape or kind of dtype, every tensor left unused, each named
+    /// with both shapes); [`ShardError::PretrainedRead`] when the file cannot be read.
+    pub fn init_pretrained<M: Module, O: IntoOptimizer, C: Collective + 'static>(
+        &self,
+        model: M,
+        pretrained: Pretrained,
+        optim: O,
+        comm: C,
+    ) -> Result<(M, ShardedOptimizer<O::Optimizer>), ShardError> {
+        self.init_from(model, Some(pretrained), optim, comm)
+    }
+
+    fn init_from<M: Module, O: IntoOptimizer, C: Collective + 'static>(
+        &self,
+        model: M,
+        pretrained: Option<Pretrained>,
+        optim: O,
+        comm: C,
+    ) -> Result<(M, ShardedOptimizer<O::Optimizer>), ShardError> {
         let comm: Arc<dyn Collective> = Arc::new(comm);
         let result = optim.grad_clipping().and_then(|clipping| {
             let optim = optim.into_optimizer()?;
-            self.init_with(model, optim, clipping, comm.clone())
+            self.init_with(model, pretrained, optim, clipping, comm.clone())
         });
         if let Err(e) = &result {
             // A rank that fails alone (bad model) must not leave the others waiting.
@@ -407,12 +447,17 @@ impl ShardConfig {
     fn init_with<M: Module, O: MasterWeightStep>(
         &self,
         model: M,
+        pretrained: Option<Pretrained>,
         optim: O,
         clipping: Option<GradientClipping>,
         comm: Arc<dyn Collective>,
     ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
         let census = Census::of(&model);
         refuse_sharded(&census)?;
+        // From the file's header alone: a file that does not fit fails here, on every rank.
+        let pretrained = pretrained
+            .map(|pretrained| PretrainedPlan::resolve(pretrained, &census))
+            .transpose()?;
         self.check_step_options(&census, clipping.as_ref())?;
         if self.stage == Stage::Three {
             refuse_stage3_misfits(&census)?;
@@ -451,11 +496,14 @@ impl ShardConfig {
         };
         // Ranks must also agree on what the step does: clipping and loss scaling add a
         // collective and decide skips.
-        let fingerprint =
-            layout.fingerprint() ^ everything.fingerprint().rotate_left(1) ^ options.fingerprint().rotate_left(2);
+        // And on which entries come from a pretrained file (read there, not broadcast).
+        let fingerprint = layout.fingerprint()
+            ^ everything.fingerprint().rotate_left(1)
+            ^ options.fingerprint().rotate_left(2)
+            ^ pretrained.as_ref().map_or(0, |plan| plan.fingerprint().rotate_left(3));
         check_same_layout(comm.as_ref(), fingerprint, &device)?;
         let buffers = Buffers::of(&census);
-        let root = RootValues::new(comm.clone(), &model, &census)?;
+        let root = RootValues::new(comm.clone(), &model, &census, pretrained)?;
         let plan = match self.stage {
             Stage::Zero => StagePlan::Zero,
             Stage::One => StagePlan::One,

@@ -165,6 +165,24 @@ pub enum ShardError {
         /// The scale the last loss was multiplied by, when it was an older one.
         scaled_by: Option<f32>,
     },
+    /// Pretrained weights ([`Pretrained`](crate::Pretrained)) that do not fit the model,
+    /// found by [`ShardConfig::init_pretrained`](crate::ShardConfig::init_pretrained) on every
+    /// rank from the file's header before any entry was read or changed.
+    #[error("the pretrained weights {origin} do not fit the model (nothing was loaded):\n  - {problems}")]
+    PretrainedMismatch {
+        /// The file.
+        origin: String,
+        /// Every problem, one per line: tensor and entry named, both shapes or dtypes.
+        problems: String,
+    },
+    /// A pretrained file could not be opened or read.
+    #[error("cannot read the pretrained weights {origin}: {reason}")]
+    PretrainedRead {
+        /// The file.
+        origin: String,
+        /// What failed.
+        reason: String,
+    },
 }
 
 /// Why a checkpoint could not be saved, read or applied. Every message names the file or the

@@ -68,6 +68,7 @@ pub use config::ShardConfig;
 pub use error::ShardError;
 pub use model::layout::{Bucket, FlatLayout, ParamSlot};
 pub use model::memory::MemoryReport;
+pub use model::pretrained::Pretrained;
 pub use optim::into_optimizer::{ElementWise, IntoOptimizer};
 pub use optim::loss_scale::{LossScaler, LossScaling};
 pub use optim::master::MasterWeightStep;

@@ -175,13 +175,18 @@ impl Reparameterizer for &mut Sharder {
         let Some(entry) = self.census.get(&param.id) else {
             return (param, None);
         };
-        // Rank 0's value, on every rank, before the next entry exists (`model/root_values.rs`).
-        let param = self.root.sync(param, entry);
         let shardable = entry.kind == EntryKind::Param && entry.numel() > 0;
+        let (n, r) = (self.ctx.comm().world_size(), self.ctx.comm().rank());
+        let chunk = entry.numel().div_ceil(n);
+        // Rank 0's value, on every rank, before the next entry exists (`model/root_values.rs`);
+        // or this rank's shard alone, read from a pretrained file.
+        let (param, read_shard) = match shardable {
+            true => self.root.sync_shard(param, entry, r * chunk, chunk),
+            false => (self.root.sync(param, entry), None),
+        };
         if !shardable || self.root.failed() {
             return (param, None);
         }
-        let (n, r) = (self.ctx.comm().world_size(), self.ctx.comm().rank());
         let (id, full, mapper) = param.consume();
         let require_grad = full.is_require_grad();
         let strategy = full.gradient_checkpointing_strategy();
@@ -190,19 +195,25 @@ impl Reparameterizer for &mut Sharder {
         let full_shape = full.shape();
         let dims: [usize; D] = full.dims();
         let numel = full_shape.num_elements();
-        let chunk = numel.div_ceil(n);
         let full = full.inner();
         let device = full.device();
-        // Pad the flat parameter to `n·chunk` once, then every rank's slice exists, also for
-        // parameters smaller than the group (a scalar on 4 ranks).
-        let mut flat = full.reshape([numel]);
-        if numel < n * chunk {
-            flat = Tensor::cat(vec![flat, Tensor::zeros([n * chunk - numel], (&device, dtype))], 0);
-        }
-        // A new buffer from data: a view of the full tensor would keep the full weight alive.
         // Made where shards live (host memory with parameter offload).
         let home = self.ctx.home().shard_device(&device.clone().without_autodiff());
-        let shard = Tensor::<1>::from_data(flat.narrow(0, r * chunk, chunk).into_data(), (&home, dtype));
+        let shard = match read_shard {
+            // `full` is a stand-in (one element, expanded): only its settings are read.
+            Some(shard) => shard.to_device(&home),
+            None => {
+                // Pad the flat parameter to `n·chunk` once, then every rank's slice exists,
+                // also for parameters smaller than the group (a scalar on 4 ranks).
+                let mut flat = full.reshape([numel]);
+                if numel < n * chunk {
+                    flat = Tensor::cat(vec![flat, Tensor::zeros([n * chunk - numel], (&device, dtype))], 0);
+                }
+                // A new buffer from data: a view of the full tensor would keep the full weight
+                // alive.
+                Tensor::<1>::from_data(flat.narrow(0, r * chunk, chunk).into_data(), (&home, dtype))
+            }
+        };
         // NaN, so that what reads the placeholder instead of the weights (a user's `model.visit`)
         // cannot mistake it for them; nothing of burn-shard's reads its value.
         let mut placeholder: Tensor<D> = Tensor::<1>::full([1], f32::NAN, (&device, dtype))

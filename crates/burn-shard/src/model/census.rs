@@ -37,7 +37,15 @@ pub(crate) enum EntryKind {
 pub(crate) struct Entry {
     pub(crate) kind: EntryKind,
     pub(crate) path: String,
+    /// The module types it sits in, outermost first, as Burn's visitors name them
+    /// (`["Struct:Model", "Vec", "Struct:Linear"]`): what burn-store's adapters key on.
+    pub(crate) containers: Vec<String>,
+    /// The value's shape (after the entry's load mapper, if any).
     pub(crate) shape: Vec<usize>,
+    /// The shape a record of it has (Burn's `lazy_shape`: before the load mapper).
+    pub(crate) record_shape: Vec<usize>,
+    /// Whether a load mapper turns its record into its value (`LinearLayout::Col`).
+    pub(crate) has_load_mapper: bool,
     pub(crate) dtype: DType,
     pub(crate) require_grad: bool,
 }
@@ -123,6 +131,7 @@ impl Reparameterizer for AttachProbe {
 #[derive(Default)]
 struct CensusVisitor {
     path: Vec<String>,
+    containers: Vec<String>,
     pending: Option<(ParamId, Entry)>,
     census: Census,
 }
@@ -154,11 +163,13 @@ impl ModuleVisitor for CensusVisitor {
             self.close_pending();
         }
         self.path.push(name.to_string());
+        self.containers.push(container_type.to_string());
     }
 
     fn exit_module(&mut self, _name: &str, _container_type: &str) {
         self.close_pending();
         self.path.pop();
+        self.containers.pop();
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -168,7 +179,10 @@ impl ModuleVisitor for CensusVisitor {
         let entry = Entry {
             kind: EntryKind::Buffer,
             path: self.path.join("."),
+            containers: self.containers.clone(),
             shape: meta.shape,
+            record_shape: meta.record_shape,
+            has_load_mapper: meta.has_load_mapper,
             dtype: meta.dtype,
             require_grad: meta.require_grad,
         };

@@ -287,16 +287,8 @@ impl ModuleMapper for ReplaceMapper {
 /// any, applies.
 pub(crate) fn replace_value<const D: usize>(param: Param<Tensor<D>>, flat: Tensor<1>) -> Param<Tensor<D>> {
     if !param.is_initialized() {
-        let id = param.id;
-        let device = param.lazy_device();
-        let mut value: Tensor<D> = flat.cast(lazy_dtype(&device)).reshape(param.lazy_shape());
-        // As if made on the entry's device, as its initializer would: with that device's
-        // autodiff and checkpointing strategy (moving a value keeps its own, so a plain value
-        // would stay plain and `transform_for_load` could not make it require grad).
-        if let Some(strategy) = device.gradient_checkpointing_strategy() {
-            value = value.autodiff().with_gradient_checkpointing_strategy(strategy);
-        }
-        return param.transform_for_load(value, id);
+        let value: Tensor<D> = flat.cast(lazy_dtype(&param.lazy_device())).reshape(param.lazy_shape());
+        return load_lazy(param, value);
     }
     let (id, old, mapper) = param.consume();
     let mut value: Tensor<D> = flat.cast(old.dtype()).reshape(old.shape());
@@ -311,4 +303,33 @@ pub(crate) fn replace_value<const D: usize>(param: Param<Tensor<D>>, flat: Tenso
         }
     }
     Param::from_mapped_value(id, value, mapper)
+}
+
+/// A lazy `param` holding a stand-in of its value: one element, expanded (stride 0) to its
+/// record shape, through its load mapper: an initialised parameter with the value's shape,
+/// dtype, device, autodiff, require-grad and checkpointing settings, that costs no memory and
+/// never ran its initializer. For stage 3 when the shard comes from a pretrained file: the
+/// sharder reads those settings and keeps the shard. An initialised `param` is returned as is.
+pub(crate) fn stand_in<const D: usize>(param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+    if param.is_initialized() {
+        return param;
+    }
+    let device = param.lazy_device();
+    let value = Tensor::<D>::zeros([1; D], (&device.clone().without_autodiff(), lazy_dtype(&device)))
+        .expand(param.lazy_shape().dims::<D>());
+    load_lazy(param, value)
+}
+
+/// A lazy `param` loaded with `value` (its record shape) through Burn's `transform_for_load`,
+/// as a record load would: its initializer never runs, the value goes to the entry's device
+/// and through its load mapper.
+fn load_lazy<const D: usize>(param: Param<Tensor<D>>, mut value: Tensor<D>) -> Param<Tensor<D>> {
+    let id = param.id;
+    // As if made on the entry's device, as its initializer would: with that device's
+    // autodiff and checkpointing strategy (moving a value keeps its own, so a plain value
+    // would stay plain and `transform_for_load` could not make it require grad).
+    if let Some(strategy) = param.lazy_device().gradient_checkpointing_strategy() {
+        value = value.autodiff().with_gradient_checkpointing_strategy(strategy);
+    }
+    param.transform_for_load(value, id)
 }

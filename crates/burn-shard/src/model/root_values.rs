@@ -16,6 +16,11 @@
 //! until the stage-3 sharder has kept its shard of it, so during `init` a stage-3 rank holds
 //! its shards plus about one entry (the largest, in the worst case), and a stage 0-2 rank one
 //! copy of the model, never the two or three a broadcast of whole buckets took.
+//!
+//! With pretrained weights (`ShardConfig::init_pretrained`), an entry the file holds is read
+//! from the file by every rank instead (no broadcast, no initializer); at stage 3, where the
+//! entry's bytes are a range of the file, each rank reads only its shard's range
+//! ([`RootValues::sync_shard`]). Entries the file does not hold go as above.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -26,8 +31,9 @@ use burn_shard_comm::Collective;
 
 use crate::error::ShardError;
 use crate::model::census::{Census, Entry};
-use crate::model::flat::{plain_device, replace_value, values_by_id};
+use crate::model::flat::{plain_device, replace_value, stand_in, values_by_id};
 use crate::model::layout::SUPPORTED;
+use crate::model::pretrained::plan::PretrainedPlan;
 
 /// Gives each float entry rank 0's value; see the module docs. Holds the first error: after
 /// it, entries pass through unchanged and no further collective is issued (`init` then aborts
@@ -37,6 +43,8 @@ pub(crate) struct RootValues {
     /// Rank 0's running-state buffers, received before the model is mapped (see
     /// [`RootValues::new`]).
     buffers: HashMap<ParamId, Tensor<1>>,
+    /// Where entries come from a pretrained file instead of rank 0.
+    pretrained: Option<PretrainedPlan>,
     error: Option<ShardError>,
 }
 
@@ -46,15 +54,28 @@ impl RootValues {
     /// its lock while a mapper maps it, so a broadcast issued from inside that mapping would
     /// wait for a rank that waits for the lock. Buffers are small (BatchNorm's statistics).
     ///
+    /// Buffers the pretrained file holds are read from it by every rank instead.
+    ///
     /// # Errors
-    /// [`ShardError::Comm`] when a broadcast fails.
-    pub(crate) fn new<M: Module>(comm: Arc<dyn Collective>, model: &M, census: &Census) -> Result<Self, ShardError> {
+    /// [`ShardError::Comm`] when a broadcast fails, [`ShardError::PretrainedRead`] when a
+    /// buffer cannot be read from the file.
+    pub(crate) fn new<M: Module>(
+        comm: Arc<dyn Collective>,
+        model: &M,
+        census: &Census,
+        pretrained: Option<PretrainedPlan>,
+    ) -> Result<Self, ShardError> {
+        let mut buffers = HashMap::new();
+        if let Some(plan) = &pretrained {
+            for (id, entry) in census.buffers().filter(|(id, _)| plan.has(id)) {
+                buffers.insert(id, plan.read_whole(&id, entry, &plain_device(model)?)?);
+            }
+        }
         let ids: HashSet<ParamId> = census
             .buffers()
-            .filter(|(_, e)| e.numel() > 0 && SUPPORTED.contains(&e.dtype))
+            .filter(|(id, e)| e.numel() > 0 && SUPPORTED.contains(&e.dtype) && !buffers.contains_key(id))
             .map(|(id, _)| id)
             .collect();
-        let mut buffers = HashMap::new();
         if comm.world_size() > 1 && !ids.is_empty() {
             let mut mine = values_by_id(model, &ids);
             for (id, entry) in census.buffers().filter(|(id, _)| ids.contains(id)) {
@@ -68,6 +89,7 @@ impl RootValues {
         Ok(Self {
             comm,
             buffers,
+            pretrained,
             error: None,
         })
     }
@@ -88,8 +110,23 @@ impl RootValues {
             return param;
         }
         let root = self.comm.rank() == 0;
+        let from_file = self.pretrained.as_ref().is_some_and(|plan| plan.has(&param.id));
         if let Some(value) = self.buffers.remove(&param.id) {
-            return if root { param } else { replace_value(param, value) };
+            return if root && !from_file {
+                param
+            } else {
+                replace_value(param, value)
+            };
+        }
+        if let Some(plan) = self.pretrained.as_ref().filter(|_| from_file) {
+            let device = param.lazy_device().without_autodiff();
+            return match plan.read_whole(&param.id, entry, &device) {
+                Ok(record) => take_record(param, record),
+                Err(e) => {
+                    self.error = Some(e);
+                    param
+                }
+            };
         }
         let sent = if root {
             let value = param.base();
@@ -110,21 +147,36 @@ impl RootValues {
         };
         match self.comm.broadcast(sent, 0) {
             Ok(_) if root => param,
-            Ok(record) if param.is_initialized() => {
-                // An eager receiver holds the value form: turn the record back into it.
-                let id = param.id;
-                let record_shape = param.transform_for_save().base().shape();
-                let value = param
-                    .clone()
-                    .transform_for_load(record.reshape(record_shape), id)
-                    .base()
-                    .inner();
-                replace_value(param, value.reshape([numel]))
-            }
-            Ok(record) => replace_value(param, record),
+            Ok(record) => take_record(param, record),
             Err(e) => {
                 self.error = Some(e.into());
                 param
+            }
+        }
+    }
+
+    /// Stage 3: `param` and this rank's shard of it, elements `[start, start + len)` of its
+    /// flattened value (`[len]`, zero-padded past its end), when the pretrained file holds it
+    /// and that range can be read alone: `param` then holds a stand-in of its value (no memory,
+    /// no initializer run) and only the shard's bytes are read. Otherwise `param` after
+    /// [`RootValues::sync`], and no shard (the sharder cuts it from the whole value).
+    pub(crate) fn sync_shard<const D: usize>(
+        &mut self,
+        param: Param<Tensor<D>>,
+        entry: &Entry,
+        start: usize,
+        len: usize,
+    ) -> (Param<Tensor<D>>, Option<Tensor<1>>) {
+        let plan = match &self.pretrained {
+            Some(plan) if self.error.is_none() && plan.ranged(&param.id) => plan,
+            _ => return (self.sync(param, entry), None),
+        };
+        let device = param.lazy_device().without_autodiff();
+        match plan.read_range(&param.id, entry, start, len, &device) {
+            Ok(shard) => (stand_in(param), Some(shard)),
+            Err(e) => {
+                self.error = Some(e);
+                (param, None)
             }
         }
     }
@@ -138,6 +190,24 @@ impl RootValues {
     pub(crate) fn finish(self) -> Result<(), ShardError> {
         self.error.map_or(Ok(()), Err)
     }
+}
+
+/// `param` holding `record` (`[numel]`, record form: before the entry's load mapper). A lazy
+/// entry takes it as a record load does; an eager one holds the value form, so the record is
+/// turned back into it first.
+fn take_record<const D: usize>(param: Param<Tensor<D>>, record: Tensor<1>) -> Param<Tensor<D>> {
+    if !param.is_initialized() {
+        return replace_value(param, record);
+    }
+    let id = param.id;
+    let numel = record.shape().num_elements();
+    let record_shape = param.transform_for_save().base().shape();
+    let value = param
+        .clone()
+        .transform_for_load(record.reshape(record_shape), id)
+        .base()
+        .inner();
+    replace_value(param, value.reshape([numel]))
 }
 
 /// Rank 0's value differs from what the census read without initialising it: a lazy entry

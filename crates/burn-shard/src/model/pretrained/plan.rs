@@ -1,0 +1,304 @@
+//! Which tensor of a pretrained file goes into which entry of the model, decided and checked
+//! before anything is read or any entry changes, and the reads themselves.
+//!
+//! Matching follows burn-store's `Applier` (the route `load_from` takes into a whole model), so
+//! that a file loads into a sharded model exactly as into a whole one: the key remapping runs
+//! on the file's names; an entry is found under its module path, else under the name the
+//! adapter offers for it (`gamma` as `weight` in a norm); the adapter then transforms it, given
+//! the module type it sits in; its shape must equal the entry's record shape (`lazy_shape`,
+//! before the load mapper). What differs, and why: every problem is collected and reported at
+//! once, on every rank, before any entry changes (burn-store reports after applying, and
+//! falls back to the initializer on a mismatch); a float tensor of another width is cast to
+//! the entry's dtype (the sharded layout fixed it from the model); an entry missing from the
+//! file is an error unless [`Pretrained::allow_missing`] names it.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+
+use burn::module::ParamId;
+use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
+use burn_pack::Tensor as PackTensor;
+use burn_store::ModuleContext;
+
+use super::Pretrained;
+use crate::error::ShardError;
+use crate::model::census::{Census, Entry};
+use crate::model::layout::SUPPORTED;
+
+/// How many names an error lists before it says how many more there are.
+const LISTED: usize = 8;
+
+/// The file's tensor for each entry that takes one; see the module docs.
+pub(crate) struct PretrainedPlan {
+    origin: String,
+    sources: HashMap<ParamId, Source>,
+    fingerprint: u64,
+}
+
+struct Source {
+    /// The file's name of it (before the adapter renamed it), for messages.
+    name: String,
+    /// The adapted tensor: bytes in record form, the entry's record shape.
+    tensor: PackTensor,
+    /// Whether a range of its elements is a range of the entry's value (no load mapper).
+    ranged: bool,
+}
+
+impl PretrainedPlan {
+    /// Matches `pretrained`'s tensors to `census`'s entries; reads no tensor data.
+    ///
+    /// # Errors
+    /// [`ShardError::PretrainedMismatch`] listing every entry missing from the file (and not
+    /// allowed to be), every tensor whose shape or kind of dtype does not fit its entry or that
+    /// cannot be read, and every tensor of the file with no place in the model (and not
+    /// ignored).
+    pub(crate) fn resolve(pretrained: Pretrained, census: &Census) -> Result<Self, ShardError> {
+        let Pretrained {
+            origin,
+            tensors,
+            unreadable,
+            remapper,
+            adapter,
+            allow_missing,
+            ignore_unused,
+        } = pretrained;
+        // The file's own name of each remapped name, for messages.
+        let (tensors, renamed) = remapper.remap(tensors);
+        let mut file_name: HashMap<String, String> = renamed.into_iter().collect();
+        let unreadable: HashMap<String, String> = unreadable
+            .into_iter()
+            .map(|(original, reason)| {
+                let mut name = original.clone();
+                for (pattern, to) in remapper.to_regex_pairs() {
+                    name = pattern.replace_all(&name, to.as_str()).to_string();
+                }
+                file_name.insert(name.clone(), original);
+                (name, reason)
+            })
+            .collect();
+        let mut problems = Vec::new();
+        let mut by_name: HashMap<String, PackTensor> = HashMap::new();
+        for tensor in tensors {
+            if let Some(old) = by_name.insert(tensor.name.clone(), tensor) {
+                problems.push(format!(
+                    "two tensors of the file are named `{}` after the key remapping",
+                    old.name
+                ));
+            }
+        }
+        let mut used = HashSet::new();
+        let mut missing = Vec::new();
+        let mut sources = HashMap::new();
+        let mut hasher = DefaultHasher::new();
+        for (index, (id, entry)) in census.entries().enumerate() {
+            if entry.numel() == 0 || !SUPPORTED.contains(&entry.dtype) {
+                continue;
+            }
+            let context = ModuleContext::new(&entry.containers);
+            let mut key = entry.path.clone();
+            if !by_name.contains_key(&key)
+                && let (Some(adapter), Some(module_type)) = (&adapter, context.module_type())
+                && let Some((parent, leaf)) = split_leaf(&entry.path)
+                && let Some(alternative) = adapter.get_alternative_param_name(leaf, module_type)
+            {
+                key = match parent {
+                    Some(parent) => format!("{parent}.{alternative}"),
+                    None => alternative,
+                };
+            }
+            let name = file_name.get(&key).cloned().unwrap_or_else(|| key.clone());
+            if let Some(reason) = unreadable.get(&key) {
+                problems.push(format!("tensor `{name}` for `{}`: {reason}", entry.path));
+                used.insert(key);
+                continue;
+            }
+            let Some(tensor) = by_name.get(&key) else {
+                if !allow_missing.iter().any(|p| p.is_match(&entry.path)) {
+                    missing.push(format!("`{}` {:?}", entry.path, entry.record_shape));
+                }
+                continue;
+            };
+            used.insert(key);
+            let mut tensor = tensor.clone();
+            if let Some(adapter) = &adapter {
+                tensor.name = entry.path.clone();
+                tensor = adapter.adapt(tensor, context);
+            }
+            if !is_float(tensor.dtype) {
+                problems.push(format!(
+                    "tensor `{name}` is {:?}, and `{}` is a float parameter ({:?})",
+                    tensor.dtype, entry.path, entry.dtype
+                ));
+                continue;
+            }
+            let shape = tensor.shape.to_vec();
+            if shape != entry.record_shape {
+                problems.push(format!(
+                    "tensor `{name}` has shape {shape:?}{}, and `{}` has shape {:?}",
+                    if adapter.is_some() { " after the adapter" } else { "" },
+                    entry.path,
+                    entry.record_shape
+                ));
+                continue;
+            }
+            (index, format!("{:?}", tensor.dtype), &shape).hash(&mut hasher);
+            sources.insert(
+                id,
+                Source {
+                    name,
+                    tensor,
+                    ranged: !entry.has_load_mapper,
+                },
+            );
+        }
+        if !missing.is_empty() {
+            problems.push(format!(
+                "{} of the model's entries are not in the file: {}; if they are new (a head, adapters), let them be \
+                 initialised with Pretrained::allow_missing([..regex of their paths..]), or map the file's names onto \
+                 them with Pretrained::with_key_remapping",
+                missing.len(),
+                listed(&missing)
+            ));
+        }
+        let mut unused: Vec<String> = by_name
+            .keys()
+            .chain(unreadable.keys())
+            .filter(|name| !used.contains(*name) && !ignore_unused.iter().any(|p| p.is_match(name)))
+            .map(|name| format!("`{}`", file_name.get(name).unwrap_or(name)))
+            .collect();
+        unused.sort();
+        if !unused.is_empty() {
+            problems.push(format!(
+                "{} tensors of the file have no place in the model: {}; is the model built with the configuration \
+                 the weights came with? (Pretrained::ignore_unused([..]) skips tensors on purpose)",
+                unused.len(),
+                listed(&unused)
+            ));
+        }
+        if !problems.is_empty() {
+            return Err(ShardError::PretrainedMismatch {
+                origin,
+                problems: problems.join("\n  - "),
+            });
+        }
+        Ok(Self {
+            origin,
+            sources,
+            fingerprint: hasher.finish(),
+        })
+    }
+
+    /// What the ranks must agree on: which entries come from the file, with which dtype and
+    /// shape (a rank that would broadcast an entry the others read would desynchronise them).
+    pub(crate) fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Whether `id`'s value comes from the file.
+    pub(crate) fn has(&self, id: &ParamId) -> bool {
+        self.sources.contains_key(id)
+    }
+
+    /// Whether `id`'s value comes from the file and a range of it can be read alone.
+    pub(crate) fn ranged(&self, id: &ParamId) -> bool {
+        self.sources.get(id).is_some_and(|s| s.ranged)
+    }
+
+    /// The whole record of `id` (`[numel]`, record order, cast to `entry.dtype`) on `device`.
+    ///
+    /// # Errors
+    /// [`ShardError::PretrainedRead`] when the bytes cannot be read.
+    pub(crate) fn read_whole(&self, id: &ParamId, entry: &Entry, device: &Device) -> Result<Tensor<1>, ShardError> {
+        self.read(id, entry, 0, entry.numel(), device)
+    }
+
+    /// Elements `[start, start + len)` of `id`'s value, flattened (`[len]`, zeros past its
+    /// end: a shard's padding), cast to `entry.dtype`, on `device`. Reads only those bytes
+    /// when the tensor's bytes are a file window (no adapter transformed them).
+    ///
+    /// # Errors
+    /// [`ShardError::PretrainedRead`] when the bytes cannot be read.
+    pub(crate) fn read_range(
+        &self,
+        id: &ParamId,
+        entry: &Entry,
+        start: usize,
+        len: usize,
+        device: &Device,
+    ) -> Result<Tensor<1>, ShardError> {
+        let numel = entry.numel();
+        let end = (start + len).min(numel);
+        let mut piece = match start < end {
+            true => self.read(id, entry, start, end, device)?,
+            false => Tensor::<1>::zeros([0], (device, entry.dtype)),
+        };
+        if end - start.min(end) < len {
+            let pad = Tensor::<1>::zeros([len - (end - start.min(end))], (device, entry.dtype));
+            piece = Tensor::cat(vec![piece, pad], 0);
+        }
+        Ok(piece)
+    }
+
+    fn read(
+        &self,
+        id: &ParamId,
+        entry: &Entry,
+        start: usize,
+        end: usize,
+        device: &Device,
+    ) -> Result<Tensor<1>, ShardError> {
+        let source = &self.sources[id];
+        let failed = |reason: String| ShardError::PretrainedRead {
+            origin: self.origin.clone(),
+            reason: format!("tensor `{}`: {reason}", source.name),
+        };
+        let dtype = source.tensor.dtype;
+        let size = dtype.size();
+        // A file window stays unread until accessed; a tensor an adapter transformed is
+        // produced whole here.
+        let bytes = source
+            .tensor
+            .clone()
+            .into_bytes()
+            .map_err(|e| failed(format!("{e:?}")))?;
+        let piece = match bytes.view(start * size, end * size) {
+            Ok(window) => window,
+            Err(_) => {
+                let all = bytes
+                    .read(burn_std::Reader::new())
+                    .map_err(|e| failed(format!("{e:?}")))?;
+                Bytes::from_bytes_vec(all[start * size..end * size].to_vec())
+            }
+        };
+        // Read here, where a failure is an error, rather than inside `from_data` (a panic).
+        piece
+            .read(burn_std::Reader::new())
+            .map_err(|e| failed(format!("{e:?}")))?;
+        let data = TensorData::from_bytes(piece, [end - start], dtype);
+        Ok(Tensor::<1>::from_data(data, (device, dtype)).cast(entry.dtype))
+    }
+}
+
+/// `("a.b", "c")` for `"a.b.c"`; `(None, "c")` for `"c"`.
+fn split_leaf(path: &str) -> Option<(Option<&str>, &str)> {
+    match path.rsplit_once('.') {
+        Some((parent, leaf)) => Some((Some(parent), leaf)),
+        None => (!path.is_empty()).then_some((None, path)),
+    }
+}
+
+fn is_float(dtype: DType) -> bool {
+    matches!(
+        dtype,
+        DType::F64 | DType::F32 | DType::F16 | DType::BF16 | DType::Flex32
+    )
+}
+
+fn listed(names: &[String]) -> String {
+    let mut text = names.iter().take(LISTED).cloned().collect::<Vec<_>>().join(", ");
+    if names.len() > LISTED {
+        text.push_str(&format!(" and {} more", names.len() - LISTED));
+    }
+    text
+}

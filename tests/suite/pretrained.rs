@@ -1,0 +1,422 @@
+//! `ShardConfig::init_pretrained`: pretrained weights (safetensors, burnpack) loaded straight
+//! into each rank's shards of a lazy model, against burn-store loading the same file into a
+//! whole single-device model.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::prelude::*;
+use burn_shard::{Pretrained, ShardConfig, Stage};
+use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
+use burn_store::{BurnToPyTorchAdapter, BurnpackStore, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
+
+use crate::common::{max_abs_diff, scratch};
+use crate::modules::{Layer, MODULES, adamw, reference, train_rank, trainable_of};
+use crate::nvme_offload::run_child;
+use crate::sharded_init::{Mapped, assert_bitwise, entries_of, run_by_parent, status_bytes};
+
+const STAGES: [Stage; 4] = [Stage::Zero, Stage::One, Stage::Two, Stage::Three];
+
+/// The two files of a module's weights: safetensors in PyTorch's layout and names under a
+/// `model.` prefix (burn-store's `BurnToPyTorchAdapter` and key remapping), and burnpack as
+/// burn-store writes a Burn record.
+struct Files {
+    safetensors: PathBuf,
+    burnpack: PathBuf,
+}
+
+impl Files {
+    fn write<M: Module>(module: &M, dir: &Path) -> Self {
+        let files = Self {
+            safetensors: dir.join("model.safetensors"),
+            burnpack: dir.join("model.bpk"),
+        };
+        module
+            .save_into(
+                &mut SafetensorsStore::from_file(&files.safetensors)
+                    .with_to_adapter(BurnToPyTorchAdapter)
+                    .with_key_remapping("^", "model."),
+            )
+            .unwrap();
+        module
+            .save_into(&mut BurnpackStore::from_file(&files.burnpack))
+            .unwrap();
+        files
+    }
+
+    /// The safetensors file as `init_pretrained` takes it: the prefix dropped, PyTorch's layout
+    /// turned into Burn's.
+    fn safetensors(&self) -> Pretrained {
+        Pretrained::safetensors(&self.safetensors)
+            .unwrap()
+            .with_key_remapping(r"^model\.", "")
+            .unwrap()
+            .with_from_adapter(PyTorchToBurnAdapter)
+    }
+
+    /// The same through burn-store into a whole model.
+    fn load_whole<M: Module>(&self, mut module: M) -> M {
+        let mut store = SafetensorsStore::from_file(&self.safetensors)
+            .with_from_adapter(PyTorchToBurnAdapter)
+            .with_key_remapping(r"^model\.", "");
+        let result = module.load_from(&mut store).unwrap();
+        assert!(
+            result.errors.is_empty() && result.missing.is_empty() && result.unused.is_empty(),
+            "burn-store: {result:?}"
+        );
+        module
+    }
+}
+
+/// Every module of the sweep (its weights written by burn-store from one lazy copy) at stages
+/// 0-3 on 1-4 ranks as threads, each rank with its own fresh lazy copy loaded by
+/// `init_pretrained`: from the safetensors file (PyTorch layout, renamed: the adapter's and the
+/// remapping's paths) at every world size, from the burnpack record (byte ranges at stage 3) at
+/// world sizes 1 and 3. Every rank's entries after `init` (gathered at stage 3) equal bitwise
+/// those burn-store's `load_from` puts in a whole model from the same file (which equal the
+/// saved ones), and three AdamW steps end within 1e-4 of single-device training of that model.
+#[test]
+fn pretrained_weights_load_into_shards_as_burn_store_loads_them_into_a_whole_model() {
+    let device = Device::flex().autodiff();
+    for name in MODULES {
+        let saved = Layer::new(name, &device);
+        let files = Files::write(&saved, &scratch("pretrained", name));
+        let whole = files.load_whole(Layer::new(name, &device));
+        let expected = entries_of(&whole);
+        assert_bitwise(&format!("{name}: burn-store's load"), &expected, &entries_of(&saved));
+        for world_size in 1..=4 {
+            let (trained, _) = reference(&whole, world_size);
+            for stage in STAGES {
+                let formats: &[(&str, fn(&Files) -> Pretrained)] = match world_size {
+                    1 | 3 => &[
+                        ("safetensors", Files::safetensors),
+                        ("burnpack", |f| Pretrained::burnpack(&f.burnpack).unwrap()),
+                    ],
+                    _ => &[("safetensors", Files::safetensors)],
+                };
+                for (format, pretrained) in formats {
+                    let at = format!("{name} from {format}, stage {stage}, world size {world_size}");
+                    let ranks = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                        let rank = comm.rank();
+                        let (model, mut optim) = ShardConfig::new(stage)
+                            .init_pretrained(Layer::new(name, &device), pretrained(&files), adamw(), comm)
+                            .unwrap_or_else(|e| panic!("{at}: {e}"));
+                        let loaded = entries_of(&model.clone().materialize());
+                        let model = train_rank(model, &mut optim, rank, world_size, &device);
+                        (loaded, trainable_of(&model.materialize()))
+                    })
+                    .unwrap_or_else(|e| panic!("{at}: a rank failed: {e:?}"));
+                    for (rank, (loaded, after)) in ranks.iter().enumerate() {
+                        assert_bitwise(&format!("{at}, rank {rank}"), loaded, &expected);
+                        let diff = max_abs_diff(after, &trained);
+                        assert!(diff < 1e-4, "{at}, rank {rank}: trained parameters differ by {diff}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Entries whose record is not their value: `Linear` layers with `LinearLayout::Col` (a load
+/// mapper transposes the stored weight; a square and a non-square one) and a frozen layer,
+/// from a burnpack record, at stages 0-3 on 1-4 ranks: every rank's entries after `init` equal
+/// bitwise burn-store's load of the record into a whole model.
+#[test]
+fn pretrained_weights_of_col_layout_and_frozen_layers_load_as_into_a_whole_model() {
+    let device = Device::flex().autodiff();
+    let files = Files::write(&Mapped::new(&device), &scratch("pretrained", "mapped"));
+    let mut whole = Mapped::new(&device);
+    whole.load_from(&mut BurnpackStore::from_file(&files.burnpack)).unwrap();
+    let expected = entries_of(&whole);
+    for world_size in 1..=4 {
+        for stage in STAGES {
+            let at = format!("Col-layout and frozen Linear, stage {stage}, world size {world_size}");
+            let ranks = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                let pretrained = Pretrained::burnpack(&files.burnpack).unwrap();
+                let (model, _) = ShardConfig::new(stage)
+                    .init_pretrained(Mapped::new(&device), pretrained, adamw(), comm)
+                    .unwrap_or_else(|e| panic!("{at}: {e}"));
+                entries_of(&model.materialize())
+            })
+            .unwrap_or_else(|e| panic!("{at}: a rank failed: {e:?}"));
+            for (rank, loaded) in ranks.iter().enumerate() {
+                assert_bitwise(&format!("{at}, rank {rank}"), loaded, &expected);
+            }
+        }
+    }
+}
+
+/// Two `Linear` layers, `a: 4 -> 3` and `b: 3 -> out`, and an optional third.
+#[derive(Module, Debug)]
+struct Two {
+    a: Linear,
+    b: Linear,
+    c: Option<Linear>,
+}
+
+impl Two {
+    fn new(out: usize, third: bool, device: &Device) -> Self {
+        Self {
+            a: LinearConfig::new(4, 3).init(device),
+            b: LinearConfig::new(3, out).init(device),
+            c: third.then(|| LinearConfig::new(2, 2).init(device)),
+        }
+    }
+}
+
+/// A file that does not fit the model fails `init_pretrained` on every rank, at every stage,
+/// within seconds, with one message naming the file, each tensor and both shapes (or what is
+/// missing, unused or of another kind): weights of another size, of a smaller model, of a larger
+/// one, an integer tensor where a float parameter is, and a file that is not safetensors.
+/// `allow_missing` and `ignore_unused` then let the intended differences through.
+#[test]
+fn a_pretrained_file_that_does_not_fit_fails_init_on_every_rank_naming_each_tensor() {
+    let device = Device::flex().autodiff();
+    let dir = scratch("pretrained", "misfits");
+    let write = |name: &str, module: &Two| {
+        let path = dir.join(name);
+        module.save_into(&mut SafetensorsStore::from_file(&path)).unwrap();
+        path
+    };
+    let wider = write("wider.safetensors", &Two::new(5, false, &device));
+    let fewer = dir.join("fewer.safetensors");
+    let mut store = SafetensorsStore::from_file(&fewer).with_regex("^a\\.");
+    Two::new(2, false, &device).save_into(&mut store).unwrap();
+    let more = write("more.safetensors", &Two::new(2, true, &device));
+    let ints = dir.join("ints.safetensors");
+    let weight: Vec<u8> = (0..12i64).flat_map(|v| v.to_le_bytes()).collect();
+    let other: Vec<(String, Vec<usize>, Vec<u8>, safetensors::Dtype)> = vec![
+        ("a.weight".into(), vec![4, 3], weight, safetensors::Dtype::I64),
+        ("a.bias".into(), vec![3], vec![0; 12], safetensors::Dtype::F32),
+        ("b.weight".into(), vec![3, 2], vec![0; 24], safetensors::Dtype::F32),
+        ("b.bias".into(), vec![2], vec![0; 8], safetensors::Dtype::F32),
+    ];
+    let views: Vec<(String, safetensors::tensor::TensorView)> = other
+        .iter()
+        .map(|(n, s, b, d)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &ints).unwrap();
+    let garbage = dir.join("garbage.safetensors");
+    std::fs::write(&garbage, b"not a safetensors file").unwrap();
+
+    let cases: [(&Path, &[&str]); 5] = [
+        (
+            &wider,
+            &[
+                "`b.weight` has shape [3, 5], and `b.weight` has shape [3, 2]",
+                "`b.bias` has shape [5]",
+            ],
+        ),
+        (
+            &fewer,
+            &[
+                "2 of the model's entries are not in the file",
+                "`b.weight` [3, 2]",
+                "allow_missing",
+            ],
+        ),
+        (
+            &more,
+            &[
+                "2 tensors of the file have no place in the model",
+                "`c.weight`",
+                "`c.bias`",
+            ],
+        ),
+        (
+            &ints,
+            &["tensor `a.weight` is I64, and `a.weight` is a float parameter"],
+        ),
+        (
+            &garbage,
+            &["cannot read the pretrained weights", "not a safetensors file"],
+        ),
+    ];
+    for (file, expected) in cases {
+        for stage in STAGES {
+            let at = format!("{}, stage {stage}", file.display());
+            let started = std::time::Instant::now();
+            let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+                let pretrained = match Pretrained::safetensors(file) {
+                    Ok(p) => p,
+                    Err(e) => return Some(e.to_string()),
+                };
+                ShardConfig::new(stage)
+                    .init_pretrained(Two::new(2, false, &device), pretrained, adamw(), comm)
+                    .err()
+                    .map(|e| e.to_string())
+            })
+            .unwrap();
+            for (rank, err) in results.iter().enumerate() {
+                let err = err
+                    .as_deref()
+                    .unwrap_or_else(|| panic!("{at}, rank {rank}: init succeeded"));
+                assert!(
+                    err.contains(&file.display().to_string()) && expected.iter().all(|e| err.contains(e)),
+                    "{at}, rank {rank}: {err}"
+                );
+            }
+            assert!(started.elapsed().as_secs() < 10, "{at}: within seconds");
+        }
+    }
+
+    // The intended differences let through: `b` initialised as without weights (rank 0's,
+    // so every rank's), `c` skipped.
+    type Let = fn(Pretrained) -> Pretrained;
+    let through: [(&Path, Let, usize); 2] = [
+        (&fewer, |p| p.allow_missing(["^b\\."]).unwrap(), 2),
+        (&more, |p| p.ignore_unused(["^c\\."]).unwrap(), 4),
+    ];
+    for (file, let_through, from_file) in through {
+        let mut whole = Two::new(2, false, &device);
+        whole
+            .load_from(&mut SafetensorsStore::from_file(file).allow_partial(true))
+            .unwrap();
+        let expected = entries_of(&whole)[..from_file].to_vec();
+        let loaded = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let pretrained = let_through(Pretrained::safetensors(file).unwrap());
+            let (model, _) = ShardConfig::new(Stage::Three)
+                .init_pretrained(Two::new(2, false, &device), pretrained, adamw(), comm)
+                .unwrap();
+            entries_of(&model.materialize())
+        })
+        .unwrap();
+        for (rank, got) in loaded.iter().enumerate() {
+            let at = format!("{}, rank {rank}", file.display());
+            assert_bitwise(&at, &got[..from_file], &expected);
+            assert_eq!(got, &loaded[0], "{at}: differs from rank 0");
+        }
+    }
+}
+
+/// `LAYERS` square linear layers of `WIDTH`: 8.4 M parameters, 32 MiB of `f32`.
+#[derive(Module, Debug)]
+struct Tower {
+    layers: Vec<Linear>,
+}
+
+const LAYERS: usize = 32;
+const WIDTH: usize = 512;
+
+impl Tower {
+    fn new(device: &Device) -> Self {
+        Self {
+            layers: (0..LAYERS)
+                .map(|_| LinearConfig::new(WIDTH, WIDTH).init(device))
+                .collect(),
+        }
+    }
+}
+
+/// Peak resident memory and bytes read while 4 ranks (threads of one process) load a 32 MiB
+/// safetensors file into a lazy model at stage 3: the process holds the ranks' shards (one
+/// model together) plus about one parameter per rank, and reads the file once in all (each
+/// rank its own byte ranges), not once per rank. Measured in a child process: the kernel's peak
+/// (`VmHWM`, reset before `init`) and the bytes read by system calls (`rchar` of
+/// `/proc/self/io`).
+#[test]
+fn stage3_pretrained_load_reads_each_ranks_byte_ranges_and_holds_its_shards() {
+    if !Path::new("/proc/self/clear_refs").exists() || !Path::new("/proc/self/io").exists() {
+        println!("skipped: no /proc/self/clear_refs or /proc/self/io (Linux only) to measure the load");
+        return;
+    }
+    let dir = scratch("pretrained", "peak");
+    Tower::new(&Device::flex())
+        .save_into(&mut SafetensorsStore::from_file(dir.join("tower.safetensors")))
+        .unwrap();
+    run_child("true", "pretrained::load_peak_child", "BURN_SHARD_LOAD_PEAK", &dir);
+}
+
+fn rchar() -> u64 {
+    let io = std::fs::read_to_string("/proc/self/io").unwrap();
+    let line = io.lines().find(|l| l.starts_with("rchar:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+#[ignore = "run by stage3_pretrained_load_reads_each_ranks_byte_ranges_and_holds_its_shards in a process of its own"]
+fn load_peak_child() {
+    run_by_parent("BURN_SHARD_LOAD_PEAK");
+    const WORLD: usize = 4;
+    let file = PathBuf::from(std::env::var_os("BURN_SHARD_LOAD_PEAK").unwrap()).join("tower.safetensors");
+    let file_bytes = std::fs::metadata(&file).unwrap().len();
+    let device = Device::flex().autodiff();
+    let model_bytes = (LAYERS * (WIDTH * WIDTH + WIDTH) * 4) as u64;
+    let param_bytes = (WIDTH * WIDTH * 4) as u64;
+    // Threads, collectives and Burn's first ops allocate once: warm them up on a tiny model.
+    let warm: Vec<Linear> = (0..WORLD).map(|_| LinearConfig::new(4, 4).init(&device)).collect();
+    let warm = std::sync::Mutex::new(warm);
+    run_ranks(InProcessGroup::new(WORLD).unwrap(), |comm| {
+        let model = warm.lock().unwrap().pop().unwrap();
+        drop(ShardConfig::new(Stage::Three).init(model, adamw(), comm).unwrap());
+    })
+    .unwrap();
+    let models: Vec<Tower> = (0..WORLD).map(|_| Tower::new(&device)).collect();
+    let models = std::sync::Mutex::new(models);
+    let (rss_before, read_before) = (status_bytes("VmRSS"), rchar());
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    let held = run_ranks(InProcessGroup::new(WORLD).unwrap(), |comm| {
+        let model = models.lock().unwrap().pop().unwrap();
+        let pretrained = Pretrained::safetensors(&file).unwrap();
+        ShardConfig::new(Stage::Three)
+            .init_pretrained(model, pretrained, adamw(), comm)
+            .unwrap()
+    })
+    .unwrap();
+    let (grown, read) = (status_bytes("VmHWM").saturating_sub(rss_before), rchar() - read_before);
+    // The values are the file's: the last layer, gathered on every rank.
+    let held = std::sync::Mutex::new(held);
+    let last = run_ranks(InProcessGroup::new(WORLD).unwrap(), |comm| {
+        let (model, _) = held.lock().unwrap().remove(0);
+        drop(comm);
+        model.layers[LAYERS - 1]
+            .weight
+            .val()
+            .into_data()
+            .iter::<f32>()
+            .collect::<Vec<_>>()
+    })
+    .unwrap();
+    let tensors = std::fs::read(&file).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&tensors).unwrap();
+    let saved = tensors.tensor(&format!("layers.{}.weight", LAYERS - 1)).unwrap();
+    let saved: Vec<f32> = saved
+        .data()
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    for (rank, got) in last.iter().enumerate() {
+        assert!(got == &saved, "rank {rank}: the last layer's weight is not the file's");
+    }
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let bound = model_bytes + 2 * WORLD as u64 * param_bytes + (16 << 20);
+    println!(
+        "stage-3 load of a {:.1} MiB file on {WORLD} ranks: peak grew by {:.1} MiB (bound {:.1}), {:.1} MiB read \
+         (the file once: {:.1}; once per rank would be {:.1})",
+        mib(file_bytes),
+        mib(grown),
+        mib(bound),
+        mib(read),
+        mib(file_bytes),
+        mib(WORLD as u64 * file_bytes)
+    );
+    assert!(
+        grown <= bound,
+        "load peak grew by {:.1} MiB, over {:.1} MiB",
+        mib(grown),
+        mib(bound)
+    );
+    assert!(
+        read <= file_bytes + (1 << 20),
+        "read {:.1} MiB for a {:.1} MiB file: some rank read more than its byte ranges",
+        mib(read),
+        mib(file_bytes)
+    );
+    assert!(read >= model_bytes, "read {:.1} MiB: less than the weights", mib(read));
+}
