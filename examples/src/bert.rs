@@ -14,6 +14,7 @@ use burn::module::Param;
 use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig};
 use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
+use burn_shard::Pretrained;
 use burn_store::{ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -150,6 +151,19 @@ const HF_NAMES: [(&str, &str); 7] = [
     ),
 ];
 
+/// What to do when the weights are not where they should be.
+fn missing_weights(path: &Path) -> String {
+    format!(
+        "{} does not exist: run `cargo xtask fetch-minilm` to download all-MiniLM-L6-v2 (90.9 MB) there, or pass --model-dir",
+        path.display()
+    )
+}
+
+/// `name` with the regex metacharacters it can hold (dots) escaped.
+fn regex_escape(name: &str) -> String {
+    name.replace('.', "\\.")
+}
+
 /// Tensors of a Hugging Face `BertModel` file this port does not use.
 const HF_UNUSED: [&str; 3] = ["embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias"];
 
@@ -163,10 +177,7 @@ impl Bert {
     /// for (another architecture or size than `config.json` says).
     pub fn load_safetensors(mut self, path: &Path) -> Result<Self, String> {
         if !path.is_file() {
-            return Err(format!(
-                "{} does not exist: run `cargo xtask fetch-minilm` to download all-MiniLM-L6-v2 (90.9 MB) there, or pass --model-dir",
-                path.display()
-            ));
+            return Err(missing_weights(path));
         }
         let mut store = SafetensorsStore::from_file(path).with_from_adapter(PyTorchToBurnAdapter);
         for (from, to) in HF_NAMES {
@@ -242,7 +253,8 @@ impl SentenceClassifier {
     /// of Burn's `Linear` default), bias zero, drawn from a generator seeded with `seed`, so the
     /// head is the same whatever else draws from Burn's process-wide generator meanwhile.
     pub fn new(bert: Bert, classes: usize, dropout: f64, seed: u64, device: &Device) -> Self {
-        let hidden = bert.embeddings.word_embeddings.weight.shape().dims::<2>()[1];
+        // `lazy_shape`: reading the shape through the value would build the embedding table.
+        let hidden = bert.embeddings.word_embeddings.weight.lazy_shape().dims::<2>()[1];
         let bound = 1.0 / (hidden as f32).sqrt();
         let mut rng = StdRng::seed_from_u64(seed);
         let weights: Vec<f32> = (0..hidden * classes).map(|_| rng.random_range(-bound..bound)).collect();
@@ -254,6 +266,32 @@ impl SentenceClassifier {
             dropout: DropoutConfig::new(dropout).init(),
             head,
         }
+    }
+
+    /// Hugging Face `BertModel` weights (as in all-MiniLM-L6-v2's `model.safetensors`) for a
+    /// classifier, as `ShardConfig::init_pretrained` takes them: each rank reads its own
+    /// shards' bytes, and no rank builds the whole encoder first. The same names, transposes
+    /// and checks as [`Bert::load_safetensors`]; the head is not in the file and keeps the
+    /// values [`SentenceClassifier::new`] gave it; the file's pooler is skipped.
+    ///
+    /// # Errors
+    /// The file is missing (the message says how to fetch it) or not safetensors. Whether it
+    /// fits the model is checked by `init_pretrained` (every tensor's name and shape).
+    pub fn pretrained(path: &Path) -> Result<Pretrained, String> {
+        if !path.is_file() {
+            return Err(missing_weights(path));
+        }
+        let mut pretrained = Pretrained::safetensors(path).map_err(|e| e.to_string())?;
+        // Hugging Face's names onto the encoder's paths, then under the classifier's `bert`.
+        for (from, to) in HF_NAMES.into_iter().chain([("^", "bert.")]) {
+            pretrained = pretrained.with_key_remapping(from, to).map_err(|e| e.to_string())?;
+        }
+        let unused = HF_UNUSED.map(|name| format!("^bert\\.{}$", regex_escape(name)));
+        pretrained
+            .with_from_adapter(PyTorchToBurnAdapter)
+            .allow_missing(["^head\\."])
+            .and_then(|p| p.ignore_unused(unused))
+            .map_err(|e| e.to_string())
     }
 
     /// Class logits `[batch, classes]` for `ids`/`pad` as in [`Bert::forward`].

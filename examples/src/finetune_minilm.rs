@@ -2,7 +2,7 @@
 //! hidden 384, 22.7M parameters) with mean pooling and a linear head on SST-2 (or TREC), with
 //! ZeRO sharding over ranks that are threads on the CPU backend.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::module::Module;
@@ -191,10 +191,17 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
         ));
     }
     let device = training_device(stage);
-    let bert = config
-        .init(args.dropout, &device)
-        .load_safetensors(&model_dir.join("model.safetensors"))?;
-    let base = SentenceClassifier::new(bert, args.task.classes(), args.dropout, args.seed, &device);
+    let weights = model_dir.join("model.safetensors");
+    // Checks the file is there (the message says how to fetch it); each rank reads its part.
+    drop(SentenceClassifier::pretrained(&weights)?);
+    // Lazy (nothing initialised or loaded): for its size; each rank builds its own.
+    let base = SentenceClassifier::new(
+        config.init(args.dropout, &device),
+        args.task.classes(),
+        args.dropout,
+        args.seed,
+        &device,
+    );
     // Dropout draws from Burn's CPU generator, which is one per process and shared by the rank
     // threads in the order they ask: seeded once, but not reproducible draw for draw.
     device.seed(args.seed);
@@ -213,11 +220,13 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
 
     let started = Instant::now();
     let group = InProcessGroup::new(args.shard.world_size).map_err(|e| e.to_string())?;
-    let mut outcomes = run_ranks(group, |comm| train_rank(&args, stage, &train, &eval, &base, comm))
-        .map_err(|e| e.to_string())?
-        .into_iter()
-        .collect::<Result<Vec<_>, ShardError>>()
-        .map_err(|e| e.to_string())?;
+    let mut outcomes = run_ranks(group, |comm| {
+        train_rank(&args, stage, &train, &eval, (&config, &weights), comm)
+    })
+    .map_err(|e| e.to_string())?
+    .into_iter()
+    .collect::<Result<Vec<_>, ShardError>>()
+    .map_err(|e| e.to_string())?;
     let seconds = started.elapsed().as_secs_f64();
     let (start, metrics, memory) = outcomes.swap_remove(0);
     let accuracy = metrics
@@ -251,17 +260,27 @@ fn train_rank(
     stage: Stage,
     train: &[Sentence],
     eval: &[Sentence],
-    base: &SentenceClassifier,
+    (config, weights): (&BertConfig, &Path),
     comm: InProcessComm,
 ) -> Result<(usize, Metrics, MemoryReport), ShardError> {
     let rank = comm.rank();
     let device = training_device(stage);
     let local = args.batch_size / args.shard.world_size;
     let optimizer = AdamWConfig::new().with_weight_decay(args.weight_decay);
+    // Built lazily and loaded by `init_pretrained` straight into this rank's shards: no rank
+    // holds the whole pretrained encoder at stage 3 (the head is new: rank 0's, broadcast).
+    let model = SentenceClassifier::new(
+        config.init(args.dropout, &device),
+        args.task.classes(),
+        args.dropout,
+        args.seed,
+        &device,
+    );
+    let pretrained = SentenceClassifier::pretrained(weights).map_err(ShardError::InvalidConfig)?;
     let (model, mut optim) = args
         .shard
         .shard_config(stage)
-        .init(base.clone().fork(&device), optimizer, comm)?;
+        .init_pretrained(model, pretrained, optimizer, comm)?;
     let (mut model, start) = resume(&args.shard, &mut optim, model, args.steps)?;
 
     let loss_fn = CrossEntropyLossConfig::new().init(&device);

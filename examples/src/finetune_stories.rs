@@ -3,7 +3,7 @@
 //! shakespeare with ZeRO sharding (stage 3 by default) and shows the validation loss before
 //! and after and a sample.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::module::Module;
@@ -128,7 +128,10 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
         .unwrap_or_else(|| data_dir.join("tinyshakespeare.txt"));
 
     let device = training_device(stage);
-    let (config, base) = Llama::load_llama2c(&model_path, &device)?;
+    // The header and the file's length are checked here; each rank reads its part of the
+    // weights in `init_pretrained`. `base` is lazy (nothing initialised): for its size.
+    let (config, _) = Llama::llama2c_pretrained(&model_path)?;
+    let base = config.init(&device);
     if args.block_size > config.seq_len {
         return Err(format!(
             "--block-size {} is longer than the model's context {}",
@@ -136,12 +139,7 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
         ));
     }
     let tokenizer = Llama2cTokenizer::from_file(&tok_path, config.vocab_size)?;
-    let story = greedy_story(&base.valid(), &tokenizer, args.sample_tokens, config.seq_len);
-    println!(
-        "{} ({} params) from BOS, greedy:\n  {story}",
-        model_path.display(),
-        base.num_params()
-    );
+    println!("{} ({} params)", model_path.display(), base.num_params());
 
     let bytes = read_data(&text_path)?;
     let mut text = String::from_utf8_lossy(&bytes).into_owned();
@@ -179,15 +177,15 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
     let started = Instant::now();
     let group = InProcessGroup::new(args.shard.world_size).map_err(|e| e.to_string())?;
     let mut outcomes = run_ranks(group, |comm| {
-        train_rank(&args, stage, &config, train, val, &base, &tokenizer, comm)
+        train_rank(&args, stage, (&config, &model_path), train, val, &tokenizer, comm)
     })
     .map_err(|e| e.to_string())?
     .into_iter()
     .collect::<Result<Vec<_>, ShardError>>()
     .map_err(|e| e.to_string())?;
     let seconds = started.elapsed().as_secs_f64();
-    let (start, metrics, memory, sample) = outcomes.swap_remove(0);
-    let sample = sample.unwrap_or_default();
+    let (start, metrics, memory, [story, sample]) = outcomes.swap_remove(0);
+    let (story, sample) = (story.unwrap_or_default(), sample.unwrap_or_default());
     println!("--- sample after fine-tuning (temperature 0.8) ---\n{sample}\n--------------");
     let [csv, png] = metrics.write(
         &args.out,
@@ -213,16 +211,16 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
     })
 }
 
-type RankOutcome = (usize, Metrics, MemoryReport, Option<String>);
+/// Rank 0's pretrained story and sample (`None` on the other ranks).
+type RankOutcome = (usize, Metrics, MemoryReport, [Option<String>; 2]);
 
 #[allow(clippy::too_many_arguments)]
 fn train_rank(
     args: &Args,
     stage: Stage,
-    config: &LlamaConfig,
+    (config, model_path): (&LlamaConfig, &Path),
     train: &[u16],
     val: &[u16],
-    base: &Llama,
     tokenizer: &Llama2cTokenizer,
     comm: InProcessComm,
 ) -> Result<RankOutcome, ShardError> {
@@ -230,10 +228,19 @@ fn train_rank(
     let device = training_device(stage);
     let local = args.batch_size / args.shard.world_size;
     let optimizer = AdamWConfig::new().with_weight_decay(args.weight_decay);
-    let (model, mut optim) = args
-        .shard
-        .shard_config(stage)
-        .init(base.clone().fork(&device), optimizer, comm)?;
+    // Built lazily and loaded by `init_pretrained` straight into this rank's shards.
+    let (_, pretrained) = Llama::llama2c_pretrained(model_path).map_err(ShardError::InvalidConfig)?;
+    let (model, mut optim) =
+        args.shard
+            .shard_config(stage)
+            .init_pretrained(config.init(&device), pretrained, optimizer, comm)?;
+    // The pretrained model's story, told by the sharded model (at stage 3 every rank takes
+    // part in each forward's gathers; greedy, so all ranks generate the same tokens).
+    let story = greedy_story(&model.valid(), tokenizer, args.sample_tokens, config.seq_len);
+    if rank == 0 {
+        println!("pretrained, from BOS, greedy:\n  {story}");
+    }
+    let story = (rank == 0).then_some(story);
     let (mut model, start) = resume(&args.shard, &mut optim, model, args.steps)?;
     let world_size = args.shard.world_size;
     // Global batch `b` of the validation windows, the same at every world size.
@@ -304,5 +311,5 @@ fn train_rank(
         );
         format!("ROMEO:\n{}", tokenizer.decode(*prompt.last().expect("prompt"), &out))
     });
-    Ok((start, metrics, memory, sample))
+    Ok((start, metrics, memory, [story, sample]))
 }

@@ -8,17 +8,25 @@
 //! θ = 10,000), a SwiGLU feed-forward `w2(silu(w1 x) * w3 x)`, RMSNorm with ε = 1e-5, and a
 //! classifier tied to the token embedding.
 
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
-use burn::module::Param;
 use burn::nn::attention::generate_autoregressive_mask;
-use burn::nn::{Embedding, Linear, RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig, SwiGlu};
+use burn::nn::{
+    Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig,
+    SwiGlu, SwiGluConfig,
+};
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
+use burn::tensor::{Bytes, DType};
+use burn_shard::Pretrained;
+use burn_store::burn_pack::Tensor as PackTensor;
+use burn_store::{ModuleSnapshot, PyTorchToBurnAdapter};
 use rand::Rng;
 
 use crate::llama2c_tokenizer::{BOS, EOS};
-use crate::training::{read_data, sample_index};
+use crate::training::sample_index;
 
 /// The sizes in a llama2.c checkpoint's header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +51,35 @@ impl LlamaConfig {
     /// Width of one head.
     pub fn head_size(&self) -> usize {
         self.dim / self.n_heads
+    }
+
+    /// The model of these sizes on `device`, its parameters lazy (Burn's initializers, not
+    /// run until first read or loaded): build it so and load the weights with
+    /// [`Llama::llama2c_pretrained`] and `ShardConfig::init_pretrained`.
+    pub fn init(&self, device: &Device) -> Llama {
+        let (d, kv, h) = (self.dim, self.n_kv_heads * self.head_size(), self.hidden_dim);
+        let linear = |inp: usize, out: usize| LinearConfig::new(inp, out).with_bias(false).init(device);
+        let norm = || RmsNormConfig::new(d).with_epsilon(1e-5).init(device);
+        let block = |_| LlamaBlock {
+            attention_norm: norm(),
+            attention: Attention {
+                wq: linear(d, d),
+                wk: linear(d, kv),
+                wv: linear(d, kv),
+                wo: linear(d, d),
+                n_heads: self.n_heads,
+                n_kv_heads: self.n_kv_heads,
+            },
+            ffn_norm: norm(),
+            w13: SwiGluConfig::new(d, h).with_bias(false).init(device),
+            w2: linear(h, d),
+        };
+        Llama {
+            tok_embeddings: EmbeddingConfig::new(self.vocab_size, d).init(device),
+            layers: (0..self.n_layers).map(block).collect(),
+            norm: norm(),
+            rope: RotaryEncodingConfig::new(self.seq_len, self.head_size()).init(device),
+        }
     }
 }
 
@@ -123,20 +160,56 @@ pub struct Llama {
 }
 
 impl Llama {
-    /// Reads a llama2.c checkpoint: a header of 7 little-endian `i32` (dim, hidden_dim,
-    /// n_layers, n_heads, n_kv_heads, vocab_size (negative: an untied classifier follows),
-    /// seq_len), then `f32` tensors, weights stored `[out, in]`.
+    /// Reads a llama2.c checkpoint into a whole model on `device` (see
+    /// [`Llama::llama2c_tensors`] for the format and the checks).
+    ///
+    /// # Errors
+    /// Those of [`Llama::llama2c_tensors`].
+    pub fn load_llama2c(path: &Path, device: &Device) -> Result<(LlamaConfig, Self), String> {
+        let (config, tensors) = Self::llama2c_tensors(path)?;
+        let mut model = config.init(device);
+        let result = model.apply(tensors, None, Some(Box::new(PyTorchToBurnAdapter)), false);
+        if !result.errors.is_empty() || !result.missing.is_empty() || !result.unused.is_empty() {
+            return Err(format!("{}: {result:?}", path.display()));
+        }
+        Ok((config, model))
+    }
+
+    /// A llama2.c checkpoint as `ShardConfig::init_pretrained` takes it, for a model built
+    /// lazily with [`LlamaConfig::init`]: each rank reads its own shards' bytes, and no rank
+    /// holds the whole model first.
+    ///
+    /// # Errors
+    /// Those of [`Llama::llama2c_tensors`].
+    pub fn llama2c_pretrained(path: &Path) -> Result<(LlamaConfig, Pretrained), String> {
+        let (config, tensors) = Self::llama2c_tensors(path)?;
+        let pretrained =
+            Pretrained::from_tensors(path.display().to_string(), tensors).with_from_adapter(PyTorchToBurnAdapter);
+        Ok((config, pretrained))
+    }
+
+    /// The tensors of a llama2.c checkpoint, named by this model's module paths, each a window
+    /// of the file (nothing but the header and the RoPE table is read here): a header of 7
+    /// little-endian `i32` (dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size
+    /// (negative: an untied classifier follows), seq_len), then `f32` tensors, each kind for
+    /// all layers at once, weights stored `[out, in]` (PyTorch's layout: load them with
+    /// burn-store's `PyTorchToBurnAdapter`, which transposes `Linear` weights).
     ///
     /// # Errors
     /// The file is unreadable, its header is not a llama2.c one, its length is not what the
-    /// header implies, or it has an untied classifier (not supported by this port).
-    pub fn load_llama2c(path: &Path, device: &Device) -> Result<(LlamaConfig, Self), String> {
-        let bytes = read_data(path)?;
+    /// header implies, its RoPE table is not `θ = 10,000`'s, or it has an untied classifier
+    /// (not supported by this port).
+    pub fn llama2c_tensors(path: &Path) -> Result<(LlamaConfig, Vec<PackTensor>), String> {
         let bad = |what: String| format!("{} is not a llama2.c checkpoint: {what}", path.display());
-        if bytes.len() < 28 {
-            return Err(bad(format!("{} bytes, shorter than the header", bytes.len())));
+        let unreadable = |e: std::io::Error| format!("{}: {e}", path.display());
+        let mut file = File::open(path).map_err(unreadable)?;
+        let len = file.metadata().map_err(unreadable)?.len();
+        let mut header = [0u8; 28];
+        if len < 28 {
+            return Err(bad(format!("{len} bytes, shorter than the header")));
         }
-        let header: Vec<i32> = bytes[..28]
+        file.read_exact(&mut header).map_err(unreadable)?;
+        let header: Vec<i32> = header
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
             .collect();
@@ -166,117 +239,63 @@ impl Llama {
         {
             return Err(bad(format!("inconsistent sizes {c:?}")));
         }
-        let (l, d, kv) = (c.n_layers, c.dim, c.n_kv_heads * c.head_size());
-        // Each header value is below 2^24 and at most three multiply: far below u64::MAX, so
-        // the sizes are computed in u64 and compared with the file's length before any use.
-        let n = |factors: &[usize]| factors.iter().map(|&f| f as u64).product::<u64>();
-        let sizes64 = [
-            n(&[c.vocab_size, d]),
-            n(&[l, d]),
-            n(&[l, d, d]),
-            n(&[l, kv, d]),
-            n(&[l, kv, d]),
-            n(&[l, d, d]),
-            n(&[l, d]),
-            n(&[l, c.hidden_dim, d]),
-            n(&[l, d, c.hidden_dim]),
-            n(&[l, c.hidden_dim, d]),
-            n(&[d]),
-            n(&[c.seq_len, c.head_size() / 2]),
-            n(&[c.seq_len, c.head_size() / 2]),
+        let (l, d, kv, h) = (c.n_layers, c.dim, c.n_kv_heads * c.head_size(), c.hidden_dim);
+        let rope = c.seq_len * c.head_size() / 2;
+        // Each kind, for all layers: its name under `layers.{i}.` (or its own path) and the
+        // shape of one layer's part, `[out, in]` for weights. Each header value is below 2^24
+        // and at most three multiply: the sizes are computed in u64 and compared with the
+        // file's length before any use.
+        let kinds: [(&str, Vec<usize>, usize); 13] = [
+            ("tok_embeddings.weight", vec![c.vocab_size, d], 1),
+            ("attention_norm.gamma", vec![d], l),
+            ("attention.wq.weight", vec![d, d], l),
+            ("attention.wk.weight", vec![kv, d], l),
+            ("attention.wv.weight", vec![kv, d], l),
+            ("attention.wo.weight", vec![d, d], l),
+            ("ffn_norm.gamma", vec![d], l),
+            ("w13.linear_inner.weight", vec![h, d], l),
+            ("w2.weight", vec![d, h], l),
+            ("w13.linear_outer.weight", vec![h, d], l),
+            ("norm.gamma", vec![d], 1),
+            ("freq_cis_real", vec![rope], 1),
+            ("freq_cis_imag", vec![rope], 1),
         ];
-        let expected64 = 28 + 4 * sizes64.iter().sum::<u64>();
-        if bytes.len() as u64 != expected64 {
-            return Err(bad(format!(
-                "{} bytes, the header {c:?} implies {expected64}",
-                bytes.len()
-            )));
+        let bytes_of = |shape: &[usize], n: usize| 4 * n as u64 * shape.iter().map(|&f| f as u64).product::<u64>();
+        let expected = 28 + kinds.iter().map(|(_, shape, n)| bytes_of(shape, *n)).sum::<u64>();
+        if len != expected {
+            return Err(bad(format!("{len} bytes, the header {c:?} implies {expected}")));
         }
-        let sizes = [
-            c.vocab_size * d,              // token_embedding
-            l * d,                         // rms_att
-            l * d * d,                     // wq
-            l * kv * d,                    // wk
-            l * kv * d,                    // wv
-            l * d * d,                     // wo
-            l * d,                         // rms_ffn
-            l * c.hidden_dim * d,          // w1
-            l * d * c.hidden_dim,          // w2
-            l * c.hidden_dim * d,          // w3
-            d,                             // rms_final
-            c.seq_len * c.head_size() / 2, // freq_cis_real (recomputed by RotaryEncoding)
-            c.seq_len * c.head_size() / 2, // freq_cis_imag
-        ];
-        let expected = 28 + 4 * sizes.iter().sum::<usize>();
-        if bytes.len() != expected {
-            return Err(bad(format!(
-                "{} bytes, the header {c:?} implies {expected}",
-                bytes.len()
-            )));
-        }
-        let floats: Vec<f32> = bytes[28..]
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .collect();
-        let mut parts = Vec::with_capacity(sizes.len());
-        let mut at = 0;
-        for n in sizes {
-            parts.push(&floats[at..at + n]);
-            at += n;
-        }
-        let [
-            emb,
-            rms_att,
-            wq,
-            wk,
-            wv,
-            wo,
-            rms_ffn,
-            w1,
-            w2,
-            w3,
-            rms_final,
-            freq_real,
-            freq_imag,
-        ] = parts[..]
-        else {
-            unreachable!("13 parts")
-        };
-        check_rope_table(&c, freq_real, freq_imag).map_err(bad)?;
-        let block = |i: usize| {
-            let layer = |all: &[f32], out: usize, inp: usize| {
-                linear(&all[i * out * inp..(i + 1) * out * inp], out, inp, device)
-            };
-            LlamaBlock {
-                attention_norm: rms_norm(&rms_att[i * d..(i + 1) * d], device),
-                attention: Attention {
-                    wq: layer(wq, d, d),
-                    wk: layer(wk, kv, d),
-                    wv: layer(wv, kv, d),
-                    wo: layer(wo, d, d),
-                    n_heads: c.n_heads,
-                    n_kv_heads: c.n_kv_heads,
-                },
-                ffn_norm: rms_norm(&rms_ffn[i * d..(i + 1) * d], device),
-                w13: SwiGlu {
-                    linear_inner: layer(w1, c.hidden_dim, d),
-                    linear_outer: layer(w3, c.hidden_dim, d),
-                },
-                w2: layer(w2, d, c.hidden_dim),
+        let mut tensors = Vec::new();
+        let mut at = 28u64;
+        let mut rope_table = Vec::new();
+        for (name, shape, n) in kinds {
+            let size = bytes_of(&shape, 1);
+            for i in 0..n {
+                let name = match (name, n) {
+                    ("freq_cis_real" | "freq_cis_imag", _) => {
+                        let mut table = vec![0u8; size as usize];
+                        file.seek(SeekFrom::Start(at)).map_err(unreadable)?;
+                        file.read_exact(&mut table).map_err(unreadable)?;
+                        rope_table.push(table);
+                        None
+                    }
+                    (_, 1) => Some(name.to_string()),
+                    _ => Some(format!("layers.{i}.{name}")),
+                };
+                if let Some(name) = name {
+                    let bytes = Bytes::from_file(path, size, at);
+                    tensors.push(PackTensor::new(name, DType::F32, shape.clone(), None, bytes));
+                }
+                at += size;
             }
+        }
+        let floats = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect()
         };
-        let model = Llama {
-            tok_embeddings: Embedding {
-                weight: Param::from_tensor(Tensor::from_data(
-                    TensorData::new(emb.to_vec(), [c.vocab_size, d]),
-                    device,
-                )),
-            },
-            layers: (0..l).map(block).collect(),
-            norm: rms_norm(rms_final, device),
-            rope: RotaryEncodingConfig::new(c.seq_len, c.head_size()).init(device),
-        };
-        Ok((c, model))
+        check_rope_table(&c, &floats(&rope_table[0]), &floats(&rope_table[1])).map_err(bad)?;
+        Ok((c, tensors))
     }
 
     /// `idx`: `[batch, seq]` token ids (seq at most the config's `seq_len`) -> logits
@@ -335,30 +354,6 @@ impl Llama {
         }
         ids[prompt.len()..].to_vec()
     }
-}
-
-/// A bias-free `Linear` from llama2.c's row-major `[out, in]` weight (Burn stores `[in, out]`).
-fn linear(rows: &[f32], out: usize, inp: usize, device: &Device) -> Linear {
-    let mut transposed = vec![0.0; rows.len()];
-    for o in 0..out {
-        for i in 0..inp {
-            transposed[i * out + o] = rows[o * inp + i];
-        }
-    }
-    Linear {
-        weight: Param::from_tensor(Tensor::from_data(TensorData::new(transposed, [inp, out]), device)),
-        bias: None,
-    }
-}
-
-/// llama2.c's RMSNorm (ε = 1e-5) with the given weights.
-fn rms_norm(gamma: &[f32], device: &Device) -> RmsNorm {
-    let mut norm = RmsNormConfig::new(gamma.len()).with_epsilon(1e-5).init(device);
-    norm.gamma = Param::from_tensor(Tensor::from_data(
-        TensorData::new(gamma.to_vec(), [gamma.len()]),
-        device,
-    ));
-    norm
 }
 
 /// The checkpoint's RoPE table must be the one `RotaryEncoding` computes (θ = 10,000):

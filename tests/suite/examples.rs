@@ -206,6 +206,47 @@ fn bert_loader_maps_hugging_face_files() {
     assert!(err.contains("cargo xtask fetch-minilm"), "{err}");
 }
 
+/// The fine-tuning example's route: a lazy `SentenceClassifier` loaded by `init_pretrained` with
+/// `SentenceClassifier::pretrained` (Hugging Face names and layout, the pooler skipped, the head
+/// kept) on 2 ranks at stages 0 and 3 holds bitwise the encoder `Bert::load_safetensors` loads
+/// into a whole model, and the head `SentenceClassifier::new` made, on both ranks.
+#[test]
+fn minilm_classifier_loads_into_shards_as_into_a_whole_model() {
+    use burn_shard::comm::{Collective, InProcessGroup, run_ranks};
+    use burn_shard::{ShardConfig, Stage};
+    use burn_shard_examples::bert::SentenceClassifier;
+    let dir = scratch("examples-tests", "tiny-bert-sharded");
+    write_tiny_bert(&dir, &tiny_config());
+    let weights = dir.join("model.safetensors");
+    let device = Device::flex().autodiff();
+    let whole = SentenceClassifier::new(
+        tiny_config().init(0.0, &device).load_safetensors(&weights).unwrap(),
+        3,
+        0.0,
+        7,
+        &device,
+    );
+    let expected = params_of(&whole);
+    for stage in [Stage::Zero, Stage::Three] {
+        let ranks = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let model = SentenceClassifier::new(tiny_config().init(0.0, &device), 3, 0.0, 7, &device);
+            let pretrained = SentenceClassifier::pretrained(&weights).unwrap();
+            let rank = comm.rank();
+            let (model, _) = ShardConfig::new(stage)
+                .init_pretrained(model, pretrained, burn::optim::AdamWConfig::new(), comm)
+                .unwrap();
+            (rank, params_of(&model.materialize()))
+        })
+        .unwrap();
+        for (rank, got) in ranks {
+            assert_eq!(
+                got, expected,
+                "stage {stage}, rank {rank}: differs from the whole model's load"
+            );
+        }
+    }
+}
+
 /// Published check of the real weights (the data README of the project's shared data): mean-pooled embeddings of
 /// two sentences have cosine similarity 0.755. Runs when `cargo xtask fetch-minilm` has
 /// fetched the weights (CI does, in `cargo xtask setup`), and must run when
