@@ -16,6 +16,7 @@ use burn_shard_comm::{Collective, CommError, InProcessGroup, MpiComm, ReduceOp, 
 
 use crate::common::*;
 use crate::equivalence::{GLOBAL_BATCH, LR, STEPS, train_rank};
+use crate::sharded_init::{assert_bitwise, entries_of, next_draws};
 
 const SCENARIO: &str = "BURN_SHARD_MPI_SCENARIO";
 /// Longest an mpirun of this suite may take before it is killed and the test fails.
@@ -107,6 +108,7 @@ fn rank() {
         "reject" => reject(&comm),
         "timeout" => timeout_scenario(&comm),
         "learner" => learner(&comm),
+        "lazy_init" => lazy_init(&comm),
         other => panic!("unknown scenario {other}"),
     };
     println!("RESULT rank {rank}: {result}");
@@ -323,6 +325,50 @@ fn training(comm: &Arc<MpiComm>) -> String {
     report.join(", ")
 }
 
+/// `init` of a lazy model and `init_pretrained` from a safetensors file, one process per rank
+/// (each with its own random generator) at stages 0-3: every rank's entries after `init`
+/// (gathered at stage 3) equal bitwise what single-device Burn initialises from the same seed
+/// (lazy `Linear` layers and an eager parameter); rank 0's generator moved as the single
+/// device's did and no other rank's moved (rank 0 initialised, the others received); from the
+/// file (each process its own copy, written from that init), the same values, every rank
+/// reading its own byte ranges.
+fn lazy_init(comm: &Arc<MpiComm>) -> String {
+    use burn_shard::Pretrained;
+    use burn_store::{ModuleSnapshot, SafetensorsStore};
+    const SEED: u64 = 41;
+    let rank = comm.rank();
+    let device = Device::flex().autodiff();
+    device.seed(SEED);
+    let untouched = next_draws(&device);
+    device.seed(SEED);
+    let single = TinyMlp::new(&device);
+    let expected = entries_of(&single);
+    let drawn = next_draws(&device);
+    let file = scratch("mpi-lazy-init", &format!("rank{rank}")).join("model.safetensors");
+    single.save_into(&mut SafetensorsStore::from_file(&file)).unwrap();
+    for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+        device.seed(SEED);
+        let (model, _) = ShardConfig::new(stage)
+            .init(TinyMlp::new(&device), AdamWConfig::new(), comm.clone())
+            .unwrap_or_else(|e| panic!("rank {rank} stage {stage}: {e}"));
+        let got = entries_of(&model.materialize());
+        assert_bitwise(&format!("rank {rank}, stage {stage}, lazy init"), &got, &expected);
+        let draws = next_draws(&device);
+        let want = if rank == 0 { &drawn } else { &untouched };
+        assert_eq!(
+            &draws, want,
+            "rank {rank}, stage {stage}: the random generator moved otherwise"
+        );
+        let pretrained = Pretrained::safetensors(&file).unwrap();
+        let (model, _) = ShardConfig::new(stage)
+            .init_pretrained(TinyMlp::new(&device), pretrained, AdamWConfig::new(), comm.clone())
+            .unwrap_or_else(|e| panic!("rank {rank} stage {stage}: {e}"));
+        let got = entries_of(&model.materialize());
+        assert_bitwise(&format!("rank {rank}, stage {stage}, pretrained"), &got, &expected);
+    }
+    "stages 0-3: lazy init and pretrained load equal single-device init bitwise".into()
+}
+
 fn kind_of(err: &CommError) -> &'static str {
     match err {
         CommError::Mismatch { .. } => "Mismatch",
@@ -405,6 +451,18 @@ fn sharded_training_across_processes_matches_single_process_training_at_every_st
         let lines = results(np, "training", &text);
         assert!(lines[0].starts_with("stage 0"), "{}", lines[0]);
         println!("np {np}: {}", lines[0]);
+    }
+}
+
+/// Sharded init of a lazy model and a pretrained load with one process per rank: see
+/// [`lazy_init`].
+#[test]
+fn lazy_init_and_pretrained_load_across_processes_equal_single_device_init() {
+    for np in [2, 3] {
+        let (ok, text) = mpirun(np, "lazy_init");
+        assert!(ok, "mpirun -np {np} failed:\n{text}");
+        let lines = results(np, "lazy_init", &text);
+        assert!(lines.iter().all(|l| l.starts_with("stages 0-3")), "{lines:?}");
     }
 }
 

@@ -97,21 +97,98 @@ fn pretrained_weights_load_into_shards_as_burn_store_loads_them_into_a_whole_mod
                 };
                 for (format, pretrained) in formats {
                     let at = format!("{name} from {format}, stage {stage}, world size {world_size}");
-                    let ranks = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
-                        let rank = comm.rank();
-                        let (model, mut optim) = ShardConfig::new(stage)
-                            .init_pretrained(Layer::new(name, &device), pretrained(&files), adamw(), comm)
-                            .unwrap_or_else(|e| panic!("{at}: {e}"));
-                        let loaded = entries_of(&model.clone().materialize());
-                        let model = train_rank(model, &mut optim, rank, world_size, &device);
-                        (loaded, trainable_of(&model.materialize()))
-                    })
-                    .unwrap_or_else(|e| panic!("{at}: a rank failed: {e:?}"));
+                    let ranks = load_and_train(&at, name, &device, (stage, world_size), || pretrained(&files));
                     for (rank, (loaded, after)) in ranks.iter().enumerate() {
                         assert_bitwise(&format!("{at}, rank {rank}"), loaded, &expected);
                         let diff = max_abs_diff(after, &trained);
                         assert!(diff < 1e-4, "{at}, rank {rank}: trained parameters differ by {diff}");
                     }
+                }
+            }
+        }
+    }
+}
+
+/// On `world_size` ranks as threads: module `name` built lazily on `device`, loaded by
+/// `init_pretrained` at `stage` from `pretrained()` (one per rank), then trained three steps.
+/// Each rank's entries after `init` (gathered at stage 3) and trainable parameters after.
+fn load_and_train(
+    at: &str,
+    name: &str,
+    device: &Device,
+    (stage, world_size): (Stage, usize),
+    pretrained: impl Fn() -> Pretrained + Sync,
+) -> Vec<(Vec<Vec<f32>>, Vec<f32>)> {
+    run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+        let rank = comm.rank();
+        let (model, mut optim) = ShardConfig::new(stage)
+            .init_pretrained(Layer::new(name, device), pretrained(), adamw(), comm)
+            .unwrap_or_else(|e| panic!("{at}: {e}"));
+        let loaded = entries_of(&model.clone().materialize());
+        let model = train_rank(model, &mut optim, rank, world_size, device);
+        (loaded, trainable_of(&model.materialize()))
+    })
+    .unwrap_or_else(|e| panic!("{at}: a rank failed: {e:?}"))
+}
+
+/// The sweep in `bf16` with `f32` masters: a device whose default float dtype is `bf16`
+/// (configured before its first tensor, so in a process of its own) builds every module lazily
+/// in `bf16`; its weights are written as `f32` safetensors in PyTorch's layout and loaded by
+/// `init_pretrained` into `bf16` models at stages 0-3 on 1-4 ranks (each tensor cast to the
+/// parameter's dtype): every rank's entries are bitwise the saved `bf16` values (which
+/// burn-store's load, cast back to `bf16`, also gives), and three steps leave every rank with
+/// bitwise the same parameters.
+#[test]
+fn pretrained_f32_weights_load_into_a_bf16_model_cast_to_its_dtype() {
+    run_child(
+        "true",
+        "pretrained::bf16_child",
+        "BURN_SHARD_PRETRAINED_BF16",
+        Path::new("."),
+    );
+}
+
+#[test]
+#[ignore = "run by pretrained_f32_weights_load_into_a_bf16_model_cast_to_its_dtype in a process of its own"]
+fn bf16_child() {
+    use burn::tensor::DType;
+    use burn_store::{FloatCastAdapter, ModuleAdapter};
+    run_by_parent("BURN_SHARD_PRETRAINED_BF16");
+    let mut plain = Device::flex();
+    plain
+        .configure(burn::tensor::FloatDType::BF16)
+        .expect("the first use of the device in this process");
+    let device = plain.autodiff();
+    for name in MODULES {
+        let saved = Layer::new(name, &device);
+        let expected = entries_of(&saved);
+        let file = scratch("pretrained-bf16", name).join("model.safetensors");
+        saved
+            .save_into(
+                &mut SafetensorsStore::from_file(&file)
+                    .with_to_adapter(BurnToPyTorchAdapter.chain(FloatCastAdapter::to(DType::F32))),
+            )
+            .unwrap();
+        let mut whole = Layer::new(name, &device);
+        whole
+            .load_from(
+                &mut SafetensorsStore::from_file(&file)
+                    .with_from_adapter(PyTorchToBurnAdapter.chain(FloatCastAdapter::to(DType::BF16))),
+            )
+            .unwrap();
+        assert_bitwise(&format!("{name}: burn-store's load"), &entries_of(&whole), &expected);
+        for world_size in 1..=4 {
+            for stage in STAGES {
+                let at = format!("{name} in bf16 from f32, stage {stage}, world size {world_size}");
+                let ranks = load_and_train(&at, name, &device, (stage, world_size), || {
+                    Pretrained::safetensors(&file)
+                        .unwrap()
+                        .with_from_adapter(PyTorchToBurnAdapter)
+                });
+                for (rank, (loaded, after)) in ranks.iter().enumerate() {
+                    assert_bitwise(&format!("{at}, rank {rank}"), loaded, &expected);
+                    let same = after.iter().zip(&ranks[0].1).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{at}, rank {rank}: trained parameters differ from rank 0's");
                 }
             }
         }

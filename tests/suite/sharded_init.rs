@@ -49,7 +49,7 @@ pub(crate) fn entries_of<M: Module>(module: &M) -> Vec<Vec<f32>> {
 
 /// The next values of the process's random generator: equal in two runs only if both drew
 /// the same numbers since the same seed.
-fn next_draws(device: &Device) -> Vec<f32> {
+pub(crate) fn next_draws(device: &Device) -> Vec<f32> {
     Tensor::<1>::random([8], Distribution::Default, device)
         .into_data()
         .iter::<f32>()

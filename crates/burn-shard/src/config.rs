@@ -366,7 +366,9 @@ impl ShardConfig {
     /// eager before `init`: reading a parameter (`val()`; `num_params` does not), a forward pass,
     /// a mapper that reads or rebuilds values (`Param::map`, `consume`) or loading a record; an
     /// eager model works too, at one whole copy per rank. Cloning the model shares the lazy
-    /// state: a clone kept by the caller keeps every parameter rank 0 initialises.
+    /// state: a clone kept by the caller keeps every parameter rank 0 initialises. To start
+    /// from pretrained weights without a whole copy per rank, see
+    /// [`ShardConfig::init_pretrained`].
     ///
     /// `optim` is anything [`IntoOptimizer`] accepts; Burn's `AdamConfig` / `AdamWConfig` select
     /// the fused Adam step ([`burn_shard_kernels::FusedAdam`]) where the backend has one.

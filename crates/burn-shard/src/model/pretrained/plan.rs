@@ -93,6 +93,9 @@ impl PretrainedPlan {
         let mut hasher = DefaultHasher::new();
         for (index, (id, entry)) in census.entries().enumerate() {
             if entry.numel() == 0 || !SUPPORTED.contains(&entry.dtype) {
+                // Nothing to load (empty), or kept as built (a quantized frozen base): a tensor
+                // of the file under its path is not unused.
+                used.insert(entry.path.clone());
                 continue;
             }
             let context = ModuleContext::new(&entry.containers);
