@@ -269,10 +269,11 @@ impl SentenceClassifier {
     }
 
     /// Hugging Face `BertModel` weights (as in all-MiniLM-L6-v2's `model.safetensors`) for a
-    /// classifier, as `ShardConfig::init_pretrained` takes them: each rank reads its own
-    /// shards' bytes, and no rank builds the whole encoder first. The same names, transposes
-    /// and checks as [`Bert::load_safetensors`]; the head is not in the file and keeps the
-    /// values [`SentenceClassifier::new`] gave it; the file's pooler is skipped.
+    /// classifier, as `ShardConfig::init_pretrained` takes them: no rank builds the whole
+    /// encoder first (at stage 3 a rank keeps its shards; the `Linear` weights, which the
+    /// adapter transposes, are read whole, one at a time). The same names, transposes and
+    /// checks as [`Bert::load_safetensors`]; the head is not in the file and keeps the values
+    /// [`SentenceClassifier::new`] gave it; the file's pooler is skipped.
     ///
     /// # Errors
     /// The file is missing (the message says how to fetch it) or not safetensors. Whether it
@@ -281,17 +282,22 @@ impl SentenceClassifier {
         if !path.is_file() {
             return Err(missing_weights(path));
         }
-        let mut pretrained = Pretrained::safetensors(path).map_err(|e| e.to_string())?;
         // Hugging Face's names onto the encoder's paths, then under the classifier's `bert`.
-        for (from, to) in HF_NAMES.into_iter().chain([("^", "bert.")]) {
-            pretrained = pretrained.with_key_remapping(from, to).map_err(|e| e.to_string())?;
-        }
+        let pretrained = HF_NAMES
+            .into_iter()
+            .chain([("^", "bert.")])
+            .fold(Pretrained::safetensors(path), |p, (from, to)| {
+                p.with_key_remapping(from, to)
+            });
         let unused = HF_UNUSED.map(|name| format!("^bert\\.{}$", regex_escape(name)));
-        pretrained
+        let pretrained = pretrained
             .with_from_adapter(PyTorchToBurnAdapter)
             .allow_missing(["^head\\."])
-            .and_then(|p| p.ignore_unused(unused))
-            .map_err(|e| e.to_string())
+            .ignore_unused(unused);
+        match pretrained.problem() {
+            Some(e) => Err(e.to_string()),
+            None => Ok(pretrained),
+        }
     }
 
     /// Class logits `[batch, classes]` for `ids`/`pad` as in [`Bert::forward`].

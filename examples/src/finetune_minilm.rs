@@ -192,7 +192,7 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
     }
     let device = training_device(stage);
     let weights = model_dir.join("model.safetensors");
-    // Checks the file is there (the message says how to fetch it); each rank reads its part.
+    // Checks the file is there (the message says how to fetch it); the ranks read it.
     drop(SentenceClassifier::pretrained(&weights)?);
     // Lazy (nothing initialised or loaded): for its size; each rank builds its own.
     let base = SentenceClassifier::new(
@@ -226,7 +226,13 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
     .map_err(|e| e.to_string())?
     .into_iter()
     .collect::<Result<Vec<_>, ShardError>>()
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| match e {
+        ShardError::PretrainedMismatch { .. } | ShardError::PretrainedRead { .. } => format!(
+            "{e}\n(is its config.json the one that came with it? for all-MiniLM-L6-v2, delete the folder and run \
+             `cargo xtask fetch-minilm`)"
+        ),
+        e => e.to_string(),
+    })?;
     let seconds = started.elapsed().as_secs_f64();
     let (start, metrics, memory) = outcomes.swap_remove(0);
     let accuracy = metrics

@@ -128,8 +128,8 @@ pub fn run(mut args: Args) -> Result<Summary, String> {
         .unwrap_or_else(|| data_dir.join("tinyshakespeare.txt"));
 
     let device = training_device(stage);
-    // The header and the file's length are checked here; each rank reads its part of the
-    // weights in `init_pretrained`. `base` is lazy (nothing initialised): for its size.
+    // The header and the file's length are checked here; the ranks read the weights in
+    // `init_pretrained`. `base` is lazy (nothing initialised): for its size.
     let (config, _) = Llama::llama2c_pretrained(&model_path)?;
     let base = config.init(&device);
     if args.block_size > config.seq_len {

@@ -176,8 +176,9 @@ impl Llama {
     }
 
     /// A llama2.c checkpoint as `ShardConfig::init_pretrained` takes it, for a model built
-    /// lazily with [`LlamaConfig::init`]: each rank reads its own shards' bytes, and no rank
-    /// holds the whole model first.
+    /// lazily with [`LlamaConfig::init`]: no rank holds the whole model first (at stage 3 a
+    /// rank reads its shards' bytes of the embedding and the norms, and each `Linear` weight
+    /// whole, one at a time, since the adapter transposes it).
     ///
     /// # Errors
     /// Those of [`Llama::llama2c_tensors`].

@@ -32,13 +32,12 @@ fn stories260k_port_tells_the_published_story() {
     let (model, tokenizer) = stories260k();
     assert_eq!(model.num_params(), 260_032, "the data README's parameter count");
     let story = finetune_stories::greedy_story(&model, &tokenizer, 48, 512);
-    assert!(
-        story.starts_with(
-            "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
-        ),
-        "greedy story: {story:?}"
-    );
+    assert!(story.starts_with(PUBLISHED_STORY), "greedy story: {story:?}");
 }
+
+/// The start of llama2.c's published greedy story of stories260K from BOS.
+const PUBLISHED_STORY: &str =
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park.";
 
 /// Encoding then decoding gives the text back (byte fallback included), and the pieces are
 /// BPE merges: far fewer tokens than bytes.
@@ -359,10 +358,11 @@ fn finetune_stories_smoke() {
         "8",
     ]))
     .unwrap();
+    // Told by the model loaded straight into the shards of 2 ranks: the published story's start.
+    let story = &summary.pretrained_story;
     assert!(
-        summary.pretrained_story.starts_with("Once upon a time"),
-        "{}",
-        summary.pretrained_story
+        story.len() > 20 && PUBLISHED_STORY.starts_with(story.trim_end()),
+        "{story:?} is not the start of the published story"
     );
     let csv = rows(&out.join("metrics.csv"));
     assert_eq!(csv, summary.metrics.rows);

@@ -359,7 +359,7 @@ fn lazy_init(comm: &Arc<MpiComm>) -> String {
             &draws, want,
             "rank {rank}, stage {stage}: the random generator moved otherwise"
         );
-        let pretrained = Pretrained::safetensors(&file).unwrap();
+        let pretrained = Pretrained::safetensors(&file);
         let (model, _) = ShardConfig::new(stage)
             .init_pretrained(TinyMlp::new(&device), pretrained, AdamWConfig::new(), comm.clone())
             .unwrap_or_else(|e| panic!("rank {rank} stage {stage}: {e}"));

@@ -18,6 +18,25 @@ use crate::sharded_init::{Mapped, assert_bitwise, entries_of, run_by_parent, sta
 
 const STAGES: [Stage; 4] = [Stage::Zero, Stage::One, Stage::Two, Stage::Three];
 
+/// `module` with every float entry (parameters and running-state buffers) moved by noise
+/// uniform in [-0.5, 0.5): weights that differ from any initializer's (norms' ones and zeros,
+/// BatchNorm's fresh statistics), so that an entry left unloaded shows.
+fn perturbed<M: Module>(module: M) -> M {
+    struct Noise;
+    impl burn::module::ModuleMapper for Noise {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<D>>,
+        ) -> burn::module::Param<Tensor<D>> {
+            param.map(|t| {
+                let noise = t.random_like(burn::tensor::Distribution::Uniform(-0.5, 0.5));
+                t + noise
+            })
+        }
+    }
+    module.map(&mut Noise)
+}
+
 /// The two files of a module's weights: safetensors in PyTorch's layout and names under a
 /// `model.` prefix (burn-store's `BurnToPyTorchAdapter` and key remapping), and burnpack as
 /// burn-store writes a Burn record.
@@ -49,9 +68,7 @@ impl Files {
     /// turned into Burn's.
     fn safetensors(&self) -> Pretrained {
         Pretrained::safetensors(&self.safetensors)
-            .unwrap()
             .with_key_remapping(r"^model\.", "")
-            .unwrap()
             .with_from_adapter(PyTorchToBurnAdapter)
     }
 
@@ -80,7 +97,7 @@ impl Files {
 fn pretrained_weights_load_into_shards_as_burn_store_loads_them_into_a_whole_model() {
     let device = Device::flex().autodiff();
     for name in MODULES {
-        let saved = Layer::new(name, &device);
+        let saved = perturbed(Layer::new(name, &device));
         let files = Files::write(&saved, &scratch("pretrained", name));
         let whole = files.load_whole(Layer::new(name, &device));
         let expected = entries_of(&whole);
@@ -91,7 +108,7 @@ fn pretrained_weights_load_into_shards_as_burn_store_loads_them_into_a_whole_mod
                 let formats: &[(&str, fn(&Files) -> Pretrained)] = match world_size {
                     1 | 3 => &[
                         ("safetensors", Files::safetensors),
-                        ("burnpack", |f| Pretrained::burnpack(&f.burnpack).unwrap()),
+                        ("burnpack", |f| Pretrained::burnpack(&f.burnpack)),
                     ],
                     _ => &[("safetensors", Files::safetensors)],
                 };
@@ -160,7 +177,7 @@ fn bf16_child() {
         .expect("the first use of the device in this process");
     let device = plain.autodiff();
     for name in MODULES {
-        let saved = Layer::new(name, &device);
+        let saved = perturbed(Layer::new(name, &device));
         let expected = entries_of(&saved);
         let file = scratch("pretrained-bf16", name).join("model.safetensors");
         saved
@@ -181,9 +198,7 @@ fn bf16_child() {
             for stage in STAGES {
                 let at = format!("{name} in bf16 from f32, stage {stage}, world size {world_size}");
                 let ranks = load_and_train(&at, name, &device, (stage, world_size), || {
-                    Pretrained::safetensors(&file)
-                        .unwrap()
-                        .with_from_adapter(PyTorchToBurnAdapter)
+                    Pretrained::safetensors(&file).with_from_adapter(PyTorchToBurnAdapter)
                 });
                 for (rank, (loaded, after)) in ranks.iter().enumerate() {
                     assert_bitwise(&format!("{at}, rank {rank}"), loaded, &expected);
@@ -197,30 +212,48 @@ fn bf16_child() {
 
 /// Entries whose record is not their value: `Linear` layers with `LinearLayout::Col` (a load
 /// mapper transposes the stored weight; a square and a non-square one) and a frozen layer,
-/// from a burnpack record, at stages 0-3 on 1-4 ranks: every rank's entries after `init` equal
-/// bitwise burn-store's load of the record into a whole model.
+/// from a burnpack record, at stages 0-3 on 1-4 ranks, built lazily and built eagerly (every
+/// parameter initialised before `init_pretrained`, to other values than the file's): every
+/// rank's entries after `init` equal bitwise burn-store's load of the record into a whole
+/// model.
 #[test]
-fn pretrained_weights_of_col_layout_and_frozen_layers_load_as_into_a_whole_model() {
+fn pretrained_weights_of_col_layout_frozen_and_eager_layers_load_as_into_a_whole_model() {
     let device = Device::flex().autodiff();
-    let files = Files::write(&Mapped::new(&device), &scratch("pretrained", "mapped"));
+    let files = Files::write(&perturbed(Mapped::new(&device)), &scratch("pretrained", "mapped"));
     let mut whole = Mapped::new(&device);
     whole.load_from(&mut BurnpackStore::from_file(&files.burnpack)).unwrap();
     let expected = entries_of(&whole);
-    for world_size in 1..=4 {
-        for stage in STAGES {
-            let at = format!("Col-layout and frozen Linear, stage {stage}, world size {world_size}");
-            let ranks = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
-                let pretrained = Pretrained::burnpack(&files.burnpack).unwrap();
-                let (model, _) = ShardConfig::new(stage)
-                    .init_pretrained(Mapped::new(&device), pretrained, adamw(), comm)
-                    .unwrap_or_else(|e| panic!("{at}: {e}"));
-                entries_of(&model.materialize())
-            })
-            .unwrap_or_else(|e| panic!("{at}: a rank failed: {e:?}"));
-            for (rank, loaded) in ranks.iter().enumerate() {
-                assert_bitwise(&format!("{at}, rank {rank}"), loaded, &expected);
+    for eager in [false, true] {
+        for world_size in 1..=4 {
+            for stage in STAGES {
+                let built = if eager { "eager" } else { "lazy" };
+                let at = format!("{built} Col-layout and frozen Linear, stage {stage}, world size {world_size}");
+                let ranks = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                    let model = match eager {
+                        // `Param::map` reads (so initialises) every value.
+                        true => Mapped::new(&device).map(&mut Touch),
+                        false => Mapped::new(&device),
+                    };
+                    let (model, _) = ShardConfig::new(stage)
+                        .init_pretrained(model, Pretrained::burnpack(&files.burnpack), adamw(), comm)
+                        .unwrap_or_else(|e| panic!("{at}: {e}"));
+                    entries_of(&model.materialize())
+                })
+                .unwrap_or_else(|e| panic!("{at}: a rank failed: {e:?}"));
+                for (rank, loaded) in ranks.iter().enumerate() {
+                    assert_bitwise(&format!("{at}, rank {rank}"), loaded, &expected);
+                }
             }
         }
+    }
+}
+
+/// Initialises every float entry of a module (`Param::map` reads its value).
+struct Touch;
+
+impl burn::module::ModuleMapper for Touch {
+    fn map_float<const D: usize>(&mut self, param: burn::module::Param<Tensor<D>>) -> burn::module::Param<Tensor<D>> {
+        param.map(|t| t)
     }
 }
 
@@ -320,10 +353,7 @@ fn a_pretrained_file_that_does_not_fit_fails_init_on_every_rank_naming_each_tens
             let at = format!("{}, stage {stage}", file.display());
             let started = std::time::Instant::now();
             let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
-                let pretrained = match Pretrained::safetensors(file) {
-                    Ok(p) => p,
-                    Err(e) => return Some(e.to_string()),
-                };
+                let pretrained = Pretrained::safetensors(file);
                 ShardConfig::new(stage)
                     .init_pretrained(Two::new(2, false, &device), pretrained, adamw(), comm)
                     .err()
@@ -343,12 +373,39 @@ fn a_pretrained_file_that_does_not_fit_fails_init_on_every_rank_naming_each_tens
         }
     }
 
+    // Only one rank's file is unreadable: that rank names it, the other fails within seconds
+    // naming the rank (it would otherwise wait for it at the first collective).
+    let started = std::time::Instant::now();
+    let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let file = if comm.rank() == 1 { &garbage } else { &wider };
+        ShardConfig::new(Stage::Three)
+            .init_pretrained(
+                Two::new(5, false, &device),
+                Pretrained::safetensors(file),
+                adamw(),
+                comm,
+            )
+            .err()
+            .map(|e| e.to_string())
+    })
+    .unwrap();
+    for (rank, err) in results.iter().enumerate() {
+        let err = err
+            .as_deref()
+            .unwrap_or_else(|| panic!("one garbage file, rank {rank}: init succeeded"));
+        assert!(
+            err.contains("garbage.safetensors"),
+            "one garbage file, rank {rank}: {err}"
+        );
+    }
+    assert!(started.elapsed().as_secs() < 10, "one garbage file: within seconds");
+
     // The intended differences let through: `b` initialised as without weights (rank 0's,
     // so every rank's), `c` skipped.
     type Let = fn(Pretrained) -> Pretrained;
     let through: [(&Path, Let, usize); 2] = [
-        (&fewer, |p| p.allow_missing(["^b\\."]).unwrap(), 2),
-        (&more, |p| p.ignore_unused(["^c\\."]).unwrap(), 4),
+        (&fewer, |p| p.allow_missing(["^b\\."]), 2),
+        (&more, |p| p.ignore_unused(["^c\\."]), 4),
     ];
     for (file, let_through, from_file) in through {
         let mut whole = Two::new(2, false, &device);
@@ -357,7 +414,7 @@ fn a_pretrained_file_that_does_not_fit_fails_init_on_every_rank_naming_each_tens
             .unwrap();
         let expected = entries_of(&whole)[..from_file].to_vec();
         let loaded = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
-            let pretrained = let_through(Pretrained::safetensors(file).unwrap());
+            let pretrained = let_through(Pretrained::safetensors(file));
             let (model, _) = ShardConfig::new(Stage::Three)
                 .init_pretrained(Two::new(2, false, &device), pretrained, adamw(), comm)
                 .unwrap();
@@ -440,7 +497,7 @@ fn load_peak_child() {
     std::fs::write("/proc/self/clear_refs", "5").unwrap();
     let held = run_ranks(InProcessGroup::new(WORLD).unwrap(), |comm| {
         let model = models.lock().unwrap().pop().unwrap();
-        let pretrained = Pretrained::safetensors(&file).unwrap();
+        let pretrained = Pretrained::safetensors(&file);
         ShardConfig::new(Stage::Three)
             .init_pretrained(model, pretrained, adamw(), comm)
             .unwrap()

@@ -416,7 +416,10 @@ impl ShardConfig {
     /// Those of `init`; [`ShardError::PretrainedMismatch`] on every rank, before any entry is
     /// read or changed, when the file does not fit the model (every entry missing from it,
     /// every tensor of another shape or kind of dtype, every tensor left unused, each named
-    /// with both shapes); [`ShardError::PretrainedRead`] when the file cannot be read.
+    /// with both shapes); the error `pretrained` kept ([`ShardError::PretrainedRead`]: the
+    /// file could not be opened; [`ShardError::InvalidConfig`]: a pattern is not a regex);
+    /// [`ShardError::PretrainedRead`] when a tensor cannot be read. A rank that fails alone
+    /// stops the group: the others return [`ShardError::Comm`] naming it.
     pub fn init_pretrained<M: Module, O: IntoOptimizer, C: Collective + 'static>(
         &self,
         model: M,
@@ -458,7 +461,7 @@ impl ShardConfig {
         refuse_sharded(&census)?;
         // From the file's header alone: a file that does not fit fails here, on every rank.
         let pretrained = pretrained
-            .map(|pretrained| PretrainedPlan::resolve(pretrained, &census))
+            .map(|pretrained| PretrainedPlan::resolve(pretrained, &census, &model))
             .transpose()?;
         self.check_step_options(&census, clipping.as_ref())?;
         if self.stage == Stage::Three {

@@ -47,7 +47,7 @@ pub(super) fn burnpack(path: &Path) -> Result<Vec<PackTensor>, ShardError> {
         origin: path.display().to_string(),
         reason,
     };
-    burn_pack::Reader::from_file_exact(path)
+    burn_pack::Reader::from_file(path)
         .and_then(|reader| reader.into_tensors())
         .map_err(|e| unreadable(format!("not a burnpack file: {e}")))
 }

@@ -10,18 +10,21 @@
 //! once, on every rank, before any entry changes (burn-store reports after applying, and
 //! falls back to the initializer on a mismatch); a float tensor of another width is cast to
 //! the entry's dtype (the sharded layout fixed it from the model); an entry missing from the
-//! file is an error unless [`Pretrained::allow_missing`] names it.
+//! file is an error unless [`Pretrained::allow_missing`] names it; a tensor of the file with no
+//! place in the model is an error unless [`Pretrained::ignore_unused`] names it (burn-store
+//! reports it and loads the rest).
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 
-use burn::module::ParamId;
-use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::{Bool, Bytes, DType, Device, Int, Tensor, TensorData};
 use burn_pack::Tensor as PackTensor;
+use burn_std::ViewError;
 use burn_store::ModuleContext;
 
-use super::Pretrained;
+use super::weights::Pretrained;
 use crate::error::ShardError;
 use crate::model::census::{Census, Entry};
 use crate::model::layout::SUPPORTED;
@@ -53,7 +56,7 @@ impl PretrainedPlan {
     /// allowed to be), every tensor whose shape or kind of dtype does not fit its entry or that
     /// cannot be read, and every tensor of the file with no place in the model (and not
     /// ignored).
-    pub(crate) fn resolve(pretrained: Pretrained, census: &Census) -> Result<Self, ShardError> {
+    pub(crate) fn resolve<M: Module>(pretrained: Pretrained, census: &Census, model: &M) -> Result<Self, ShardError> {
         let Pretrained {
             origin,
             tensors,
@@ -62,7 +65,11 @@ impl PretrainedPlan {
             adapter,
             allow_missing,
             ignore_unused,
+            error,
         } = pretrained;
+        if let Some(error) = error {
+            return Err(error);
+        }
         // The file's own name of each remapped name, for messages.
         let (tensors, renamed) = remapper.remap(tensors);
         let mut file_name: HashMap<String, String> = renamed.into_iter().collect();
@@ -91,11 +98,32 @@ impl PretrainedPlan {
         let mut missing = Vec::new();
         let mut sources = HashMap::new();
         let mut hasher = DefaultHasher::new();
+        for path in non_float_paths(model) {
+            if by_name.contains_key(&path) {
+                problems.push(format!(
+                    "tensor `{}` is for `{path}`, an integer or boolean parameter: init_pretrained loads float \
+                     entries only; load it into the model before init (burn-store's load_from) and skip it here \
+                     with Pretrained::ignore_unused",
+                    file_name.get(&path).unwrap_or(&path)
+                ));
+                used.insert(path);
+            }
+        }
         for (index, (id, entry)) in census.entries().enumerate() {
-            if entry.numel() == 0 || !SUPPORTED.contains(&entry.dtype) {
-                // Nothing to load (empty), or kept as built (a quantized frozen base): a tensor
-                // of the file under its path is not unused.
+            if entry.numel() == 0 {
+                // Nothing to load: a tensor of the file under its path is not unused.
                 used.insert(entry.path.clone());
+                continue;
+            }
+            if !SUPPORTED.contains(&entry.dtype) {
+                if by_name.contains_key(&entry.path) {
+                    problems.push(format!(
+                        "`{}` is {:?} (quantized), which init_pretrained does not load: load it into the model \
+                         before init (burn-store's load_from) and skip it here with Pretrained::ignore_unused",
+                        entry.path, entry.dtype
+                    ));
+                    used.insert(entry.path.clone());
+                }
                 continue;
             }
             let context = ModuleContext::new(&entry.containers);
@@ -136,6 +164,15 @@ impl PretrainedPlan {
                 continue;
             }
             let shape = tensor.shape.to_vec();
+            let declared = shape.iter().product::<usize>() * tensor.dtype.size();
+            if tensor.byte_len() != declared {
+                problems.push(format!(
+                    "tensor `{name}` holds {} bytes where its shape {shape:?} and dtype {:?} make {declared}",
+                    tensor.byte_len(),
+                    tensor.dtype
+                ));
+                continue;
+            }
             if shape != entry.record_shape {
                 problems.push(format!(
                     "tensor `{name}` has shape {shape:?}{}, and `{}` has shape {:?}",
@@ -230,17 +267,19 @@ impl PretrainedPlan {
         len: usize,
         device: &Device,
     ) -> Result<Tensor<1>, ShardError> {
-        let numel = entry.numel();
-        let end = (start + len).min(numel);
-        let mut piece = match start < end {
-            true => self.read(id, entry, start, end, device)?,
-            false => Tensor::<1>::zeros([0], (device, entry.dtype)),
-        };
-        if end - start.min(end) < len {
-            let pad = Tensor::<1>::zeros([len - (end - start.min(end))], (device, entry.dtype));
-            piece = Tensor::cat(vec![piece, pad], 0);
+        let end = (start + len).min(entry.numel());
+        if start >= end {
+            // A rank whose shard is all padding (a parameter smaller than the group).
+            return Ok(Tensor::<1>::zeros([len], (device, entry.dtype)));
         }
-        Ok(piece)
+        let piece = self.read(id, entry, start, end, device)?;
+        Ok(match end - start < len {
+            true => Tensor::cat(
+                vec![piece, Tensor::zeros([len - (end - start)], (device, entry.dtype))],
+                0,
+            ),
+            false => piece,
+        })
     }
 
     fn read(
@@ -265,21 +304,30 @@ impl PretrainedPlan {
             .clone()
             .into_bytes()
             .map_err(|e| failed(format!("{e:?}")))?;
+        let whole = start == 0 && end * size == bytes.len();
         let piece = match bytes.view(start * size, end * size) {
+            _ if whole => bytes,
             Ok(window) => window,
-            Err(_) => {
+            // Bytes in memory (produced by an adapter): copy the range out.
+            Err(ViewError::Unsupported) => {
                 let all = bytes
                     .read(burn_std::Reader::new())
                     .map_err(|e| failed(format!("{e:?}")))?;
                 Bytes::from_bytes_vec(all[start * size..end * size].to_vec())
+            }
+            Err(e) => {
+                let range = format!("bytes {}..{} of {}", start * size, end * size, bytes.len());
+                return Err(failed(format!("{e:?} for {range}")));
             }
         };
         // Read here, where a failure is an error, rather than inside `from_data` (a panic).
         piece
             .read(burn_std::Reader::new())
             .map_err(|e| failed(format!("{e:?}")))?;
-        let data = TensorData::from_bytes(piece, [end - start], dtype);
-        Ok(Tensor::<1>::from_data(data, (device, dtype)).cast(entry.dtype))
+        // Cast on the host: the device then receives the entry's dtype (a device without `f64`
+        // never sees the file's).
+        let data = TensorData::from_bytes(piece, [end - start], dtype).convert_dtype(entry.dtype);
+        Ok(Tensor::<1>::from_data(data, (device, entry.dtype)))
     }
 }
 
@@ -304,4 +352,30 @@ fn listed(names: &[String]) -> String {
         text.push_str(&format!(" and {} more", names.len() - LISTED));
     }
     text
+}
+
+/// The module paths of `model`'s integer and boolean parameters.
+fn non_float_paths<M: Module>(model: &M) -> Vec<String> {
+    #[derive(Default)]
+    struct Paths {
+        path: Vec<String>,
+        found: Vec<String>,
+    }
+    impl ModuleVisitor for Paths {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_int<const D: usize>(&mut self, _param: &Param<Tensor<D, Int>>) {
+            self.found.push(self.path.join("."));
+        }
+        fn visit_bool<const D: usize>(&mut self, _param: &Param<Tensor<D, Bool>>) {
+            self.found.push(self.path.join("."));
+        }
+    }
+    let mut paths = Paths::default();
+    model.visit(&mut paths);
+    paths.found
 }
