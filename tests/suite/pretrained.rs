@@ -18,6 +18,9 @@ use crate::sharded_init::{Mapped, assert_bitwise, entries_of, run_by_parent, sta
 
 const STAGES: [Stage; 4] = [Stage::Zero, Stage::One, Stage::Two, Stage::Three];
 
+/// How a sweep case opens its file.
+type Open = fn(&Files) -> Pretrained;
+
 /// `module` with every float entry (parameters and running-state buffers) moved by noise
 /// uniform in [-0.5, 0.5): weights that differ from any initializer's (norms' ones and zeros,
 /// BatchNorm's fresh statistics), so that an entry left unloaded shows.
@@ -105,7 +108,7 @@ fn pretrained_weights_load_into_shards_as_burn_store_loads_them_into_a_whole_mod
         for world_size in 1..=4 {
             let (trained, _) = reference(&whole, world_size);
             for stage in STAGES {
-                let formats: &[(&str, fn(&Files) -> Pretrained)] = match world_size {
+                let formats: &[(&str, Open)] = match world_size {
                     1 | 3 => &[
                         ("safetensors", Files::safetensors),
                         ("burnpack", |f| Pretrained::burnpack(&f.burnpack)),

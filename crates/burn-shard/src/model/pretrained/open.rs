@@ -11,8 +11,11 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::error::ShardError;
 
-/// A safetensors file's tensors, and those of a dtype Burn has no type for (name, reason).
-pub(super) fn safetensors(path: &Path) -> Result<(Vec<PackTensor>, Vec<(String, String)>), ShardError> {
+/// Tensors of a file whose dtype Burn has no type for: (name, reason).
+pub(super) type Unreadable = Vec<(String, String)>;
+
+/// A safetensors file's tensors, and those of a dtype Burn has no type for.
+pub(super) fn safetensors(path: &Path) -> Result<(Vec<PackTensor>, Unreadable), ShardError> {
     let unreadable = |reason: String| ShardError::PretrainedRead {
         origin: path.display().to_string(),
         reason,
