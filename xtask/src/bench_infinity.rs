@@ -157,13 +157,13 @@ pub fn run(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
-fn corpus() -> Result<CharCorpus, String> {
+pub(crate) fn corpus() -> Result<CharCorpus, String> {
     let path = burn_shard_examples::examples_data_dir().join("tinyshakespeare.txt");
     let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     Ok(CharCorpus::new(&text))
 }
 
-fn gpt_config(corpus: &CharCorpus, block: usize, n_embd: usize, n_layer: usize) -> GptConfig {
+pub(crate) fn gpt_config(corpus: &CharCorpus, block: usize, n_embd: usize, n_layer: usize) -> GptConfig {
     GptConfig {
         vocab_size: corpus.vocab_size(),
         block_size: block,
@@ -193,7 +193,7 @@ fn mem_total_bytes() -> Result<u64, String> {
 }
 
 /// A field of /proc/self/status in bytes (`VmHWM`, `VmRSS`).
-fn status_bytes(field: &str) -> u64 {
+pub(crate) fn status_bytes(field: &str) -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
         .lines()

@@ -3,6 +3,8 @@
 //! - `cargo xtask bench adam`: the fused-Adam benchmark table (see `bench_adam.rs`).
 //! - `cargo xtask bench sharding`: ZeRO stages 0-3 against PyTorch's DDP, ZeRO and FSDP2 on the
 //!   shakespeare GPT, with a CSV and a memory plot (see `bench_sharding.rs`).
+//! - `cargo xtask bench init`: peak memory and bytes read while ranks start a stage-3 run, four
+//!   ways (`bench_init.rs`).
 //! - `cargo xtask bench infinity`: a GPT whose model state exceeds this machine's memory, trained
 //!   with its optimizer state on disk (`NvmeOffload`), against the disk and compute bounds (see
 //!   `bench_infinity.rs`).
@@ -15,6 +17,7 @@
 
 mod bench_adam;
 mod bench_infinity;
+mod bench_init;
 mod bench_sharding;
 mod gpu_bundle;
 mod mpi_test;
@@ -71,6 +74,10 @@ enum Bench {
     /// optimizer state on disk (NvmeOffload): peak RSS, disk traffic and bandwidth, step time
     /// against the disk and compute bounds; and a small GPT with and without, loss for loss.
     Infinity(bench_infinity::Args),
+    /// What starting a stage-3 run costs: peak RSS and bytes read while 4 ranks as threads
+    /// build a GPT and `init` it, eagerly, lazily, from a whole-model load and with
+    /// `init_pretrained`.
+    Init(bench_init::Args),
 }
 
 fn main() {
@@ -85,6 +92,9 @@ fn main() {
         Task::Bench {
             which: Bench::Infinity(args),
         } => bench_infinity::run(&args),
+        Task::Bench {
+            which: Bench::Init(args),
+        } => bench_init::run(&args),
         Task::Setup(args) => setup::run(&args),
         Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
         Task::GpuBundle(args) => gpu_bundle::run(&args),
