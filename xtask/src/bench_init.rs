@@ -114,32 +114,38 @@ fn build(args: &Args, device: &Device) -> Result<Gpt, String> {
 fn measure(args: &Args, case: usize, weights: &Path) -> Result<Measured, String> {
     let device = Device::flex().autodiff();
     // Threads, collectives and Burn's first ops allocate once: warmed up on a tiny model.
-    run_ranks(InProcessGroup::new(args.world_size).map_err(|e| e.to_string())?, |comm| {
-        let tiny = burn::nn::LinearConfig::new(4, 4).init(&device);
-        drop(ShardConfig::new(Stage::Three).init(tiny, AdamWConfig::new(), comm));
-    })
+    run_ranks(
+        InProcessGroup::new(args.world_size).map_err(|e| e.to_string())?,
+        |comm| {
+            let tiny = burn::nn::LinearConfig::new(4, 4).init(&device);
+            drop(ShardConfig::new(Stage::Three).init(tiny, AdamWConfig::new(), comm));
+        },
+    )
     .map_err(|e| format!("{e:?}"))?;
     let (rss, read) = (status_bytes("VmRSS"), rchar());
     // Linux: "5" resets the peak RSS (VmHWM) to the current RSS.
     std::fs::write("/proc/self/clear_refs", "5").map_err(|e| format!("/proc/self/clear_refs: {e}"))?;
     let start = Instant::now();
-    let held = run_ranks(InProcessGroup::new(args.world_size).map_err(|e| e.to_string())?, |comm| {
-        let model = build(args, &device)?;
-        let config = ShardConfig::new(Stage::Three);
-        let sharded = match case {
-            0 => config.init(model.map(&mut Touch), AdamWConfig::new(), comm),
-            1 => config.init(model, AdamWConfig::new(), comm),
-            2 => {
-                let mut model = model;
-                model
-                    .load_from(&mut SafetensorsStore::from_file(weights))
-                    .map_err(|e| e.to_string())?;
-                config.init(model, AdamWConfig::new(), comm)
-            }
-            _ => config.init_pretrained(model, Pretrained::safetensors(weights), AdamWConfig::new(), comm),
-        };
-        sharded.map_err(|e| e.to_string())
-    })
+    let held = run_ranks(
+        InProcessGroup::new(args.world_size).map_err(|e| e.to_string())?,
+        |comm| {
+            let model = build(args, &device)?;
+            let config = ShardConfig::new(Stage::Three);
+            let sharded = match case {
+                0 => config.init(model.map(&mut Touch), AdamWConfig::new(), comm),
+                1 => config.init(model, AdamWConfig::new(), comm),
+                2 => {
+                    let mut model = model;
+                    model
+                        .load_from(&mut SafetensorsStore::from_file(weights))
+                        .map_err(|e| e.to_string())?;
+                    config.init(model, AdamWConfig::new(), comm)
+                }
+                _ => config.init_pretrained(model, Pretrained::safetensors(weights), AdamWConfig::new(), comm),
+            };
+            sharded.map_err(|e| e.to_string())
+        },
+    )
     .map_err(|e| format!("{e:?}"))?
     .into_iter()
     .collect::<Result<Vec<_>, String>>()?;
@@ -157,7 +163,12 @@ fn spawn(args: &Args, case: usize) -> Result<Measured, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let out = Command::new(exe)
         .args(["bench", "init", "--child", &case.to_string()])
-        .args(["--world-size", &args.world_size.to_string(), "--n-embd", &args.n_embd.to_string()])
+        .args([
+            "--world-size",
+            &args.world_size.to_string(),
+            "--n-embd",
+            &args.n_embd.to_string(),
+        ])
         .args(["--layers", &args.layers.to_string()])
         .arg("--dir")
         .arg(&args.dir)
@@ -165,7 +176,10 @@ fn spawn(args: &Args, case: usize) -> Result<Measured, String> {
         .output()
         .map_err(|e| format!("cannot start the child: {e}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
-    match (out.status.success(), stdout.lines().find_map(|l| l.strip_prefix("INIT "))) {
+    match (
+        out.status.success(),
+        stdout.lines().find_map(|l| l.strip_prefix("INIT ")),
+    ) {
         (true, Some(line)) => serde_json::from_str(line).map_err(|e| e.to_string()),
         _ => Err(format!("case `{}` failed: {}\n{stdout}", CASES[case], out.status)),
     }
