@@ -332,6 +332,128 @@ fn a_consolidated_checkpoint_loads_into_the_plain_model() {
     }
 }
 
+/// A LoRA fine-tune (Burn's `Lora` on two `Linear` layers: only the adapters train) saved at
+/// stages 0-3 on 2 ranks: `consolidate_selected(.., Selection::Trainable)` (the CLI's
+/// `--trainable-only`) writes its 4 adapter tensors alone, under their module paths, in
+/// burnpack and safetensors, holding the trained adapters (at stage 3 too, where
+/// `materialize()` merges them into the base); loaded over the frozen base (burn-store,
+/// `allow_partial`) they give the fine-tuned model. The whole consolidation holds the base too.
+#[test]
+fn a_lora_checkpoint_consolidates_its_adapters_alone_at_every_stage() {
+    use burn::module::Lora;
+    use burn::nn::{Linear, LinearConfig};
+    use burn_shard::checkpoint::{Selection, consolidate_safetensors_selected, consolidate_selected};
+    #[derive(Module, Debug)]
+    struct Net {
+        l1: Linear,
+        l2: Linear,
+    }
+    impl Net {
+        fn loss(&self, step: usize, device: &Device) -> Tensor<1> {
+            let x = Tensor::<2>::from_data(TensorData::new(Rng::new(80 + step as u64).vec(4 * 5), [4, 5]), device);
+            self.l2
+                .forward(self.l1.forward(x).tanh())
+                .sub_scalar(0.5)
+                .powi_scalar(2)
+                .mean()
+        }
+        /// The adapters' values: l1's a and b, then l2's (`val()`: gathered at stage 3).
+        fn adapters(&self) -> Vec<Vec<f32>> {
+            let values = |p: &Param<Tensor<2>>| p.val().into_data().iter::<f32>().collect();
+            [&self.l1, &self.l2]
+                .iter()
+                .flat_map(|l| {
+                    let adapter = l.weight.adapter().unwrap();
+                    [values(&adapter.a), values(&adapter.b)]
+                })
+                .collect()
+        }
+    }
+    let device = Device::flex().autodiff();
+    let base = Net {
+        l1: LinearConfig::new(5, 8).init(&device),
+        l2: LinearConfig::new(8, 3).init(&device),
+    };
+    let base_values = params_of(&base);
+    let base = base.apply_lora(Lora::new(2, 4.0));
+    let root = scratch("checkpoint-tests", "lora-trainable");
+    for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+        let dir = root.join(format!("s{stage}"));
+        let ranks = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let device = Device::flex().autodiff();
+            let (mut model, mut optim) = ShardConfig::new(stage)
+                .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+                .unwrap();
+            for step in 0..2 {
+                let loss = model.loss(step, &device);
+                model = sharded_step(&mut optim, model, loss, 1e-2).0;
+            }
+            optim.save_checkpoint(&model, &dir, &serde_json::Value::Null).unwrap();
+            (model.adapters(), params_of(&model.valid().materialize()))
+        })
+        .unwrap();
+        let (adapters, merged) = &ranks[0];
+        let file = root.join(format!("s{stage}-adapters.safetensors"));
+        let report = consolidate_safetensors_selected(&dir, &file, Selection::Trainable).unwrap();
+        assert_eq!(report.entries, 4, "stage {stage}: the 4 adapter tensors alone");
+        let bytes = std::fs::read(&file).unwrap();
+        let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names = tensors.names();
+        names.sort();
+        assert!(
+            names.iter().filter(|n| n.starts_with("l1.")).count() == 2
+                && names.iter().filter(|n| n.starts_with("l2.")).count() == 2,
+            "stage {stage}: {names:?}"
+        );
+        let mut in_file: Vec<Vec<f32>> = names
+            .iter()
+            .map(|n| {
+                let t = tensors.tensor(n).unwrap();
+                t.data()
+                    .chunks(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect()
+            })
+            .collect();
+        let mut expected = adapters.clone();
+        let key = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        in_file.sort_by_key(key);
+        expected.sort_by_key(key);
+        assert_eq!(in_file, expected, "stage {stage}: the file holds the trained adapters");
+        // Over the frozen base: the fine-tuned model.
+        let mut tuned = Net {
+            l1: LinearConfig::new(5, 8).init(&device),
+            l2: LinearConfig::new(8, 3).init(&device),
+        };
+        tuned = burn::module::Module::load_record(tuned, base.clone().materialize().into_record());
+        assert_eq!(
+            params_of(&tuned),
+            base_values,
+            "the base, unmerged (adapter b starts at zero)"
+        );
+        let mut tuned = tuned.apply_lora(Lora::new(2, 4.0));
+        let mut store = burn_store::SafetensorsStore::from_file(&file).allow_partial(true);
+        let applied = tuned.load_from(&mut store).unwrap();
+        assert!(
+            applied.errors.is_empty() && applied.unused.is_empty(),
+            "stage {stage}: {applied:?}"
+        );
+        assert_eq!(
+            &params_of(&tuned.materialize()),
+            merged,
+            "stage {stage}: base + adapters"
+        );
+        // Burnpack too; the whole consolidation also holds the base.
+        let pack = root.join(format!("s{stage}-adapters.bpk"));
+        assert_eq!(
+            consolidate_selected(&dir, &pack, Selection::Trainable).unwrap().entries,
+            4
+        );
+        let whole = consolidate_selected(&dir, root.join(format!("s{stage}.bpk")), Selection::All).unwrap();
+        assert!(whole.entries > 4, "stage {stage}: the whole model has its base too");
+    }
+}
+
 /// Runs `load` on every rank of a 2-rank group at `stage` and returns each rank's error.
 fn load_errors(base: &Uneven, dir: &Path, stage: Stage) -> Vec<ShardError> {
     run_ranks(InProcessGroup::new(2).unwrap(), |comm| {

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! burn-shard ckpt inspect DIR
-//! burn-shard ckpt consolidate DIR --out model.bpk
+//! burn-shard ckpt consolidate DIR --out model.bpk [--trainable-only]
 //! burn-shard ckpt reshard DIR --world-size 8 --out DIR8
 //! burn-shard estimate --params 7.5e9 --world-size 64 [--stage N] [--dtype bf16|f16|f32] [--offload [cpu|nvme]] [--offload-params [cpu|nvme]]
 //! ```
@@ -134,6 +134,10 @@ enum Ckpt {
         /// `ModuleOptimizer::load` (single-device Burn training resumes from both files).
         #[arg(long)]
         optimizer_out: Option<PathBuf>,
+        /// Only the trained entries (a LoRA or head-only fine-tune's adapters, without the
+        /// frozen base), under their module paths.
+        #[arg(long)]
+        trainable_only: bool,
     },
     /// Rewrites a checkpoint for another number of ranks (loading works at any world size
     /// without it; this spreads the files over the new ranks).
@@ -364,14 +368,19 @@ fn run_ckpt(command: Ckpt) -> Result<ExitCode, checkpoint::CheckpointError> {
             out,
             format,
             optimizer_out,
+            trainable_only,
         } => {
             let safetensors = match format.as_deref() {
                 Some(f) => f == "safetensors",
                 None => out.extension().is_some_and(|e| e == "safetensors"),
             };
+            let selection = match trainable_only {
+                true => checkpoint::Selection::Trainable,
+                false => checkpoint::Selection::All,
+            };
             let report = match safetensors {
-                true => checkpoint::consolidate_safetensors(&dir, &out)?,
-                false => checkpoint::consolidate(&dir, &out)?,
+                true => checkpoint::consolidate_safetensors_selected(&dir, &out, selection)?,
+                false => checkpoint::consolidate_selected(&dir, &out, selection)?,
             };
             println!(
                 "{}: {} entries, {} elements, from {}",

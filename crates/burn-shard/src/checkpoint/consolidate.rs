@@ -40,14 +40,46 @@ impl ConsolidateReport {
 /// As [`ShardedOptimizer::load_checkpoint`](crate::ShardedOptimizer::load_checkpoint) for a
 /// bad checkpoint; [`CheckpointError::Io`] when `out` cannot be written.
 pub fn consolidate(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<ConsolidateReport, CheckpointError> {
+    consolidate_selected(dir, out, Selection::All)
+}
+
+/// Which entries of a checkpoint a consolidated file holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Selection {
+    /// Every float entry: parameters, frozen ones and buffers (the whole model).
+    All,
+    /// Only the entries the optimizer trained, under their module paths: a LoRA or head-only
+    /// fine-tune's adapters without its frozen base (at every stage; at stage 3 the adapters
+    /// themselves, where `materialize()` would merge them into the base). Load them over the
+    /// base (burn-store's `load_from` with `allow_partial(true)`, or `init_pretrained` with
+    /// `allow_missing`).
+    Trainable,
+}
+
+impl Selection {
+    fn keeps(self, entry: &EntryMeta) -> bool {
+        self == Selection::All || entry.trainable
+    }
+}
+
+/// [`consolidate`] of the entries `selection` keeps.
+///
+/// # Errors
+/// As [`consolidate`].
+pub fn consolidate_selected(
+    dir: impl AsRef<Path>,
+    out: impl AsRef<Path>,
+    selection: Selection,
+) -> Result<ConsolidateReport, CheckpointError> {
     let (dir, out) = (dir.as_ref(), out.as_ref());
-    let meta = CheckpointMeta::read(dir)?;
+    let mut meta = CheckpointMeta::read(dir)?;
     // Verify every file once, up front: a bad file fails before `out` is touched.
     let mut files = RankFiles::new(dir, &meta);
     for rank in 0..meta.world_size {
         files.tensors_under(rank, "")?;
     }
     drop(files);
+    meta.entries.retain(|e| selection.keeps(e));
     let shared = std::sync::Arc::new(meta.clone());
     let mut tensors = Vec::with_capacity(meta.entries.len());
     for (index, entry) in meta.entries.iter().enumerate() {
@@ -90,8 +122,21 @@ pub fn consolidate_safetensors(
     dir: impl AsRef<Path>,
     out: impl AsRef<Path>,
 ) -> Result<ConsolidateReport, CheckpointError> {
+    consolidate_safetensors_selected(dir, out, Selection::All)
+}
+
+/// [`consolidate_safetensors`] of the entries `selection` keeps.
+///
+/// # Errors
+/// As [`consolidate`].
+pub fn consolidate_safetensors_selected(
+    dir: impl AsRef<Path>,
+    out: impl AsRef<Path>,
+    selection: Selection,
+) -> Result<ConsolidateReport, CheckpointError> {
     let (dir, out) = (dir.as_ref(), out.as_ref());
-    let meta = CheckpointMeta::read(dir)?;
+    let mut meta = CheckpointMeta::read(dir)?;
+    meta.entries.retain(|e| selection.keeps(e));
     let mut files = RankFiles::new(dir, &meta);
     let mut loaded = Vec::with_capacity(meta.entries.len());
     for entry in &meta.entries {

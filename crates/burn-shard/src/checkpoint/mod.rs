@@ -49,7 +49,10 @@ mod reshard;
 mod save;
 
 pub use crate::error::CheckpointError;
-pub use consolidate::{ConsolidateReport, consolidate, consolidate_optimizer, consolidate_safetensors};
+pub use consolidate::{
+    ConsolidateReport, Selection, consolidate, consolidate_optimizer, consolidate_safetensors,
+    consolidate_safetensors_selected, consolidate_selected,
+};
 pub use format::FORMAT_VERSION;
 pub use lineage::ABANDONED_PREFIX;
 pub use meta::{Branch, CheckpointMeta, EntryMeta, FileMeta, Lineage, Piece};
