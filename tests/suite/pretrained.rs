@@ -14,7 +14,7 @@ use burn_store::{BurnToPyTorchAdapter, BurnpackStore, ModuleSnapshot, PyTorchToB
 use crate::common::{max_abs_diff, scratch};
 use crate::modules::{Layer, MODULES, adamw, reference, train_rank, trainable_of};
 use crate::nvme_offload::run_child;
-use crate::sharded_init::{Mapped, assert_bitwise, entries_of, run_by_parent, status_bytes};
+use crate::sharded_init::{Mapped, assert_bitwise, bf16_device, entries_of, run_by_parent, status_bytes};
 
 const STAGES: [Stage; 4] = [Stage::Zero, Stage::One, Stage::Two, Stage::Three];
 
@@ -174,11 +174,7 @@ fn bf16_child() {
     use burn::tensor::DType;
     use burn_store::{FloatCastAdapter, ModuleAdapter};
     run_by_parent("BURN_SHARD_PRETRAINED_BF16");
-    let mut plain = Device::flex();
-    plain
-        .configure(burn::tensor::FloatDType::BF16)
-        .expect("the first use of the device in this process");
-    let device = plain.autodiff();
+    let device = bf16_device();
     for name in MODULES {
         let saved = perturbed(Layer::new(name, &device));
         let expected = entries_of(&saved);
@@ -355,15 +351,8 @@ fn a_pretrained_file_that_does_not_fit_fails_init_on_every_rank_naming_each_tens
         for stage in STAGES {
             let at = format!("{}, stage {stage}", file.display());
             let started = std::time::Instant::now();
-            let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
-                let pretrained = Pretrained::safetensors(file);
-                ShardConfig::new(stage)
-                    .init_pretrained(Two::new(2, false, &device), pretrained, adamw(), comm)
-                    .err()
-                    .map(|e| e.to_string())
-            })
-            .unwrap();
-            for (rank, err) in results.iter().enumerate() {
+            let errors = init_errors(stage, |_| (Two::new(2, false, &device), file));
+            for (rank, err) in errors.iter().enumerate() {
                 let err = err
                     .as_deref()
                     .unwrap_or_else(|| panic!("{at}, rank {rank}: init succeeded"));
@@ -379,20 +368,11 @@ fn a_pretrained_file_that_does_not_fit_fails_init_on_every_rank_naming_each_tens
     // Only one rank's file is unreadable: that rank names it, the other fails within seconds
     // naming the rank (it would otherwise wait for it at the first collective).
     let started = std::time::Instant::now();
-    let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
-        let file = if comm.rank() == 1 { &garbage } else { &wider };
-        ShardConfig::new(Stage::Three)
-            .init_pretrained(
-                Two::new(5, false, &device),
-                Pretrained::safetensors(file),
-                adamw(),
-                comm,
-            )
-            .err()
-            .map(|e| e.to_string())
-    })
-    .unwrap();
-    for (rank, err) in results.iter().enumerate() {
+    let errors = init_errors(Stage::Three, |rank| {
+        let file = if rank == 1 { &garbage } else { &wider };
+        (Two::new(5, false, &device), file.as_path())
+    });
+    for (rank, err) in errors.iter().enumerate() {
         let err = err
             .as_deref()
             .unwrap_or_else(|| panic!("one garbage file, rank {rank}: init succeeded"));
@@ -430,6 +410,19 @@ fn a_pretrained_file_that_does_not_fit_fails_init_on_every_rank_naming_each_tens
             assert_eq!(got, &loaded[0], "{at}: differs from rank 0");
         }
     }
+}
+
+/// On 2 ranks at `stage`: `init_pretrained` of the model and safetensors file `case(rank)`
+/// gives; each rank's error, if any.
+fn init_errors<'a>(stage: Stage, case: impl Fn(usize) -> (Two, &'a Path) + Sync) -> Vec<Option<String>> {
+    run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let (model, file) = case(comm.rank());
+        ShardConfig::new(stage)
+            .init_pretrained(model, Pretrained::safetensors(file), adamw(), comm)
+            .err()
+            .map(|e| e.to_string())
+    })
+    .unwrap()
 }
 
 /// `LAYERS` square linear layers of `WIDTH`: 8.4 M parameters, 32 MiB of `f32`.

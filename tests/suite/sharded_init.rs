@@ -122,11 +122,7 @@ fn init_of_a_lazy_bf16_model_gives_every_rank_single_device_values_bitwise() {
 #[ignore = "run by init_of_a_lazy_bf16_model_gives_every_rank_single_device_values_bitwise in a process of its own"]
 fn lazy_bf16_child() {
     run_by_parent("BURN_SHARD_LAZY_INIT");
-    let mut plain = Device::flex();
-    plain
-        .configure(burn::tensor::FloatDType::BF16)
-        .expect("the first use of the device in this process");
-    let device = plain.autodiff();
+    let device = bf16_device();
     assert_eq!(
         burn::tensor::DType::from(device.settings().float_dtype),
         burn::tensor::DType::BF16
@@ -139,6 +135,16 @@ fn lazy_bf16_child() {
             }
         });
     }
+}
+
+/// The autodiff Flex device with `bf16` as its default float dtype: configured before its first
+/// tensor, so only in a process of its own (a child test).
+pub(crate) fn bf16_device() -> Device {
+    let mut plain = Device::flex();
+    plain
+        .configure(burn::tensor::FloatDType::BF16)
+        .expect("the first use of the device in this process");
+    plain.autodiff()
 }
 
 /// Module `name` of the sweep, built lazily on `device` from the seed: once on one device (the
