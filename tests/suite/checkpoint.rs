@@ -333,8 +333,8 @@ fn a_consolidated_checkpoint_loads_into_the_plain_model() {
 }
 
 /// A LoRA fine-tune (Burn's `Lora` on two `Linear` layers: only the adapters train) saved at
-/// stages 0-3 on 2 ranks: `consolidate_selected(.., Selection::Trainable)` (the CLI's
-/// `--trainable-only`) writes its 4 adapter tensors alone, under their module paths, in
+/// stages 0-3 on 2 ranks: `consolidate_selected(.., Selection::Trainable)` (and the CLI's
+/// `ckpt consolidate --trainable-only`, byte for byte) writes its 4 adapter tensors alone, under their module paths, in
 /// burnpack and safetensors, holding the trained adapters (at stage 3 too, where
 /// `materialize()` merges them into the base); loaded over the frozen base (burn-store,
 /// `allow_partial`) they give the fine-tuned model. The whole consolidation holds the base too.
@@ -442,6 +442,21 @@ fn a_lora_checkpoint_consolidates_its_adapters_alone_at_every_stage() {
             &params_of(&tuned.materialize()),
             merged,
             "stage {stage}: base + adapters"
+        );
+        // The command line writes the same file.
+        let by_cli = root.join(format!("s{stage}-adapters-cli.safetensors"));
+        let out = std::process::Command::new(crate::estimate::burn_shard_bin())
+            .args(["ckpt", "consolidate"])
+            .arg(&dir)
+            .arg("--out")
+            .arg(&by_cli)
+            .arg("--trainable-only")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            std::fs::read(&by_cli).unwrap() == bytes,
+            "stage {stage}: `ckpt consolidate --trainable-only`"
         );
         // Burnpack too; the whole consolidation also holds the base.
         let pack = root.join(format!("s{stage}-adapters.bpk"));

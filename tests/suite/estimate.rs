@@ -216,7 +216,7 @@ fn params_on_disk_moves_only_stage_3_shards_to_disk() {
 
 /// The `burn-shard` binary of this build (cargo builds it for burn-shard-cli's own tests, in
 /// the same `cargo test --workspace`).
-fn burn_shard_bin() -> std::path::PathBuf {
+pub(crate) fn burn_shard_bin() -> std::path::PathBuf {
     let exe = std::env::current_exe().unwrap();
     let bin = exe
         .parent()
