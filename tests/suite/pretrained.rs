@@ -277,7 +277,8 @@ impl Two {
 /// A file that does not fit the model fails `init_pretrained` on every rank, at every stage,
 /// within seconds, with one message naming the file, each tensor and both shapes (or what is
 /// missing, unused or of another kind): weights of another size, of a smaller model, of a larger
-/// one, an integer tensor where a float parameter is, and a file that is not safetensors.
+/// one, an integer tensor where a float parameter is, a tensor of a dtype Burn has no type for
+/// (fp8), and a file that is not safetensors.
 /// `allow_missing` and `ignore_unused` then let the intended differences through.
 #[test]
 fn a_pretrained_file_that_does_not_fit_fails_init_on_every_rank_naming_each_tensor() {
@@ -293,28 +294,32 @@ fn a_pretrained_file_that_does_not_fit_fails_init_on_every_rank_naming_each_tens
     let mut store = SafetensorsStore::from_file(&fewer).with_regex("^a\\.");
     Two::new(2, false, &device).save_into(&mut store).unwrap();
     let more = write("more.safetensors", &Two::new(2, true, &device));
-    let ints = dir.join("ints.safetensors");
-    let weight: Vec<u8> = (0..12i64).flat_map(|v| v.to_le_bytes()).collect();
-    let other: Vec<(String, Vec<usize>, Vec<u8>, safetensors::Dtype)> = vec![
-        ("a.weight".into(), vec![4, 3], weight, safetensors::Dtype::I64),
-        ("a.bias".into(), vec![3], vec![0; 12], safetensors::Dtype::F32),
-        ("b.weight".into(), vec![3, 2], vec![0; 24], safetensors::Dtype::F32),
-        ("b.bias".into(), vec![2], vec![0; 8], safetensors::Dtype::F32),
-    ];
-    let views: Vec<(String, safetensors::tensor::TensorView)> = other
-        .iter()
-        .map(|(n, s, b, d)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &ints).unwrap();
+    // `a.weight` of another dtype: I64 (a Burn dtype of the wrong kind), F8_E4M3 (none).
+    let with_weight = |name: &str, dtype: safetensors::Dtype, weight: Vec<u8>| {
+        let other: Vec<(&str, Vec<usize>, Vec<u8>, safetensors::Dtype)> = vec![
+            ("a.weight", vec![4, 3], weight, dtype),
+            ("a.bias", vec![3], vec![0; 12], safetensors::Dtype::F32),
+            ("b.weight", vec![3, 2], vec![0; 24], safetensors::Dtype::F32),
+            ("b.bias", vec![2], vec![0; 8], safetensors::Dtype::F32),
+        ];
+        let views: Vec<(&str, safetensors::tensor::TensorView)> = other
+            .iter()
+            .map(|(n, s, b, d)| (*n, safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        let path = dir.join(name);
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+        path
+    };
+    let ints = with_weight(
+        "ints.safetensors",
+        safetensors::Dtype::I64,
+        (0..12i64).flat_map(|v| v.to_le_bytes()).collect(),
+    );
+    let fp8 = with_weight("fp8.safetensors", safetensors::Dtype::F8_E4M3, vec![0; 12]);
     let garbage = dir.join("garbage.safetensors");
     std::fs::write(&garbage, b"not a safetensors file").unwrap();
 
-    let cases: [(&Path, &[&str]); 5] = [
+    let cases: [(&Path, &[&str]); 6] = [
         (
             &wider,
             &[
@@ -341,6 +346,10 @@ fn a_pretrained_file_that_does_not_fit_fails_init_on_every_rank_naming_each_tens
         (
             &ints,
             &["tensor `a.weight` is I64, and `a.weight` is a float parameter"],
+        ),
+        (
+            &fp8,
+            &["tensor `a.weight` for `a.weight`: dtype F8_E4M3 has no Burn type"],
         ),
         (
             &garbage,
@@ -382,6 +391,37 @@ fn a_pretrained_file_that_does_not_fit_fails_init_on_every_rank_naming_each_tens
         );
     }
     assert!(started.elapsed().as_secs() < 10, "one garbage file: within seconds");
+
+    // A model with an integer parameter, whose file holds it: named, with the fix.
+    #[derive(Module, Debug)]
+    struct Counted {
+        a: Linear,
+        seen: burn::module::Param<Tensor<1, Int>>,
+    }
+    let counted = |device: &Device| Counted {
+        a: LinearConfig::new(4, 3).init(device),
+        seen: burn::module::Param::initialized(burn::module::ParamId::new(), Tensor::<1, Int>::arange(0..3, device)),
+    };
+    let with_int = dir.join("with-int.safetensors");
+    counted(&device)
+        .save_into(&mut SafetensorsStore::from_file(&with_int))
+        .unwrap();
+    let errors = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        ShardConfig::new(Stage::Three)
+            .init_pretrained(counted(&device), Pretrained::safetensors(&with_int), adamw(), comm)
+            .err()
+            .map(|e| e.to_string())
+    })
+    .unwrap();
+    for (rank, err) in errors.iter().enumerate() {
+        let err = err
+            .as_deref()
+            .unwrap_or_else(|| panic!("integer parameter, rank {rank}: init succeeded"));
+        assert!(
+            err.contains("`seen`, an integer or boolean parameter") && err.contains("ignore_unused"),
+            "integer parameter, rank {rank}: {err}"
+        );
+    }
 
     // The intended differences let through: `b` initialised as without weights (rank 0's,
     // so every rank's), `c` skipped.

@@ -461,7 +461,7 @@ impl ShardConfig {
         refuse_sharded(&census)?;
         // From the file's header alone: a file that does not fit fails here, on every rank.
         let pretrained = pretrained
-            .map(|pretrained| PretrainedPlan::resolve(pretrained, &census, &model))
+            .map(|pretrained| PretrainedPlan::resolve(pretrained, &census))
             .transpose()?;
         self.check_step_options(&census, clipping.as_ref())?;
         if self.stage == Stage::Three {

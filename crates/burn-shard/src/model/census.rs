@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId, Reparameterization, Reparameterizer};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{Bool, DType, Int, Tensor};
 
 use crate::model::lazy::entry_meta;
 
@@ -55,6 +55,8 @@ pub(crate) struct Entry {
 pub(crate) struct Census {
     order: Vec<ParamId>,
     entries: HashMap<ParamId, Entry>,
+    /// Module paths of the integer and boolean parameters (not entries: nothing shards them).
+    non_float: Vec<String>,
 }
 
 impl Entry {
@@ -83,6 +85,11 @@ impl Census {
     /// Every entry, in traversal order.
     pub(crate) fn entries(&self) -> impl Iterator<Item = (ParamId, &Entry)> {
         self.order.iter().map(|id| (*id, &self.entries[id]))
+    }
+
+    /// The module paths of the integer and boolean parameters.
+    pub(crate) fn non_float_paths(&self) -> &[String] {
+        &self.non_float
     }
 
     /// The running-state buffers, in traversal order.
@@ -170,6 +177,16 @@ impl ModuleVisitor for CensusVisitor {
         self.close_pending();
         self.path.pop();
         self.containers.pop();
+    }
+
+    fn visit_int<const D: usize>(&mut self, _param: &Param<Tensor<D, Int>>) {
+        self.close_pending();
+        self.census.non_float.push(self.path.join("."));
+    }
+
+    fn visit_bool<const D: usize>(&mut self, _param: &Param<Tensor<D, Bool>>) {
+        self.close_pending();
+        self.census.non_float.push(self.path.join("."));
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {

@@ -26,7 +26,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Shape, Tensor};
 use burn_shard_comm::Collective;
 
 use crate::error::ShardError;
@@ -67,8 +67,9 @@ impl RootValues {
     ) -> Result<Self, ShardError> {
         let mut buffers = HashMap::new();
         if let Some(plan) = &pretrained {
+            let device = plain_device(model)?;
             for (id, entry) in census.buffers().filter(|(id, _)| plan.has(id)) {
-                buffers.insert(id, plan.read_whole(&id, entry, &plain_device(model)?)?);
+                buffers.insert(id, plan.read_whole(&id, entry, &device)?);
             }
         }
         let ids: HashSet<ParamId> = census
@@ -121,7 +122,7 @@ impl RootValues {
         if let Some(plan) = self.pretrained.as_ref().filter(|_| from_file) {
             let device = param.lazy_device().without_autodiff();
             return match plan.read_whole(&param.id, entry, &device) {
-                Ok(record) => take_record(param, record),
+                Ok(record) => take_record(param, entry, record),
                 Err(e) => {
                     self.error = Some(e);
                     param
@@ -147,7 +148,7 @@ impl RootValues {
         };
         match self.comm.broadcast(sent, 0) {
             Ok(_) if root => param,
-            Ok(record) => take_record(param, record),
+            Ok(record) => take_record(param, entry, record),
             Err(e) => {
                 self.error = Some(e.into());
                 param
@@ -193,21 +194,17 @@ impl RootValues {
 }
 
 /// `param` holding `record` (`[numel]`, record form: before the entry's load mapper). A lazy
-/// entry takes it as a record load does; an eager one holds the value form, so the record is
-/// turned back into it first.
-fn take_record<const D: usize>(param: Param<Tensor<D>>, record: Tensor<1>) -> Param<Tensor<D>> {
-    if !param.is_initialized() {
+/// entry takes it as a record load does; an eager one holds the value form, so a record that
+/// a load mapper turns into its value (`LinearLayout::Col`) goes through that mapper first, at
+/// the record shape the census read.
+fn take_record<const D: usize>(param: Param<Tensor<D>>, entry: &Entry, record: Tensor<1>) -> Param<Tensor<D>> {
+    if !param.is_initialized() || !entry.has_load_mapper {
         return replace_value(param, record);
     }
     let id = param.id;
-    let numel = record.shape().num_elements();
-    let record_shape = param.transform_for_save().base().shape();
-    let value = param
-        .clone()
-        .transform_for_load(record.reshape(record_shape), id)
-        .base()
-        .inner();
-    replace_value(param, value.reshape([numel]))
+    let record: Tensor<D> = record.reshape(Shape::from(entry.record_shape.clone()));
+    let value = param.clone().transform_for_load(record, id).base().inner();
+    replace_value(param, value.reshape([entry.numel()]))
 }
 
 /// Rank 0's value differs from what the census read without initialising it: a lazy entry

@@ -18,8 +18,8 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::{Bool, Bytes, DType, Device, Int, Tensor, TensorData};
+use burn::module::ParamId;
+use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
 use burn_pack::Tensor as PackTensor;
 use burn_std::ViewError;
 use burn_store::ModuleContext;
@@ -56,7 +56,7 @@ impl PretrainedPlan {
     /// allowed to be), every tensor whose shape or kind of dtype does not fit its entry or that
     /// cannot be read, and every tensor of the file with no place in the model (and not
     /// ignored).
-    pub(crate) fn resolve<M: Module>(pretrained: Pretrained, census: &Census, model: &M) -> Result<Self, ShardError> {
+    pub(crate) fn resolve(pretrained: Pretrained, census: &Census) -> Result<Self, ShardError> {
         let Pretrained {
             origin,
             tensors,
@@ -73,17 +73,19 @@ impl PretrainedPlan {
         // The file's own name of each remapped name, for messages.
         let (tensors, renamed) = remapper.remap(tensors);
         let mut file_name: HashMap<String, String> = renamed.into_iter().collect();
-        let unreadable: HashMap<String, String> = unreadable
+        // Unreadable tensors are renamed by the same remapper, as empty stand-ins.
+        let (reasons, stand_ins): (Vec<String>, Vec<PackTensor>) = unreadable
             .into_iter()
-            .map(|(original, reason)| {
-                let mut name = original.clone();
-                for (pattern, to) in remapper.to_regex_pairs() {
-                    name = pattern.replace_all(&name, to.as_str()).to_string();
-                }
-                file_name.insert(name.clone(), original);
-                (name, reason)
+            .map(|(name, reason)| {
+                (
+                    reason,
+                    PackTensor::new(name, DType::U8, [0], None, Bytes::from_bytes_vec(Vec::new())),
+                )
             })
-            .collect();
+            .unzip();
+        let (stand_ins, renamed) = remapper.remap(stand_ins);
+        file_name.extend(renamed);
+        let unreadable: HashMap<String, String> = stand_ins.into_iter().map(|t| t.name).zip(reasons).collect();
         let mut problems = Vec::new();
         let mut by_name: HashMap<String, PackTensor> = HashMap::new();
         for tensor in tensors {
@@ -98,15 +100,15 @@ impl PretrainedPlan {
         let mut missing = Vec::new();
         let mut sources = HashMap::new();
         let mut hasher = DefaultHasher::new();
-        for path in non_float_paths(model) {
-            if by_name.contains_key(&path) {
+        for path in census.non_float_paths() {
+            if by_name.contains_key(path) {
                 problems.push(format!(
                     "tensor `{}` is for `{path}`, an integer or boolean parameter: init_pretrained loads float \
                      entries only; load it into the model before init (burn-store's load_from) and skip it here \
                      with Pretrained::ignore_unused",
-                    file_name.get(&path).unwrap_or(&path)
+                    file_name.get(path).unwrap_or(path)
                 ));
-                used.insert(path);
+                used.insert(path.clone());
             }
         }
         for (index, (id, entry)) in census.entries().enumerate() {
@@ -352,30 +354,4 @@ fn listed(names: &[String]) -> String {
         text.push_str(&format!(" and {} more", names.len() - LISTED));
     }
     text
-}
-
-/// The module paths of `model`'s integer and boolean parameters.
-fn non_float_paths<M: Module>(model: &M) -> Vec<String> {
-    #[derive(Default)]
-    struct Paths {
-        path: Vec<String>,
-        found: Vec<String>,
-    }
-    impl ModuleVisitor for Paths {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
-        fn visit_int<const D: usize>(&mut self, _param: &Param<Tensor<D, Int>>) {
-            self.found.push(self.path.join("."));
-        }
-        fn visit_bool<const D: usize>(&mut self, _param: &Param<Tensor<D, Bool>>) {
-            self.found.push(self.path.join("."));
-        }
-    }
-    let mut paths = Paths::default();
-    model.visit(&mut paths);
-    paths.found
 }
