@@ -11,6 +11,7 @@ mod editing;
 mod equivalence;
 mod estimate;
 mod examples;
+mod frozen_base;
 mod fused_adam;
 #[cfg(feature = "wgpu")]
 mod fused_adam_wgpu;

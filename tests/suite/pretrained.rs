@@ -24,7 +24,7 @@ type Open = fn(&Files) -> Pretrained;
 /// `module` with every float entry (parameters and running-state buffers) moved by noise
 /// uniform in [-0.5, 0.5): weights that differ from any initializer's (norms' ones and zeros,
 /// BatchNorm's fresh statistics), so that an entry left unloaded shows.
-fn perturbed<M: Module>(module: M) -> M {
+pub(crate) fn perturbed<M: Module>(module: M) -> M {
     struct Noise;
     impl burn::module::ModuleMapper for Noise {
         fn map_float<const D: usize>(

@@ -341,7 +341,17 @@ fn run_ckpt(command: Ckpt) -> Result<ExitCode, checkpoint::CheckpointError> {
                     e.dtype,
                     e.kind,
                     if e.trainable { "yes" } else { "no" },
-                    e.pieces.len()
+                    match &e.fingerprint {
+                        None => e.pieces.len().to_string(),
+                        Some(f) => format!("none: base entry, fingerprint {f}"),
+                    }
+                );
+            }
+            if let Some(base) = &meta.base {
+                println!(
+                    "frozen base not saved, loaded from {} (fingerprint {}): load it before resuming",
+                    base.origin.as_deref().unwrap_or("the model given to init"),
+                    base.fingerprint
                 );
             }
             println!("{:<16} {:>14} {:<64} status", "file", "bytes", "sha256");

@@ -25,6 +25,7 @@ use crate::optim::offload::Offloaded;
 use crate::overlap::bucket_reducer::{BucketReducer, reduces_in_backward};
 use crate::overlap::context::FsdpContext;
 use crate::placement::home::ParamHome;
+use crate::run::{Base, FrozenEntries};
 use crate::stage::Stage;
 use crate::step::measure::check_one_norm_clipping;
 use crate::step::optimizer::ShardedOptimizer;
@@ -110,6 +111,10 @@ pub struct ShardConfig {
     /// the I/O settings existed).
     #[serde(default, deserialize_with = "defaults::nvme_params::deserialize")]
     pub nvme_offload_params: Option<NvmeOffload>,
+    /// What checkpoints hold of the parameters the optimizer does not train (default
+    /// [`FrozenEntries::Saved`]: their values). See [`ShardConfig::with_frozen_entries`].
+    #[serde(default)]
+    pub frozen_entries: FrozenEntries,
 }
 
 impl burn::config::Config for ShardConfig {}
@@ -193,6 +198,7 @@ impl ShardConfig {
             nvme_offload: None,
             offload_params: false,
             nvme_offload_params: None,
+            frozen_entries: FrozenEntries::Saved,
         }
     }
 
@@ -341,6 +347,17 @@ impl ShardConfig {
         self
     }
 
+    /// What checkpoints hold of the parameters the optimizer does not train:
+    /// [`FrozenEntries::Fingerprinted`] keeps a LoRA or head-only fine-tune's frozen base out of
+    /// every checkpoint (a fingerprint per entry and the pretrained file's name instead); a
+    /// resume then loads the base first (as the run did: `init_pretrained`) and
+    /// `load_checkpoint` checks that it is the same. Every rank passes the same value (checked
+    /// at `init`).
+    pub fn with_frozen_entries(mut self, frozen_entries: FrozenEntries) -> Self {
+        self.frozen_entries = frozen_entries;
+        self
+    }
+
     /// Sets the maximum number of elements per bucket.
     pub fn with_bucket_numel(mut self, bucket_numel: usize) -> Self {
         self.bucket_numel = bucket_numel;
@@ -438,9 +455,14 @@ impl ShardConfig {
         comm: C,
     ) -> Result<(M, ShardedOptimizer<O::Optimizer>), ShardError> {
         let comm: Arc<dyn Collective> = Arc::new(comm);
+        let base = Base {
+            frozen: self.frozen_entries,
+            origin: pretrained.as_ref().map(|p| p.origin.clone()),
+        };
         let result = optim.grad_clipping().and_then(|clipping| {
             let optim = optim.into_optimizer()?;
             self.init_with(model, pretrained, optim, clipping, comm.clone())
+                .map(|(model, optim)| (model, optim.with_base(base)))
         });
         if let Err(e) = &result {
             // A rank that fails alone (bad model) must not leave the others waiting.
@@ -505,7 +527,9 @@ impl ShardConfig {
         let fingerprint = layout.fingerprint()
             ^ everything.fingerprint().rotate_left(1)
             ^ options.fingerprint().rotate_left(2)
-            ^ pretrained.as_ref().map_or(0, |plan| plan.fingerprint().rotate_left(3));
+            ^ pretrained.as_ref().map_or(0, |plan| plan.fingerprint().rotate_left(3))
+            // And on what checkpoints hold (fingerprinting frozen entries is a collective).
+            ^ ((self.frozen_entries == FrozenEntries::Fingerprinted) as u64).rotate_left(4);
         check_same_layout(comm.as_ref(), fingerprint, &device)?;
         let buffers = Buffers::of(&census);
         let root = RootValues::new(comm.clone(), &model, &census, pretrained)?;

@@ -232,13 +232,13 @@ pub enum CheckpointError {
         file: PathBuf,
     },
     /// Written by another format version.
-    #[error("{file} has checkpoint format {found}, this build reads {supported}")]
+    #[error("{file} has checkpoint format {found}, this build reads formats 1 to {supported}: use a newer burn-shard")]
     Version {
         /// The metadata file.
         file: PathBuf,
         /// Its version.
         found: u32,
-        /// The version this build reads.
+        /// The newest version this build reads.
         supported: u32,
     },
     /// Another rank failed in the same collective checkpoint operation (its own error says why).
@@ -255,6 +255,35 @@ pub enum CheckpointError {
     /// The checkpoint is of another model.
     #[error("the checkpoint does not fit the model: {0}; load it into the model it was saved from")]
     ModelMismatch(String),
+    /// The checkpoint holds fingerprints of its frozen entries instead of their values
+    /// ([`FrozenEntries::Fingerprinted`](crate::FrozenEntries::Fingerprinted)), and the model's
+    /// frozen entries are not the base it was trained on.
+    #[error(
+        "{dir} was trained on the frozen base {base} and does not hold it; the model's {differ} differ from it. \
+         Load that base into the model first (ShardConfig::init_pretrained with the same file and options, as the \
+         run that saved the checkpoint did), then load_checkpoint"
+    )]
+    BaseMismatch {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The base: its origin and fingerprint.
+        base: String,
+        /// The entries that differ (the first few by module path, and how many more).
+        differ: String,
+    },
+    /// An operation needs values the checkpoint does not hold: it was saved with
+    /// [`FrozenEntries::Fingerprinted`](crate::FrozenEntries::Fingerprinted).
+    #[error("{dir} does not hold its frozen base ({base}), only fingerprints of it ({entries}); {fix}")]
+    BaseNotSaved {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The base: its origin and fingerprint.
+        base: String,
+        /// The entries it does not hold (the first few, and how many more).
+        entries: String,
+        /// What to do instead.
+        fix: String,
+    },
 }
 
 impl CheckpointError {

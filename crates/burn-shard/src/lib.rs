@@ -73,6 +73,7 @@ pub use optim::into_optimizer::{ElementWise, IntoOptimizer};
 pub use optim::loss_scale::{LossScaler, LossScaling};
 pub use optim::master::MasterWeightStep;
 pub use optim::offload::{Offload, Offloaded};
+pub use run::FrozenEntries;
 pub use stage::Stage;
 pub use step::optimizer::ShardedOptimizer;
 pub use swap::config::NvmeOffload;

@@ -1,7 +1,8 @@
 //! A training run's identity and history ([`Lineage`]): carried by the optimizer from `init` or
 //! a load, recorded in every checkpoint it saves (see the `checkpoint` module's "Lineage"), so a
-//! rollback can tell the abandoned run's checkpoints from the current one's. At the bottom of
-//! the crate: the step holds it, the checkpoint layer reads and writes it.
+//! rollback can tell the abandoned run's checkpoints from the current one's; and the base it
+//! started from ([`FrozenEntries`], [`Base`]), which its checkpoints may name instead of holding.
+//! At the bottom of the crate: the step holds them, the checkpoint layer reads and writes them.
 
 use serde::{Deserialize, Serialize};
 
@@ -21,6 +22,31 @@ pub struct Lineage {
     /// The runs before it, oldest first, each with its last checkpoint in this history.
     #[serde(default)]
     pub branches: Vec<Branch>,
+}
+
+/// What a checkpoint holds of the parameters the optimizer does not train (a LoRA or head-only
+/// fine-tune's frozen base), chosen with
+/// [`ShardConfig::with_frozen_entries`](crate::ShardConfig::with_frozen_entries).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FrozenEntries {
+    /// Their values, in every checkpoint (the default): a checkpoint stands alone.
+    #[default]
+    Saved,
+    /// A fingerprint of each (a 64-bit hash of its elements, see the `checkpoint` module's
+    /// "Frozen entries") and the origin of the weights `init_pretrained` loaded, instead of the
+    /// values: a LoRA fine-tune's checkpoints hold its adapters and their optimizer state only.
+    /// A resume needs the same base in the model (load it as the run did, then
+    /// `load_checkpoint`): the fingerprints are checked and a different base is an error naming
+    /// the one the checkpoint was trained on. Buffers (BatchNorm's statistics) are always saved.
+    Fingerprinted,
+}
+
+/// The base a run's checkpoints refer to: how they hold frozen entries, and where the
+/// pretrained weights came from (`init_pretrained`'s file; `None` after `init`).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Base {
+    pub(crate) frozen: FrozenEntries,
+    pub(crate) origin: Option<String>,
 }
 
 /// An earlier run in a [`Lineage`], and where the next run branched off it.

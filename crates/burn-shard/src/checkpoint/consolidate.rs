@@ -6,8 +6,14 @@ use burn_pack::Writer;
 
 use super::files::RankFiles;
 use super::format::{META, param_name, state_name, state_prefix};
+use super::frozen::refuse_unheld;
 use super::meta::{CheckpointMeta, EntryMeta, parse_dtype};
 use crate::error::CheckpointError;
+
+/// What to do when the whole model is asked of a checkpoint that refers to its frozen base.
+const NEEDS_BASE: &str = "consolidate the trained entries alone (Selection::Trainable, `ckpt consolidate \
+     --trainable-only`), or load the base and this checkpoint into the model (init_pretrained, load_checkpoint) and \
+     save the model";
 
 /// What [`consolidate`] wrote.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,7 +44,10 @@ impl ConsolidateReport {
 ///
 /// # Errors
 /// As [`ShardedOptimizer::load_checkpoint`](crate::ShardedOptimizer::load_checkpoint) for a
-/// bad checkpoint; [`CheckpointError::Io`] when `out` cannot be written.
+/// bad checkpoint; [`CheckpointError::Io`] when `out` cannot be written;
+/// [`CheckpointError::BaseNotSaved`] for a checkpoint that holds its frozen base by fingerprint
+/// alone ([`FrozenEntries::Fingerprinted`](crate::FrozenEntries::Fingerprinted)): consolidate
+/// its trained entries with [`Selection::Trainable`].
 pub fn consolidate(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<ConsolidateReport, CheckpointError> {
     consolidate_selected(dir, out, Selection::All)
 }
@@ -73,13 +82,14 @@ pub fn consolidate_selected(
 ) -> Result<ConsolidateReport, CheckpointError> {
     let (dir, out) = (dir.as_ref(), out.as_ref());
     let mut meta = CheckpointMeta::read(dir)?;
+    meta.entries.retain(|e| selection.keeps(e));
+    refuse_unheld(dir, &meta, &meta.entries, NEEDS_BASE)?;
     // Verify every file once, up front: a bad file fails before `out` is touched.
     let mut files = RankFiles::new(dir, &meta);
     for rank in 0..meta.world_size {
         files.tensors_under(rank, "")?;
     }
     drop(files);
-    meta.entries.retain(|e| selection.keeps(e));
     let shared = std::sync::Arc::new(meta.clone());
     let mut tensors = Vec::with_capacity(meta.entries.len());
     for (index, entry) in meta.entries.iter().enumerate() {
@@ -137,6 +147,7 @@ pub fn consolidate_safetensors_selected(
     let (dir, out) = (dir.as_ref(), out.as_ref());
     let mut meta = CheckpointMeta::read(dir)?;
     meta.entries.retain(|e| selection.keeps(e));
+    refuse_unheld(dir, &meta, &meta.entries, NEEDS_BASE)?;
     let mut files = RankFiles::new(dir, &meta);
     let mut loaded = Vec::with_capacity(meta.entries.len());
     for entry in &meta.entries {

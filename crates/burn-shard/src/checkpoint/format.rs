@@ -14,10 +14,19 @@ use serde::Serialize;
 
 use crate::error::CheckpointError;
 
-/// Version of the layout described here; a reader refuses others. Optional fields added later
-/// (`loss_scaler`, `lineage`) do not change it: readers of version 1 ignore them, and
-/// checkpoints without them still load.
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest version of the layout described here; a reader reads it and every earlier one,
+/// and refuses later ones. Version 2 adds entries held by fingerprint alone (`base` in the
+/// metadata): a writer writes it only for such a checkpoint, and version 1 otherwise, so that
+/// earlier readers refuse what they would misread and read everything else. Optional fields
+/// added within a version (`loss_scaler`, `lineage`) do not change it: readers ignore them,
+/// and checkpoints without them still load.
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The version a checkpoint is written with: 2 when it holds some entry by fingerprint alone,
+/// else 1 (see [`FORMAT_VERSION`]).
+pub(crate) fn version_for(refers_to_base: bool) -> u32 {
+    if refers_to_base { 2 } else { 1 }
+}
 
 /// The metadata file.
 pub(crate) const META: &str = "meta.json";

@@ -33,7 +33,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// ranges its own layout needs (values, Burn's optimizer state of each parameter with its
     /// step count, `f32` masters) from whichever rank files hold them. The same world size and
     /// stage continue bitwise as if never interrupted. Entries are matched by module path, so a
-    /// rebuilt model (new `ParamId`s) loads too.
+    /// rebuilt model (new `ParamId`s) loads too. Frozen entries the checkpoint holds by
+    /// fingerprint alone keep the model's values, which must be the base the checkpoint was
+    /// trained on (load it first, as the run that saved it did).
     ///
     /// A new run starts here: the next checkpoints record `dir` as their parent, and the next
     /// save into a directory holding later checkpoints of another lineage sets them aside (see
@@ -48,6 +50,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// [`CheckpointError::Incomplete`], [`CheckpointError::Missing`],
     /// [`CheckpointError::Corrupt`] (a file that fails its digest, truncated or altered),
     /// [`CheckpointError::ModelMismatch`] (another model: names the parameter and both shapes),
+    /// [`CheckpointError::BaseMismatch`] (a checkpoint saved with
+    /// [`FrozenEntries::Fingerprinted`](crate::FrozenEntries::Fingerprinted) loaded into a model
+    /// without its base: names the base and the entries that differ),
     /// wrapped in [`ShardError::Checkpoint`]. A rank that fails makes every rank fail with its
     /// message; the model and optimizer given are then unchanged.
     pub fn load_checkpoint<M: Module>(
@@ -87,6 +92,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         if let Some(reducer) = &self.bucket_reducer {
             reducer.discard()?;
         }
+        // A checkpoint that refers to its frozen base: the model must hold that base (checked
+        // before anything is read or changed).
+        self.check_base(&model, dir)?;
         // The optimizer state goes where it will live (the swap file, with NVMe offload) slot
         // by slot as it is read, so a load holds one slot of it in memory at a time; it becomes
         // the live state only once every rank has read all of its own.
@@ -166,6 +174,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let (mut values, mut shards) = (HashMap::new(), HashMap::new());
         for (id, entry, holding) in &entries {
             let saved = by_path[entry.path.as_str()];
+            if !saved.is_held() {
+                continue; // the base's: the model keeps its value (`check_base` compared it)
+            }
             let name = param_name(&entry.path);
             let numel = entry.numel();
             let own = piece(stage, *holding, numel, rank, world_size);

@@ -34,6 +34,23 @@ pub struct CheckpointMeta {
     /// it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lineage: Option<Lineage>,
+    /// The frozen base the checkpoint refers to instead of holding it (saved with
+    /// [`FrozenEntries::Fingerprinted`](crate::FrozenEntries::Fingerprinted)); absent when it
+    /// holds every entry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<BaseMeta>,
+}
+
+/// The frozen base of a checkpoint that holds fingerprints of its frozen entries instead of
+/// their values.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct BaseMeta {
+    /// Where the run's pretrained weights came from (the file given to `init_pretrained`, as
+    /// it was named then); `None` for a run started with `init`.
+    pub origin: Option<String>,
+    /// SHA-256 of the frozen entries' paths and fingerprints, lowercase hex: one name for the
+    /// base, equal for every checkpoint trained on it.
+    pub fingerprint: String,
 }
 
 /// One float entry of the model.
@@ -52,14 +69,25 @@ pub struct EntryMeta {
     /// Whether the optimizer trained it (its pieces then carry optimizer state).
     pub trainable: bool,
     /// Where its elements are: disjoint element ranges of the flattened entry, in order,
-    /// covering `[0, numel)`.
+    /// covering `[0, numel)`; none when the checkpoint holds its `fingerprint` instead.
     pub pieces: Vec<Piece>,
+    /// A frozen entry the checkpoint does not hold: the wrapping sum over its elements `i` of
+    /// SplitMix64's finalizer of `i * 0x9E3779B97F4A7C15 XOR bits(i)` (the element's bytes,
+    /// little-endian), 16 hex digits. It sums over any split of the elements, so ranks of any
+    /// world size and stage compute it from their own pieces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
 }
 
 impl EntryMeta {
     /// Elements of the full entry.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
+    }
+
+    /// Whether the checkpoint holds the entry's values (not only its fingerprint).
+    pub fn is_held(&self) -> bool {
+        self.fingerprint.is_none()
     }
 }
 
@@ -106,7 +134,7 @@ impl CheckpointMeta {
             file: path.clone(),
             reason: format!("not a checkpoint's metadata: {e}"),
         })?;
-        if meta.format_version != FORMAT_VERSION {
+        if !(1..=FORMAT_VERSION).contains(&meta.format_version) {
             return Err(CheckpointError::Version {
                 file: path,
                 found: meta.format_version,

@@ -41,6 +41,8 @@
 mod consolidate;
 mod files;
 mod format;
+mod frozen;
+mod held;
 mod lineage;
 mod load;
 mod meta;
@@ -55,5 +57,5 @@ pub use consolidate::{
 };
 pub use format::FORMAT_VERSION;
 pub use lineage::ABANDONED_PREFIX;
-pub use meta::{Branch, CheckpointMeta, EntryMeta, FileMeta, Lineage, Piece};
+pub use meta::{BaseMeta, Branch, CheckpointMeta, EntryMeta, FileMeta, Lineage, Piece};
 pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, reshard};

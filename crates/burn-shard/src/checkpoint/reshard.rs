@@ -73,7 +73,8 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Inspection, CheckpointError> {
 /// every entry (values, optimizer state, masters) is cut into `world_size` chunks of
 /// `ceil(numel / world_size)` elements. [`ShardedOptimizer::load_checkpoint`] reads any
 /// layout, so this is never required; it spreads the files (and the reading) over the new
-/// ranks. Payload and stage are kept. Atomic like a save: `out` appears complete or not at all.
+/// ranks. Payload and stage are kept, and so are the fingerprints of a frozen base the
+/// checkpoint does not hold. Atomic like a save: `out` appears complete or not at all.
 ///
 /// [`ShardedOptimizer::load_checkpoint`]: crate::ShardedOptimizer::load_checkpoint
 ///
@@ -97,7 +98,9 @@ pub fn reshard(
     let written = (|| -> Result<CheckpointMeta, CheckpointError> {
         let mut files = RankFiles::new(dir, &meta);
         let mut entries = meta.entries.clone();
-        for entry in &mut entries {
+        // Entries held by fingerprint alone stay so (the fingerprint does not depend on the
+        // layout).
+        for entry in entries.iter_mut().filter(|e| e.is_held()) {
             entry.pieces = pieces(Stage::Three, Holding::Chunks, entry.numel(), world_size);
         }
         for rank in 0..world_size {

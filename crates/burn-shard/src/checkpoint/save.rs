@@ -1,6 +1,6 @@
 //! Saving: every rank writes its pieces, rank 0 the metadata, and the directory appears whole.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use burn::lr_scheduler::LrSchedulerRecord;
@@ -10,21 +10,20 @@ use burn_shard_comm::ReduceOp;
 
 use super::files::{RankFile, digest, read_digest};
 use super::format::{
-    FORMAT_VERSION, SCHEDULER, begin, discard, finish, master_name, param_name, parent_of, partial_dir, state_name,
+    SCHEDULER, begin, discard, finish, master_name, param_name, parent_of, partial_dir, state_name, version_for,
     write_atomically,
 };
+use super::frozen::{base_fingerprint, to_hex};
+use super::held::HeldValues;
 use super::lineage::{abandoned_dir, name_of, set_aside, to_set_aside};
-use super::meta::{CheckpointMeta, EntryMeta, FileMeta, Lineage, dtype_name};
+use super::meta::{BaseMeta, CheckpointMeta, EntryMeta, FileMeta, Lineage, dtype_name};
 use super::pieces::{Holding, piece, pieces};
 use crate::error::CheckpointError;
 use crate::error::ShardError;
-use crate::hooks::exchange;
 use crate::model::census::{Entry, EntryKind};
-use crate::model::flat;
 use crate::model::layout::SUPPORTED;
 use crate::optim::master::MasterWeightStep;
 use crate::overlap::bucket_reducer::BucketReducer;
-use crate::placement::shard::Shard;
 use crate::stage::Stage;
 use crate::step::optimizer::ShardedOptimizer;
 use crate::step::slot_state::SavedTensor;
@@ -156,7 +155,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             _ => Ok(()),
         };
         let saved = self.agree(prepared, "save_checkpoint").and_then(|()| {
-            // 3. Every rank writes its file; rank 0 also the scheduler's.
+            // 3. The frozen entries the checkpoint refers to instead of holding: their
+            //    fingerprints, summed over the ranks' pieces (a collective; none without them).
+            let fingerprints = self.fingerprints(model, |id, entry| self.refers_to(id, entry), "save_checkpoint")?;
+            // 4. Every rank writes its file; rank 0 also the scheduler's.
             let written = self
                 .write_rank_file(model, &partial)
                 .and_then(|()| match (rank, scheduler) {
@@ -169,10 +171,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                     _ => Ok(()),
                 });
             self.agree(written, "save_checkpoint")?;
-            // 4. Rank 0 completes the directory.
+            // 5. Rank 0 completes the directory.
             let finished = match rank {
                 0 => self
-                    .metadata(&partial, world_size, payload, &lineage)
+                    .metadata(&partial, world_size, payload, &lineage, &fingerprints)
                     .and_then(|meta| Ok(finish(dir, &meta)?)),
                 _ => Ok(()),
             };
@@ -229,44 +231,28 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         crate::step::agreement::agree(self.comm.as_ref(), result, op)
     }
 
-    /// Writes this rank's file into `partial`.
+    /// Writes this rank's file into `partial`: every entry the checkpoint holds (not those it
+    /// refers to by fingerprint).
     fn write_rank_file<M: Module>(&self, model: &M, partial: &Path) -> Result<(), ShardError> {
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
-        let entries = self.saved_entries();
+        let entries: Vec<_> = self
+            .saved_entries()
+            .into_iter()
+            .filter(|(id, entry, _)| !self.refers_to(id, entry))
+            .collect();
         let stage = self.stage();
         let mut file = RankFile::default();
-        let whole_ids: HashSet<ParamId> = entries
-            .iter()
-            .filter(|(_, _, h)| !matches!(h, Holding::Chunks))
-            .map(|(id, _, _)| *id)
-            .collect();
-        let mut values = flat::values_by_id(model, &whole_ids);
-        let mut shards = match self.plan.shards_parameters() {
-            true => exchange::collect_shards(model),
-            false => HashMap::new(),
-        };
+        let mut held = HeldValues::of(model, &entries, self.plan.shards_parameters());
         for (id, entry, holding) in &entries {
             let Some(range) = piece(stage, *holding, entry.numel(), rank, world_size) else {
                 continue;
             };
-            let value = match holding {
-                Holding::Chunks => shards.remove(id),
-                _ => values.remove(id).map(Shard::Held),
-            }
-            .ok_or_else(|| ShardError::UnknownParam {
-                path: entry.path.clone(),
-                id: id.to_string(),
-            })?;
-            let start = match holding {
-                Holding::Chunks => 0, // a shard starts at its own range
-                _ => range.start,
-            };
+            let value = held.take(id, entry, *holding, range.clone())?;
             // Read when the writer reaches it (from the shard file with NVMe parameter
             // offload): a rank file is written with one tensor in memory at a time, not a
             // second copy of every parameter.
-            let len = range.len();
-            file.push_deferred(param_name(&entry.path), value.dtype(), len, move || {
-                Ok(value.read()?.narrow(0, start, len).into_data())
+            file.push_deferred(param_name(&entry.path), value.dtype(), range.len(), move || {
+                value.read()
             });
             if let Some(index) = self.layout.slot_of(id) {
                 self.push_optimizer_piece(&mut file, index, &entry.path, range.len());
@@ -282,19 +268,33 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         world_size: usize,
         payload: &serde_json::Value,
         lineage: &Lineage,
+        fingerprints: &HashMap<String, u64>,
     ) -> Result<CheckpointMeta, ShardError> {
         let stage = self.stage();
+        let entries: Vec<EntryMeta> = self
+            .saved_entries()
+            .iter()
+            .map(|(id, entry, holding)| {
+                let mut meta = entry_meta(*id, entry, *holding, stage, world_size, self);
+                if let Some(fingerprint) = fingerprints.get(&entry.path) {
+                    meta.pieces.clear();
+                    meta.fingerprint = Some(to_hex(*fingerprint));
+                }
+                meta
+            })
+            .collect();
+        let base = (!fingerprints.is_empty()).then(|| BaseMeta {
+            origin: self.base.origin.clone(),
+            fingerprint: base_fingerprint(&entries),
+        });
         Ok(CheckpointMeta {
-            format_version: FORMAT_VERSION,
+            format_version: version_for(base.is_some()),
             lineage: Some(lineage.clone()),
             loss_scaler: self.loss_scaler.clone(),
             world_size,
             stage: stage.number(),
-            entries: self
-                .saved_entries()
-                .iter()
-                .map(|(id, entry, holding)| entry_meta(*id, entry, *holding, stage, world_size, self))
-                .collect(),
+            base,
+            entries,
             files: {
                 let mut files = (0..world_size)
                     .map(|r| read_digest(partial, r))
@@ -383,5 +383,6 @@ fn entry_meta<O: MasterWeightStep>(
         .to_string(),
         trainable: optim.layout.slot_of(&id).is_some(),
         pieces: pieces(stage, holding, entry.numel(), world_size),
+        fingerprint: None,
     }
 }

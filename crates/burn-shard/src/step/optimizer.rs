@@ -105,6 +105,9 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// This run's history, saved with its checkpoints: a new run id at `init` and at every
     /// load, and the checkpoint loaded (see [`crate::run::Lineage`]).
     pub(crate) lineage: crate::run::Lineage,
+    /// What this run's checkpoints hold of frozen entries, and the pretrained file it started
+    /// from (`ShardConfig::with_frozen_entries`, `init_pretrained`).
+    pub(crate) base: crate::run::Base,
 }
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
@@ -136,7 +139,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             pending: PendingGradients::new(slots, buckets),
             bucket_reducer: None,
             lineage: crate::run::Lineage::fresh(),
+            base: crate::run::Base::default(),
         }
+    }
+
+    /// The base this run's checkpoints refer to (see [`crate::run::Base`]).
+    pub(crate) fn with_base(mut self, base: crate::run::Base) -> Self {
+        self.base = base;
+        self
     }
 
     /// Stages 0-2: the reducer the model's hooks hand their gradients to.
