@@ -37,6 +37,18 @@
 //! `keep_last` never removes an abandoned checkpoint nor one of another lineage. A fresh run
 //! moves nothing (saving over an existing checkpoint is refused). Checkpoints written before
 //! lineages existed load as before, and count as one unnamed run.
+//!
+//! # Frozen entries
+//!
+//! With [`FrozenEntries::Fingerprinted`](crate::FrozenEntries::Fingerprinted) a checkpoint holds
+//! no values of the parameters the optimizer does not train (a LoRA fine-tune's base): each
+//! such entry has a `fingerprint` and no pieces in `meta.json`, and `base` names the weights the
+//! run loaded. The fingerprint (see [`EntryMeta::fingerprint`]) is a sum over elements, so the
+//! ranks of any world size and stage compute it from their own pieces with one all-reduce; a
+//! load compares it with the model's values before anything is read or changed, and refuses
+//! another base naming the checkpoint's. [`reshard`] keeps the fingerprints, [`inspect`] lists
+//! them, and a whole-model [`consolidate`] refuses and names the fix
+//! ([`Selection::Trainable`] works). Such a checkpoint is format 2 ([`FORMAT_VERSION`]).
 
 mod consolidate;
 mod files;
