@@ -42,9 +42,10 @@ use rand::rngs::StdRng;
 
 const GB: f64 = 1e9;
 const GIB: f64 = (1u64 << 30) as f64;
-/// AdamW's learning rate of the width-2048 GPTs: low enough that a fresh 33-layer GPT does not
-/// diverge at a batch of 32 tokens without warm-up (1e-4 did).
+/// AdamW's learning rate of the width-2048 GPTs up to [`LR_DEPTH`] layers (see [`lr_wide`]).
 const LR_WIDE: f64 = 2e-5;
+/// The depth up to which [`LR_WIDE`] is used as is.
+const LR_DEPTH: usize = 16;
 /// AdamW's learning rate of the small GPT.
 const LR_SMALL: f64 = 1e-3;
 
@@ -80,6 +81,10 @@ pub struct Args {
     /// measurements.
     #[arg(long, hide = true)]
     child: bool,
+    /// Leave out the checkpoint save and load of the large GPT (the disk then needs 16Ψ bytes
+    /// instead of 36Ψ): how a model larger than the disk's room for a checkpoint is measured.
+    #[arg(long)]
+    no_checkpoint: bool,
     #[arg(long, hide = true)]
     layers: Option<usize>,
 }
@@ -125,16 +130,22 @@ pub fn run(args: &Args) -> Result<(), String> {
     let layers = (((target - base as f64) / per_layer as f64).ceil() as usize).max(1);
     let psi = base + per_layer * layers;
     std::fs::create_dir_all(&args.swap_dir).map_err(|e| format!("{}: {e}", args.swap_dir.display()))?;
-    // The swap file (8Ψ), the checkpoint (parameters and state, 12Ψ), the loaded state written
-    // past the live one (8Ψ more), the parameter shards twice (8Ψ), the probe.
-    let needed = (36 * psi) as f64 + args.probe_gib * GIB;
+    // The swap file (8Ψ), the parameter shards twice (8Ψ); with the checkpoint (parameters and
+    // state, 12Ψ) and the loaded state written past the live one (8Ψ more); the probe.
+    let per_param = if args.no_checkpoint { 16 } else { 36 };
+    let needed = (per_param * psi) as f64 + args.probe_gib * GIB;
     let free = free_bytes(&args.swap_dir)?;
     if free < needed * 1.05 {
+        let fix = match args.no_checkpoint {
+            true => "",
+            false => ", pass --no-checkpoint (16Ψ)",
+        };
         return Err(format!(
-            "{} has {:.1} GB free; the swap files and checkpoint of {psi} parameters (36Ψ) and the probe need {:.1} GB: \
-             free space there or pass --swap-dir on a larger disk",
+            "{} has {:.1} GB free; the swap files{} of {psi} parameters ({per_param}Ψ) and the probe need {:.1} GB: \
+             free space there{fix} or pass --swap-dir on a larger disk",
             args.swap_dir.display(),
             free / GB,
+            if args.no_checkpoint { "" } else { " and checkpoint" },
             needed / GB
         ));
     }
@@ -378,6 +389,18 @@ fn train(
     Ok(out)
 }
 
+/// AdamW's learning rate of a width-2048 GPT of `layers` layers: [`LR_WIDE`] up to
+/// [`LR_DEPTH`] layers, then `LR_WIDE · LR_DEPTH / layers`. Measured here with 3 steps of 32
+/// tokens from Burn's default initialisation (`cargo test` probe, 2026-12-06): at 2e-5 the
+/// losses fall at 8 and 16 layers (16: 4.42, 4.09, 3.54), and rise at 33 (4.22, 5.26, 5.14).
+/// Each layer adds its own change to the function at every step, so keeping `lr · layers`
+/// constant keeps the change per step of a deeper model that of the 16-layer one.
+/// (GPT-2's scaled initialisation, N(0, 0.02) and N(0, 0.02/sqrt(2L)) on the residual
+/// projections, diverged at 8 layers with 2e-5: 4.65, 9.00, 9.59.)
+fn lr_wide(layers: usize) -> f64 {
+    LR_WIDE * (LR_DEPTH as f64 / layers as f64).min(1.0)
+}
+
 /// A GPT of `dims` built from seed 1337 on the stage-3 training device.
 fn seeded_gpt(corpus: &CharCorpus, block: usize, n_embd: usize, layers: usize) -> (Gpt, Device) {
     let device = training_device_on(&Device::flex(), Stage::Three);
@@ -407,7 +430,7 @@ fn compare_small(corpus: &CharCorpus, swap: &Path) -> Result<(Trained, Trained, 
 /// timed).
 fn two_layer_step(corpus: &CharCorpus, args: &Args) -> Result<f64, String> {
     let (model, device) = seeded_gpt(corpus, args.block, args.n_embd, 2);
-    let shape = (args.batch, args.block, LR_WIDE);
+    let shape = (args.batch, args.block, lr_wide(2));
     let run = train(
         corpus,
         model,
@@ -430,7 +453,7 @@ fn big_run(args: &Args, corpus: &CharCorpus, layers: usize) -> Result<BigRun, St
         .with_nvme_offload(NvmeOffload::new(&args.swap_dir))
         .with_nvme_offload_params(&args.swap_dir);
     let (mut init_s, mut init_peak_rss) = (0.0, 0);
-    let shape = (args.batch, args.block, LR_WIDE);
+    let shape = (args.batch, args.block, lr_wide(layers));
     let checkpoint = args.swap_dir.join("checkpoint");
     // One left by an interrupted run would make the save fail after the whole training.
     if checkpoint.exists() {
@@ -450,7 +473,7 @@ fn big_run(args: &Args, corpus: &CharCorpus, layers: usize) -> Result<BigRun, St
         args.steps,
         shape,
         after_init,
-        Some(&checkpoint),
+        (!args.no_checkpoint).then_some(checkpoint.as_path()),
     )?;
     Ok(BigRun {
         params,
@@ -474,6 +497,7 @@ fn spawn_big(args: &Args, layers: usize) -> Result<BigRun, String> {
         .args(["bench", "infinity", "--child", "--layers", &layers.to_string()])
         .args(["--n-embd", &args.n_embd.to_string(), "--steps", &args.steps.to_string()])
         .args(["--batch", &args.batch.to_string(), "--block", &args.block.to_string()])
+        .args(args.no_checkpoint.then_some("--no-checkpoint"))
         .arg("--swap-dir")
         .arg(&args.swap_dir)
         .stderr(std::process::Stdio::inherit())
@@ -596,6 +620,8 @@ fn print_table(
             c.load_s,
             state(c.load_peak_rss)
         );
+    } else {
+        println!("| checkpoint save and load | not run (--no-checkpoint) |");
     }
     let (p, g, o, d) = big.report;
     println!(
@@ -605,7 +631,11 @@ fn print_table(
         o as f64 / GB,
         d as f64 / GB
     );
-    println!("| losses | {:?} |", big.losses);
+    println!(
+        "| losses (AdamW, learning rate {:.2e}: see `lr_wide`) | {:?} |",
+        lr_wide(big.layers),
+        big.losses
+    );
     println!(
         "\nThe same GPT code at {small_params} parameters (width 256, 4 layers), 8 steps, in memory vs NVMe offload:\n"
     );
