@@ -198,10 +198,13 @@ pub fn resume<M: Module, O: MasterWeightStep>(
 
 /// After step `done` (1-based) of `steps`: saves a checkpoint under `--save-dir` every
 /// `--save-every` steps and after the last, with `{"step": done}` as payload, and keeps the
-/// newest `--keep` (a collective: every rank calls it).
+/// newest `--keep` complete ones (a collective: every rank calls it). The saves are written in
+/// the background (`save_checkpoint_async`: training goes on while the files are written); the
+/// last one is waited for.
 ///
 /// # Errors
-/// The save failed on some rank (every rank gets the error).
+/// The save failed on some rank, or the previous background save did (every rank gets the
+/// error).
 pub fn save_if_due<M: Module, O: MasterWeightStep>(
     args: &ShardArgs,
     optim: &ShardedOptimizer<O>,
@@ -217,10 +220,17 @@ pub fn save_if_due<M: Module, O: MasterWeightStep>(
         return Ok(());
     }
     let dir = root.join(format!("step-{done:06}"));
-    optim.save_checkpoint(model, &dir, &serde_json::json!({ "step": done }))?;
+    let last = done == steps;
+    optim.save_checkpoint_async(model, &dir, &serde_json::json!({ "step": done }))?;
+    if last {
+        optim.wait_for_checkpoint()?;
+    }
     if optim.comm().rank() == 0 {
         burn_shard::checkpoint::keep_last(root, args.keep)?;
-        progress.println(&format!("saved {}", dir.display()));
+        progress.println(&match last {
+            true => format!("saved {}", dir.display()),
+            false => format!("saving {} (in the background)", dir.display()),
+        });
     }
     Ok(())
 }

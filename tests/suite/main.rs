@@ -2,6 +2,7 @@
 
 mod accumulation;
 mod architecture;
+mod async_save;
 mod checkpoint;
 mod clipping;
 mod comm;

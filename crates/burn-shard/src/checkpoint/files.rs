@@ -22,11 +22,14 @@ pub(crate) struct RankFile {
     /// The first error of a deferred tensor's provider, returned by `write` in place of the
     /// writer's own (which only says that a provider failed).
     deferred_error: Arc<Mutex<Option<ShardError>>>,
+    /// Bytes of the tensors held in memory (pushed, not deferred).
+    held_bytes: usize,
 }
 
 impl RankFile {
     pub(crate) fn push(&mut self, name: String, data: TensorData) {
         let (shape, dtype) = (data.shape().clone(), data.dtype());
+        self.held_bytes += data.as_bytes().len();
         self.tensors
             .push(burn_pack::Tensor::new(name, dtype, shape, None, data.into_bytes()));
     }
@@ -50,6 +53,11 @@ impl RankFile {
             })
         });
         self.tensors.push(tensor);
+    }
+
+    /// Bytes of the tensors this file holds in memory until written (deferred ones excluded).
+    pub(crate) fn held_bytes(&self) -> usize {
+        self.held_bytes
     }
 
     pub(crate) fn push_scalar(&mut self, name: String, value: Scalar) {

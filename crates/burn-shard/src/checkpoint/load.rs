@@ -92,6 +92,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         if let Some(reducer) = &self.bucket_reducer {
             reducer.discard()?;
         }
+        // A background save completes first (it may be the checkpoint loaded here).
+        self.wait_for_checkpoint()?;
         // A checkpoint that refers to its frozen base: the model must hold that base (checked
         // before anything is read or changed).
         self.check_base(&model, dir)?;

@@ -26,6 +26,7 @@ use crate::optim::master::MasterWeightStep;
 use crate::overlap::bucket_reducer::BucketReducer;
 use crate::stage::Stage;
 use crate::step::optimizer::ShardedOptimizer;
+use crate::step::save_in_flight::SaveInFlight;
 use crate::step::slot_state::SavedTensor;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
@@ -59,7 +60,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         dir: impl AsRef<Path>,
         payload: &serde_json::Value,
     ) -> Result<(), ShardError> {
-        self.save_impl(model, dir.as_ref(), payload, None)
+        self.save_impl(model, dir.as_ref(), payload, None, false)
     }
 
     /// As [`ShardedOptimizer::save_checkpoint`], with the state of a Burn learning-rate
@@ -76,7 +77,52 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         payload: &serde_json::Value,
         scheduler: LrSchedulerRecord,
     ) -> Result<(), ShardError> {
-        self.save_impl(model, dir.as_ref(), payload, Some(scheduler))
+        self.save_impl(model, dir.as_ref(), payload, Some(scheduler), false)
+    }
+
+    /// As [`ShardedOptimizer::save_checkpoint`], and returns as soon as this rank's part is
+    /// staged: its values, optimizer state and masters copied into host memory (read from the
+    /// swap files with NVMe offload). A background thread per rank writes the same files;
+    /// training goes on meanwhile, and the steps that follow cannot change what is written
+    /// (the copies are the checkpoint's own). The checkpoint is complete (`meta.json`,
+    /// `COMPLETE`, the rename) once every rank has written: rank 0 completes it at the first
+    /// `step` that finds every writer done, or at [`ShardedOptimizer::wait_for_checkpoint`],
+    /// which a run calls before it ends. The writers run no collective.
+    ///
+    /// One save is in flight at a time: the next save (or load) first waits for the previous
+    /// one and returns its error if it failed. A failure seen at a step is logged
+    /// (`tracing::error!`, every rank) and returned by the next save or `wait_for_checkpoint`;
+    /// `DIR.partial` is then removed and no earlier checkpoint is touched. Host memory: the
+    /// staged bytes of this rank's file ([`MemoryReport::checkpoint_staging_bytes`]) until it
+    /// is written. A collective: every rank calls it with the same `dir`.
+    ///
+    /// [`MemoryReport::checkpoint_staging_bytes`]: crate::MemoryReport::checkpoint_staging_bytes
+    ///
+    /// # Errors
+    /// As [`ShardedOptimizer::save_checkpoint`] for what is checked before staging; the
+    /// previous background save's error.
+    pub fn save_checkpoint_async<M: Module>(
+        &self,
+        model: &M,
+        dir: impl AsRef<Path>,
+        payload: &serde_json::Value,
+    ) -> Result<(), ShardError> {
+        self.save_impl(model, dir.as_ref(), payload, None, true)
+    }
+
+    /// [`ShardedOptimizer::save_checkpoint_async`] with a learning-rate scheduler's state, as
+    /// [`ShardedOptimizer::save_checkpoint_with_scheduler`].
+    ///
+    /// # Errors
+    /// As [`ShardedOptimizer::save_checkpoint_async`].
+    pub fn save_checkpoint_async_with_scheduler<M: Module>(
+        &self,
+        model: &M,
+        dir: impl AsRef<Path>,
+        payload: &serde_json::Value,
+        scheduler: LrSchedulerRecord,
+    ) -> Result<(), ShardError> {
+        self.save_impl(model, dir.as_ref(), payload, Some(scheduler), true)
     }
 
     /// Sets aside now what this run's next save into the checkpoint directory `root` would
@@ -114,10 +160,17 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         dir: &Path,
         payload: &serde_json::Value,
         scheduler: Option<LrSchedulerRecord>,
+        background: bool,
     ) -> Result<(), ShardError> {
+        let op = match background {
+            true => "save_checkpoint_async",
+            false => "save_checkpoint",
+        };
         // Before any collective: a rank whose step failed half-way refuses here; the others
         // fail at their first collective, the group having been aborted by that step.
         self.refuse_half_applied("save a checkpoint")?;
+        // The previous background save completes first, and its failure is reported here.
+        self.wait_for_checkpoint()?;
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         let partial = partial_dir(dir);
         let root = parent_of(dir);
@@ -143,7 +196,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                  checkpoint after step()"
             ))),
         };
-        let aside = self.agree(checked, "save_checkpoint")?;
+        let aside = self.agree(checked, op)?;
         // 2. Rank 0 sets aside the abandoned checkpoints, clears leftovers and creates
         //    `DIR.partial`. From here on a failure removes `DIR.partial` (rank 0, once every
         //    rank is done with it).
@@ -154,31 +207,63 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 .map_err(ShardError::from),
             _ => Ok(()),
         };
-        let saved = self.agree(prepared, "save_checkpoint").and_then(|()| {
+        let saved = self.agree(prepared, op).and_then(|()| {
             // 3. The frozen entries the checkpoint refers to instead of holding: their
             //    fingerprints, summed over the ranks' pieces (a collective; none without them).
-            let fingerprints = self.fingerprints(model, |id, entry| self.refers_to(id, entry), "save_checkpoint")?;
-            // 4. Every rank writes its file; rank 0 also the scheduler's.
-            let written = self
-                .write_rank_file(model, &partial)
-                .and_then(|()| match (rank, scheduler) {
-                    (0, Some(record)) => {
-                        let bytes = record
-                            .into_bytes()
-                            .map_err(|e| CheckpointError::io(&partial.join(SCHEDULER), e))?;
-                        Ok(write_atomically(&partial.join(SCHEDULER), &bytes)?)
-                    }
-                    _ => Ok(()),
-                });
-            self.agree(written, "save_checkpoint")?;
-            // 5. Rank 0 completes the directory.
-            let finished = match rank {
-                0 => self
-                    .metadata(&partial, world_size, payload, &lineage, &fingerprints)
-                    .and_then(|meta| Ok(finish(dir, &meta)?)),
-                _ => Ok(()),
+            let fingerprints = self.fingerprints(model, |id, entry| self.refers_to(id, entry), op)?;
+            // 4. This rank's file, and rank 0's scheduler record and metadata, as of now: read
+            //    when written (synchronous), or copied into host memory here (background).
+            let file = self.rank_file(model, background);
+            let scheduler = match (rank, scheduler) {
+                (0, Some(record)) => Some(
+                    record
+                        .into_bytes()
+                        .map_err(|e| ShardError::from(CheckpointError::io(&partial.join(SCHEDULER), e))),
+                )
+                .transpose(),
+                _ => Ok(None),
             };
-            self.agree(finished, "save_checkpoint")
+            let (file, scheduler) = self.agree(file.and_then(|f| Ok((f, scheduler?))), op)?;
+            let meta = (rank == 0).then(|| self.metadata(world_size, payload, &lineage, &fingerprints));
+            let staged_bytes = file.held_bytes();
+            let write = {
+                let partial = partial.clone();
+                move || -> Result<(), ShardError> {
+                    file.write(&partial, rank)?;
+                    match scheduler {
+                        Some(bytes) => Ok(write_atomically(&partial.join(SCHEDULER), &bytes)?),
+                        None => Ok(()),
+                    }
+                }
+            };
+            // 5. Rank 0 completes the directory once every rank has written.
+            let commit = {
+                let (partial, dir) = (partial.clone(), dir.to_path_buf());
+                move || -> Result<(), ShardError> {
+                    match meta {
+                        Some(meta) => Ok(finish(&dir, &with_files(meta, &partial, world_size)?)?),
+                        None => Ok(()),
+                    }
+                }
+            };
+            if background {
+                let writer = std::thread::Builder::new()
+                    .name(format!("burn-shard-save-{rank}"))
+                    .spawn(write)
+                    .map_err(|e| CheckpointError::io(&partial, format!("cannot start the writer thread: {e}")));
+                let writer = self.agree(writer.map_err(ShardError::from), op)?;
+                let discarded = partial.clone();
+                self.put_in_flight(SaveInFlight::new(
+                    dir.to_path_buf(),
+                    writer,
+                    Box::new(commit),
+                    Box::new(move || discard(&discarded)),
+                    staged_bytes,
+                ));
+                return Ok(());
+            }
+            self.agree(write(), op)?;
+            self.agree(commit(), op)
         });
         if let Err(e) = &saved {
             if rank == 0 {
@@ -231,9 +316,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         crate::step::agreement::agree(self.comm.as_ref(), result, op)
     }
 
-    /// Writes this rank's file into `partial`: every entry the checkpoint holds (not those it
-    /// refers to by fingerprint).
-    fn write_rank_file<M: Module>(&self, model: &M, partial: &Path) -> Result<(), ShardError> {
+    /// This rank's file: every entry the checkpoint holds (not those it refers to by
+    /// fingerprint), with its optimizer state and master. With `staged`, every tensor is copied
+    /// into host memory now (reading the swap file with NVMe offload), so that the next steps,
+    /// which update parameters and state in place, cannot change what is written; without, each
+    /// is read when the writer reaches it (one tensor in memory at a time).
+    fn rank_file<M: Module>(&self, model: &M, staged: bool) -> Result<RankFile, ShardError> {
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         let entries: Vec<_> = self
             .saved_entries()
@@ -248,28 +336,28 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 continue;
             };
             let value = held.take(id, entry, *holding, range.clone())?;
-            // Read when the writer reaches it (from the shard file with NVMe parameter
-            // offload): a rank file is written with one tensor in memory at a time, not a
-            // second copy of every parameter.
-            file.push_deferred(param_name(&entry.path), value.dtype(), range.len(), move || {
-                value.read()
-            });
+            let name = param_name(&entry.path);
+            match staged {
+                true => file.push(name, owned(value.read()?)),
+                // Read when the writer reaches it (from the shard file with NVMe parameter
+                // offload): not a second copy of every parameter.
+                false => file.push_deferred(name, value.dtype(), range.len(), move || value.read()),
+            }
             if let Some(index) = self.layout.slot_of(id) {
-                self.push_optimizer_piece(&mut file, index, &entry.path, range.len());
+                self.push_optimizer_piece(&mut file, index, &entry.path, range.len(), staged)?;
             }
         }
-        file.write(partial, rank)
+        Ok(file)
     }
 
-    /// Rank 0: the checkpoint's metadata, with every rank file's digest.
+    /// Rank 0: the checkpoint's metadata as of now, without the files (see [`with_files`]).
     fn metadata(
         &self,
-        partial: &Path,
         world_size: usize,
         payload: &serde_json::Value,
         lineage: &Lineage,
         fingerprints: &HashMap<String, u64>,
-    ) -> Result<CheckpointMeta, ShardError> {
+    ) -> CheckpointMeta {
         let stage = self.stage();
         let entries: Vec<EntryMeta> = self
             .saved_entries()
@@ -287,7 +375,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             origin: self.base.origin.clone(),
             fingerprint: base_fingerprint(&entries),
         });
-        Ok(CheckpointMeta {
+        CheckpointMeta {
             format_version: version_for(base.is_some()),
             lineage: Some(lineage.clone()),
             loss_scaler: self.loss_scaler.clone(),
@@ -295,23 +383,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             stage: stage.number(),
             base,
             entries,
-            files: {
-                let mut files = (0..world_size)
-                    .map(|r| read_digest(partial, r))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let scheduler = partial.join(SCHEDULER);
-                if scheduler.exists() {
-                    let (bytes, sha256) = digest(&scheduler)?;
-                    files.push(FileMeta {
-                        name: SCHEDULER.to_string(),
-                        bytes,
-                        sha256,
-                    });
-                }
-                files
-            },
+            files: Vec::new(),
             payload: payload.clone(),
-        })
+        }
     }
 
     /// The entries a checkpoint holds, in traversal order, with where their elements live.
@@ -333,12 +407,27 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
     /// This rank's optimizer state and master of slot `index`, trimmed to `len` elements (a
     /// stage-3 shard's padding is not saved).
-    fn push_optimizer_piece(&self, file: &mut RankFile, index: usize, path: &str, len: usize) {
+    /// (`staged`: copied into host memory now, see [`ShardedOptimizer::rank_file`].)
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] when `staged` and the swap file cannot be read.
+    fn push_optimizer_piece(
+        &self,
+        file: &mut RankFile,
+        index: usize,
+        path: &str,
+        len: usize,
+        staged: bool,
+    ) -> Result<(), ShardError> {
         let saved = self.slots.saved(index);
         let names = saved.state.into_iter().map(|(field, t)| (state_name(path, &field), t));
         for (name, tensor) in names.chain(saved.master.map(|t| (master_name(path), t))) {
             match tensor {
-                SavedTensor::InMemory(data) => file.push(name, trim(data, len)),
+                SavedTensor::InMemory(data) => file.push(name, owned(trim(data, len))),
+                SavedTensor::OnDisk(on_disk) if staged => {
+                    let (reader, field) = *on_disk;
+                    file.push(name, trim(reader.read(&field)?, len));
+                }
                 // NVMe offload: read from the swap file when written, one tensor at a time.
                 SavedTensor::OnDisk(on_disk) => {
                     let (reader, field) = *on_disk;
@@ -349,7 +438,34 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         for (field, value) in saved.scalars {
             file.push_scalar(state_name(path, &field), value);
         }
+        Ok(())
     }
+}
+
+/// `data` in bytes of its own: a staged tensor must not share memory with a tensor that a
+/// later step may update in place.
+fn owned(data: TensorData) -> TensorData {
+    let (shape, dtype) = (data.shape().clone(), data.dtype());
+    TensorData::from_bytes_vec(data.as_bytes().to_vec(), shape, dtype)
+}
+
+/// `meta` with every rank file's (and the scheduler record's) size and digest, read from
+/// `partial` once every rank has written.
+fn with_files(mut meta: CheckpointMeta, partial: &Path, world_size: usize) -> Result<CheckpointMeta, CheckpointError> {
+    let mut files = (0..world_size)
+        .map(|r| read_digest(partial, r))
+        .collect::<Result<Vec<_>, _>>()?;
+    let scheduler = partial.join(SCHEDULER);
+    if scheduler.exists() {
+        let (bytes, sha256) = digest(&scheduler)?;
+        files.push(FileMeta {
+            name: SCHEDULER.to_string(),
+            bytes,
+            sha256,
+        });
+    }
+    meta.files = files;
+    Ok(meta)
 }
 
 /// The first `len` elements of a 1-D `data`.

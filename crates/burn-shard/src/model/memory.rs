@@ -60,6 +60,12 @@ pub struct MemoryReport {
     /// gathered full parameters and full gradients alive at once (measured by liveness probes
     /// on their buffers, sampled at every all-gather and reduce-scatter).
     pub temporary_peak_bytes: usize,
+    /// Host bytes of the checkpoint being written in the background
+    /// ([`ShardedOptimizer::save_checkpoint_async`](crate::ShardedOptimizer::save_checkpoint_async)):
+    /// this rank's staged values, optimizer state and masters, held until its writer is done;
+    /// 0 without one. Not in [`MemoryReport::model_state_bytes`] nor
+    /// [`MemoryReport::total_bytes`].
+    pub checkpoint_staging_bytes: usize,
 }
 
 impl MemoryReport {
@@ -97,6 +103,13 @@ impl fmt::Display for MemoryReport {
         }
         if self.disk_bytes > 0 {
             write!(f, ", disk (NVMe) {:.2} MiB", self.disk_bytes as f64 / MIB)?;
+        }
+        if self.checkpoint_staging_bytes > 0 {
+            write!(
+                f,
+                ", checkpoint staged {:.2} MiB",
+                self.checkpoint_staging_bytes as f64 / MIB
+            )?;
         }
         Ok(())
     }

@@ -22,6 +22,7 @@ pub(crate) mod params;
 pub(crate) mod pending;
 pub(crate) mod reduce;
 pub(crate) mod reports;
+pub(crate) mod save_in_flight;
 pub(crate) mod slot_state;
 pub(crate) mod stage_plan;
 pub(crate) mod update;

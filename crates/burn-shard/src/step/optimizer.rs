@@ -108,6 +108,12 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// What this run's checkpoints hold of frozen entries, and the pretrained file it started
     /// from (`ShardConfig::with_frozen_entries`, `init_pretrained`).
     pub(crate) base: crate::run::Base,
+    /// The checkpoint being written in the background (`save_checkpoint_async`), until every
+    /// rank has written and rank 0 completed it.
+    pub(crate) in_flight: std::sync::Mutex<Option<crate::step::save_in_flight::SaveInFlight>>,
+    /// A background save that failed, seen at the start of a step: returned by the next
+    /// `wait_for_checkpoint` or save.
+    pub(crate) failed_save: std::sync::Mutex<Option<ShardError>>,
 }
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
@@ -140,6 +146,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             bucket_reducer: None,
             lineage: crate::run::Lineage::fresh(),
             base: crate::run::Base::default(),
+            in_flight: std::sync::Mutex::new(None),
+            failed_save: std::sync::Mutex::new(None),
         }
     }
 
@@ -260,6 +268,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.plan.end_gather_pass();
         let result = self
             .check_call("step")
+            // A background save whose writers are all done completes here (every rank is here).
+            .and_then(|()| self.settle_save_in_step())
             .and_then(|()| self.step_with(&lr.into(), model, grads));
         if let Err(e) = &result {
             if std::mem::take(&mut self.updating) && self.half_applied.is_none() {

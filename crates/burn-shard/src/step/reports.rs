@@ -46,6 +46,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             host_bytes: state.elsewhere + shards_elsewhere,
             disk_bytes: state.on_disk + shards_on_disk,
             temporary_peak_bytes: self.last.temporary_peak_bytes,
+            checkpoint_staging_bytes: self.staged_bytes(),
         }
     }
 

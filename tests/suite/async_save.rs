@@ -1,0 +1,243 @@
+//! Checkpoints written in the background (`save_checkpoint_async`): what is written is the step
+//! the save was staged at, whatever the steps after it do; the checkpoint completes at a later
+//! step or at `wait_for_checkpoint`; a failure is reported on every rank and leaves nothing
+//! behind; the next save waits for the previous one.
+
+use std::path::Path;
+
+use burn::module::{Module, Param};
+use burn::optim::AdamWConfig;
+use burn::prelude::*;
+use burn::tensor::DType;
+use burn_shard::checkpoint::{CheckpointMeta, inspect};
+use burn_shard::{NvmeOffload, ShardConfig, Stage};
+use burn_shard_comm::{InProcessGroup, run_ranks};
+
+use crate::common::{Rng, params_of, scratch, sharded_step};
+
+/// One `[d_in, d_out]` layer: at `[1024, 512]` 0.5 M parameters (2 MB of values, 4 MB of Adam
+/// moments); at `[4096, 2048]` 8 M, large enough that a rank's writer is still writing while the
+/// next steps run.
+#[derive(Module, Debug)]
+struct Wide {
+    w: Param<Tensor<2>>,
+    b: Param<Tensor<1>>,
+}
+
+impl Wide {
+    fn new(device: &Device, dtype: DType) -> Self {
+        Self::sized(device, dtype, [1024, 512])
+    }
+
+    fn sized(device: &Device, dtype: DType, [d_in, d_out]: [usize; 2]) -> Self {
+        let mut rng = Rng::new(5);
+        let w = Tensor::<2>::from_data(TensorData::new(rng.vec(d_in * d_out), [d_in, d_out]), device).cast(dtype);
+        let b = Tensor::<1>::from_data(TensorData::new(rng.vec(d_out), [d_out]), device).cast(dtype);
+        Self {
+            w: Param::from_tensor(w.require_grad()),
+            b: Param::from_tensor(b.require_grad()),
+        }
+    }
+
+    fn loss(&self, step: usize, device: &Device) -> Tensor<1> {
+        let d_in = self.w.shape().num_elements() / self.b.shape().num_elements();
+        let x = Tensor::<2>::from_data(
+            TensorData::new(Rng::new(40 + step as u64).vec(4 * d_in), [4, d_in]),
+            device,
+        )
+        .cast(self.w.dtype());
+        (x.matmul(self.w.val()) + self.b.val().unsqueeze())
+            .cast(DType::F32)
+            .tanh()
+            .powi_scalar(2)
+            .mean()
+    }
+}
+
+/// The rank files' sizes and digests: equal when the files hold the same bytes.
+fn files_of(dir: &Path) -> Vec<(String, u64, String)> {
+    CheckpointMeta::read(dir)
+        .unwrap()
+        .files
+        .into_iter()
+        .map(|f| (f.name, f.bytes, f.sha256))
+        .collect()
+}
+
+/// On 2 ranks with `config`: a save staged after 3 steps of `base`, followed at once by 3 more
+/// steps, writes the same bytes as a synchronous save after 3 steps (every rank file's SHA-256).
+/// While in flight it is reported in `memory_report` and by `checkpoint_in_flight`, and the
+/// directory is not complete; `wait_for_checkpoint` completes it.
+fn check_staged(at: &str, base: &Wide, config: &ShardConfig, root: &Path) {
+    let (sync_dir, async_dir) = (root.join(format!("{at}-sync")), root.join(format!("{at}-async")));
+    let ranks = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (mut model, mut optim) = config
+            .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+            .unwrap();
+        for step in 0..3 {
+            let loss = model.loss(step, &device);
+            model = sharded_step(&mut optim, model, loss, 1e-2).0;
+        }
+        optim
+            .save_checkpoint(&model, &sync_dir, &serde_json::json!({ "step": 3 }))
+            .unwrap();
+        optim
+            .save_checkpoint_async(&model, &async_dir, &serde_json::json!({ "step": 3 }))
+            .unwrap();
+        let in_flight = optim.checkpoint_in_flight();
+        let staged = optim.memory_report(&model).checkpoint_staging_bytes;
+        let complete_before = async_dir.join("COMPLETE").exists();
+        let before = params_of(&model.valid().materialize());
+        for step in 3..6 {
+            let loss = model.loss(step, &device);
+            model = sharded_step(&mut optim, model, loss, 1e-2).0;
+        }
+        optim.wait_for_checkpoint().unwrap();
+        let after = params_of(&model.valid().materialize());
+        (
+            in_flight,
+            staged,
+            complete_before,
+            before != after,
+            optim.checkpoint_in_flight(),
+        )
+    })
+    .unwrap();
+    assert_eq!(
+        files_of(&async_dir),
+        files_of(&sync_dir),
+        "{at}: the background save wrote the step it was staged at"
+    );
+    for (rank, (in_flight, staged, complete_before, moved, settled)) in ranks.into_iter().enumerate() {
+        assert_eq!(in_flight.as_deref(), Some(async_dir.as_path()), "{at} rank {rank}");
+        assert!(
+            !complete_before,
+            "{at} rank {rank}: not complete before the writers are done"
+        );
+        assert!(moved, "{at}: the steps after the save changed the parameters");
+        assert_eq!(settled, None, "{at} rank {rank}");
+        let file = inspect(&async_dir).unwrap().bytes_per_rank()[rank] as usize;
+        // The staged tensors are the file's, less its header and scalars (a rank that holds
+        // nothing, rank 1 at stage 0, stages nothing).
+        assert!(
+            staged <= file && (file < 4096 || staged * 10 >= file * 9),
+            "{at} rank {rank}: staged {staged} bytes, file {file}"
+        );
+        assert!(rank > 0 || staged > 1 << 20, "{at}: rank 0 staged {staged} bytes");
+    }
+}
+
+/// [`check_staged`] at stages 0-3, `f32` and `bf16` with `f32` masters.
+#[test]
+fn a_background_save_writes_the_step_it_was_staged_at() {
+    let root = scratch("async-save", "staged");
+    for dtype in [DType::F32, DType::BF16] {
+        let base = Wide::new(&Device::flex().autodiff(), dtype);
+        for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+            check_staged(&format!("{dtype:?}-{stage}"), &base, &ShardConfig::new(stage), &root);
+        }
+    }
+}
+
+/// [`check_staged`] with the optimizer state in swap files (stages 1 and 3) and the parameter
+/// shards in a shard file (stage 3), which the steps rewrite: the save stages them (reads them
+/// before it returns), so the writer never reads the files. 8 M parameters (a 50 MB rank file).
+#[test]
+fn a_background_save_stages_what_nvme_offload_keeps_on_disk() {
+    let root = scratch("async-save", "nvme");
+    let base = Wide::sized(&Device::flex().autodiff(), DType::F32, [4096, 2048]);
+    for stage in [Stage::One, Stage::Three] {
+        let swap = root.join(format!("swap-{stage}"));
+        std::fs::create_dir_all(&swap).unwrap();
+        let mut config = ShardConfig::new(stage).with_nvme_offload(NvmeOffload::new(&swap));
+        if stage == Stage::Three {
+            config = config.with_nvme_offload_params(&swap);
+        }
+        check_staged(&format!("nvme-{stage}"), &base, &config, &root);
+    }
+}
+
+/// A background save whose `DIR.partial` disappears before it completes (any failure of a
+/// writer or of the commit): every rank sees the failure, logged at the next step and returned
+/// by `wait_for_checkpoint` (once); nothing is left behind and the next save works.
+#[test]
+fn a_failed_background_save_is_reported_on_every_rank_and_leaves_nothing() {
+    let root = scratch("async-save", "failed");
+    let (dir, next) = (root.join("step-3"), root.join("step-4"));
+    let base = Wide::new(&Device::flex().autodiff(), DType::F32);
+    let errors = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (mut model, mut optim) = ShardConfig::new(Stage::Two)
+            .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+            .unwrap();
+        let loss = model.loss(0, &device);
+        model = sharded_step(&mut optim, model, loss, 1e-2).0;
+        optim
+            .save_checkpoint_async(&model, &dir, &serde_json::Value::Null)
+            .unwrap();
+        optim.comm().barrier().unwrap();
+        if optim.comm().rank() == 0 {
+            let _ = std::fs::remove_dir_all(root.join("step-3.partial"));
+        }
+        optim.comm().barrier().unwrap();
+        // Training goes on; the failure is seen (and logged) at a step once the writers are done.
+        for step in 1..3 {
+            let loss = model.loss(step, &device);
+            model = sharded_step(&mut optim, model, loss, 1e-2).0;
+        }
+        let error = optim.wait_for_checkpoint().unwrap_err().to_string();
+        let again = optim.wait_for_checkpoint().is_ok();
+        optim
+            .save_checkpoint_async(&model, &next, &serde_json::Value::Null)
+            .unwrap();
+        optim.wait_for_checkpoint().unwrap();
+        (error, again)
+    })
+    .unwrap();
+    for (rank, (error, again)) in errors.iter().enumerate() {
+        assert!(
+            error.contains("step-3.partial") || error.contains("failed in save_checkpoint_async"),
+            "rank {rank}: {error}"
+        );
+        assert!(again, "rank {rank}: reported once");
+    }
+    assert!(
+        !dir.exists() && !root.join("step-3.partial").exists(),
+        "nothing left behind"
+    );
+    assert!(inspect(&next).unwrap().is_intact(), "the next save works");
+}
+
+/// Two background saves in a row (the second waits for the first) and a load right after one:
+/// both checkpoints complete, and the load reads the one just saved.
+#[test]
+fn the_next_save_and_a_load_wait_for_the_background_save() {
+    let root = scratch("async-save", "in-a-row");
+    let base = Wide::new(&Device::flex().autodiff(), DType::F32);
+    let ranks = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (mut model, mut optim) = ShardConfig::new(Stage::Three)
+            .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+            .unwrap();
+        let loss = model.loss(0, &device);
+        model = sharded_step(&mut optim, model, loss, 1e-2).0;
+        optim
+            .save_checkpoint_async(&model, root.join("a"), &serde_json::json!(1))
+            .unwrap();
+        optim
+            .save_checkpoint_async(&model, root.join("b"), &serde_json::json!(2))
+            .unwrap();
+        let saved = params_of(&model.valid().materialize());
+        let loss = model.loss(1, &device);
+        model = sharded_step(&mut optim, model, loss, 1e-2).0;
+        let (model, payload) = optim.load_checkpoint(model, root.join("b")).unwrap();
+        (saved == params_of(&model.valid().materialize()), payload)
+    })
+    .unwrap();
+    for (rank, (same, payload)) in ranks.into_iter().enumerate() {
+        assert!(same, "rank {rank}: the load reads the state saved");
+        assert_eq!(payload, serde_json::json!(2), "rank {rank}");
+    }
+    assert!(inspect(root.join("a")).unwrap().is_intact());
+}
