@@ -162,12 +162,11 @@ fn load_errors(tune: Tune, base: &Base, stage: Stage, dir: &Path, unfreeze: bool
     .unwrap()
 }
 
+/// The largest difference between `a` and `b` relative to `b`'s largest magnitude (the
+/// checkpoint suite's measure for resumes at another world size).
 fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-3))
-        .fold(0.0, f32::max)
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    crate::common::max_abs_diff(a, b) / scale
 }
 
 /// For both fine-tunes at stages 0-3 on 2 ranks: 2 steps saved with

@@ -11,6 +11,7 @@
 //! `hooks`, `overlap`, `placement`, `swap`, `optim`, `model`, `error` and `stage`.
 
 pub(crate) mod agreement;
+pub(crate) mod background_save;
 pub(crate) mod bucket_grads;
 pub(crate) mod context;
 pub(crate) mod grad_norm;
