@@ -232,7 +232,9 @@ pub enum CheckpointError {
         file: PathBuf,
     },
     /// Written by another format version.
-    #[error("{file} has checkpoint format {found}, this build reads formats 1 to {supported}: use a newer burn-shard")]
+    #[error(
+        "{file} has checkpoint format {found}, this build reads formats 1 to {supported} (a later format needs a later burn-shard)"
+    )]
     Version {
         /// The metadata file.
         file: PathBuf,
@@ -260,8 +262,8 @@ pub enum CheckpointError {
     /// frozen entries are not the base it was trained on.
     #[error(
         "{dir} was trained on the frozen base {base} and does not hold it; the model's {differ} differ from it. \
-         Load that base into the model first (ShardConfig::init_pretrained with the same file and options, as the \
-         run that saved the checkpoint did), then load_checkpoint"
+         Load that base into the model first, as the run that saved the checkpoint did (the same file and options \
+         with ShardConfig::init_pretrained, or the same model given to init), then load_checkpoint"
     )]
     BaseMismatch {
         /// The checkpoint directory.

@@ -100,6 +100,43 @@ pub(crate) fn begin(dir: &Path) -> Result<PathBuf, CheckpointError> {
     Ok(partial)
 }
 
+/// The `DIR.partial` directories this process is still writing in the background
+/// (`save_checkpoint_async`): not leftovers, whatever other saves into the same directory (another
+/// optimizer's, a reshard's) find. Canonical paths.
+static WRITING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// Marks a `DIR.partial` as being written while it lives.
+pub(crate) struct Writing(Option<PathBuf>);
+
+impl Writing {
+    /// Marks `partial` (which exists).
+    pub(crate) fn mark(partial: &Path) -> Self {
+        let path = std::fs::canonicalize(partial).ok();
+        if let Some(path) = &path {
+            WRITING.lock().unwrap_or_else(|p| p.into_inner()).push(path.clone());
+        }
+        Self(path)
+    }
+
+    fn holds(path: &Path) -> bool {
+        let Ok(path) = std::fs::canonicalize(path) else {
+            return false;
+        };
+        WRITING.lock().unwrap_or_else(|p| p.into_inner()).contains(&path)
+    }
+}
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            let mut writing = WRITING.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(i) = writing.iter().position(|p| *p == path) {
+                writing.swap_remove(i);
+            }
+        }
+    }
+}
+
 /// Completes a checkpoint whose rank files are in `DIR.partial`: writes `meta` as `meta.json`,
 /// then the `COMPLETE` marker, then renames the directory to `dir` and syncs `dir`'s parent, so
 /// that after a power loss the checkpoint is there whole or not at all (a rename is durable only
@@ -145,7 +182,7 @@ pub(crate) fn clear_leftovers(root: &Path) -> Vec<PathBuf> {
         let partial = path
             .file_name()
             .is_some_and(|n| n.to_string_lossy().ends_with(".partial"));
-        if !path.is_dir() || !partial {
+        if !path.is_dir() || !partial || Writing::holds(&path) {
             continue;
         }
         if !holds_only_save_files(&path) {

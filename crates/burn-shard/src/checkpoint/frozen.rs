@@ -23,6 +23,7 @@ use burn_shard_comm::ReduceOp;
 use sha2::{Digest, Sha256};
 
 use super::held::HeldValues;
+use super::load::check_same_model;
 use super::meta::{BaseMeta, CheckpointMeta, EntryMeta};
 use super::pieces::piece;
 use crate::error::{CheckpointError, ShardError};
@@ -79,7 +80,7 @@ pub(crate) fn describe(base: Option<&BaseMeta>) -> String {
     let Some(base) = base else {
         return "(not recorded)".into();
     };
-    let short = &base.fingerprint[..base.fingerprint.len().min(16)];
+    let short: String = base.fingerprint.chars().take(16).collect();
     match &base.origin {
         Some(origin) => format!("`{origin}` (fingerprint {short})"),
         None => format!("that `init` gave the run that saved it (fingerprint {short})"),
@@ -201,6 +202,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         if expected.is_empty() {
             return Ok(());
         }
+        // Another model (a frozen entry of another shape or dtype) is named as such, not as
+        // another base. The same on every rank: the same metadata and census.
+        check_same_model(&meta, &self.saved_entries())?;
         // The same census and layout on every rank: every rank refuses alike.
         if let Some((_, entry, _)) = self
             .saved_entries()

@@ -92,8 +92,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         if let Some(reducer) = &self.bucket_reducer {
             reducer.discard()?;
         }
-        // A background save completes first (it may be the checkpoint loaded here).
-        self.wait_for_checkpoint()?;
+        // A background save completes first (it may be the checkpoint loaded here); a failed
+        // one stays for the next save or `wait_for_checkpoint` to report.
+        self.settle_save_keeping_failure(true)?;
         // A checkpoint that refers to its frozen base: the model must hold that base (checked
         // before anything is read or changed).
         self.check_base(&model, dir)?;
@@ -261,7 +262,7 @@ fn read_scheduler(dir: &Path) -> Result<LrSchedulerRecord, CheckpointError> {
 }
 
 /// The model's entries and the checkpoint's must be the same: paths, shapes and dtypes.
-fn check_same_model(
+pub(super) fn check_same_model(
     meta: &CheckpointMeta,
     entries: &[(burn::module::ParamId, &crate::model::census::Entry, Holding)],
 ) -> Result<(), ShardError> {

@@ -9,6 +9,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use burn_shard_comm::ReduceOp;
 
 use super::files::{RankFile, digest, read_digest};
+use super::format::Writing;
 use super::format::{
     SCHEDULER, begin, discard, finish, master_name, param_name, parent_of, partial_dir, state_name, version_for,
     write_atomically,
@@ -89,8 +90,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// `step` that finds every writer done, or at [`ShardedOptimizer::wait_for_checkpoint`],
     /// which a run calls before it ends. The writers run no collective.
     ///
-    /// One save is in flight at a time: the next save (or load) first waits for the previous
-    /// one and returns its error if it failed. A failure seen at a step is logged
+    /// One save is in flight at a time: the next save first waits for the previous one and
+    /// returns its error if it failed (a load waits too, and leaves a failure for the next save
+    /// or `wait_for_checkpoint`). A failure seen at a step is logged
     /// (`tracing::error!`, every rank) and returned by the next save or `wait_for_checkpoint`;
     /// `DIR.partial` is then removed and no earlier checkpoint is touched. Host memory: the
     /// staged bytes of this rank's file ([`MemoryReport::checkpoint_staging_bytes`]) until it
@@ -236,10 +238,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                     }
                 }
             };
-            // 5. Rank 0 completes the directory once every rank has written.
+            // 5. Rank 0 completes the directory once every rank has written. Until then no
+            //    other save of this process takes `DIR.partial` for a leftover (`writing` lives
+            //    as long as the commit).
             let commit = {
                 let (partial, dir) = (partial.clone(), dir.to_path_buf());
+                let writing = background.then(|| Writing::mark(&partial));
                 move || -> Result<(), ShardError> {
+                    let _writing = writing;
                     match meta {
                         Some(meta) => Ok(finish(&dir, &with_files(meta, &partial, world_size)?)?),
                         None => Ok(()),
@@ -247,15 +253,26 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 }
             };
             if background {
-                let writer = std::thread::Builder::new()
+                let spawned = std::thread::Builder::new()
                     .name(format!("burn-shard-save-{rank}"))
                     .spawn(write)
                     .map_err(|e| CheckpointError::io(&partial, format!("cannot start the writer thread: {e}")));
-                let writer = self.agree(writer.map_err(ShardError::from), op)?;
+                let (started, spawned) = match spawned {
+                    Ok(writer) => (Some(writer), Ok(())),
+                    Err(e) => (None, Err(ShardError::from(e))),
+                };
+                if let Err(e) = self.agree(spawned, op) {
+                    // Another rank could not start its writer: this one's is done before
+                    // `DIR.partial` is removed.
+                    if let Some(writer) = started {
+                        let _ = writer.join();
+                    }
+                    return Err(e);
+                }
                 let discarded = partial.clone();
                 self.put_in_flight(SaveInFlight::new(
                     dir.to_path_buf(),
-                    writer,
+                    started.expect("agreed: every rank started its writer"),
                     Box::new(commit),
                     Box::new(move || discard(&discarded)),
                     staged_bytes,
@@ -423,7 +440,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let names = saved.state.into_iter().map(|(field, t)| (state_name(path, &field), t));
         for (name, tensor) in names.chain(saved.master.map(|t| (master_name(path), t))) {
             match tensor {
-                SavedTensor::InMemory(data) => file.push(name, owned(trim(data, len))),
+                SavedTensor::InMemory(data) if staged => file.push(name, owned(trim(data, len))),
+                SavedTensor::InMemory(data) => file.push(name, trim(data, len)),
                 SavedTensor::OnDisk(on_disk) if staged => {
                     let (reader, field) = *on_disk;
                     file.push(name, trim(reader.read(&field)?, len));

@@ -62,7 +62,8 @@ pub struct MemoryReport {
     pub temporary_peak_bytes: usize,
     /// Host bytes of the checkpoint being written in the background
     /// ([`ShardedOptimizer::save_checkpoint_async`](crate::ShardedOptimizer::save_checkpoint_async)):
-    /// this rank's staged values, optimizer state and masters, held until its writer is done;
+    /// this rank's staged values, optimizer state and masters, reported until the save settles (at
+    /// the first step after every rank's writer is done, or at `wait_for_checkpoint`);
     /// 0 without one. Not in [`MemoryReport::model_state_bytes`] nor
     /// [`MemoryReport::total_bytes`].
     pub checkpoint_staging_bytes: usize,

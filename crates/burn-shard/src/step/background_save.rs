@@ -35,7 +35,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     }
 
     /// The directory of the checkpoint being written in the background, if any: `None` once
-    /// it is complete (as seen at the start of the last step, or by
+    /// it has settled, complete or failed (as seen at the start of the last step, or by
     /// [`ShardedOptimizer::wait_for_checkpoint`]).
     pub fn checkpoint_in_flight(&self) -> Option<PathBuf> {
         lock(&self.in_flight).as_ref().map(|s| s.dir().to_path_buf())
@@ -80,14 +80,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         outcome
     }
 
-    /// At the start of a step: settles a save whose writers are all done; a failed one is
-    /// reported (`tracing::error!` on every rank) and kept for the next
-    /// [`ShardedOptimizer::wait_for_checkpoint`] or save, so training goes on.
+    /// At the start of a step (`wait` false) and before a load (`wait` true): settles the save
+    /// in flight as [`ShardedOptimizer::settle_save`] does; a failed one is reported
+    /// (`tracing::error!` on every rank) and kept for the next
+    /// [`ShardedOptimizer::wait_for_checkpoint`] or save, so training (or the load) goes on.
     ///
     /// # Errors
     /// [`ShardError::Comm`] when the group failed.
-    pub(crate) fn settle_save_in_step(&self) -> Result<(), ShardError> {
-        match self.settle_save(false) {
+    pub(crate) fn settle_save_keeping_failure(&self, wait: bool) -> Result<(), ShardError> {
+        match self.settle_save(wait) {
             Err(e @ ShardError::Comm(_)) => Err(e),
             Err(e) => {
                 tracing::error!(

@@ -269,7 +269,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let result = self
             .check_call("step")
             // A background save whose writers are all done completes here (every rank is here).
-            .and_then(|()| self.settle_save_in_step())
+            .and_then(|()| self.settle_save_keeping_failure(false))
             .and_then(|()| self.step_with(&lr.into(), model, grads));
         if let Err(e) = &result {
             if std::mem::take(&mut self.updating) && self.half_applied.is_none() {

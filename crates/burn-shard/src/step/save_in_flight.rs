@@ -69,10 +69,11 @@ impl SaveInFlight {
         match self.writer.take().map(JoinHandle::join) {
             None | Some(Ok(Ok(()))) => Ok(()),
             Some(Ok(Err(e))) => Err(e),
-            Some(Err(_)) => Err(ShardError::InvalidConfig(format!(
-                "the background writer of checkpoint {} panicked",
-                self.dir.display()
-            ))),
+            Some(Err(_)) => Err(crate::error::CheckpointError::Io {
+                path: self.dir.clone(),
+                message: "the background writer of this checkpoint panicked".into(),
+            }
+            .into()),
         }
     }
 }
