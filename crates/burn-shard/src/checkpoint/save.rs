@@ -95,8 +95,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// or `wait_for_checkpoint`). A failure seen at a step is logged
     /// (`tracing::error!`, every rank) and returned by the next save or `wait_for_checkpoint`;
     /// `DIR.partial` is then removed and no earlier checkpoint is touched. Host memory: the
-    /// staged bytes of this rank's file ([`MemoryReport::checkpoint_staging_bytes`]) until it
-    /// is written. A collective: every rank calls it with the same `dir`.
+    /// staged bytes of this rank's file ([`MemoryReport::checkpoint_staging_bytes`]) until the
+    /// save settles. A collective: every rank calls it with the same `dir`.
     ///
     /// [`MemoryReport::checkpoint_staging_bytes`]: crate::MemoryReport::checkpoint_staging_bytes
     ///
