@@ -158,9 +158,9 @@ fn a_background_save_stages_what_nvme_offload_keeps_on_disk() {
     }
 }
 
-/// A background save whose `DIR.partial` disappears before it completes (any failure of a
-/// writer or of the commit): every rank sees the failure, logged at the next step and returned
-/// by `wait_for_checkpoint` (once); nothing is left behind and the next save works.
+/// A background save that cannot complete (a rank's digest damaged after its writer is done):
+/// every rank sees the failure, logged at the next step and returned by `wait_for_checkpoint`
+/// (once); nothing is left behind and the next save works.
 #[test]
 fn a_failed_background_save_is_reported_on_every_rank_and_leaves_nothing() {
     let root = scratch("async-save", "failed");
@@ -178,7 +178,15 @@ fn a_failed_background_save_is_reported_on_every_rank_and_leaves_nothing() {
             .unwrap();
         optim.comm().barrier().unwrap();
         if optim.comm().rank() == 0 {
-            let _ = std::fs::remove_dir_all(root.join("step-3.partial"));
+            // Once both writers are done (each writes its digest last), rank 1's digest is
+            // damaged: the commit cannot complete the directory.
+            let digests = [0, 1].map(|r| root.join("step-3.partial").join(format!("rank-{r}.sha256")));
+            let start = std::time::Instant::now();
+            while !digests.iter().all(|d| d.exists()) {
+                assert!(start.elapsed().as_secs() < 60, "the writers did not finish");
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            std::fs::write(&digests[1], "damaged").unwrap();
         }
         optim.comm().barrier().unwrap();
         // Training goes on; the failure is seen (and logged) at a step once the writers are done.
@@ -197,7 +205,10 @@ fn a_failed_background_save_is_reported_on_every_rank_and_leaves_nothing() {
     .unwrap();
     for (rank, (error, again)) in errors.iter().enumerate() {
         assert!(
-            error.contains("step-3.partial") || error.contains("failed in save_checkpoint_async"),
+            match rank {
+                0 => error.contains("rank-1.sha256") && error.contains("corrupt"),
+                _ => error.contains("rank(s) [0] failed in save_checkpoint_async"),
+            },
             "rank {rank}: {error}"
         );
         assert!(again, "rank {rank}: reported once");
