@@ -673,7 +673,7 @@ fn filesystem_of(dir: &Path) -> String {
         .map_or_else(|| "filesystem unknown".into(), |(_, fs)| fs)
 }
 
-fn date() -> String {
+pub(crate) fn date() -> String {
     Command::new("date")
         .arg("-u")
         .arg("+%Y-%m-%d %H:%M UTC")

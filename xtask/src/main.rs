@@ -5,6 +5,8 @@
 //!   shakespeare GPT, with a CSV and a memory plot (see `bench_sharding.rs`).
 //! - `cargo xtask bench init`: peak memory and bytes read while ranks start a stage-3 run, four
 //!   ways (`bench_init.rs`).
+//! - `cargo xtask bench checkpoint`: a run's time without saves, with synchronous and with
+//!   background saves (`bench_checkpoint.rs`).
 //! - `cargo xtask bench infinity`: a GPT whose model state exceeds this machine's memory, trained
 //!   with its optimizer state on disk (`NvmeOffload`), against the disk and compute bounds (see
 //!   `bench_infinity.rs`).
@@ -16,6 +18,7 @@
 //! - `cargo xtask fetch-minilm`: all-MiniLM-L6-v2's weights for the `finetune-minilm` example.
 
 mod bench_adam;
+mod bench_checkpoint;
 mod bench_infinity;
 mod bench_init;
 mod bench_sharding;
@@ -78,6 +81,9 @@ enum Bench {
     /// build a GPT and `init` it, eagerly, lazily, from a whole-model load and with
     /// `init_pretrained`.
     Init(bench_init::Args),
+    /// What saving costs a training run: the same GPT without saves, with `save_checkpoint`
+    /// and with `save_checkpoint_async` every k steps (total and per-step times, staged bytes).
+    Checkpoint(bench_checkpoint::Args),
 }
 
 fn main() {
@@ -95,6 +101,9 @@ fn main() {
         Task::Bench {
             which: Bench::Init(args),
         } => bench_init::run(&args),
+        Task::Bench {
+            which: Bench::Checkpoint(args),
+        } => bench_checkpoint::run(&args),
         Task::Setup(args) => setup::run(&args),
         Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
         Task::GpuBundle(args) => gpu_bundle::run(&args),
