@@ -70,8 +70,8 @@ pub fn run(args: &Args) -> Result<(), String> {
     let config = gpt_config(&corpus, 64, args.n_embd, args.layers);
     let params = Gpt::new(&config, &Device::flex()).num_params();
     let mut runs = Vec::new();
-    for mode in 0..MODES.len() {
-        eprintln!("{} ...", MODES[mode]);
+    for (mode, name) in MODES.iter().enumerate() {
+        eprintln!("{name} ...");
         let root = args.dir.join(format!("mode-{mode}"));
         if root.exists() {
             std::fs::remove_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
