@@ -288,6 +288,21 @@ pub enum CheckpointError {
     },
 }
 
+/// The first `shown` of `names`, joined with ", ", and how many more: how errors list what
+/// they are about.
+pub(crate) fn listed<S: AsRef<str>>(names: &[S], shown: usize) -> String {
+    let mut text = names
+        .iter()
+        .take(shown)
+        .map(AsRef::as_ref)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > shown {
+        text.push_str(&format!(" and {} more", names.len() - shown));
+    }
+    text
+}
+
 impl CheckpointError {
     pub(crate) fn io(path: &Path, err: impl std::fmt::Display) -> Self {
         CheckpointError::Io {

@@ -18,18 +18,18 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use burn::module::{Module, ParamId};
-use burn::tensor::{DType, Device, Tensor, TensorData};
-use burn_shard_comm::ReduceOp;
+use burn::tensor::TensorData;
 use sha2::{Digest, Sha256};
 
 use super::held::HeldValues;
 use super::load::check_same_model;
 use super::meta::{BaseMeta, CheckpointMeta, EntryMeta};
 use super::pieces::piece;
-use crate::error::{CheckpointError, ShardError};
+use crate::error::{CheckpointError, ShardError, listed};
 use crate::model::census::{Entry, EntryKind};
 use crate::optim::master::MasterWeightStep;
 use crate::run::FrozenEntries;
+use crate::step::agreement::sum_u64;
 use crate::step::optimizer::ShardedOptimizer;
 
 /// The golden-ratio increment of SplitMix64, which spreads element indices over 64 bits.
@@ -89,17 +89,8 @@ pub(crate) fn describe(base: Option<&BaseMeta>) -> String {
 
 /// The first few of `paths` in backticks, and how many more.
 pub(crate) fn first_few(paths: &[&str]) -> String {
-    const SHOWN: usize = 4;
-    let mut text = paths
-        .iter()
-        .take(SHOWN)
-        .map(|p| format!("`{p}`"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    if paths.len() > SHOWN {
-        text.push_str(&format!(" and {} more", paths.len() - SHOWN));
-    }
-    text
+    let quoted: Vec<String> = paths.iter().map(|p| format!("`{p}`")).collect();
+    listed(&quoted, 4)
 }
 
 /// Refuses an offline operation on `dir` that needs the values of entries `meta` holds by
@@ -175,7 +166,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             Ok(sums)
         })();
         let local = self.agree(local, op)?;
-        let summed = sum_over_ranks(self, &local)?;
+        let summed = sum_u64(self.comm.as_ref(), &local)?;
         Ok(entries
             .iter()
             .map(|(_, entry, _)| entry.path.clone())
@@ -183,7 +174,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .collect())
     }
 
-    /// Before a load: when the checkpoint in `dir` holds entries by fingerprint alone, checks
+    /// Before a load: when the checkpoint in `dir` (its metadata `meta`) holds entries by fingerprint alone, checks
     /// that the model's values of them are the base it was trained on, and that they are frozen
     /// here too (their optimizer state is not in the checkpoint). A collective; every rank
     /// returns the same outcome.
@@ -191,9 +182,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// [`CheckpointError::BaseMismatch`] naming the base and the entries that differ;
     /// [`CheckpointError::ModelMismatch`] for an entry trainable here; those of
-    /// [`CheckpointMeta::read`] and [`ShardedOptimizer::fingerprints`].
-    pub(crate) fn check_base<M: Module>(&self, model: &M, dir: &Path) -> Result<(), ShardError> {
-        let meta = self.agree(CheckpointMeta::read(dir).map_err(ShardError::from), "load_checkpoint")?;
+    /// [`ShardedOptimizer::fingerprints`].
+    pub(crate) fn check_base<M: Module>(&self, model: &M, dir: &Path, meta: &CheckpointMeta) -> Result<(), ShardError> {
         let expected: HashMap<&str, &str> = meta
             .entries
             .iter()
@@ -204,7 +194,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
         // Another model (a frozen entry of another shape or dtype) is named as such, not as
         // another base. The same on every rank: the same metadata and census.
-        check_same_model(&meta, &self.saved_entries())?;
+        check_same_model(meta, &self.saved_entries())?;
         // The same census and layout on every rank: every rank refuses alike.
         if let Some((_, entry, _)) = self
             .saved_entries()
@@ -244,31 +234,4 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .into()),
         }
     }
-}
-
-/// `values` (one `u64` per entry) summed over the ranks, wrapping: one `f32` all-reduce of their
-/// bytes. A sum of bytes over fewer than 65 793 ranks stays below 2^24, where `f32` counts
-/// exactly, and the byte sums recombine into the wrapping sum of the `u64`s.
-fn sum_over_ranks<O: MasterWeightStep>(optim: &ShardedOptimizer<O>, values: &[u64]) -> Result<Vec<u64>, ShardError> {
-    let bytes: Vec<f32> = values.iter().flat_map(|v| v.to_le_bytes()).map(f32::from).collect();
-    let n = bytes.len();
-    // Flex, as every agreement of a checkpoint's phases (no accelerator involved).
-    let device = Device::flex();
-    let summed = optim
-        .comm
-        .all_reduce(
-            Tensor::<1>::from_data(TensorData::new(bytes, [n]), (&device, DType::F32)),
-            ReduceOp::Sum,
-        )?
-        .into_data()
-        .convert::<f32>();
-    let summed: Vec<f32> = summed.iter::<f32>().collect();
-    Ok(summed
-        .chunks_exact(8)
-        .map(|limbs| {
-            limbs.iter().enumerate().fold(0u64, |sum, (j, &limb)| {
-                sum.wrapping_add((limb as u64).wrapping_shl(8 * j as u32))
-            })
-        })
-        .collect())
 }

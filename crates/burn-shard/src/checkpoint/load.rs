@@ -97,13 +97,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.settle_save_keeping_failure(true)?;
         // A checkpoint that refers to its frozen base: the model must hold that base (checked
         // before anything is read or changed).
-        self.check_base(&model, dir)?;
+        let meta = self.agree(CheckpointMeta::read(dir).map_err(ShardError::from), "load_checkpoint")?;
+        self.check_base(&model, dir, &meta)?;
         // The optimizer state goes where it will live (the swap file, with NVMe offload) slot
         // by slot as it is read, so a load holds one slot of it in memory at a time; it becomes
         // the live state only once every rank has read all of its own.
         let mut slots = self.slots.loading();
         let loaded = self
-            .read_checkpoint(&model, dir, &mut slots)
+            .read_checkpoint(&model, dir, &meta, &mut slots)
             .and_then(|read| match wants_scheduler {
                 true => Ok((read, Some(read_scheduler(dir)?))),
                 false => Ok((read, None)),
@@ -134,6 +135,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         &self,
         model: &M,
         dir: &Path,
+        meta: &CheckpointMeta,
         slots: &mut LoadedSlots<O::State<1>>,
     ) -> Result<
         (
@@ -146,9 +148,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         ShardError,
     > {
         let (rank, world_size, stage) = (self.comm.rank(), self.comm.world_size(), self.stage());
-        let meta = CheckpointMeta::read(dir)?;
+
         let entries = self.saved_entries();
-        check_same_model(&meta, &entries)?;
+        check_same_model(meta, &entries)?;
         let by_path: HashMap<&str, &EntryMeta> = meta.entries.iter().map(|e| (e.path.as_str(), e)).collect();
         let device = flat::plain_device(model)?;
         // Every value must land: the model must be the one `init` (or `step`) returned.
@@ -173,7 +175,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 });
             }
         }
-        let mut files = RankFiles::new(dir, &meta);
+        let mut files = RankFiles::new(dir, meta);
         let (mut values, mut shards) = (HashMap::new(), HashMap::new());
         for (id, entry, holding) in &entries {
             let saved = by_path[entry.path.as_str()];

@@ -5,8 +5,7 @@ use std::path::{Path, PathBuf};
 
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::{Module, ParamId};
-use burn::tensor::{DType, Tensor, TensorData};
-use burn_shard_comm::ReduceOp;
+use burn::tensor::TensorData;
 
 use super::files::{RankFile, digest, read_digest};
 use super::format::Writing;
@@ -26,6 +25,7 @@ use crate::model::layout::SUPPORTED;
 use crate::optim::master::MasterWeightStep;
 use crate::overlap::bucket_reducer::BucketReducer;
 use crate::stage::Stage;
+use crate::step::agreement::{after_failed_save, sum_u64};
 use crate::step::optimizer::ShardedOptimizer;
 use crate::step::save_in_flight::SaveInFlight;
 use crate::step::slot_state::SavedTensor;
@@ -283,14 +283,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             self.agree(commit(), op)
         });
         if let Err(e) = &saved {
-            if rank == 0 {
-                discard(&partial);
-            }
-            // Every rank reached the failure through `agree`: none returns before the removal
-            // (unless the group itself failed).
-            if !matches!(e, ShardError::Comm(_)) {
-                let _ = self.comm.barrier();
-            }
+            after_failed_save(self.comm.as_ref(), e, || discard(&partial));
         }
         saved
     }
@@ -299,26 +292,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// `init` and at a load; rank 0's is the one saved). A collective.
     fn agreed_lineage(&self) -> Result<Lineage, ShardError> {
         let mine = u64::from_str_radix(&self.lineage.run, 16).unwrap_or_default();
-        // Four 16-bit pieces: exact in f32; the other ranks add zeros.
-        let pieces: Vec<f32> = (0..4)
-            .map(|i| match self.comm.rank() {
-                0 => ((mine >> (16 * i)) & 0xffff) as f32,
-                _ => 0.0,
-            })
-            .collect();
-        let device = burn::tensor::Device::flex();
-        let summed = self
-            .comm
-            .all_reduce(
-                Tensor::<1>::from_data(TensorData::new(pieces, [4]), (&device, DType::F32)),
-                ReduceOp::Sum,
-            )?
-            .into_data()
-            .convert::<f32>();
-        let run = summed
-            .iter::<f32>()
-            .enumerate()
-            .fold(0u64, |id, (i, piece)| id | ((piece as u64) << (16 * i)));
+        // Rank 0's id; the other ranks add zeros.
+        let sent = if self.comm.rank() == 0 { mine } else { 0 };
+        let run = sum_u64(self.comm.as_ref(), &[sent])?[0];
         Ok(Lineage {
             run: format!("{run:016x}"),
             ..self.lineage.clone()

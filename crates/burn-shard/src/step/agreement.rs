@@ -34,6 +34,46 @@ pub(crate) fn any_rank(comm: &dyn Collective, flags: &[bool], device: &Device) -
     Ok(summed.iter().map(|&c| c > 0.0).collect())
 }
 
+/// `values` (one `u64` each) summed over the ranks, wrapping: one `f32` all-reduce of their
+/// bytes on `Flex` (no accelerator involved). A sum of bytes over fewer than 65 793 ranks stays
+/// below 2^24, where `f32` counts exactly, and the byte sums recombine into the wrapping sum of
+/// the `u64`s. With zeros on every rank but one, every rank gets that rank's values.
+///
+/// # Errors
+/// [`ShardError::Comm`] when the all-reduce fails.
+pub(crate) fn sum_u64(comm: &dyn Collective, values: &[u64]) -> Result<Vec<u64>, ShardError> {
+    let bytes: Vec<f32> = values.iter().flat_map(|v| v.to_le_bytes()).map(f32::from).collect();
+    let n = bytes.len();
+    let summed = comm
+        .all_reduce(
+            Tensor::<1>::from_data(TensorData::new(bytes, [n]), (&Device::flex(), DType::F32)),
+            ReduceOp::Sum,
+        )?
+        .into_data()
+        .convert::<f32>();
+    let summed: Vec<f32> = summed.iter::<f32>().collect();
+    Ok(summed
+        .chunks_exact(8)
+        .map(|limbs| {
+            limbs.iter().enumerate().fold(0u64, |sum, (j, &limb)| {
+                sum.wrapping_add((limb as u64).wrapping_shl(8 * j as u32))
+            })
+        })
+        .collect())
+}
+
+/// A failed collective file operation's clean-up, once every rank has reached the failure
+/// through [`agree`]: rank 0 runs `discard` (removes `DIR.partial`), and a barrier keeps every
+/// rank from returning before the removal (none when the group itself failed).
+pub(crate) fn after_failed_save(comm: &dyn Collective, error: &ShardError, discard: impl FnOnce()) {
+    if comm.rank() == 0 {
+        discard();
+    }
+    if !matches!(error, ShardError::Comm(_)) {
+        let _ = comm.barrier();
+    }
+}
+
 /// The ranks that passed `failed = true`, in increasing order (one all-reduce of
 /// `world_size` flags on `device`).
 ///

@@ -8,7 +8,7 @@ use burn::tensor::Device;
 
 use crate::error::ShardError;
 use crate::optim::master::MasterWeightStep;
-use crate::step::agreement::{agree, any_rank};
+use crate::step::agreement::{after_failed_save, agree, any_rank};
 use crate::step::optimizer::ShardedOptimizer;
 use crate::step::save_in_flight::{SaveInFlight, lock};
 
@@ -69,13 +69,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let outcome = agree(comm.as_ref(), written, "save_checkpoint_async")
             .and_then(|()| agree(comm.as_ref(), commit(), "save_checkpoint_async"));
         if let Err(e) = &outcome {
-            if comm.rank() == 0 {
-                (std::mem::replace(&mut save.discard, Box::new(|| ())))();
-            }
-            // Every rank reached the failure through `agree`: none returns before the removal.
-            if !matches!(e, ShardError::Comm(_)) {
-                let _ = comm.barrier();
-            }
+            after_failed_save(comm.as_ref(), e, std::mem::replace(&mut save.discard, Box::new(|| ())));
         }
         outcome
     }

@@ -25,7 +25,7 @@ use burn_std::ViewError;
 use burn_store::ModuleContext;
 
 use super::weights::Pretrained;
-use crate::error::ShardError;
+use crate::error::{ShardError, listed};
 use crate::model::census::{Census, Entry};
 use crate::model::layout::SUPPORTED;
 
@@ -200,7 +200,7 @@ impl PretrainedPlan {
                  initialised with Pretrained::allow_missing([..regex of their paths..]), or map the file's names onto \
                  them with Pretrained::with_key_remapping",
                 missing.len(),
-                listed(&missing)
+                listed(&missing, LISTED)
             ));
         }
         let mut unused: Vec<String> = by_name
@@ -215,7 +215,7 @@ impl PretrainedPlan {
                 "{} tensors of the file have no place in the model: {}; is the model built with the configuration \
                  the weights came with? (Pretrained::ignore_unused([..]) skips tensors on purpose)",
                 unused.len(),
-                listed(&unused)
+                listed(&unused, LISTED)
             ));
         }
         if !problems.is_empty() {
@@ -346,12 +346,4 @@ fn is_float(dtype: DType) -> bool {
         dtype,
         DType::F64 | DType::F32 | DType::F16 | DType::BF16 | DType::Flex32
     )
-}
-
-fn listed(names: &[String]) -> String {
-    let mut text = names.iter().take(LISTED).cloned().collect::<Vec<_>>().join(", ");
-    if names.len() > LISTED {
-        text.push_str(&format!(" and {} more", names.len() - LISTED));
-    }
-    text
 }
