@@ -54,9 +54,15 @@ pub struct ShardArgs {
     #[arg(long, default_value_t = 3, value_parser = at_least(1, 1 << 20))]
     pub keep: usize,
     /// Resume from this checkpoint (a `step-*` directory, or a --save-dir, whose newest
-    /// checkpoint is taken), at any --world-size and --stage.
+    /// checkpoint is taken), at any --world-size and --stage. `auto`: from the newest
+    /// checkpoint of --save-dir if it has one, else start afresh (for jobs that
+    /// `burn-shard-run --max-restarts` starts again after a failure).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Set by [`ShardArgs::resolve_resume`] when `--resume auto` found a checkpoint: a run
+    /// that it finds finished already ends without training instead of failing.
+    #[arg(skip)]
+    pub resumed_auto: bool,
     /// Clip the gradient to this global L2 norm before each step (PyTorch's
     /// `clip_grad_norm_`, measured over every rank's shard); default: no clipping.
     #[arg(long, value_parser = positive_f32)]
@@ -81,14 +87,24 @@ impl ShardArgs {
     }
 
     /// Turns a `--resume` that names a `--save-dir` into its newest complete checkpoint (of
-    /// the directory's current lineage: see `burn_shard::checkpoint::list`), and refuses a run
+    /// the directory's current lineage: see `burn_shard::checkpoint::list`), `--resume auto`
+    /// into the newest of `--save-dir` or none (a fresh start), and refuses a run
     /// without `--resume` whose `--save-dir` already holds checkpoints (its saves would mix
     /// with another run's).
     ///
     /// # Errors
     /// The directory cannot be listed, or holds no complete checkpoint; a fresh run's
-    /// `--save-dir` holds some.
+    /// `--save-dir` holds some; `--resume auto` without `--save-dir`.
     pub fn resolve_resume(&mut self) -> Result<(), String> {
+        if self.resume.as_deref() == Some(std::path::Path::new("auto")) {
+            let root = self
+                .save_dir
+                .as_ref()
+                .ok_or("--resume auto needs --save-dir: the directory whose newest checkpoint it resumes")?;
+            self.resume = burn_shard::checkpoint::newest(root).map_err(|e| e.to_string())?;
+            self.resumed_auto = self.resume.is_some();
+            return Ok(());
+        }
         if let Some(dir) = &self.resume
             && !dir.join("meta.json").exists()
         {

@@ -165,6 +165,16 @@ pub fn resume<M: Module, O: MasterWeightStep>(
     };
     let (model, payload) = optim.load_checkpoint(model, dir)?;
     let start = payload["step"].as_u64().unwrap_or(0) as usize;
+    if start >= steps && args.resumed_auto {
+        // A job restarted after it had saved its last step (a rank failed on its way out).
+        if optim.comm().rank() == 0 {
+            println!(
+                "{} is at step {start} of {steps}: the run is already finished",
+                dir.display()
+            );
+        }
+        return Ok((model, steps));
+    }
     if start >= steps {
         return Err(ShardError::InvalidConfig(format!(
             "--resume {} is at step {start}, but --steps is {steps}: nothing is left to train; raise --steps",

@@ -9,6 +9,7 @@ mod comm;
 mod common;
 mod config;
 mod editing;
+mod elastic;
 mod equivalence;
 mod estimate;
 mod examples;

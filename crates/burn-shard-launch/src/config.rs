@@ -13,6 +13,16 @@ use crate::LaunchError;
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// Default time between SIGTERM and SIGKILL when stopping ranks (5 s).
 pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(5);
+/// Default time a round of an elastic job waits for missing nodes before it starts without
+/// them (30 s).
+pub const DEFAULT_NODE_WAIT: Duration = Duration::from_secs(30);
+/// Default time after which a node whose launcher stopped answering counts as lost (15 s).
+pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_secs(15);
+/// The variable that tells each rank how many times the job was restarted before this start
+/// (0 the first time; torchrun's `TORCHELASTIC_RESTART_COUNT`).
+pub const RESTART_COUNT: &str = "BURN_SHARD_RESTART_COUNT";
+/// The variable that tells each rank the job's `--max-restarts`.
+pub const MAX_RESTARTS: &str = "BURN_SHARD_MAX_RESTARTS";
 
 /// Where the ranks' output goes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -59,6 +69,23 @@ pub struct LaunchConfig {
     /// [`launch`](crate::launch) makes a fresh random one for a single node). Required with
     /// `nnodes > 1`, the same on every node: node 0's store admits only ranks that hold it.
     pub token: Option<JobToken>,
+    /// How many times [`run`](crate::run) starts the job's ranks again after a failure
+    /// (default 0: fail-fast, as [`launch`](crate::launch)).
+    pub max_restarts: usize,
+    /// The fewest nodes a round of an elastic job may start with (default `nnodes`: every
+    /// node). With `min_nodes < nnodes`, [`run`](crate::run) starts without the nodes missing
+    /// after [`LaunchConfig::node_wait`], at a smaller world size.
+    pub min_nodes: usize,
+    /// How long a round of a multi-node job with restarts waits for missing nodes (default
+    /// [`DEFAULT_NODE_WAIT`]).
+    pub node_wait: Duration,
+    /// How long a node's launcher may stay silent before the others count it lost and restart
+    /// without it (default [`DEFAULT_NODE_TIMEOUT`]).
+    pub node_timeout: Duration,
+    /// Start `program` once per attempt as it is, without rank variables (`nproc_per_node`
+    /// is 1): for a command that starts the ranks itself, such as `mpirun -np 4 ./train`
+    /// (default `false`). Only the restarts apply.
+    pub supervise: bool,
 }
 
 impl LaunchConfig {
@@ -75,7 +102,51 @@ impl LaunchConfig {
             output: OutputMode::default(),
             stop_grace: DEFAULT_STOP_GRACE,
             token: None,
+            max_restarts: 0,
+            min_nodes: 1,
+            node_wait: DEFAULT_NODE_WAIT,
+            node_timeout: DEFAULT_NODE_TIMEOUT,
+            supervise: false,
         }
+    }
+
+    /// Restarts the job up to `max_restarts` times after a failure ([`run`](crate::run)).
+    pub fn with_max_restarts(mut self, max_restarts: usize) -> Self {
+        self.max_restarts = max_restarts;
+        self
+    }
+
+    /// Lets a round of the job start with as few as `min_nodes` of its `nnodes` nodes.
+    pub fn with_min_nodes(mut self, min_nodes: usize) -> Self {
+        self.min_nodes = min_nodes;
+        self
+    }
+
+    /// Sets how long a round waits for missing nodes, and after how long a silent node is lost.
+    pub fn with_node_timeouts(mut self, wait: Duration, timeout: Duration) -> Self {
+        self.node_wait = wait;
+        self.node_timeout = timeout;
+        self
+    }
+
+    /// Starts `program` as it is, once per attempt, without rank variables (for `mpirun`).
+    pub fn supervising(mut self) -> Self {
+        self.supervise = true;
+        self.nproc_per_node = 1;
+        self
+    }
+
+    /// Whether the nodes of this job agree on each start through the launchers' own store on
+    /// node 0 ([`LaunchConfig::agent_port`]): several nodes, and restarts or a minimum below
+    /// `nnodes`.
+    pub fn is_elastic(&self) -> bool {
+        self.nnodes > 1 && (self.max_restarts > 0 || self.min_nodes < self.nnodes)
+    }
+
+    /// The TCP port of the launchers' store on node 0 in an elastic job: `master_port + 1`
+    /// (the ranks' own rendezvous keeps `master_port`).
+    pub fn agent_port(&self) -> u16 {
+        self.master_port.saturating_add(1)
     }
 
     /// Sets the program's arguments.
@@ -84,9 +155,10 @@ impl LaunchConfig {
         self
     }
 
-    /// Sets the number of nodes and this node's index.
+    /// Sets the number of nodes and this node's index (and the fewest nodes to `nnodes`).
     pub fn with_nodes(mut self, nnodes: usize, node_rank: usize) -> Self {
         self.nnodes = nnodes;
+        self.min_nodes = nnodes;
         self.node_rank = node_rank;
         self
     }
@@ -158,6 +230,25 @@ impl LaunchConfig {
         if self.master_port == 0 {
             return fail("master_port is 0; give a fixed TCP port (the same on every node)".into());
         }
+        if self.min_nodes == 0 || self.min_nodes > self.nnodes {
+            return fail(format!(
+                "the fewest nodes ({}) must be in 1..={} (nnodes): pass --nnodes MIN:MAX with MIN <= MAX",
+                self.min_nodes, self.nnodes
+            ));
+        }
+        if self.is_elastic() && self.master_port == u16::MAX {
+            return fail(format!(
+                "master_port {} leaves no port for the launchers' store (master_port + 1); choose a lower one",
+                self.master_port
+            ));
+        }
+        if self.supervise && (self.nnodes > 1 || self.nproc_per_node != 1) {
+            return fail(
+                "--supervise starts one command that starts the ranks itself (mpirun): it takes no --nnodes \
+                 and no --nproc-per-node"
+                    .into(),
+            );
+        }
         if self.nnodes > 1 && self.token.is_none() {
             return fail(format!(
                 "nnodes is {} but no job token was given: node 0's rendezvous admits only ranks that hold the \
@@ -173,7 +264,11 @@ impl LaunchConfig {
     /// The variables set for `local_rank`'s process, but for the token: [`launch`](crate::launch)
     /// adds `BURN_SHARD_JOB_TOKEN` (this configuration's token, or one it makes) and removes
     /// `BURN_SHARD_JOB_TOKEN_FILE`.
+    /// With [`LaunchConfig::supervise`], none: the command sets its ranks' own.
     pub fn rank_env(&self, local_rank: usize) -> Vec<(&'static str, String)> {
+        if self.supervise {
+            return Vec::new();
+        }
         vec![
             (RANK, self.rank(local_rank).to_string()),
             (WORLD_SIZE, self.world_size().to_string()),

@@ -50,6 +50,35 @@ pub enum LaunchError {
         /// The operating system's error.
         error: String,
     },
+    /// Another node's launcher reported a failure in this start of an elastic job; this node's
+    /// ranks were stopped (the job restarts or ends as that node's failure says).
+    #[error("{cause}; stopped every rank of this node")]
+    Stopped {
+        /// The failure as the node that saw it published it (`node 1: rank 3 ... failed: ...`).
+        cause: String,
+        /// Its exit code, as [`LaunchError::exit_code`] of the node that saw it.
+        code: u8,
+    },
+    /// The launchers of an elastic job cannot agree on a start: fewer than the fewest nodes
+    /// came, this node came after its start closed, or node 0's launcher (which hosts their
+    /// store) is gone.
+    #[error("elastic job: {0}")]
+    Agent(String),
+    /// The job failed again after its last allowed restart (`--max-restarts`); the first
+    /// failure is the one reported (a job that fails the same way every time shows its cause,
+    /// not the last restart's).
+    #[error(
+        "gave up after {restarts} restart(s) (--max-restarts {restarts}); the first failure: {first}{}",
+        later_failures(.later)
+    )]
+    GaveUp {
+        /// How many restarts were made.
+        restarts: usize,
+        /// The first failure.
+        first: Box<LaunchError>,
+        /// Every later failure, in order (the restarts' causes), as text.
+        later: Vec<String>,
+    },
     /// The system's random source could not make a job token (a token given by the user is
     /// read with the configuration: a bad one is a [`LaunchError::Config`]).
     #[error("job token: {0}")]
@@ -69,8 +98,32 @@ impl LaunchError {
             LaunchError::Spawn { .. } => 127,
             LaunchError::RankFailed { status, .. } => status_code(status),
             LaunchError::Interrupted { signal } => (128 + signal).clamp(1, 255) as u8,
-            LaunchError::Watch { .. } | LaunchError::Token(_) | LaunchError::Unsupported => 1,
+            LaunchError::Stopped { code, .. } => *code,
+            LaunchError::GaveUp { first, .. } => first.exit_code(),
+            LaunchError::Watch { .. } | LaunchError::Agent(_) | LaunchError::Token(_) | LaunchError::Unsupported => 1,
         }
+    }
+
+    /// Whether starting the job again could help: a rank that failed or died (here or on
+    /// another node), a rank whose process could not be watched, or a lost node. Not: bad
+    /// options, a program that cannot start, an interrupted launcher.
+    pub fn is_restartable(&self) -> bool {
+        match self {
+            LaunchError::RankFailed { .. } | LaunchError::Watch { .. } => true,
+            LaunchError::Stopped { cause, .. } => !cause.starts_with(FINAL),
+            _ => false,
+        }
+    }
+}
+
+/// How a published failure that must not be restarted begins (an interrupted node, a program
+/// that cannot start): the other nodes stop rather than start again.
+pub(crate) const FINAL: &str = "final: ";
+
+fn later_failures(later: &[String]) -> String {
+    match later.len() {
+        0 => String::new(),
+        _ => format!("; later: {}", later.join("; ")),
     }
 }
 

@@ -34,8 +34,14 @@ pub struct LaunchOutcome {
     pub ranks: Vec<RankExit>,
     /// Every line the ranks wrote, in arrival order per stream, with
     /// [`OutputMode::Capture`](crate::OutputMode::Capture); empty with
-    /// [`OutputMode::Prefix`](crate::OutputMode::Prefix).
+    /// [`OutputMode::Prefix`](crate::OutputMode::Prefix). With restarts ([`run`](crate::run)),
+    /// every start's lines, in order.
     pub output: Vec<OutputLine>,
+    /// The job's world size in its last start (smaller than `nnodes·nproc_per_node` when an
+    /// elastic job lost nodes).
+    pub world_size: usize,
+    /// Why the job was restarted, one line per restart, in order (empty with [`launch`]).
+    pub restarts: Vec<String>,
 }
 
 /// One started rank.
@@ -51,7 +57,13 @@ enum Failure {
     Rank(usize),
     Signal(i32),
     Watch(usize, String),
+    /// Another node's failure, seen by the caller's check ([`launch_with`]).
+    Elsewhere(LaunchError),
 }
+
+/// What [`launch_with`] asks its caller every poll: `Some(error)` stops this node's ranks
+/// and returns the error (another node failed).
+pub(crate) type ExternalCheck<'a> = &'a mut dyn FnMut() -> Option<LaunchError>;
 
 /// Starts `config.nproc_per_node` processes of `config.program`, each with its rank's
 /// variables ([`LaunchConfig::rank_env`]) and the job token in `BURN_SHARD_JOB_TOKEN` (its own,
@@ -81,6 +93,16 @@ enum Failure {
 ///   [`forward_termination_signals`](crate::forward_termination_signals));
 /// - [`LaunchError::Watch`] if the operating system cannot report a rank's state.
 pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
+    launch_with(config, &[], &mut || None)
+}
+
+/// [`launch`] with `extra_env` set for every rank on top of its rank variables, and `external`
+/// asked every poll whether to stop (another node of an elastic job failed).
+pub(crate) fn launch_with(
+    config: &LaunchConfig,
+    extra_env: &[(&str, String)],
+    external: ExternalCheck<'_>,
+) -> Result<LaunchOutcome, LaunchError> {
     // Counted from here, so a signal that arrives while the ranks are being started still stops them.
     let signals_before = signals::count();
     config.validate()?;
@@ -96,6 +118,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         command
             .args(&config.args)
             .envs(config.rank_env(local_rank))
+            .envs(extra_env.iter().map(|(k, v)| (k, v)))
             .env(JOB_TOKEN, token.reveal())
             .env_remove(JOB_TOKEN_FILE)
             .stdin(Stdio::null())
@@ -126,7 +149,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     }
     drop(events); // the readers hold the remaining senders
 
-    let failure = watch(&mut ranks, signals_before);
+    let failure = watch(&mut ranks, signals_before, external);
     let still_running = ranks.iter().filter(|r| !r.exited).count();
     let statuses = match &failure {
         None => stop(&mut ranks, SIGTERM, Duration::ZERO), // only leftovers of finished ranks
@@ -147,6 +170,8 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                 })
                 .collect(),
             output,
+            world_size: config.world_size(),
+            restarts: Vec::new(),
         }),
         Some(Failure::Rank(i)) => Err(LaunchError::RankFailed {
             rank: ranks[i].rank,
@@ -159,15 +184,19 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             rank: ranks[i].rank,
             error,
         }),
+        Some(Failure::Elsewhere(error)) => Err(error),
     }
 }
 
 /// Polls the ranks until all have exited with status 0 (`None`) or something fails (a
 /// termination signal counted after `signals_before` included).
-fn watch(ranks: &mut [Rank], signals_before: usize) -> Option<Failure> {
+fn watch(ranks: &mut [Rank], signals_before: usize, external: ExternalCheck<'_>) -> Option<Failure> {
     loop {
         if let Some(signal) = signals::received_since(signals_before) {
             return Some(Failure::Signal(signal));
+        }
+        if let Some(error) = external() {
+            return Some(Failure::Elsewhere(error));
         }
         let mut running = 0;
         for (i, r) in ranks.iter_mut().enumerate().filter(|(_, r)| !r.exited) {

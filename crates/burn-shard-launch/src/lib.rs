@@ -14,22 +14,33 @@
 //! `BURN_SHARD_JOB_TOKEN`), since node 0's store must hold the same token as the other nodes'
 //! ranks. Several nodes without a token are refused before anything starts.
 //!
+//! With `--max-restarts N`, [`run`] starts every rank again after a failure (torchrun's
+//! elastic agent), on one node or, agreeing through node 0's launcher, on several; with
+//! `--nnodes MIN:MAX` a start goes ahead without lost nodes at a smaller world size; with
+//! `--supervise` it restarts a command that starts the ranks itself (`mpirun`).
+//!
 //! This crate does not depend on Burn (only on `burn-shard-rendezvous`, std only): the launcher
 //! builds in seconds and starts any program. Linux only (process groups, `waitid`).
 //!
 //! [`RendezvousEnv::from_env`]: burn_shard_rendezvous::RendezvousEnv::from_env
 
+mod agent;
 mod cli;
 mod config;
 mod error;
 mod launch;
 mod output;
 mod process_group;
+mod restart;
 mod signals;
 
 pub use cli::{Cli, parse_args};
-pub use config::{DEFAULT_MASTER_PORT, DEFAULT_STOP_GRACE, LaunchConfig, OutputMode};
+pub use config::{
+    DEFAULT_MASTER_PORT, DEFAULT_NODE_TIMEOUT, DEFAULT_NODE_WAIT, DEFAULT_STOP_GRACE, LaunchConfig, MAX_RESTARTS,
+    OutputMode, RESTART_COUNT,
+};
 pub use error::LaunchError;
 pub use launch::{LaunchOutcome, RankExit, launch};
 pub use output::{OutputLine, OutputStream};
+pub use restart::run;
 pub use signals::forward_termination_signals;

@@ -1,4 +1,4 @@
-//! `burn-shard-run --nproc-per-node N [--nnodes M --node-rank K --master-addr A --master-port P --job-token-file F] -- program args...`
+//! `burn-shard-run --nproc-per-node N [--nnodes M|MIN:MAX --node-rank K --master-addr A --master-port P --job-token-file F] [--max-restarts R] -- program args...`, or `burn-shard-run --supervise --max-restarts R -- mpirun ...`
 
 use std::process::ExitCode;
 
@@ -7,7 +7,7 @@ fn main() -> ExitCode {
         Ok(config) => config,
         Err(e) => e.exit(),
     };
-    let result = burn_shard_launch::forward_termination_signals().and_then(|()| burn_shard_launch::launch(&config));
+    let result = burn_shard_launch::forward_termination_signals().and_then(|()| burn_shard_launch::run(&config));
     match result {
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {

@@ -163,8 +163,12 @@ impl StoreClient {
         })
     }
 
-    /// Like [`StoreClient::get`], with `None` instead of an error when the key stays unset.
-    pub(super) fn try_get(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, RendezvousError> {
+    /// Like [`StoreClient::get`], with `None` instead of an error when the key stays unset
+    /// (`timeout` zero: whether it is set now, without waiting).
+    ///
+    /// # Errors
+    /// As [`StoreClient::get`], but for a key that stays unset.
+    pub fn try_get(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, RendezvousError> {
         check_key(key)?;
         let request = Request::Get {
             key: key.to_string(),

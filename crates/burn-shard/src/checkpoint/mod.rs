@@ -70,4 +70,4 @@ pub use consolidate::{
 pub use format::FORMAT_VERSION;
 pub use lineage::ABANDONED_PREFIX;
 pub use meta::{BaseMeta, Branch, CheckpointMeta, EntryMeta, FileMeta, Lineage, Piece};
-pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, reshard};
+pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, newest, reshard};

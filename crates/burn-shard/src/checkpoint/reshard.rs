@@ -193,6 +193,20 @@ pub fn list(root: impl AsRef<Path>) -> Result<Vec<PathBuf>, CheckpointError> {
         .collect())
 }
 
+/// The newest complete checkpoint of `root`'s current lineage (the last of [`list`]), or
+/// `None` when there is none yet, `root` missing included: what a job restarted after a
+/// failure resumes from (`burn-shard-run --max-restarts`, the examples' `--resume auto`).
+///
+/// # Errors
+/// [`CheckpointError::Io`] when `root` exists but cannot be listed.
+pub fn newest(root: impl AsRef<Path>) -> Result<Option<PathBuf>, CheckpointError> {
+    let root = root.as_ref();
+    if !root.exists() {
+        return Ok(None);
+    }
+    Ok(list(root)?.pop())
+}
+
 /// Removes all but the `keep` newest complete checkpoints of `root`'s current lineage (see
 /// [`list`]); returns the removed ones. Checkpoints of other lineages, those set aside into
 /// `root/abandoned-<run>/`, and incomplete directories (a save in progress or failed) are left

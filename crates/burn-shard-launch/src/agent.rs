@@ -1,0 +1,304 @@
+//! Elastic multi-node jobs: the launchers of all nodes agree on every start of the job
+//! ("round") through a small store that node 0's launcher hosts at `master_port + 1` (the
+//! rendezvous crate's [`StoreServer`], with the job token), as torchrun's agents do through
+//! their c10d store.
+//!
+//! A round: every launcher registers; node 0's waits until all `nnodes` have, or
+//! [`LaunchConfig::node_wait`] has passed with at least `min_nodes`, and publishes the members;
+//! each member starts its ranks as node `i` of `members.len()` (its place in the list, so the
+//! global ranks stay dense). While the ranks run, each launcher beats a counter every
+//! [`HEARTBEAT`]; node 0's counts a node whose counter stood still for
+//! [`LaunchConfig::node_timeout`] as lost. The first failure any launcher sees (its own rank,
+//! a lost node) is published once; every launcher then stops its ranks, and all go on to the
+//! next round or end together. The round ends well when every member's ranks exited 0.
+//!
+//! Node 0 is where the store lives: if its launcher is lost, the others stop with an error
+//! naming it (no restart: as with torchrun's c10d store, whose host must survive).
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use burn_shard_rendezvous::{RendezvousError, StoreClient, StoreLimits, StoreServer};
+
+use crate::error::FINAL;
+use crate::launch::launch_with;
+use crate::restart::Attempts;
+use crate::{LaunchConfig, LaunchError, LaunchOutcome, OutputMode};
+
+/// How often a launcher beats its counter while its ranks run.
+const HEARTBEAT: Duration = Duration::from_millis(250);
+/// How often a launcher asks the store whether another node failed (and node 0 reads the
+/// heartbeats).
+const CHECK: Duration = Duration::from_millis(100);
+
+/// Runs an elastic job on this node: rounds until the job finishes, gives up or cannot go on
+/// (see [`run`](crate::run)).
+pub(crate) fn run_elastic(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
+    let token = config
+        .token
+        .clone()
+        .ok_or_else(|| LaunchError::Config("several nodes need a job token".into()))?;
+    let server = match config.node_rank {
+        0 => Some(
+            StoreServer::bind_with_limits(
+                SocketAddr::from((Ipv4Addr::UNSPECIFIED, config.agent_port())),
+                token.clone(),
+                StoreLimits::for_world_size(config.nnodes),
+            )
+            .map_err(|e| {
+                LaunchError::Agent(format!(
+                    "node 0 cannot host the launchers' store on port {} (--master-port + 1): {e}",
+                    config.agent_port()
+                ))
+            })?,
+        ),
+        _ => None,
+    };
+    let addr = format!("{}:{}", config.master_addr, config.agent_port());
+    let client = StoreClient::connect(&addr, &token, config.node_wait).map_err(|e| {
+        LaunchError::Agent(format!(
+            "no launchers' store at {addr} (node 0's launcher, --master-port + 1) after {:?}: {e}",
+            config.node_wait
+        ))
+    })?;
+    let result = Agent { config, client }.rounds();
+    if let Some(server) = server {
+        // The other launchers read the round's end from it: let them leave first.
+        server.wait_for_clients_to_leave(config.node_timeout);
+    }
+    result
+}
+
+/// This node's launcher in an elastic job.
+struct Agent<'a> {
+    config: &'a LaunchConfig,
+    client: StoreClient,
+}
+
+impl Agent<'_> {
+    fn rounds(self) -> Result<LaunchOutcome, LaunchError> {
+        let mut attempts = Attempts::new(self.config);
+        loop {
+            let round = attempts.count();
+            let members = self.join(round)?;
+            let result = self.run_round(round, &members, &attempts);
+            if let Some(outcome) = attempts.settle(result)? {
+                return Ok(outcome);
+            }
+        }
+    }
+
+    fn key(&self, round: usize, what: &str) -> String {
+        format!("burn-shard-agent/round-{round}/{what}")
+    }
+
+    /// Registers this node for `round` and returns the round's members (node ranks, ascending),
+    /// which node 0's launcher decides.
+    fn join(&self, round: usize) -> Result<Vec<usize>, LaunchError> {
+        let (config, store) = (self.config, &self.client);
+        store
+            .set(&self.key(round, &format!("node-{}", config.node_rank)), b"")
+            .map_err(lost)?;
+        store.add(&self.key(round, "joined"), 1).map_err(lost)?;
+        let members_key = self.key(round, "members");
+        if config.node_rank == 0 {
+            let deadline = Instant::now() + config.node_wait;
+            while (store.add(&self.key(round, "joined"), 0).map_err(lost)? as usize) < config.nnodes
+                && Instant::now() < deadline
+            {
+                thread::sleep(CHECK);
+            }
+            let mut members = Vec::new();
+            for node in 0..config.nnodes {
+                if store
+                    .try_get(&self.key(round, &format!("node-{node}")), Duration::ZERO)
+                    .map_err(lost)?
+                    .is_some()
+                {
+                    members.push(node);
+                }
+            }
+            let published = match members.len() >= config.min_nodes {
+                true => list(&members),
+                false => format!(
+                    "!start {round}: only {} of the {} nodes needed (--nnodes {}:{}) came within --node-wait {:?} \
+                     (nodes {}); start the missing nodes' burn-shard-run, or lower MIN",
+                    members.len(),
+                    config.min_nodes,
+                    config.min_nodes,
+                    config.nnodes,
+                    config.node_wait,
+                    list(&members)
+                ),
+            };
+            store.set(&members_key, published.as_bytes()).map_err(lost)?;
+        }
+        let value = store
+            .get(&members_key, config.node_wait + config.node_timeout)
+            .map_err(lost)?;
+        let value = String::from_utf8_lossy(&value).into_owned();
+        if let Some(problem) = value.strip_prefix('!') {
+            return Err(LaunchError::Agent(problem.to_string()));
+        }
+        let members: Vec<usize> = value.split(',').filter_map(|n| n.parse().ok()).collect();
+        if !members.contains(&config.node_rank) {
+            return Err(LaunchError::Agent(format!(
+                "node {} came after start {round} of the job had begun without it (nodes {value}); \
+                 start every node within --node-wait of node 0, or restart the job",
+                config.node_rank
+            )));
+        }
+        if config.output == OutputMode::Prefix && (round > 0 || members.len() < config.nnodes) {
+            eprintln!(
+                "burn-shard-run: start {round}: nodes {value} of {}, world size {}",
+                config.nnodes,
+                members.len() * config.nproc_per_node
+            );
+        }
+        Ok(members)
+    }
+
+    /// Starts this node's ranks as node `index` of the members and watches them and the other
+    /// nodes until the round ends: `Ok` when every member's ranks exited 0.
+    fn run_round(
+        &self,
+        round: usize,
+        members: &[usize],
+        attempts: &Attempts<'_>,
+    ) -> Result<LaunchOutcome, LaunchError> {
+        let index = members.iter().position(|&n| n == self.config.node_rank).unwrap_or(0);
+        let config = self.config.clone().with_nodes(members.len(), index);
+        let mut watch = RoundWatch::new(self, round, members);
+        let launched = launch_with(&config, &attempts.env(), &mut || watch.check());
+        let outcome = match launched {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                if !matches!(error, LaunchError::Stopped { .. } | LaunchError::Agent(_)) {
+                    let cause = format!("node {}: {error}", self.config.node_rank);
+                    let cause = match error.is_restartable() {
+                        true => cause,
+                        false => format!("{FINAL}{cause}"),
+                    };
+                    // Best effort: a store that is gone fails every node's next check anyway.
+                    let _ = self.publish(round, &cause, error.exit_code());
+                }
+                return Err(error);
+            }
+        };
+        self.client.add(&self.key(round, "done"), 1).map_err(lost)?;
+        loop {
+            if self.client.add(&self.key(round, "done"), 0).map_err(lost)? as usize >= members.len() {
+                return Ok(outcome);
+            }
+            if let Some(error) = watch.check() {
+                return Err(error);
+            }
+            thread::sleep(CHECK);
+        }
+    }
+
+    /// Publishes the round's failure, unless another launcher published one first.
+    fn publish(&self, round: usize, cause: &str, code: u8) -> Result<(), RendezvousError> {
+        if self.client.add(&self.key(round, "failures"), 1)? == 1 {
+            self.client
+                .set(&self.key(round, "failure"), format!("{code}\n{cause}").as_bytes())?;
+        }
+        Ok(())
+    }
+}
+
+/// What a launcher checks while its ranks run: its own heartbeat, another node's published
+/// failure, and on node 0 the other members' heartbeats.
+struct RoundWatch<'a> {
+    agent: &'a Agent<'a>,
+    round: usize,
+    /// Each other member's last heartbeat count and when it last changed (node 0 only).
+    peers: Vec<(usize, i64, Instant)>,
+    last_check: Option<Instant>,
+    last_beat: Option<Instant>,
+}
+
+impl<'a> RoundWatch<'a> {
+    fn new(agent: &'a Agent<'a>, round: usize, members: &[usize]) -> Self {
+        let peers = match agent.config.node_rank {
+            0 => members
+                .iter()
+                .filter(|&&n| n != 0)
+                .map(|&n| (n, 0, Instant::now()))
+                .collect(),
+            _ => Vec::new(),
+        };
+        Self {
+            agent,
+            round,
+            peers,
+            last_check: None,
+            last_beat: None,
+        }
+    }
+
+    /// `Some(error)` when this node's ranks must stop: another node failed or was lost, or the
+    /// store is gone. Asks the store at most every [`CHECK`].
+    fn check(&mut self) -> Option<LaunchError> {
+        let now = Instant::now();
+        if self.last_check.is_some_and(|t| now - t < CHECK) {
+            return None;
+        }
+        self.last_check = Some(now);
+        match self.ask(now) {
+            Ok(found) => found,
+            Err(e) => Some(lost(e)),
+        }
+    }
+
+    fn ask(&mut self, now: Instant) -> Result<Option<LaunchError>, RendezvousError> {
+        let agent = self.agent;
+        let store = &agent.client;
+        if self.last_beat.is_none_or(|t| now - t >= HEARTBEAT) {
+            store.add(&agent.key(self.round, &format!("beat-{}", agent.config.node_rank)), 1)?;
+            self.last_beat = Some(now);
+        }
+        if let Some(failure) = store.try_get(&agent.key(self.round, "failure"), Duration::ZERO)? {
+            return Ok(Some(stopped(&failure)));
+        }
+        for (node, count, since) in &mut self.peers {
+            let beats = store.add(&agent.key(self.round, &format!("beat-{node}")), 0)?;
+            if beats != *count {
+                (*count, *since) = (beats, now);
+            } else if now - *since > agent.config.node_timeout {
+                let cause = format!(
+                    "node {node}'s launcher stopped answering for {:.1} s (--node-timeout): the node is lost",
+                    (now - *since).as_secs_f64()
+                );
+                agent.publish(self.round, &cause, 1)?;
+                let failure = store.get(&agent.key(self.round, "failure"), agent.config.node_timeout)?;
+                return Ok(Some(stopped(&failure)));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// The error of a published failure (`code\ncause`).
+fn stopped(failure: &[u8]) -> LaunchError {
+    let text = String::from_utf8_lossy(failure);
+    let (code, cause) = text.split_once('\n').unwrap_or(("1", &text));
+    LaunchError::Stopped {
+        cause: cause.to_string(),
+        code: code.parse().unwrap_or(1),
+    }
+}
+
+/// The store could not be reached: node 0's launcher, which hosts it, is gone.
+fn lost(error: RendezvousError) -> LaunchError {
+    LaunchError::Agent(format!(
+        "lost the launchers' store on node 0 ({error}): node 0's launcher is gone, and with it the job's \
+         coordination; start the job again (it resumes from its newest checkpoint)"
+    ))
+}
+
+/// `0,1,3`.
+fn list(nodes: &[usize]) -> String {
+    nodes.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+}
