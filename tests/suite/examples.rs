@@ -765,3 +765,61 @@ fn a_rollback_into_the_save_dir_continues_the_new_lineage() {
         }
     }
 }
+
+/// `--resume auto` (what a job restarted by `burn-shard-run --max-restarts` passes): with no
+/// checkpoint in `--save-dir` it starts afresh (missing directory included); with some, it
+/// resumes from the newest, and the run's saves continue that lineage; a run whose newest
+/// checkpoint is its last step ends without training (a rank failed on its way out); without
+/// `--save-dir` it is refused, naming it.
+#[test]
+fn resume_auto_starts_afresh_then_resumes_the_newest_checkpoint() {
+    use burn_shard::checkpoint::{CheckpointMeta, list};
+    let root = scratch("examples-tests", "resume-auto");
+    let dir = root.join("ckpt");
+    let d = dir.to_str().unwrap();
+    let options = [
+        "--world-size",
+        "2",
+        "--stage",
+        "3",
+        "--save-dir",
+        d,
+        "--save-every",
+        "4",
+        "--keep",
+        "10",
+        "--resume",
+        "auto",
+    ];
+    let name = |p: &std::path::PathBuf| p.file_name().unwrap().to_string_lossy().into_owned();
+
+    let mut fresh = CheckpointCli::parse_from(std::iter::once("example").chain(options.iter().copied())).shard;
+    fresh.resolve_resume().unwrap();
+    assert_eq!(
+        (fresh.resume.as_ref(), fresh.resumed_auto),
+        (None, false),
+        "no checkpoint: a fresh start"
+    );
+    checkpointed_run(&options, 8).expect("first run, 8 steps");
+    assert_eq!(
+        list(&dir).unwrap().iter().map(name).collect::<Vec<_>>(),
+        ["step-000004", "step-000008"]
+    );
+
+    let mut again = CheckpointCli::parse_from(std::iter::once("example").chain(options.iter().copied())).shard;
+    again.resolve_resume().unwrap();
+    assert_eq!(again.resume, Some(dir.join("step-000008")));
+    checkpointed_run(&options, 12).expect("the same job with more steps resumes at 8");
+    let newest = CheckpointMeta::read(&dir.join("step-000012")).unwrap().lineage.unwrap();
+    assert_eq!(
+        newest.parent.as_deref(),
+        Some("step-000008"),
+        "continued from the newest"
+    );
+
+    checkpointed_run(&options, 12).expect("a finished run restarted ends without training");
+    assert_eq!(list(&dir).unwrap().len(), 3, "nothing was saved again");
+
+    let no_dir = checkpointed_run(&["--resume", "auto"], 4).unwrap_err();
+    assert!(no_dir.contains("--save-dir"), "{no_dir}");
+}

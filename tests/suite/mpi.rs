@@ -540,9 +540,8 @@ fn metrics(dir: &std::path::Path) -> Vec<Vec<String>> {
         .collect()
 }
 
-#[test]
-fn shakespeare_across_processes_trains_with_its_in_process_losses() {
-    // `cargo xtask mpi-test` builds the job with the mpi feature before this suite.
+/// The shakespeare job, which `cargo xtask mpi-test` builds with the mpi feature before this suite.
+fn shakespeare_bin() -> std::path::PathBuf {
     let bin = std::env::current_exe()
         .unwrap()
         .parent()
@@ -555,6 +554,12 @@ fn shakespeare_across_processes_trains_with_its_in_process_losses() {
         "{} is missing: run `cargo xtask mpi-test`, which builds it",
         bin.display()
     );
+    bin
+}
+
+#[test]
+fn shakespeare_across_processes_trains_with_its_in_process_losses() {
+    let bin = shakespeare_bin();
     let dir = scratch("mpi", "shakespeare");
     let small = [
         "--steps",
@@ -619,4 +624,176 @@ fn shakespeare_across_processes_trains_with_its_in_process_losses() {
         }
     }
     assert!(a.len() >= 9, "every step is recorded: {a:?}");
+}
+
+/// The pids of the processes of `bin` (argv[0]) whose command line names `marker`: one MPI
+/// job's ranks, not mpirun (whose argv[0] is mpirun).
+fn ranks_of(bin: &std::path::Path, marker: &std::path::Path) -> Vec<u32> {
+    let (bin, marker) = (bin.to_string_lossy(), marker.to_string_lossy());
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            let args: Vec<String> = cmdline
+                .split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            (args.first()? == &*bin && args.iter().any(|a| a.contains(&*marker))).then_some(pid)
+        })
+        .collect()
+}
+
+/// `burn-shard-run --supervise --max-restarts 2 -- mpirun -np 4 shakespeare ... --resume auto`
+/// with one rank killed by SIGKILL after a random checkpoint: mpirun ends the job, the
+/// launcher starts it again, the job resumes from its newest checkpoint and finishes. Its
+/// final parameters equal, bit for bit, those of an uninterrupted run (plain mpirun) that
+/// resumed from the same checkpoint; no rank is left running.
+#[test]
+fn a_killed_rank_restarts_the_mpi_job_which_ends_as_an_uninterrupted_run_from_its_checkpoint() {
+    use burn_shard_launch::{LaunchConfig, OutputMode};
+    let bin = shakespeare_bin();
+    let dir = scratch("mpi", "elastic");
+    let steps = 10;
+    let job = |save_dir: &std::path::Path| -> Vec<String> {
+        let mut args: Vec<String> = ["--allow-run-as-root", "--oversubscribe", "-np", "4"]
+            .map(String::from)
+            .to_vec();
+        args.push(bin.display().to_string());
+        args.extend(
+            [
+                "--world-size",
+                "4",
+                "--steps",
+                &steps.to_string(),
+                "--eval-interval",
+                "5",
+                "--eval-batches",
+                "1",
+                "--batch-size",
+                "8",
+                "--block-size",
+                "16",
+                "--n-embd",
+                "16",
+                "--n-head",
+                "2",
+                "--n-layer",
+                "1",
+                "--sample-chars",
+                "4",
+                "--stage",
+                "3",
+                "--save-every",
+                "2",
+                "--keep",
+                "100",
+                "--resume",
+                "auto",
+            ]
+            .map(String::from),
+        );
+        args.extend(["--save-dir".into(), save_dir.display().to_string()]);
+        args.extend(["--out".into(), save_dir.join("out").display().to_string()]);
+        args
+    };
+    let run_dir = dir.join("restarted");
+    let config = LaunchConfig::new("mpirun", 1)
+        .with_args(job(&run_dir))
+        .supervising()
+        .with_max_restarts(2)
+        .with_stop_grace(Duration::from_secs(5))
+        .with_output(OutputMode::Capture);
+    let started = Instant::now();
+    let supervisor = std::thread::spawn(move || burn_shard_launch::run(&config));
+
+    let kill_after = 2 * (1 + rand::random_range(0..3)); // step 2, 4 or 6
+    let checkpoint = run_dir.join(format!("step-{kill_after:06}"));
+    while !checkpoint.join("COMPLETE").exists() {
+        assert!(
+            started.elapsed() < MPIRUN_LIMIT,
+            "no checkpoint {} was written",
+            checkpoint.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ranks = ranks_of(&bin, &run_dir);
+    assert_eq!(ranks.len(), 4, "4 rank processes of the job: {ranks:?}");
+    let victim = ranks[rand::random_range(0..ranks.len())];
+    println!("killing pid {victim} after {}", checkpoint.display());
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+
+    let outcome = supervisor
+        .join()
+        .unwrap()
+        .unwrap_or_else(|e| panic!("the restarted job failed: {e}"));
+    assert!(started.elapsed() < MPIRUN_LIMIT, "{:?}", started.elapsed());
+    assert_eq!(outcome.restarts.len(), 1, "one restart: {:?}", outcome.restarts);
+    println!("restarted after: {}", outcome.restarts[0]);
+    assert!(
+        outcome.restarts[0].starts_with("mpirun failed"),
+        "{:?}",
+        outcome.restarts
+    );
+    let text: Vec<&str> = outcome.output.iter().map(|l| l.text.as_str()).collect();
+    let resumed = text
+        .iter()
+        .find_map(|l| {
+            l.split_once("resumed from ")
+                .map(|(_, rest)| rest.split(' ').next().unwrap().to_string())
+        })
+        .unwrap_or_else(|| panic!("the second start resumed from no checkpoint:\n{}", text.join("\n")));
+    let resumed = std::path::PathBuf::from(resumed);
+    let step: usize = resumed.file_name().unwrap().to_str().unwrap()[5..].parse().unwrap();
+    assert!(
+        step >= kill_after,
+        "resumed from {}, older than {}",
+        resumed.display(),
+        checkpoint.display()
+    );
+    for pid in ranks {
+        assert!(crate::job_fixtures::ended(pid), "rank pid {pid} is still running");
+    }
+
+    // The reference: plain mpirun, resumed from a copy of the same checkpoint, never killed.
+    let reference_dir = dir.join("uninterrupted");
+    copy_dir(&resumed, &reference_dir.join(resumed.file_name().unwrap()));
+    let reference = Command::new("mpirun").args(job(&reference_dir)).output().unwrap();
+    assert!(
+        reference.status.success(),
+        "{}",
+        String::from_utf8_lossy(&reference.stderr)
+    );
+
+    let last = format!("step-{steps:06}");
+    let consolidated = |root: &std::path::Path| {
+        let out = root.join("final.safetensors");
+        burn_shard::checkpoint::consolidate_safetensors(root.join(&last), &out).unwrap();
+        std::fs::read(out).unwrap()
+    };
+    println!("resumed from {}; whole job {:?}", resumed.display(), started.elapsed());
+    assert!(
+        consolidated(&run_dir) == consolidated(&reference_dir),
+        "the restarted job's final parameters differ from the uninterrupted run's from {}",
+        resumed.display()
+    );
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        match entry.file_type().unwrap().is_dir() {
+            true => copy_dir(&entry.path(), &target),
+            false => {
+                std::fs::copy(entry.path(), target).unwrap();
+            }
+        }
+    }
 }

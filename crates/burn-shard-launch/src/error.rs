@@ -36,6 +36,15 @@ pub enum LaunchError {
         /// How many other ranks were still running and were stopped.
         stopped: usize,
     },
+    /// The command run with [`LaunchConfig::supervise`](crate::LaunchConfig::supervise)
+    /// (`mpirun ...`, which starts the ranks itself) exited non-zero or was killed.
+    #[error("{program} failed: {status} (see its output above for the rank and the cause)")]
+    CommandFailed {
+        /// The command as given.
+        program: String,
+        /// How it ended (exit code or signal).
+        status: ExitStatus,
+    },
     /// The launcher received SIGINT, SIGTERM or SIGHUP and passed it on to every rank.
     #[error("interrupted by signal {signal}; stopped every rank of this node")]
     Interrupted {
@@ -96,7 +105,7 @@ impl LaunchError {
         match self {
             LaunchError::Config(_) => 2,
             LaunchError::Spawn { .. } => 127,
-            LaunchError::RankFailed { status, .. } => status_code(status),
+            LaunchError::RankFailed { status, .. } | LaunchError::CommandFailed { status, .. } => status_code(status),
             LaunchError::Interrupted { signal } => (128 + signal).clamp(1, 255) as u8,
             LaunchError::Stopped { code, .. } => *code,
             LaunchError::GaveUp { first, .. } => first.exit_code(),
@@ -109,7 +118,7 @@ impl LaunchError {
     /// options, a program that cannot start, an interrupted launcher.
     pub fn is_restartable(&self) -> bool {
         match self {
-            LaunchError::RankFailed { .. } | LaunchError::Watch { .. } => true,
+            LaunchError::RankFailed { .. } | LaunchError::CommandFailed { .. } | LaunchError::Watch { .. } => true,
             LaunchError::Stopped { cause, .. } => !cause.starts_with(FINAL),
             _ => false,
         }

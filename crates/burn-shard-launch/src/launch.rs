@@ -173,6 +173,10 @@ pub(crate) fn launch_with(
             world_size: config.world_size(),
             restarts: Vec::new(),
         }),
+        Some(Failure::Rank(i)) if config.supervise => Err(LaunchError::CommandFailed {
+            program: config.program.to_string_lossy().into_owned(),
+            status: statuses[i],
+        }),
         Some(Failure::Rank(i)) => Err(LaunchError::RankFailed {
             rank: ranks[i].rank,
             local_rank: ranks[i].local_rank,
