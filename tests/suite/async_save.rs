@@ -67,8 +67,10 @@ fn files_of(dir: &Path) -> Vec<(String, u64, String)> {
 /// On 2 ranks with `config`: a save staged after 3 steps of `base`, followed at once by 3 more
 /// steps, writes the same bytes as a synchronous save after 3 steps (every rank file's SHA-256).
 /// While in flight it is reported in `memory_report` and by `checkpoint_in_flight`, and the
-/// directory is not complete; `wait_for_checkpoint` completes it.
-fn check_staged(at: &str, base: &Wide, config: &ShardConfig, root: &Path) {
+/// directory is not complete; `wait_for_checkpoint` completes it. The bytes staged in memory,
+/// as a share of the rank's file, lie in `share` (all but the header for tensors in memory;
+/// what NVMe offload keeps on disk is not staged).
+fn check_staged(at: &str, base: &Wide, config: &ShardConfig, root: &Path, share: std::ops::RangeInclusive<f64>) {
     let (sync_dir, async_dir) = (root.join(format!("{at}-sync")), root.join(format!("{at}-async")));
     let ranks = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
         let device = Device::flex().autodiff();
@@ -118,13 +120,18 @@ fn check_staged(at: &str, base: &Wide, config: &ShardConfig, root: &Path) {
         assert!(moved, "{at}: the steps after the save changed the parameters");
         assert_eq!(settled, None, "{at} rank {rank}");
         let file = inspect(&async_dir).unwrap().bytes_per_rank()[rank] as usize;
-        // The staged tensors are the file's, less its header and scalars (a rank that holds
-        // nothing, rank 1 at stage 0, stages nothing).
+        // The staged tensors are the file's in memory, less its header and scalars (a rank
+        // that holds nothing, rank 1 at stage 0, stages nothing).
+        let staged_share = staged as f64 / file as f64;
+        println!("{at} rank {rank}: staged {staged} bytes of a {file}-byte file");
         assert!(
-            staged <= file && (file < 4096 || staged * 10 >= file * 9),
-            "{at} rank {rank}: staged {staged} bytes, file {file}"
+            staged <= file && (file < 4096 || share.contains(&staged_share)),
+            "{at} rank {rank}: staged {staged} bytes, file {file}: {staged_share:.3} not in {share:?}"
         );
-        assert!(rank > 0 || staged > 1 << 20, "{at}: rank 0 staged {staged} bytes");
+        assert!(
+            rank > 0 || *share.start() < 0.5 || staged > 1 << 20,
+            "{at}: rank 0 staged {staged} bytes"
+        );
     }
 }
 
@@ -135,14 +142,22 @@ fn a_background_save_writes_the_step_it_was_staged_at() {
     for dtype in [DType::F32, DType::BF16] {
         let base = Wide::new(&Device::flex().autodiff(), dtype);
         for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
-            check_staged(&format!("{dtype:?}-{stage}"), &base, &ShardConfig::new(stage), &root);
+            check_staged(
+                &format!("{dtype:?}-{stage}"),
+                &base,
+                &ShardConfig::new(stage),
+                &root,
+                0.9..=1.0,
+            );
         }
     }
 }
 
 /// [`check_staged`] with the optimizer state in swap files (stages 1 and 3) and the parameter
-/// shards in a shard file (stage 3), which the steps rewrite: the save stages them (reads them
-/// before it returns), so the writer never reads the files. 8 M parameters (a 50 MB rank file).
+/// shards in a shard file (stage 3), which the steps that follow the save rewrite: the writer
+/// reads the files, and still writes the step the save was staged at, bit for bit, while only
+/// what is in memory was staged: the parameters at stage 1 (a third of the file: parameter,
+/// first and second moment, all f32), nothing at stage 3. 8 M parameters (a 50 MB rank file).
 #[test]
 fn a_background_save_stages_what_nvme_offload_keeps_on_disk() {
     let root = scratch("async-save", "nvme");
@@ -154,7 +169,11 @@ fn a_background_save_stages_what_nvme_offload_keeps_on_disk() {
         if stage == Stage::Three {
             config = config.with_nvme_offload_params(&swap);
         }
-        check_staged(&format!("nvme-{stage}"), &base, &config, &root);
+        let share = match stage {
+            Stage::Three => 0.0..=0.001,
+            _ => 0.32..=0.34,
+        };
+        check_staged(&format!("nvme-{stage}"), &base, &config, &root, share);
     }
 }
 

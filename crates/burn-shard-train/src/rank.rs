@@ -129,6 +129,9 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
                 break;
             }
         }
+        optim
+            .wait_for_checkpoint()
+            .map_err(|e| format!("the last checkpoint: {e}"))?;
         Ok(model.materialize())
     }
 
@@ -272,8 +275,10 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
             CheckpointingAction::Save => {
                 let dir = epoch_dir(root, epoch);
                 let payload = serde_json::json!({ "epoch": epoch, "global_step": global_step });
+                // In the background: the next epoch trains while the files are written (the
+                // next save, a load and the end of the run wait for it).
                 optim
-                    .save_checkpoint(model, &dir, &payload)
+                    .save_checkpoint_async(model, &dir, &payload)
                     .map_err(|e| format!("saving the checkpoint of epoch {epoch} into {}: {e}", dir.display()))
             }
             // One rank removes; a checkpoint already gone is what was asked.

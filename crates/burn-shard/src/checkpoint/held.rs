@@ -89,6 +89,12 @@ impl PieceReader {
         self.value.dtype()
     }
 
+    /// Whether the piece is a shard on disk (NVMe parameter offload), which no step writes in
+    /// place: reading it later reads the values of now.
+    pub(crate) fn is_on_disk(&self) -> bool {
+        matches!(self.value, Shard::Stored(_))
+    }
+
     /// Its elements: `[len]`, the entry's dtype.
     ///
     /// # Errors

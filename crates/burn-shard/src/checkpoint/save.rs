@@ -82,10 +82,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     }
 
     /// As [`ShardedOptimizer::save_checkpoint`], and returns as soon as this rank's part is
-    /// staged: its values, optimizer state and masters copied into host memory (read from the
-    /// swap files with NVMe offload). A background thread per rank writes the same files;
-    /// training goes on meanwhile, and the steps that follow cannot change what is written
-    /// (the copies are the checkpoint's own). The checkpoint is complete (`meta.json`,
+    /// staged: its values, optimizer state and masters in memory copied into host memory. A
+    /// background thread per rank writes the same files; training goes on meanwhile, and the
+    /// steps that follow cannot change what is written (the copies are the checkpoint's own).
+    /// With NVMe offload, what is on disk is not copied: the writer reads it from the swap and
+    /// shard files, and until it has, the steps write those slots and shards elsewhere in the
+    /// files (copy-on-write: each file grows by at most what the save still has to read, and
+    /// shrinks back into its free space after). The checkpoint is complete (`meta.json`,
     /// `COMPLETE`, the rename) once every rank has written: rank 0 completes it at the first
     /// `step` that finds every writer done, or at [`ShardedOptimizer::wait_for_checkpoint`],
     /// which a run calls before it ends. The writers run no collective.
@@ -310,10 +313,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     }
 
     /// This rank's file: every entry the checkpoint holds (not those it refers to by
-    /// fingerprint), with its optimizer state and master. With `staged`, every tensor is copied
-    /// into host memory now (reading the swap file with NVMe offload), so that the next steps,
-    /// which update parameters and state in place, cannot change what is written; without, each
-    /// is read when the writer reaches it (one tensor in memory at a time).
+    /// fingerprint), with its optimizer state and master. With `staged`, every tensor in
+    /// memory is copied into host memory now, so that the next steps, which update parameters
+    /// and state in place, cannot change what is written; what NVMe offload keeps on disk is
+    /// read by the writer, from bytes the steps leave alone until it is done. Without
+    /// `staged`, each tensor is read when the writer reaches it (one in memory at a time).
     fn rank_file<M: Module>(&self, model: &M, staged: bool) -> Result<RankFile, ShardError> {
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         let entries: Vec<_> = self
@@ -330,10 +334,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             };
             let value = held.take(id, entry, *holding, range.clone())?;
             let name = param_name(&entry.path);
-            match staged {
+            match staged && !value.is_on_disk() {
                 true => file.push(name, owned(value.read()?)),
                 // Read when the writer reaches it (from the shard file with NVMe parameter
-                // offload): not a second copy of every parameter.
+                // offload): not a second copy of every parameter. In the background too for a
+                // shard on disk: the steps never write a stored shard in place, and the reader
+                // keeps its bytes until it is done.
                 false => file.push_deferred(name, value.dtype(), range.len(), move || value.read()),
             }
             if let Some(index) = self.layout.slot_of(id) {
@@ -418,11 +424,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             match tensor {
                 SavedTensor::InMemory(data) if staged => file.push(name, owned(trim(data, len))),
                 SavedTensor::InMemory(data) => file.push(name, trim(data, len)),
-                SavedTensor::OnDisk(on_disk) if staged => {
-                    let (reader, field) = *on_disk;
-                    file.push(name, trim(reader.read(&field)?, len));
-                }
-                // NVMe offload: read from the swap file when written, one tensor at a time.
+                // NVMe offload: read from the swap file when written, one tensor at a time, in
+                // the background too: the reader pins the slot's bytes, so the steps meanwhile
+                // write the slot elsewhere in the file (`Swapper::slot_reader`).
                 SavedTensor::OnDisk(on_disk) => {
                     let (reader, field) = *on_disk;
                     file.push_deferred(name, field.dtype, len, move || Ok(trim(reader.read(&field)?, len)))

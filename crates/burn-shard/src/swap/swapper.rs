@@ -2,7 +2,7 @@
 //! write-behind.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::optim::RecordState;
 use burn::tensor::{Device, Tensor, TensorData};
@@ -53,6 +53,10 @@ pub(crate) struct Swapper {
     error: Option<ShardError>,
     this_step: IoBytes,
     last_step: IoBytes,
+    /// The extents a checkpoint still reads ([`Swapper::slot_reader`]).
+    pins: Pins,
+    /// Extents a step moved away from while pinned: freed once unpinned (`offset`, `capacity`).
+    retired: Vec<(u64, u64)>,
 }
 
 impl Swapper {
@@ -79,6 +83,8 @@ impl Swapper {
             error: None,
             this_step: IoBytes::default(),
             last_step: IoBytes::default(),
+            pins: Pins::default(),
+            retired: Vec::new(),
         })
     }
 
@@ -88,6 +94,7 @@ impl Swapper {
         // Nothing of an earlier step that did not reach `finish` (a panic) carries over.
         let _ = self.finish();
         self.this_step = IoBytes::default();
+        self.reclaim();
         if let Err(e) = self.file.check_present() {
             self.fail(e);
         }
@@ -157,18 +164,22 @@ impl Swapper {
         }
         if state.is_none() && master.is_none() {
             if let Some(old) = self.extents[index].take() {
-                self.space.give(old.offset, old.capacity);
+                self.release(old);
             }
             return;
         }
         let (bytes, layout) = slot_bytes::encode(state, master);
         let needed = reserved(layout.len as u64);
         let (offset, capacity) = match self.extents[index].take() {
-            Some(extent) if extent.capacity >= needed => (extent.offset, extent.capacity),
-            // New, or grown (a state that gained a tensor): in free space; the old one freed.
+            Some(extent) if extent.capacity >= needed && !self.pins.is_pinned(extent.offset) => {
+                (extent.offset, extent.capacity)
+            }
+            // New, grown (a state that gained a tensor), or still read by a background save
+            // (copy-on-write: the save reads the old bytes, the step writes beside them): in
+            // free space; the old extent freed (once unpinned).
             old => {
                 if let Some(old) = old {
-                    self.space.give(old.offset, old.capacity);
+                    self.release(old);
                 }
                 (self.space.take(needed), needed)
             }
@@ -218,14 +229,38 @@ impl Swapper {
     }
 
     /// A reader of slot `index`'s tensors one at a time, for a checkpoint that writes them
-    /// without holding the slot (`None` when it has nothing on disk). Valid until the next
-    /// step writes the slot again.
+    /// without holding the slot in memory (`None` when it has nothing on disk). The reader
+    /// pins the slot's bytes: while it (or a clone) lives, the steps write the slot elsewhere
+    /// in the file and leave these bytes as they are, so a background save reads the state
+    /// of the step it was staged at, without a copy in memory and without holding up the
+    /// steps. The file grows by at most the pinned slots' bytes meanwhile.
     pub(crate) fn slot_reader(&self, index: usize) -> Option<SlotReader> {
         self.extent(index).map(|extent| SlotReader {
             file: self.file.clone(),
             offset: extent.offset,
             layout: extent.layout.clone(),
+            _pin: Arc::new(self.pins.pin(extent.offset)),
         })
+    }
+
+    /// Frees `old`'s space, or retires it while a reader pins it.
+    fn release(&mut self, old: Extent) {
+        match self.pins.is_pinned(old.offset) {
+            true => self.retired.push((old.offset, old.capacity)),
+            false => self.space.give(old.offset, old.capacity),
+        }
+    }
+
+    /// Frees the retired extents no reader pins any more.
+    fn reclaim(&mut self) {
+        let (pins, space) = (&self.pins, &mut self.space);
+        self.retired.retain(|&(offset, capacity)| {
+            let pinned = pins.is_pinned(offset);
+            if !pinned {
+                space.give(offset, capacity);
+            }
+            pinned
+        });
     }
 
     /// Starts replacing every slot's state (a checkpoint load): [`Staging::put`] writes where
@@ -252,7 +287,7 @@ impl Swapper {
         let replaced = std::mem::replace(&mut self.extents, std::mem::take(&mut staged.extents));
         self.space = staged.space.clone();
         for old in replaced.into_iter().flatten() {
-            self.space.give(old.offset, old.capacity);
+            self.release(old);
         }
     }
 
@@ -348,6 +383,45 @@ pub(crate) struct SlotReader {
     offset: u64,
     /// What the slot holds: the fields' names, dtypes, shapes, CRCs and the state's scalars.
     pub(crate) layout: SlotLayout,
+    /// Keeps the steps from writing over these bytes while the reader lives.
+    _pin: Arc<Pin>,
+}
+
+/// The extents that readers pin, with how many pins each: shared by the swapper (which asks)
+/// and the pins (dropped on a background writer's thread).
+#[derive(Clone, Default)]
+struct Pins(Arc<Mutex<HashMap<u64, usize>>>);
+
+impl Pins {
+    fn pin(&self, offset: u64) -> Pin {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner).entry(offset).or_default() += 1;
+        Pin {
+            pins: self.clone(),
+            offset,
+        }
+    }
+
+    fn is_pinned(&self, offset: u64) -> bool {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).contains_key(&offset)
+    }
+}
+
+/// One pin of an extent, released when dropped.
+struct Pin {
+    pins: Pins,
+    offset: u64,
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        let mut pins = self.pins.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = pins.get_mut(&self.offset) {
+            *count -= 1;
+            if *count == 0 {
+                pins.remove(&self.offset);
+            }
+        }
+    }
 }
 
 impl SlotReader {
