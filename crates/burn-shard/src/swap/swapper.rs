@@ -394,7 +394,12 @@ struct Pins(Arc<Mutex<HashMap<u64, usize>>>);
 
 impl Pins {
     fn pin(&self, offset: u64) -> Pin {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner).entry(offset).or_default() += 1;
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(offset)
+            .or_default() += 1;
         Pin {
             pins: self.clone(),
             offset,
@@ -402,7 +407,10 @@ impl Pins {
     }
 
     fn is_pinned(&self, offset: u64) -> bool {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).contains_key(&offset)
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(&offset)
     }
 }
 
