@@ -355,3 +355,106 @@ fn the_next_save_and_a_load_wait_for_the_background_save() {
     }
     assert!(inspect(root.join("a")).unwrap().is_intact());
 }
+
+/// `ShardConfig::with_saves_in_flight(2)`: a second background save does not wait for the
+/// first (both in flight, both staged copies counted), a third waits for the oldest only; each
+/// checkpoint holds the step it was staged at (the same rank files as a synchronous save at
+/// that step, in a run of its own); with the default 1, the second save settles the first.
+/// 0 is refused at `init`, and ranks that differ fail `init` on every rank.
+#[test]
+fn saves_in_flight_lets_a_background_save_start_before_the_previous_one_completes() {
+    let root = scratch("async-save", "in-flight");
+    let device = Device::flex().autodiff();
+    let frozen = Tensor::<2>::from_data(TensorData::new(Rng::new(9).vec(4096 * 4096), [4096, 4096]), &device);
+    let base = Led {
+        frozen: Param::from_tensor(frozen),
+        wide: Wide::new(&device, DType::F32),
+    };
+    // Step 1, saves A and B; step 2, save C: synchronous (the reference) or in the background.
+    // No step runs between A and B, so nothing settles A but B itself.
+    let run = |config: ShardConfig, name: &str, background: bool| {
+        let dirs = ["a", "b", "c"].map(|d| root.join(format!("{name}/{d}")));
+        let seen = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let (mut model, mut optim) = config
+                .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+                .unwrap();
+            let mut seen = Vec::new();
+            for (i, dir) in dirs.iter().enumerate() {
+                if i != 1 {
+                    let loss = model.step_loss(i, &device);
+                    model = sharded_step(&mut optim, model, loss, 1e-2).0;
+                }
+                match background {
+                    true => optim
+                        .save_checkpoint_async(&model, dir, &serde_json::Value::Null)
+                        .unwrap(),
+                    false => optim.save_checkpoint(&model, dir, &serde_json::Value::Null).unwrap(),
+                }
+                let staged = optim.memory_report(&model).checkpoint_staging_bytes;
+                seen.push((optim.checkpoints_in_flight(), staged));
+            }
+            optim.wait_for_checkpoint().unwrap();
+            assert!(optim.checkpoints_in_flight().is_empty());
+            seen
+        })
+        .unwrap();
+        (dirs, seen)
+    };
+    let (sync, _) = run(ShardConfig::new(Stage::One), "sync", false);
+    let (two_dirs, two) = run(ShardConfig::new(Stage::One).with_saves_in_flight(2), "two", true);
+    let (one_dirs, one) = run(ShardConfig::new(Stage::One), "one", true);
+    for dirs in [&two_dirs, &one_dirs] {
+        for (dir, reference) in dirs.iter().zip(&sync) {
+            assert_eq!(
+                files_of(dir),
+                files_of(reference),
+                "{}: the step it was staged at",
+                dir.display()
+            );
+        }
+    }
+    let [a, b, c] = &two_dirs;
+    for rank in 0..2 {
+        let in_flight: Vec<&Vec<std::path::PathBuf>> = two[rank].iter().map(|(dirs, _)| dirs).collect();
+        assert_eq!(
+            in_flight[1],
+            &vec![a.clone(), b.clone()],
+            "rank {rank}: B did not wait for A"
+        );
+        // C waited for the oldest (A, unless the step before it had settled A already); B
+        // settles at a step or at C only once two are in flight again.
+        assert_eq!(in_flight[2].last(), Some(c), "rank {rank}");
+        assert!(!in_flight[2].contains(a), "rank {rank}: {in_flight:?}");
+        let one_flight: Vec<usize> = one[rank].iter().map(|(dirs, _)| dirs.len()).collect();
+        assert_eq!(one_flight, [1, 1, 1], "rank {rank}: one at a time");
+        // Both staged copies are counted while two are in flight.
+        assert_eq!(
+            two[rank][1].1,
+            2 * one[rank][0].1,
+            "rank {rank}: staged bytes of A and B"
+        );
+    }
+
+    let zero = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        ShardConfig::new(Stage::One)
+            .with_saves_in_flight(0)
+            .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+            .err()
+            .map(|e| e.to_string())
+    })
+    .unwrap();
+    assert!(
+        zero.iter()
+            .all(|e| e.as_ref().is_some_and(|e| e.contains("with_saves_in_flight"))),
+        "{zero:?}"
+    );
+    let differ = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let saves = 1 + comm.rank();
+        ShardConfig::new(Stage::One)
+            .with_saves_in_flight(saves)
+            .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+            .is_err()
+    })
+    .unwrap();
+    assert_eq!(differ, [true, true], "ranks with different saves_in_flight fail init");
+}

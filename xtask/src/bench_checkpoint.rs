@@ -11,7 +11,7 @@ use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::Device;
 use burn_shard::comm::{InProcessGroup, run_ranks};
-use burn_shard::{ShardConfig, Stage};
+use burn_shard::{NvmeOffload, ShardConfig, Stage};
 use burn_shard_examples::char_data::sample_batch;
 use burn_shard_examples::gpt::Gpt;
 use burn_shard_examples::gpu_bench::median;
@@ -48,6 +48,10 @@ pub struct Args {
     /// Where the checkpoints are written (removed after each run).
     #[arg(long, default_value = "target/bench-checkpoint")]
     dir: PathBuf,
+    /// Keep the optimizer state in swap files in this directory (NVMe offload, stages 1-3):
+    /// a background save then reads it from disk while the steps go on.
+    #[arg(long, value_name = "DIR")]
+    nvme: Option<PathBuf>,
 }
 
 /// One run, as rank 0 measured it.
@@ -66,6 +70,9 @@ pub fn run(args: &Args) -> Result<(), String> {
     if args.save_every == 0 || args.steps < args.save_every {
         return Err("--save-every must be between 1 and --steps".into());
     }
+    if let Some(swap) = &args.nvme {
+        std::fs::create_dir_all(swap).map_err(|e| format!("{}: {e}", swap.display()))?;
+    }
     let corpus = corpus()?;
     let config = gpt_config(&corpus, 64, args.n_embd, args.layers);
     let params = Gpt::new(&config, &Device::flex()).num_params();
@@ -82,7 +89,11 @@ pub fn run(args: &Args) -> Result<(), String> {
                 let device = training_device_on(&Device::flex(), stage);
                 device.seed(1337);
                 let model = Gpt::new(&config, &device);
-                let (mut model, mut optim) = ShardConfig::new(stage).init(model, AdamWConfig::new(), comm)?;
+                let config = match &args.nvme {
+                    Some(swap) => ShardConfig::new(stage).with_nvme_offload(NvmeOffload::new(swap)),
+                    None => ShardConfig::new(stage),
+                };
+                let (mut model, mut optim) = config.init(model, AdamWConfig::new(), comm)?;
                 let mut rng = StdRng::seed_from_u64(7 + optim.comm().rank() as u64);
                 let (mut step_s, mut staged) = (Vec::new(), 0);
                 let start = Instant::now();
@@ -152,11 +163,15 @@ fn print_table(args: &Args, params: usize, runs: &[Run]) {
     };
     println!(
         "\nSaving during training: GPT of {params} parameters (width {}, {} layers), {} ranks as threads, stage {}, \
-         Flex CPU, {} steps of 8 × 64 tokens, a save every {} steps ({:.3} GB per checkpoint), {}",
+         Flex CPU{}, {} steps of 8 × 64 tokens, a save every {} steps ({:.3} GB per checkpoint), {}",
         args.n_embd,
         args.layers,
         args.world_size,
         args.stage,
+        match &args.nvme {
+            Some(swap) => format!(", optimizer state in swap files in {} (NVMe offload)", swap.display()),
+            None => String::new(),
+        },
         args.steps,
         args.save_every,
         runs[1].checkpoint_bytes as f64 / GB,

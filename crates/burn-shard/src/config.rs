@@ -115,6 +115,11 @@ pub struct ShardConfig {
     /// [`FrozenEntries::Saved`]: their values). See [`ShardConfig::with_frozen_entries`].
     #[serde(default)]
     pub frozen_entries: FrozenEntries,
+    /// How many checkpoints `save_checkpoint_async` may write in the background at once
+    /// (default 1: the next save waits for the previous one). See
+    /// [`ShardConfig::with_saves_in_flight`].
+    #[serde(default = "defaults::one")]
+    pub saves_in_flight: usize,
 }
 
 impl burn::config::Config for ShardConfig {}
@@ -129,6 +134,10 @@ mod defaults {
 
     pub(super) fn yes() -> bool {
         true
+    }
+
+    pub(super) fn one() -> usize {
+        1
     }
 
     /// `nvme_offload_params`: an [`NvmeOffload`](crate::NvmeOffload), or a directory alone.
@@ -199,6 +208,7 @@ impl ShardConfig {
             offload_params: false,
             nvme_offload_params: None,
             frozen_entries: FrozenEntries::Saved,
+            saves_in_flight: 1,
         }
     }
 
@@ -358,6 +368,21 @@ impl ShardConfig {
         self
     }
 
+    /// Lets `save_checkpoint_async` keep up to `saves` checkpoints in flight (default 1): a
+    /// save then waits only for the oldest once `saves` are being written. Each holds its own
+    /// staged copy of what the rank keeps in memory (`memory_report`'s
+    /// `checkpoint_staging_bytes` counts them all), so host memory for staging grows to
+    /// `saves` times one save's; more than 1 helps only when a save takes longer to write than
+    /// the steps between saves and the disk is not the bound. Every rank passes the same value
+    /// (checked at `init`).
+    ///
+    /// # Errors
+    /// At `init`: [`ShardError::InvalidConfig`] when `saves` is 0.
+    pub fn with_saves_in_flight(mut self, saves: usize) -> Self {
+        self.saves_in_flight = saves;
+        self
+    }
+
     /// Sets the maximum number of elements per bucket.
     pub fn with_bucket_numel(mut self, bucket_numel: usize) -> Self {
         self.bucket_numel = bucket_numel;
@@ -462,7 +487,7 @@ impl ShardConfig {
         let result = optim.grad_clipping().and_then(|clipping| {
             let optim = optim.into_optimizer()?;
             self.init_with(model, pretrained, optim, clipping, comm.clone())
-                .map(|(model, optim)| (model, optim.with_base(base)))
+                .map(|(model, optim)| (model, optim.with_base(base).with_saves_in_flight(self.saves_in_flight)))
         });
         if let Err(e) = &result {
             // A rank that fails alone (bad model) must not leave the others waiting.
@@ -479,6 +504,13 @@ impl ShardConfig {
         clipping: Option<GradientClipping>,
         comm: Arc<dyn Collective>,
     ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
+        if self.saves_in_flight == 0 {
+            return Err(ShardError::InvalidConfig(
+                "saves_in_flight is 0: a background save needs room for itself; pass at least 1 to \
+                 ShardConfig::with_saves_in_flight"
+                    .into(),
+            ));
+        }
         let census = Census::of(&model);
         refuse_sharded(&census)?;
         // From the file's header alone: a file that does not fit fails here, on every rank.
@@ -529,7 +561,9 @@ impl ShardConfig {
             ^ options.fingerprint().rotate_left(2)
             ^ pretrained.as_ref().map_or(0, |plan| plan.fingerprint().rotate_left(3))
             // And on what checkpoints hold (fingerprinting frozen entries is a collective).
-            ^ ((self.frozen_entries == FrozenEntries::Fingerprinted) as u64).rotate_left(4);
+            ^ ((self.frozen_entries == FrozenEntries::Fingerprinted) as u64).rotate_left(4)
+            // And on how many saves may be in flight (settling them is a collective).
+            ^ (self.saves_in_flight as u64).rotate_left(5);
         check_same_layout(comm.as_ref(), fingerprint, &device)?;
         let buffers = Buffers::of(&census);
         let root = RootValues::new(comm.clone(), &model, &census, pretrained)?;

@@ -93,9 +93,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// `step` that finds every writer done, or at [`ShardedOptimizer::wait_for_checkpoint`],
     /// which a run calls before it ends. The writers run no collective.
     ///
-    /// One save is in flight at a time: the next save first waits for the previous one and
-    /// returns its error if it failed (a load waits too, and leaves a failure for the next save
-    /// or `wait_for_checkpoint`). A failure seen at a step is logged
+    /// One save is in flight at a time (more with `ShardConfig::with_saves_in_flight`, each
+    /// holding its own staged copy): the next save first waits for the oldest one and returns
+    /// its error if it failed (a synchronous save and a load wait for every one; a load leaves
+    /// a failure for the next save or `wait_for_checkpoint`). A failure seen at a step is logged
     /// (`tracing::error!`, every rank) and returned by the next save or `wait_for_checkpoint`;
     /// `DIR.partial` is then removed and no earlier checkpoint is touched. Host memory: the
     /// staged bytes of this rank's file ([`MemoryReport::checkpoint_staging_bytes`]) until the
@@ -174,8 +175,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // Before any collective: a rank whose step failed half-way refuses here; the others
         // fail at their first collective, the group having been aborted by that step.
         self.refuse_half_applied("save a checkpoint")?;
-        // The previous background save completes first, and its failure is reported here.
-        self.wait_for_checkpoint()?;
+        // Earlier background saves complete first (a background save waits only for the
+        // oldest, while `saves_in_flight` are in flight), and their failure is reported here.
+        match background {
+            true => self.make_room_for_save()?,
+            false => self.wait_for_checkpoint()?,
+        }
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         let partial = partial_dir(dir);
         let root = parent_of(dir);

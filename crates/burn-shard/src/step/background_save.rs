@@ -13,54 +13,89 @@ use crate::step::optimizer::ShardedOptimizer;
 use crate::step::save_in_flight::{SaveInFlight, lock};
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
-    /// Waits until the checkpoint saved by
-    /// [`ShardedOptimizer::save_checkpoint_async`] is complete on disk (every rank's file
-    /// written, then `meta.json`, `COMPLETE` and the rename), and returns its outcome; `Ok` at
-    /// once when no save is in flight. A background save that failed since the last call (seen
-    /// at the start of a step) is returned here, once. A collective: every rank calls it (at
-    /// the end of the run, before reading the checkpoint from another process).
+    /// Waits until every checkpoint saved by [`ShardedOptimizer::save_checkpoint_async`] is
+    /// complete on disk (every rank's file written, then `meta.json`, `COMPLETE` and the
+    /// rename), oldest first, and returns their outcome; `Ok` at once when no save is in
+    /// flight. A background save that failed since the last call (seen at the start of a step)
+    /// is returned here, once. A collective: every rank calls it (at the end of the run, before
+    /// reading the checkpoint from another process).
     ///
     /// # Errors
-    /// The failed write's error on the rank whose write failed, [`CheckpointError::PeerFailed`]
-    /// (in [`ShardError::Checkpoint`]) on the others: the checkpoint's `DIR.partial` is then
-    /// removed and no earlier checkpoint is touched; [`ShardError::Comm`].
+    /// The first failure: the failed write's error on the rank whose write failed,
+    /// [`CheckpointError::PeerFailed`] (in [`ShardError::Checkpoint`]) on the others; the
+    /// checkpoint's `DIR.partial` is then removed and no earlier checkpoint is touched (the
+    /// other saves in flight still settle); [`ShardError::Comm`].
     ///
     /// [`CheckpointError::PeerFailed`]: crate::checkpoint::CheckpointError::PeerFailed
     pub fn wait_for_checkpoint(&self) -> Result<(), ShardError> {
-        self.settle_save(true)?;
+        self.settle_save_keeping_failure(true)?;
         match lock(&self.failed_save).take() {
             Some(e) => Err(e),
             None => Ok(()),
         }
     }
 
-    /// The directory of the checkpoint being written in the background, if any: `None` once
-    /// it has settled, complete or failed (as seen at the start of the last step, or by
-    /// [`ShardedOptimizer::wait_for_checkpoint`]).
+    /// The directory of the oldest checkpoint being written in the background, if any: `None`
+    /// once every save has settled, complete or failed (as seen at the start of the last step,
+    /// or by [`ShardedOptimizer::wait_for_checkpoint`]).
     pub fn checkpoint_in_flight(&self) -> Option<PathBuf> {
-        lock(&self.in_flight).as_ref().map(|s| s.dir().to_path_buf())
+        lock(&self.in_flight).front().map(|s| s.dir().to_path_buf())
     }
 
-    /// Host bytes held by the staged file of the save in flight (0 without one).
+    /// The directories of every checkpoint being written in the background, oldest first (at
+    /// most `ShardConfig::with_saves_in_flight`).
+    pub fn checkpoints_in_flight(&self) -> Vec<PathBuf> {
+        lock(&self.in_flight).iter().map(|s| s.dir().to_path_buf()).collect()
+    }
+
+    /// Host bytes held by the staged files of the saves in flight (0 without one).
     pub(crate) fn staged_bytes(&self) -> usize {
-        lock(&self.in_flight).as_ref().map_or(0, |s| s.staged_bytes)
+        lock(&self.in_flight).iter().map(|s| s.staged_bytes).sum()
     }
 
-    /// Settles the save in flight, if any: with `wait`, waits for this rank's writer; without,
-    /// settles it only when every rank's writer is done (one all-reduce of a flag). Settling:
-    /// the ranks agree on the writes, rank 0 completes the directory, and they agree on that;
-    /// a failure removes `DIR.partial`. A collective, called by every rank at the same point.
+    /// Before a background save: settles the oldest saves in flight (waiting for them) until
+    /// fewer than `saves_in_flight` are, then returns the first failure seen since the last
+    /// report. A collective.
     ///
     /// # Errors
-    /// The save's outcome, as [`ShardedOptimizer::wait_for_checkpoint`] describes.
-    pub(crate) fn settle_save(&self, wait: bool) -> Result<(), ShardError> {
-        let Some(written) = lock(&self.in_flight).as_ref().map(SaveInFlight::written) else {
-            return Ok(());
-        };
-        if !wait && any_rank(self.comm.as_ref(), &[!written], &Device::flex())?[0] {
-            return Ok(()); // a writer still runs: settle at a later step
+    /// As [`ShardedOptimizer::wait_for_checkpoint`].
+    pub(crate) fn make_room_for_save(&self) -> Result<(), ShardError> {
+        while lock(&self.in_flight).len() >= self.saves_in_flight {
+            if let Err(e) = self.settle_oldest() {
+                self.keep_failure(e)?;
+            }
         }
-        let Some(mut save) = lock(&self.in_flight).take() else {
+        match lock(&self.failed_save).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Settles the saves in flight, oldest first: with `wait`, each after waiting for this
+    /// rank's writer; without, each only once every rank's writer is done (one all-reduce of a
+    /// flag per save), stopping at the first still being written. Settling: the ranks agree on
+    /// the writes, rank 0 completes the directory, and they agree on that; a failure removes
+    /// `DIR.partial`. A collective, called by every rank at the same point (every rank holds
+    /// the same saves).
+    ///
+    /// # Errors
+    /// A save's outcome, as [`ShardedOptimizer::wait_for_checkpoint`] describes; the saves
+    /// after it stay in flight.
+    pub(crate) fn settle_save(&self, wait: bool) -> Result<(), ShardError> {
+        loop {
+            let Some(written) = lock(&self.in_flight).front().map(SaveInFlight::written) else {
+                return Ok(());
+            };
+            if !wait && any_rank(self.comm.as_ref(), &[!written], &Device::flex())?[0] {
+                return Ok(()); // a writer still runs: settle at a later step
+            }
+            self.settle_oldest()?;
+        }
+    }
+
+    /// Settles the oldest save in flight, waiting for this rank's writer.
+    fn settle_oldest(&self) -> Result<(), ShardError> {
+        let Some(mut save) = lock(&self.in_flight).pop_front() else {
             return Ok(());
         };
         let comm = self.comm.clone();
@@ -82,22 +117,35 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// [`ShardError::Comm`] when the group failed.
     pub(crate) fn settle_save_keeping_failure(&self, wait: bool) -> Result<(), ShardError> {
-        match self.settle_save(wait) {
-            Err(e @ ShardError::Comm(_)) => Err(e),
-            Err(e) => {
-                tracing::error!(
-                    rank = self.comm.rank(),
-                    "a checkpoint saved in the background failed: {e}"
-                );
-                lock(&self.failed_save).get_or_insert(e);
-                Ok(())
-            }
-            Ok(()) => Ok(()),
+        // A failed save settles (and leaves the queue); the ones after it settle in turn.
+        while let Err(e) = self.settle_save(wait) {
+            self.keep_failure(e)?;
         }
+        Ok(())
+    }
+
+    /// Logs a background save's failure on this rank and keeps the first for the next report;
+    /// a failed group is returned instead (nothing more can settle).
+    fn keep_failure(&self, e: ShardError) -> Result<(), ShardError> {
+        if let ShardError::Comm(_) = e {
+            return Err(e);
+        }
+        tracing::error!(
+            rank = self.comm.rank(),
+            "a checkpoint saved in the background failed: {e}"
+        );
+        lock(&self.failed_save).get_or_insert(e);
+        Ok(())
     }
 
     /// Starts `save` in the background: the optimizer holds it until it settles.
     pub(crate) fn put_in_flight(&self, save: SaveInFlight) {
-        *lock(&self.in_flight) = Some(save);
+        lock(&self.in_flight).push_back(save);
+    }
+
+    /// Allows `saves` background saves in flight at once (at least 1).
+    pub(crate) fn with_saves_in_flight(mut self, saves: usize) -> Self {
+        self.saves_in_flight = saves.max(1);
+        self
     }
 }

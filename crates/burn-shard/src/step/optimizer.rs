@@ -108,9 +108,11 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// What this run's checkpoints hold of frozen entries, and the pretrained file it started
     /// from (`ShardConfig::with_frozen_entries`, `init_pretrained`).
     pub(crate) base: crate::run::Base,
-    /// The checkpoint being written in the background (`save_checkpoint_async`), until every
-    /// rank has written and rank 0 completed it.
-    pub(crate) in_flight: std::sync::Mutex<Option<crate::step::save_in_flight::SaveInFlight>>,
+    /// The checkpoints being written in the background (`save_checkpoint_async`), oldest
+    /// first, each until every rank has written and rank 0 completed it.
+    pub(crate) in_flight: std::sync::Mutex<std::collections::VecDeque<crate::step::save_in_flight::SaveInFlight>>,
+    /// How many background saves may be in flight at once (`ShardConfig::with_saves_in_flight`).
+    pub(crate) saves_in_flight: usize,
     /// A background save that failed, seen at the start of a step: returned by the next
     /// `wait_for_checkpoint` or save.
     pub(crate) failed_save: std::sync::Mutex<Option<ShardError>>,
@@ -146,7 +148,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             bucket_reducer: None,
             lineage: crate::run::Lineage::fresh(),
             base: crate::run::Base::default(),
-            in_flight: std::sync::Mutex::new(None),
+            in_flight: std::sync::Mutex::new(std::collections::VecDeque::new()),
+            saves_in_flight: 1,
             failed_save: std::sync::Mutex::new(None),
         }
     }
