@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use burn_shard_comm::{Rendezvous, RendezvousEnv};
 use burn_shard_launch::{LaunchConfig, LaunchError, OutputMode, RESTART_COUNT, parse_args, run};
 
-use crate::job_fixtures::{SECOND, ended, free_port, scratch_dir, token};
+use crate::job_fixtures::{SECOND, ended, scratch_dir, token};
 
 /// The stand-in's options, passed in the environment by the tests.
 const DIR: &str = "BURN_SHARD_ELASTIC_DIR";
@@ -206,8 +206,8 @@ fn stand_in(
         .with_master("127.0.0.1", port)
         .with_token(token())
         .with_output(OutputMode::Capture)
-        .with_stop_grace(2 * SECOND)
-        .with_node_timeouts(4 * SECOND, 2 * SECOND)
+        .with_stop_grace(SECOND)
+        .with_node_timeouts(4 * SECOND, 4 * SECOND)
         .with_max_restarts(2)
 }
 
@@ -241,6 +241,18 @@ fn assert_no_rank_left(dir: &Path) {
             "ranks still running after the job: {alive:?}"
         );
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A port `p` for the ranks' rendezvous with `p + 1` (the launchers' store) free too, a moment
+/// ago.
+fn free_port() -> u16 {
+    loop {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = first.local_addr().unwrap().port();
+        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return port;
+        }
     }
 }
 
@@ -366,7 +378,7 @@ fn a_lost_node_restarts_the_job_at_world_size_two() {
         encode(&reference(steps)),
         "bitwise the uninterrupted run"
     );
-    // Node timeout (2 s) + node wait (4 s) + the steps: well under a minute.
+    // Node timeout (4 s) + node wait (4 s) + the steps: well under a minute.
     assert!(started.elapsed() < 60 * SECOND, "{:?}", started.elapsed());
     assert_no_rank_left(&dir);
 }
@@ -462,4 +474,99 @@ fn the_command_line_takes_restarts_an_elastic_node_range_and_a_supervised_comman
     assert!(err(&["burn-shard-run", "--supervise", "--nproc-per-node", "2", "x"]).contains("--nproc-per-node"));
     assert!(err(&["burn-shard-run", "--nproc-per-node", "1", "--node-wait=-1", "x"]).contains("--node-wait"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_node_that_cannot_start_its_program_ends_the_job_on_every_node_without_a_restart() {
+    let dir = scratch_dir("elastic-final");
+    let port = free_port();
+    let started = Instant::now();
+    let node0 = {
+        let config = stand_in(&dir, 60, 2, (0, 2, 2), port, &[]);
+        std::thread::spawn(move || run(&config))
+    };
+    let mut broken = stand_in(&dir, 60, 2, (1, 2, 2), port, &[]);
+    broken.program = "/nonexistent/burn-shard-elastic-program".into();
+    // Both nodes end with the failure node 1 published, as it is not one a restart mends.
+    for (node, error) in [(1, run(&broken).unwrap_err()), (0, node0.join().unwrap().unwrap_err())] {
+        match &error {
+            LaunchError::Stopped {
+                cause,
+                restartable,
+                code,
+            } => {
+                assert!(
+                    !restartable && cause.starts_with("node 1: cannot start"),
+                    "node {node}: {error}"
+                );
+                assert_eq!(*code, 127, "node {node}: the program's start failure");
+                assert_eq!(error.exit_code(), 127);
+            }
+            other => panic!("node {node}: expected Stopped, got {other}"),
+        }
+    }
+    assert!(started.elapsed() < 30 * SECOND, "{:?}", started.elapsed());
+    assert_no_rank_left(&dir);
+}
+
+#[test]
+fn a_node_that_starts_while_the_job_runs_without_it_is_refused() {
+    let dir = scratch_dir("elastic-late");
+    let port = free_port();
+    // Node 0 waits 4 s for node 1, then starts alone (MIN 1) at world size 2.
+    let node0 = {
+        let config = stand_in(&dir, 90, 2, (0, 1, 2), port, &[]);
+        std::thread::spawn(move || run(&config))
+    };
+    let started = Instant::now();
+    while newest_checkpoint(&dir).is_none() {
+        assert!(started.elapsed() < 30 * SECOND, "node 0 did not start alone");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let error = run(&stand_in(&dir, 90, 2, (1, 1, 2), port, &[])).unwrap_err();
+    assert!(
+        matches!(&error, LaunchError::Agent(m) if m.contains("cannot join a running start")),
+        "{error}"
+    );
+    let outcome = node0.join().unwrap().unwrap();
+    assert_eq!((outcome.world_size, outcome.restarts.len()), (2, 0));
+    assert_eq!(encode(&final_state(&dir).2), encode(&reference(90)));
+    assert_no_rank_left(&dir);
+}
+
+#[test]
+fn a_supervised_command_is_started_again_and_its_first_failure_reported() {
+    let dir = scratch_dir("elastic-supervise");
+    let count = dir.join("starts");
+    // Fails with 3, then 4; succeeds at the third start.
+    let script = format!(
+        "echo x >> {0}; n=$(wc -l < {0}); echo \"start $BURN_SHARD_RESTART_COUNT of $BURN_SHARD_MAX_RESTARTS, RANK=${{RANK-unset}}\"; \
+         [ $n -ge 3 ] || exit $((n + 2))",
+        count.display()
+    );
+    let config = LaunchConfig::new("sh", 1)
+        .with_args(["-c", &script])
+        .supervising()
+        .with_max_restarts(2)
+        .with_output(OutputMode::Capture);
+    let outcome = run(&config).unwrap();
+    let lines: Vec<&str> = outcome.output.iter().map(|l| l.text.as_str()).collect();
+    assert_eq!(
+        lines,
+        ["start 2 of 2, RANK=unset"],
+        "the finished start's lines, without rank variables"
+    );
+    assert_eq!(outcome.restarts.len(), 2);
+    assert!(
+        outcome.restarts[0].starts_with("sh failed: exit status: 3"),
+        "{:?}",
+        outcome.restarts
+    );
+
+    std::fs::remove_file(&count).unwrap();
+    let error = run(&config.with_max_restarts(1)).unwrap_err();
+    assert!(
+        matches!(&error, LaunchError::GaveUp { first, .. } if matches!(**first, LaunchError::CommandFailed { .. }))
+    );
+    assert_eq!(error.exit_code(), 3, "{error}");
 }

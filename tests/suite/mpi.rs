@@ -655,7 +655,8 @@ fn a_killed_rank_restarts_the_mpi_job_which_ends_as_an_uninterrupted_run_from_it
     use burn_shard_launch::{LaunchConfig, OutputMode};
     let bin = shakespeare_bin();
     let dir = scratch("mpi", "elastic");
-    let steps = 10;
+    // Long enough that the job is still running when a rank is killed after step 6 at most.
+    let steps = 40;
     let job = |save_dir: &std::path::Path| -> Vec<String> {
         let mut args: Vec<String> = ["--allow-run-as-root", "--oversubscribe", "-np", "4"]
             .map(String::from)
@@ -668,7 +669,7 @@ fn a_killed_rank_restarts_the_mpi_job_which_ends_as_an_uninterrupted_run_from_it
                 "--steps",
                 &steps.to_string(),
                 "--eval-interval",
-                "5",
+                "20",
                 "--eval-batches",
                 "1",
                 "--batch-size",

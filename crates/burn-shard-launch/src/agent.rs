@@ -21,7 +21,6 @@ use std::time::{Duration, Instant};
 
 use burn_shard_rendezvous::{RendezvousError, StoreClient, StoreLimits, StoreServer};
 
-use crate::error::FINAL;
 use crate::launch::launch_with;
 use crate::restart::Attempts;
 use crate::{LaunchConfig, LaunchError, LaunchOutcome, OutputMode};
@@ -79,9 +78,10 @@ struct Agent<'a> {
 impl Agent<'_> {
     fn rounds(self) -> Result<LaunchOutcome, LaunchError> {
         let mut attempts = Attempts::new(self.config);
+        self.find_current_round(&mut attempts)?;
         loop {
             let round = attempts.count();
-            let members = self.join(round)?;
+            let members = self.join(round, &attempts)?;
             let result = self.run_round(round, &members, &attempts);
             if let Some(outcome) = attempts.settle(result)? {
                 return Ok(outcome);
@@ -89,14 +89,45 @@ impl Agent<'_> {
         }
     }
 
+    /// A node other than 0 that starts while the job is already running: it joins the round
+    /// being formed (counted as that start), or is refused when the round has started without
+    /// it (its old ranks' places are taken; a node cannot rejoin a running start).
+    fn find_current_round(&self, attempts: &mut Attempts<'_>) -> Result<(), LaunchError> {
+        if self.config.node_rank == 0 {
+            return Ok(());
+        }
+        let Some(current) = self.client.try_get(CURRENT, Duration::ZERO).map_err(lost)? else {
+            return Ok(()); // the job's first round, or node 0 has not got that far
+        };
+        let round: usize = String::from_utf8_lossy(&current).parse().unwrap_or(0);
+        if self
+            .client
+            .try_get(&self.key(round, "members"), Duration::ZERO)
+            .map_err(lost)?
+            .is_some()
+        {
+            return Err(LaunchError::Agent(format!(
+                "node {} started while start {round} of the job runs without it: a node cannot join a running \
+                 start; it may join the next one only if it is already waiting when that one forms, so restart \
+                 the whole job (it resumes from its newest checkpoint)",
+                self.config.node_rank
+            )));
+        }
+        attempts.join_at(round);
+        Ok(())
+    }
+
     fn key(&self, round: usize, what: &str) -> String {
         format!("burn-shard-agent/round-{round}/{what}")
     }
 
     /// Registers this node for `round` and returns the round's members (node ranks, ascending),
-    /// which node 0's launcher decides.
-    fn join(&self, round: usize) -> Result<Vec<usize>, LaunchError> {
+    /// which node 0's launcher decides. A termination signal while waiting ends the job.
+    fn join(&self, round: usize, attempts: &Attempts<'_>) -> Result<Vec<usize>, LaunchError> {
         let (config, store) = (self.config, &self.client);
+        if config.node_rank == 0 {
+            store.set(CURRENT, round.to_string().as_bytes()).map_err(lost)?;
+        }
         store
             .set(&self.key(round, &format!("node-{}", config.node_rank)), b"")
             .map_err(lost)?;
@@ -107,6 +138,14 @@ impl Agent<'_> {
             while (store.add(&self.key(round, "joined"), 0).map_err(lost)? as usize) < config.nnodes
                 && Instant::now() < deadline
             {
+                if let Some(interrupted) = attempts.interrupted() {
+                    // The others learn it from the members they wait for.
+                    let _ = store.set(
+                        &members_key,
+                        format!("!node 0 was interrupted ({interrupted})").as_bytes(),
+                    );
+                    return Err(interrupted);
+                }
                 thread::sleep(CHECK);
             }
             let mut members = Vec::new();
@@ -134,10 +173,23 @@ impl Agent<'_> {
             };
             store.set(&members_key, published.as_bytes()).map_err(lost)?;
         }
-        let value = store
-            .get(&members_key, config.node_wait + config.node_timeout)
-            .map_err(lost)?;
-        let value = String::from_utf8_lossy(&value).into_owned();
+        let deadline = Instant::now() + config.node_wait + config.node_timeout;
+        let value = loop {
+            if let Some(value) = store.try_get(&members_key, Duration::ZERO).map_err(lost)? {
+                break String::from_utf8_lossy(&value).into_owned();
+            }
+            if let Some(interrupted) = attempts.interrupted() {
+                return Err(interrupted);
+            }
+            if Instant::now() >= deadline {
+                return Err(LaunchError::Agent(format!(
+                    "node 0 did not say which nodes make start {round} within --node-wait + --node-timeout ({:?}): \
+                     is node 0's burn-shard-run running with the same --master-addr and --master-port?",
+                    config.node_wait + config.node_timeout
+                )));
+            }
+            thread::sleep(CHECK);
+        };
         if let Some(problem) = value.strip_prefix('!') {
             return Err(LaunchError::Agent(problem.to_string()));
         }
@@ -170,21 +222,11 @@ impl Agent<'_> {
         let index = members.iter().position(|&n| n == self.config.node_rank).unwrap_or(0);
         let config = self.config.clone().with_nodes(members.len(), index);
         let mut watch = RoundWatch::new(self, round, members);
-        let launched = launch_with(&config, &attempts.env(), &mut || watch.check());
+        let launched = launch_with(&config, &attempts.env(), &mut || watch.check(), attempts.signals_before);
         let outcome = match launched {
             Ok(outcome) => outcome,
-            Err(error) => {
-                if !matches!(error, LaunchError::Stopped { .. } | LaunchError::Agent(_)) {
-                    let cause = format!("node {}: {error}", self.config.node_rank);
-                    let cause = match error.is_restartable() {
-                        true => cause,
-                        false => format!("{FINAL}{cause}"),
-                    };
-                    // Best effort: a store that is gone fails every node's next check anyway.
-                    let _ = self.publish(round, &cause, error.exit_code());
-                }
-                return Err(error);
-            }
+            Err(error @ (LaunchError::Stopped { .. } | LaunchError::Agent(_))) => return Err(error),
+            Err(error) => return Err(self.fail(round, error)),
         };
         self.client.add(&self.key(round, "done"), 1).map_err(lost)?;
         loop {
@@ -194,15 +236,33 @@ impl Agent<'_> {
             if let Some(error) = watch.check() {
                 return Err(error);
             }
+            if let Some(interrupted) = attempts.interrupted() {
+                return Err(self.fail(round, interrupted));
+            }
             thread::sleep(CHECK);
         }
     }
 
+    /// This node's `error` ended its part of `round`: publishes it (unless another node's
+    /// failure came first) and returns the round's failure as every node sees it, so that all
+    /// restart, or all end, alike.
+    fn fail(&self, round: usize, error: LaunchError) -> LaunchError {
+        let cause = format!("node {}: {error}", self.config.node_rank);
+        let published = self
+            .publish(round, &cause, error.exit_code(), error.is_restartable())
+            .and_then(|()| self.client.get(&self.key(round, "failure"), self.config.node_timeout));
+        match published {
+            Ok(failure) => stopped(&failure),
+            // The store is gone: this node's own error is all there is.
+            Err(_) => error,
+        }
+    }
+
     /// Publishes the round's failure, unless another launcher published one first.
-    fn publish(&self, round: usize, cause: &str, code: u8) -> Result<(), RendezvousError> {
+    fn publish(&self, round: usize, cause: &str, code: u8, restartable: bool) -> Result<(), RendezvousError> {
         if self.client.add(&self.key(round, "failures"), 1)? == 1 {
-            self.client
-                .set(&self.key(round, "failure"), format!("{code}\n{cause}").as_bytes())?;
+            let value = format!("{code}\n{}\n{cause}", u8::from(restartable));
+            self.client.set(&self.key(round, "failure"), value.as_bytes())?;
         }
         Ok(())
     }
@@ -271,7 +331,7 @@ impl<'a> RoundWatch<'a> {
                     "node {node}'s launcher stopped answering for {:.1} s (--node-timeout): the node is lost",
                     (now - *since).as_secs_f64()
                 );
-                agent.publish(self.round, &cause, 1)?;
+                agent.publish(self.round, &cause, 1, true)?;
                 let failure = store.get(&agent.key(self.round, "failure"), agent.config.node_timeout)?;
                 return Ok(Some(stopped(&failure)));
             }
@@ -280,23 +340,28 @@ impl<'a> RoundWatch<'a> {
     }
 }
 
-/// The error of a published failure (`code\ncause`).
+/// The error of a published failure (`code\nrestartable\ncause`).
 fn stopped(failure: &[u8]) -> LaunchError {
     let text = String::from_utf8_lossy(failure);
-    let (code, cause) = text.split_once('\n').unwrap_or(("1", &text));
+    let mut lines = text.splitn(3, '\n');
+    let (code, restartable, cause) = (lines.next(), lines.next(), lines.next());
     LaunchError::Stopped {
-        cause: cause.to_string(),
-        code: code.parse().unwrap_or(1),
+        cause: cause.unwrap_or(&text).to_string(),
+        code: code.and_then(|c| c.parse().ok()).unwrap_or(1),
+        restartable: restartable == Some("1"),
     }
 }
 
-/// The store could not be reached: node 0's launcher, which hosts it, is gone.
+/// A request to the launchers' store failed: usually node 0's launcher, which hosts it, is gone.
 fn lost(error: RendezvousError) -> LaunchError {
     LaunchError::Agent(format!(
-        "lost the launchers' store on node 0 ({error}): node 0's launcher is gone, and with it the job's \
+        "the launchers' store on node 0 failed ({error}): if node 0's launcher is gone, so is the job's \
          coordination; start the job again (it resumes from its newest checkpoint)"
     ))
 }
+
+/// The key where node 0 says which start is being formed or run.
+const CURRENT: &str = "burn-shard-agent/current";
 
 /// `0,1,3`.
 fn list(nodes: &[usize]) -> String {

@@ -242,6 +242,15 @@ impl LaunchConfig {
                 self.master_port
             ));
         }
+        if self.is_elastic() && self.node_timeout <= self.stop_grace + crate::launch::DRAIN_TIMEOUT {
+            return fail(format!(
+                "node_timeout {:?} must exceed stop_grace {:?} + {:?}: a node that stops its failed ranks sends no \
+                 heartbeat meanwhile, and would be taken for lost; raise --node-timeout or lower --stop-grace",
+                self.node_timeout,
+                self.stop_grace,
+                crate::launch::DRAIN_TIMEOUT
+            ));
+        }
         if self.supervise && (self.nnodes > 1 || self.nproc_per_node != 1) {
             return fail(
                 "--supervise starts one command that starts the ranks itself (mpirun): it takes no --nnodes \

@@ -67,6 +67,9 @@ pub enum LaunchError {
         cause: String,
         /// Its exit code, as [`LaunchError::exit_code`] of the node that saw it.
         code: u8,
+        /// Whether a new start could mend it ([`LaunchError::is_restartable`] of the error the
+        /// node saw): every node restarts, or ends, as the published failure says.
+        restartable: bool,
     },
     /// The launchers of an elastic job cannot agree on a start: fewer than the fewest nodes
     /// came, this node came after its start closed, or node 0's launcher (which hosts their
@@ -119,15 +122,11 @@ impl LaunchError {
     pub fn is_restartable(&self) -> bool {
         match self {
             LaunchError::RankFailed { .. } | LaunchError::CommandFailed { .. } | LaunchError::Watch { .. } => true,
-            LaunchError::Stopped { cause, .. } => !cause.starts_with(FINAL),
+            LaunchError::Stopped { restartable, .. } => *restartable,
             _ => false,
         }
     }
 }
-
-/// How a published failure that must not be restarted begins (an interrupted node, a program
-/// that cannot start): the other nodes stop rather than start again.
-pub(crate) const FINAL: &str = "final: ";
 
 fn later_failures(later: &[String]) -> String {
     match later.len() {

@@ -14,7 +14,7 @@ use burn_shard_rendezvous::{JOB_TOKEN, JOB_TOKEN_FILE, JobToken};
 const POLL: Duration = Duration::from_millis(20);
 /// How long to wait, once every rank has been reaped, for the output pipes to close (a process
 /// that left its rank's process group may still hold them).
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How one rank ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,7 +35,8 @@ pub struct LaunchOutcome {
     /// Every line the ranks wrote, in arrival order per stream, with
     /// [`OutputMode::Capture`](crate::OutputMode::Capture); empty with
     /// [`OutputMode::Prefix`](crate::OutputMode::Prefix). With restarts ([`run`](crate::run)),
-    /// every start's lines, in order.
+    /// the lines of the start that finished (a failed start's captured lines are not kept;
+    /// with `Prefix` every line is printed as it comes).
     pub output: Vec<OutputLine>,
     /// The job's world size in its last start (smaller than `nnodes·nproc_per_node` when an
     /// elastic job lost nodes).
@@ -93,18 +94,23 @@ pub(crate) type ExternalCheck<'a> = &'a mut dyn FnMut() -> Option<LaunchError>;
 ///   [`forward_termination_signals`](crate::forward_termination_signals));
 /// - [`LaunchError::Watch`] if the operating system cannot report a rank's state.
 pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
-    launch_with(config, &[], &mut || None)
+    // Counted from here, so a signal that arrives while the ranks are being started still stops them.
+    launch_with(config, &[], &mut || None, signals::count())
 }
 
-/// [`launch`] with `extra_env` set for every rank on top of its rank variables, and `external`
-/// asked every poll whether to stop (another node of an elastic job failed).
+/// [`launch`] with `extra_env` set for every rank on top of its rank variables, `external`
+/// asked every poll whether to stop (another node of an elastic job failed), and the
+/// termination signals counted from `signals_before` (the start of the whole job, so that one
+/// that arrives between two starts is not lost).
 pub(crate) fn launch_with(
     config: &LaunchConfig,
     extra_env: &[(&str, String)],
     external: ExternalCheck<'_>,
+    signals_before: usize,
 ) -> Result<LaunchOutcome, LaunchError> {
-    // Counted from here, so a signal that arrives while the ranks are being started still stops them.
-    let signals_before = signals::count();
+    if let Some(signal) = signals::received_since(signals_before) {
+        return Err(LaunchError::Interrupted { signal });
+    }
     config.validate()?;
     let token = match &config.token {
         Some(token) => token.clone(),

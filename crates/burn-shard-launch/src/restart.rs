@@ -3,7 +3,7 @@
 //! agree on each start through [`agent`](crate::agent).
 
 use crate::launch::launch_with;
-use crate::{LaunchConfig, LaunchError, LaunchOutcome, MAX_RESTARTS, OutputMode, RESTART_COUNT, agent};
+use crate::{LaunchConfig, LaunchError, LaunchOutcome, MAX_RESTARTS, OutputMode, RESTART_COUNT, agent, signals};
 
 /// Runs the job as [`launch`](crate::launch) does, and when it fails in a way a new start
 /// could mend (a rank exits non-zero or dies of a signal, here or on another node; a node is
@@ -36,18 +36,22 @@ pub fn run(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     let mut attempts = Attempts::new(config);
     loop {
         let env = attempts.env();
-        let result = launch_with(config, &env, &mut || None);
+        let result = launch_with(config, &env, &mut || None, attempts.signals_before);
         if let Some(outcome) = attempts.settle(result)? {
             return Ok(outcome);
         }
     }
 }
 
-/// The starts of one job so far: the failures that led to restarts, and every start's output.
+/// The starts of one job so far: the failures that led to restarts.
 pub(crate) struct Attempts<'a> {
     config: &'a LaunchConfig,
     failures: Vec<LaunchError>,
-    output: Vec<crate::OutputLine>,
+    /// Starts made before this launcher joined (a node that joined an elastic job late).
+    skipped: usize,
+    /// Termination signals counted before the job began: one that arrives at any point
+    /// (between two starts too) ends the job instead of a restart.
+    pub(crate) signals_before: usize,
 }
 
 impl<'a> Attempts<'a> {
@@ -55,13 +59,24 @@ impl<'a> Attempts<'a> {
         Self {
             config,
             failures: Vec::new(),
-            output: Vec::new(),
+            skipped: 0,
+            signals_before: signals::count(),
         }
     }
 
     /// The number of this start: 0 for the first, then one more per restart.
     pub(crate) fn count(&self) -> usize {
-        self.failures.len()
+        self.skipped + self.failures.len()
+    }
+
+    /// Counts this launcher's first start as the job's start `round` (it joined late).
+    pub(crate) fn join_at(&mut self, round: usize) {
+        self.skipped = round.saturating_sub(self.failures.len());
+    }
+
+    /// The termination signal received since the job began, as the error that ends it.
+    pub(crate) fn interrupted(&self) -> Option<LaunchError> {
+        signals::received_since(self.signals_before).map(|signal| LaunchError::Interrupted { signal })
     }
 
     /// The variables every rank of this start gets on top of its rank variables.
@@ -72,17 +87,20 @@ impl<'a> Attempts<'a> {
         ]
     }
 
-    /// Takes one start's result: `Ok(Some(outcome))` when the job finished (with every start's
-    /// output and the restarts' causes), `Ok(None)` when it should start again (the cause is
+    /// Takes one start's result: `Ok(Some(outcome))` when the job finished (with the restarts'
+    /// causes), `Ok(None)` when it should start again (the cause is
     /// logged), or the error that ends the job.
     pub(crate) fn settle(
         &mut self,
         result: Result<LaunchOutcome, LaunchError>,
     ) -> Result<Option<LaunchOutcome>, LaunchError> {
+        // A signal during the stop of a failed start, or since: no new start.
+        let result = match (result, self.interrupted()) {
+            (Err(e), Some(signal)) if e.is_restartable() => Err(signal),
+            (result, _) => result,
+        };
         match result {
             Ok(mut outcome) => {
-                self.output.append(&mut outcome.output);
-                outcome.output = std::mem::take(&mut self.output);
                 outcome.restarts = self.failures.iter().map(ToString::to_string).collect();
                 Ok(Some(outcome))
             }

@@ -281,7 +281,15 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
                     .save_checkpoint_async(model, &dir, &payload)
                     .map_err(|e| format!("saving the checkpoint of epoch {epoch} into {}: {e}", dir.display()))
             }
-            // One rank removes; a checkpoint already gone is what was asked.
+            // A checkpoint still being written completes first (every rank: settling is a
+            // collective, and every rank holds the same saves), or it would be renamed into
+            // place after the delete. Then one rank removes; one already gone is what was asked.
+            CheckpointingAction::Delete(old) if optim.checkpoints_in_flight().contains(&epoch_dir(root, old)) => {
+                optim
+                    .wait_for_checkpoint()
+                    .map_err(|e| format!("the checkpoint of epoch {old}, before deleting it: {e}"))?;
+                self.checkpoint(CheckpointingAction::Delete(old), model, optim, epoch, global_step)
+            }
             CheckpointingAction::Delete(old) if self.rank == 0 => match std::fs::remove_dir_all(epoch_dir(root, old)) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!(
                     "removing the checkpoint of epoch {old} from {}: {e}",

@@ -86,9 +86,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// background thread per rank writes the same files; training goes on meanwhile, and the
     /// steps that follow cannot change what is written (the copies are the checkpoint's own).
     /// With NVMe offload, what is on disk is not copied: the writer reads it from the swap and
-    /// shard files, and until it has, the steps write those slots and shards elsewhere in the
-    /// files (copy-on-write: each file grows by at most what the save still has to read, and
-    /// shrinks back into its free space after). The checkpoint is complete (`meta.json`,
+    /// shard files, and until it has written this rank's file, the steps write those slots and
+    /// shards elsewhere in the files (copy-on-write: each file grows by at most the state the
+    /// save reads, per save in flight; the space is reused by the steps after). The checkpoint
+    /// is complete (`meta.json`,
     /// `COMPLETE`, the rename) once every rank has written: rank 0 completes it at the first
     /// `step` that finds every writer done, or at [`ShardedOptimizer::wait_for_checkpoint`],
     /// which a run calls before it ends. The writers run no collective.

@@ -269,8 +269,10 @@ impl Swapper {
     /// instead leaves the swapper unchanged and the file its length. The file thus holds about
     /// twice the state at most.
     pub(crate) fn staging(&mut self) -> Staging {
-        // Between steps: nothing of an unfinished step is left in flight.
+        // Between steps: nothing of an unfinished step is left in flight, and the space of
+        // slots no save reads any more is free.
         let _ = self.finish();
+        self.reclaim();
         Staging {
             file: self.file.clone(),
             extents: Vec::new(),
