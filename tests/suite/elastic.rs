@@ -289,20 +289,29 @@ fn a_rank_killed_at_a_random_step_restarts_the_two_node_job_which_ends_as_if_uni
             outcome.restarts
         );
     }
-    let (world, start, state) = final_state(&dir);
-    assert_eq!(world, 4);
+    let start = assert_finished(&dir, 4, steps, started);
     assert_eq!(
         start,
         kill_step / EVERY * EVERY,
         "resumed from the newest checkpoint before the kill"
     );
+}
+
+/// The job in `dir` finished at `world` ranks with the uninterrupted run's state, bit for bit,
+/// within a minute of `started`, and left no rank running; returns the step its last start
+/// began at.
+fn assert_finished(dir: &Path, world: usize, steps: usize, started: Instant) -> usize {
+    let (world_seen, start, state) = final_state(dir);
+    assert_eq!(world_seen, world);
     assert_eq!(
         encode(&state),
         encode(&reference(steps)),
         "bitwise the uninterrupted run"
     );
+    // The node timeout (4 s) and node wait (4 s) at most, and the steps: well under a minute.
     assert!(started.elapsed() < 60 * SECOND, "{:?}", started.elapsed());
-    assert_no_rank_left(&dir);
+    assert_no_rank_left(dir);
+    start
 }
 
 /// Node 1 of [`a_lost_node_restarts_the_job_at_world_size_two`]: its launcher, in a process of
@@ -367,20 +376,11 @@ fn a_lost_node_restarts_the_job_at_world_size_two() {
         "{:?}",
         outcome.restarts
     );
-    let (world, start, state) = final_state(&dir);
-    assert_eq!(world, 2);
+    let start = assert_finished(&dir, 2, steps, started);
     assert!(
         start >= killed_after,
         "resumed from step {start}, the newest checkpoint was {killed_after}"
     );
-    assert_eq!(
-        encode(&state),
-        encode(&reference(steps)),
-        "bitwise the uninterrupted run"
-    );
-    // Node timeout (4 s) + node wait (4 s) + the steps: well under a minute.
-    assert!(started.elapsed() < 60 * SECOND, "{:?}", started.elapsed());
-    assert_no_rank_left(&dir);
 }
 
 #[test]
