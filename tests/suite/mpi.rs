@@ -760,6 +760,16 @@ fn a_killed_rank_restarts_the_mpi_job_which_ends_as_an_uninterrupted_run_from_it
     for pid in ranks {
         assert!(crate::job_fixtures::ended(pid), "rank pid {pid} is still running");
     }
+    // A save the kill interrupted left a `DIR.partial`, which the restarted job's saves
+    // removed; every checkpoint left is complete.
+    for entry in std::fs::read_dir(&run_dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(!name.ends_with(".partial"), "{name} was left behind");
+        if name.starts_with("step-") {
+            assert!(path.join("COMPLETE").exists(), "{name} is not complete");
+        }
+    }
 
     // The reference: plain mpirun, resumed from a copy of the same checkpoint, never killed.
     let reference_dir = dir.join("uninterrupted");
