@@ -85,6 +85,11 @@ pub struct Args {
     /// instead of 36Ψ): how a model larger than the disk's room for a checkpoint is measured.
     #[arg(long)]
     no_checkpoint: bool,
+    /// Also save a checkpoint in the background (`save_checkpoint_async`) before the last
+    /// step, so that the step runs while the writer reads the swap files: the disk then needs
+    /// 40Ψ bytes instead of 36Ψ (the state and shards the step writes beside the pinned ones).
+    #[arg(long, conflicts_with = "no_checkpoint")]
+    background_save: bool,
     #[arg(long, hide = true)]
     layers: Option<usize>,
 }
@@ -132,7 +137,11 @@ pub fn run(args: &Args) -> Result<(), String> {
     std::fs::create_dir_all(&args.swap_dir).map_err(|e| format!("{}: {e}", args.swap_dir.display()))?;
     // The swap file (8Ψ), the parameter shards twice (8Ψ); with the checkpoint (parameters and
     // state, 12Ψ) and the loaded state written past the live one (8Ψ more); the probe.
-    let per_param = if args.no_checkpoint { 16 } else { 36 };
+    let per_param = match (args.no_checkpoint, args.background_save) {
+        (true, _) => 16,
+        (false, false) => 36,
+        (false, true) => 40,
+    };
     let needed = (per_param * psi) as f64 + args.probe_gib * GIB;
     let free = free_bytes(&args.swap_dir)?;
     if free < needed * 1.05 {
@@ -294,10 +303,30 @@ struct CheckpointRun {
     load_peak_rss: u64,
     /// Resident bytes before the save: what the trained job holds anyway.
     rss_before: u64,
+    /// The background save before the last step, when asked for (`--background-save`).
+    #[serde(default)]
+    background: Option<BackgroundSave>,
+}
+
+/// A `save_checkpoint_async` before the last step, measured.
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, Copy)]
+struct BackgroundSave {
+    /// Seconds the call took (agreement and staging: what the training thread waits for).
+    call_s: f64,
+    /// Bytes it staged in memory (`checkpoint_staging_bytes`).
+    staged: usize,
+    /// Seconds of the last step, which ran while the writer worked, and of the step before.
+    step_s: f64,
+    plain_step_s: f64,
+    /// Seconds `wait_for_checkpoint` waited for the writer after the last step.
+    wait_s: f64,
+    /// Bytes of the checkpoint's files.
+    bytes: u64,
 }
 
 /// `steps` steps of `model` at stage 3 on one rank, with `config`; then, with `checkpoint`, a
-/// checkpoint saved there, loaded back and removed.
+/// checkpoint saved there, loaded back and removed; with its flag, first one saved in the
+/// background before the last step (beside it, removed after).
 #[allow(clippy::too_many_arguments)]
 fn train(
     corpus: &CharCorpus,
@@ -307,7 +336,7 @@ fn train(
     steps: usize,
     (batch, block, lr): (usize, usize, f64),
     mut after_init: impl FnMut(),
-    checkpoint: Option<&Path>,
+    checkpoint: Option<(&Path, bool)>,
 ) -> Result<Trained, String> {
     let comm = InProcessGroup::new(1)
         .map_err(|e| e.to_string())?
@@ -327,7 +356,25 @@ fn train(
         peak_rss: 0,
         checkpoint: None,
     };
+    let background_dir = checkpoint.and_then(|(dir, bg)| bg.then(|| dir.with_extension("background")));
+    let mut background = None;
     for step in 0..steps {
+        if let (Some(dir), true) = (&background_dir, step + 1 == steps) {
+            if dir.exists() {
+                std::fs::remove_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            }
+            let start = Instant::now();
+            optim
+                .save_checkpoint_async(&model, dir, &serde_json::json!({}))
+                .map_err(|e| e.to_string())?;
+            let call_s = start.elapsed().as_secs_f64();
+            let staged = optim.memory_report(&model).checkpoint_staging_bytes;
+            eprintln!(
+                "  background save started in {call_s:.2} s ({:.3} GB staged)",
+                staged as f64 / GB
+            );
+            background = Some((call_s, staged));
+        }
         let (x, y) = sample_batch(&corpus.train, batch, block, &mut rng, device);
         let start = Instant::now();
         let loss = model.loss(x, y);
@@ -347,6 +394,29 @@ fn train(
             status_bytes("VmRSS") as f64 / GIB
         );
     }
+    let background = match (background, &background_dir) {
+        (Some((call_s, staged)), Some(dir)) => {
+            let start = Instant::now();
+            optim.wait_for_checkpoint().map_err(|e| e.to_string())?;
+            let wait_s = start.elapsed().as_secs_f64();
+            let bytes = burn_shard::checkpoint::inspect(dir)
+                .map_err(|e| e.to_string())?
+                .bytes_per_rank()
+                .iter()
+                .sum();
+            std::fs::remove_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            eprintln!("  background save complete {wait_s:.1} s after the last step");
+            Some(BackgroundSave {
+                call_s,
+                staged,
+                step_s: out.step_s[steps - 1],
+                plain_step_s: out.step_s[steps - 2],
+                wait_s,
+                bytes,
+            })
+        }
+        _ => None,
+    };
     let r = optim.memory_report(&model);
     out.report = (
         r.parameters_bytes,
@@ -355,7 +425,7 @@ fn train(
         r.disk_bytes,
     );
     out.peak_rss = status_bytes("VmHWM");
-    if let Some(dir) = checkpoint {
+    if let Some((dir, _)) = checkpoint {
         let rss_before = status_bytes("VmRSS");
         // Linux: "5" resets the peak RSS (VmHWM) to the current RSS.
         let _ = std::fs::write("/proc/self/clear_refs", "5");
@@ -384,6 +454,7 @@ fn train(
             load_s,
             load_peak_rss,
             rss_before,
+            background,
         });
     }
     Ok(out)
@@ -473,7 +544,7 @@ fn big_run(args: &Args, corpus: &CharCorpus, layers: usize) -> Result<BigRun, St
         args.steps,
         shape,
         after_init,
-        (!args.no_checkpoint).then_some(checkpoint.as_path()),
+        (!args.no_checkpoint).then_some((checkpoint.as_path(), args.background_save)),
     )?;
     Ok(BigRun {
         params,
@@ -498,6 +569,7 @@ fn spawn_big(args: &Args, layers: usize) -> Result<BigRun, String> {
         .args(["--n-embd", &args.n_embd.to_string(), "--steps", &args.steps.to_string()])
         .args(["--batch", &args.batch.to_string(), "--block", &args.block.to_string()])
         .args(args.no_checkpoint.then_some("--no-checkpoint"))
+        .args(args.background_save.then_some("--background-save"))
         .arg("--swap-dir")
         .arg(&args.swap_dir)
         .stderr(std::process::Stdio::inherit())
@@ -615,6 +687,19 @@ fn print_table(
             c.save_s,
             state(c.save_peak_rss)
         );
+        if let Some(b) = &c.background {
+            println!(
+                "| background save before the last step (`save_checkpoint_async`: the writer reads the swap files while the step runs) | \
+                 {:.1} GB; the call took {:.2} s ({:.3} GB staged in memory); the last step {:.1} s against {:.1} s for the step before; \
+                 then {:.1} s of waiting for the writer |",
+                b.bytes as f64 / GB,
+                b.call_s,
+                b.staged as f64 / GB,
+                b.step_s,
+                b.plain_step_s,
+                b.wait_s
+            );
+        }
         println!(
             "| checkpoint load into the same optimizer (state and shards written to the swap files a piece at a time) | {:.1} s, {} |",
             c.load_s,

@@ -100,6 +100,10 @@ impl PieceReader {
     /// # Errors
     /// [`ShardError::Nvme`] when the shard file cannot be read.
     pub(crate) fn read(&self) -> Result<TensorData, ShardError> {
-        Ok(self.value.read()?.narrow(0, self.start, self.len).into_data())
+        Ok(self
+            .value
+            .read_for_checkpoint()?
+            .narrow(0, self.start, self.len)
+            .into_data())
     }
 }

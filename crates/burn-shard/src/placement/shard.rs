@@ -36,6 +36,17 @@ impl Shard {
         }
     }
 
+    /// [`Shard::read`] for a checkpoint: a read from disk is not counted in the step's I/O.
+    ///
+    /// # Errors
+    /// As [`StoredShard::read`].
+    pub(crate) fn read_for_checkpoint(&self) -> Result<Tensor<1>, ShardError> {
+        match self {
+            Shard::Held(shard) => Ok(shard.clone()),
+            Shard::Stored(stored) => stored.read_for_checkpoint(),
+        }
+    }
+
     /// Starts reading the values, to be waited for now (on the store's I/O threads when
     /// stored; see [`StoredShard::start_read`]).
     pub(crate) fn start_read(&self) -> ShardRead {

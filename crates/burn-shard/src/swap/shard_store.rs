@@ -284,6 +284,12 @@ impl ShardRead {
     /// [`ShardError::Nvme`] naming the file when it was truncated or a read failed, or the
     /// bytes read back differ from those written (CRC-32).
     pub(crate) fn wait(self) -> Result<Tensor<1>, ShardError> {
+        self.finish(true)
+    }
+
+    /// [`ShardRead::wait`], counted in the store's I/O bytes or not (a checkpoint's reads are
+    /// not the step's).
+    fn finish(self, counted: bool) -> Result<Tensor<1>, ShardError> {
         let (shard, pending, ahead) = match self {
             ShardRead::Ready(values) => return Ok(values),
             ShardRead::Reading { shard, pending, ahead } => (shard, pending, ahead),
@@ -302,6 +308,9 @@ impl ShardRead {
                 ),
                 fix: "check the disk (dmesg); the parameters on disk are lost: resume from the last checkpoint".into(),
             });
+        }
+        if !counted {
+            return Ok(shard.tensor(bytes));
         }
         shard.store.read.fetch_add(shard.bytes as u64, Ordering::Relaxed);
         if !ahead {
@@ -341,6 +350,15 @@ impl StoredShard {
     /// As [`ShardRead::wait`].
     pub(crate) fn read(self: &Arc<Self>) -> Result<Tensor<1>, ShardError> {
         self.start_read(false).wait()
+    }
+
+    /// [`StoredShard::read`] for a checkpoint (its writer, a fingerprint): not counted in the
+    /// store's I/O bytes, which are the steps'.
+    ///
+    /// # Errors
+    /// As [`ShardRead::wait`].
+    pub(crate) fn read_for_checkpoint(self: &Arc<Self>) -> Result<Tensor<1>, ShardError> {
+        self.start_read(false).finish(false)
     }
 
     /// Elements of the shard (`chunk`).
