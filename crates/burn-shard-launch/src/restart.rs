@@ -88,8 +88,8 @@ impl<'a> Attempts<'a> {
     }
 
     /// Takes one start's result: `Ok(Some(outcome))` when the job finished (with the restarts'
-    /// causes), `Ok(None)` when it should start again (the cause is
-    /// logged), or the error that ends the job.
+    /// causes), `Ok(None)` when it should start again (the cause is logged), or the error that
+    /// ends the job.
     pub(crate) fn settle(
         &mut self,
         result: Result<LaunchOutcome, LaunchError>,

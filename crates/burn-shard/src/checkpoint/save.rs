@@ -89,10 +89,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// shard files, and until it has written this rank's file, the steps write those slots and
     /// shards elsewhere in the files (copy-on-write: each file grows by at most the state the
     /// save reads, per save in flight; the space is reused by the steps after). The checkpoint
-    /// is complete (`meta.json`,
-    /// `COMPLETE`, the rename) once every rank has written: rank 0 completes it at the first
-    /// `step` that finds every writer done, or at [`ShardedOptimizer::wait_for_checkpoint`],
-    /// which a run calls before it ends. The writers run no collective.
+    /// is complete (`meta.json`, `COMPLETE`, the rename) once every rank has written: rank 0
+    /// completes it at the first `step` that finds every writer done, or at
+    /// [`ShardedOptimizer::wait_for_checkpoint`], which a run calls before it ends. The writers
+    /// run no collective.
     ///
     /// One save is in flight at a time (more with `ShardConfig::with_saves_in_flight`, each
     /// holding its own staged copy): the next save first waits for the oldest one and returns

@@ -29,10 +29,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// [`CheckpointError::PeerFailed`]: crate::checkpoint::CheckpointError::PeerFailed
     pub fn wait_for_checkpoint(&self) -> Result<(), ShardError> {
         self.settle_save_keeping_failure(true)?;
-        match lock(&self.failed_save).take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        self.report_kept_failure()
     }
 
     /// The directory of the oldest checkpoint being written in the background, if any: `None`
@@ -65,10 +62,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 self.keep_failure(e)?;
             }
         }
-        match lock(&self.failed_save).take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        self.report_kept_failure()
     }
 
     /// Settles the saves in flight, oldest first: with `wait`, each after waiting for this
@@ -81,7 +75,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// A save's outcome, as [`ShardedOptimizer::wait_for_checkpoint`] describes; the saves
     /// after it stay in flight.
-    pub(crate) fn settle_save(&self, wait: bool) -> Result<(), ShardError> {
+    fn settle_save(&self, wait: bool) -> Result<(), ShardError> {
         loop {
             let Some(written) = lock(&self.in_flight).front().map(SaveInFlight::written) else {
                 return Ok(());
@@ -122,6 +116,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             self.keep_failure(e)?;
         }
         Ok(())
+    }
+
+    /// The first background save failure kept since the last report, returned once.
+    fn report_kept_failure(&self) -> Result<(), ShardError> {
+        match lock(&self.failed_save).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Logs a background save's failure on this rank and keeps the first for the next report;
