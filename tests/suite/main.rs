@@ -21,6 +21,7 @@ mod fused_adam_wgpu;
 mod gpu;
 mod gpu_bundle;
 mod grouped_collectives;
+mod hsdp;
 mod job_fixtures;
 mod launcher;
 mod launcher_killed;

@@ -373,17 +373,41 @@ fn sweep(name: &str) {
 /// autodiff device), against single-device training on the CPU: parameters within `tolerance`,
 /// running statistics within a tenth of it. The GPU suite runs it on CUDA.
 pub(crate) fn sweep_on(name: &str, rank_device: &Device, world_sizes: impl IntoIterator<Item = usize>, tolerance: f32) {
+    let runs = STAGES
+        .into_iter()
+        .flat_map(|s| [(ShardConfig::new(s), true), (ShardConfig::new(s), false)]);
+    sweep_configs(name, rank_device, world_sizes, tolerance, &runs.collect::<Vec<_>>());
+}
+
+/// The sweep of `name` on the CPU at `world_size` with the configurations `config_of` gives for
+/// `stages` (hybrid sharding's mesh), each rank with its own running-state buffers.
+pub(crate) fn sweep_with(name: &str, config_of: impl Fn(Stage) -> ShardConfig, stages: &[Stage], world_size: usize) {
+    let runs: Vec<_> = stages.iter().map(|&s| (config_of(s), false)).collect();
+    sweep_configs(name, &Device::flex().autodiff(), [world_size], 1e-4, &runs);
+}
+
+/// [`sweep_on`] with each `(config, shared_buffers)` of `runs` at every world size.
+fn sweep_configs(
+    name: &str,
+    rank_device: &Device,
+    world_sizes: impl IntoIterator<Item = usize>,
+    tolerance: f32,
+    runs: &[(ShardConfig, bool)],
+) {
     let device = Device::flex().autodiff();
     device.seed(3);
     let base = Layer::new(name, &device);
     let expected_num_params = base.num_params();
     for world_size in world_sizes {
         let (ref_params, ref_stats) = reference(&base, world_size);
-        for (stage, shared_buffers) in STAGES.into_iter().flat_map(|s| [(s, true), (s, false)]) {
-            let ranks = sharded(&base, rank_device, world_size, &ShardConfig::new(stage), shared_buffers);
+        for (config, shared_buffers) in runs {
+            let (stage, shared_buffers) = (config.stage, *shared_buffers);
+            let ranks = sharded(&base, rank_device, world_size, config, shared_buffers);
             for (rank, r) in ranks.iter().enumerate() {
                 let at = format!(
-                    "{name} on {rank_device:?}, stage {stage}, world size {world_size}, rank {rank}, buffers shared: {shared_buffers}"
+                    "{name} on {rank_device:?}, stage {stage}, world size {world_size}, {} replicas, rank {rank}, buffers \
+                     shared: {shared_buffers}",
+                    config.replicas
                 );
                 assert_eq!(
                     r.num_params, expected_num_params,

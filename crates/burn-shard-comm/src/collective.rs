@@ -153,6 +153,23 @@ pub trait Collective: Send + Sync {
     /// [`CommError::Aborted`] carrying `reason`. Called when a rank fails on its own, so the
     /// others do not wait for it until the timeout.
     fn abort(&self, reason: &str);
+
+    /// Splits the group into disjoint sub-groups, as `MPI_Comm_split` and `ncclCommSplit` do:
+    /// the ranks that pass the same `color` form one group, numbered by `key` (ties broken by
+    /// rank in this group). A collective over this group: every rank calls it once, at the
+    /// same point of its sequence of calls. The sub-group has its own call sequence, statistics
+    /// and abort state; it keeps this group's timeout and error behaviour. To abort the
+    /// sub-groups of a rank together, see [`crate::Mesh`].
+    ///
+    /// # Errors
+    /// [`CommError::Unsupported`] (the default) where the backend cannot split; the backend's
+    /// errors of a collective.
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>, CommError> {
+        let _ = (color, key);
+        Err(CommError::Unsupported(
+            "splitting a group into sub-groups (hybrid sharding needs it); the in-process and MPI backends can".into(),
+        ))
+    }
 }
 
 /// A shared handle is the same rank of the same group: one rank can hand its collective to
@@ -225,5 +242,9 @@ impl<C: Collective + ?Sized> Collective for std::sync::Arc<C> {
 
     fn abort(&self, reason: &str) {
         (**self).abort(reason)
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>, CommError> {
+        (**self).split(color, key)
     }
 }

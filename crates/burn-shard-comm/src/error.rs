@@ -109,6 +109,14 @@ pub enum CommError {
     /// The world size is not usable.
     #[error("world_size must be at least 1, got {0}")]
     InvalidWorldSize(usize),
+    /// A 2-D mesh (replica groups of shard groups) that does not fit the world, or that the
+    /// ranks do not agree on; the message names the fix.
+    #[error("invalid mesh: {0}")]
+    InvalidMesh(String),
+    /// The backend cannot do what was asked (split its group into sub-groups); the message names
+    /// the backends that can.
+    #[error("not supported by this collective backend: {0}")]
+    Unsupported(String),
     /// A launcher environment variable (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
     /// `MASTER_ADDR`, `MASTER_PORT`, `BURN_SHARD_JOB_TOKEN`, `BURN_SHARD_JOB_TOKEN_FILE`) is
     /// missing or malformed.

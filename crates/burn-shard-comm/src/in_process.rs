@@ -8,6 +8,7 @@
 //! error aborts the group, and every rank blocked in a collective returns within one poll
 //! interval (10 ms).
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -91,6 +92,7 @@ impl InProcessGroup {
                         seq: AtomicU64::new(0),
                         shared: shared.clone(),
                         stats: StatsCounter::default(),
+                        splits: AtomicU64::new(0),
                     }),
                     thread: CommThread::new(format!("burn-shard-comm-rank-{rank}")),
                 }
@@ -99,10 +101,16 @@ impl InProcessGroup {
     }
 }
 
+/// The handles of a sub-group its members have not taken yet (index = rank in the sub-group).
+type Untaken = Vec<Option<InProcessComm>>;
+
 #[derive(Default, Debug)]
 struct Shared {
     aborted: AtomicBool,
     reason: Mutex<Option<String>>,
+    /// Sub-groups being handed out by [`Collective::split`], by (split number, color): the
+    /// handles not yet taken by their rank. The first member to arrive builds the sub-group.
+    splits: Mutex<HashMap<(u64, usize), Untaken>>,
 }
 
 impl Shared {
@@ -112,6 +120,24 @@ impl Shared {
             *slot = Some(reason);
         }
         self.aborted.store(true, Ordering::SeqCst);
+    }
+
+    /// This rank's handle of sub-group `color` of split number `split`: built by the first of
+    /// its `size` members to arrive (with `timeout`), taken by each member once.
+    fn take_split(&self, split: u64, color: usize, size: usize, rank: usize, timeout: Duration) -> InProcessComm {
+        let mut splits = self.splits.lock().unwrap_or_else(|p| p.into_inner());
+        let handles = splits.entry((split, color)).or_insert_with(|| {
+            let group = InProcessGroup {
+                world_size: size,
+                timeout,
+            };
+            group.into_comms().into_iter().map(Some).collect()
+        });
+        let comm = handles[rank].take().expect("each member takes its handle once");
+        if handles.iter().all(Option::is_none) {
+            splits.remove(&(split, color));
+        }
+        comm
     }
 
     fn check(&self) -> Result<(), CommError> {
@@ -151,6 +177,8 @@ struct Endpoint {
     seq: AtomicU64,
     shared: Arc<Shared>,
     stats: StatsCounter,
+    /// Splits made so far (the same on every rank: `split` is a collective).
+    splits: AtomicU64,
 }
 
 impl fmt::Debug for InProcessComm {
@@ -442,5 +470,17 @@ impl Collective for InProcessComm {
 
     fn abort(&self, reason: &str) {
         self.end.shared.abort(reason.to_string());
+    }
+
+    /// A new in-process group per color, built by the first of its members to get here; the
+    /// members learn each other through one all-gather of this group.
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>, CommError> {
+        let plan = crate::split::plan(self, color, key)?;
+        let split = self.end.splits.fetch_add(1, Ordering::SeqCst);
+        let comm = self
+            .end
+            .shared
+            .take_split(split, color, plan.members.len(), plan.rank, self.end.timeout);
+        Ok(Box::new(comm))
     }
 }

@@ -25,11 +25,13 @@ mod error;
 mod host;
 mod in_process;
 mod launch;
+mod mesh;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
 #[cfg(feature = "cuda")]
 mod nccl;
 mod ring;
+mod split;
 mod stats;
 mod work;
 
@@ -41,6 +43,7 @@ pub use collective::{Collective, ReduceOp};
 pub use error::CommError;
 pub use in_process::{InProcessComm, InProcessGroup};
 pub use launch::{RankFailure, run_ranks};
+pub use mesh::{Mesh, MeshLayout};
 pub use stats::{CollectiveKind, CommStats, OpStats};
 pub use work::Work;
 

@@ -21,9 +21,14 @@ use crate::CommError;
 ///
 /// Dropping a `Work` without waiting lets the call finish on its own (the other ranks expect
 /// it); its result is discarded.
+/// What [`Work::on_error`] runs.
+type OnError = Box<dyn FnOnce(&CommError) + Send>;
+
 #[must_use = "a started collective returns its result through wait()"]
 pub struct Work<T> {
     state: State<T>,
+    /// Called with the call's error when [`Work::wait`] returns one (see [`Work::on_error`]).
+    on_error: Option<OnError>,
 }
 
 enum State<T> {
@@ -40,7 +45,16 @@ impl<T> Work<T> {
     pub fn done(result: Result<T, CommError>) -> Self {
         Self {
             state: State::Done(result),
+            on_error: None,
         }
+    }
+
+    /// Runs `f` with the call's error when [`Work::wait`] returns one, before returning it (a
+    /// wrapper that aborts related groups on any failure, see [`crate::Mesh`]). Replaces an
+    /// earlier `on_error`.
+    pub fn on_error(mut self, f: impl FnOnce(&CommError) + Send + 'static) -> Self {
+        self.on_error = Some(Box::new(f));
+        self
     }
 
     /// Blocks until the call has completed and returns its result. The time spent blocked here
@@ -49,7 +63,7 @@ impl<T> Work<T> {
     /// # Errors
     /// The call's own error, or [`CommError::Aborted`] when the communication thread is gone.
     pub fn wait(self) -> Result<T, CommError> {
-        match self.state {
+        let out = match self.state {
             State::Done(result) => result,
             State::Pending { rx, timing } => {
                 let start = Instant::now();
@@ -59,7 +73,11 @@ impl<T> Work<T> {
                 timing.add_exposed(start.elapsed());
                 out
             }
+        };
+        if let (Err(e), Some(f)) = (&out, self.on_error) {
+            f(e);
         }
+        out
     }
 
     /// Waits for every started call of `works` (`None`: nothing started there), also after one
@@ -220,6 +238,7 @@ impl CommThread {
                 rx: done_rx,
                 timing: self.timing.clone(),
             },
+            on_error: None,
         }
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::grad_clipping::GradientClipping;
 use burn::tensor::{DType, Device, Tensor};
-use burn_shard_comm::Collective;
+use burn_shard_comm::{Collective, Mesh, MeshLayout};
 
 use crate::error::ShardError;
 use crate::hooks::bucket_hook::AttachHooks;
@@ -120,6 +120,15 @@ pub struct ShardConfig {
     /// [`ShardConfig::with_saves_in_flight`].
     #[serde(default = "defaults::one")]
     pub saves_in_flight: usize,
+    /// Hybrid sharding (HSDP): the world's ranks form `replicas` shard groups of
+    /// `world_size / replicas` ranks; the state is sharded within a group and replicated across
+    /// the groups (default 1: one group of every rank). See [`ShardConfig::with_replicas`].
+    #[serde(default = "defaults::one")]
+    pub replicas: usize,
+    /// With `replicas > 1`: which ranks form a shard group (default
+    /// [`MeshLayout::Consecutive`]: consecutive ranks, those of one node).
+    #[serde(default)]
+    pub mesh_layout: MeshLayout,
 }
 
 impl burn::config::Config for ShardConfig {}
@@ -209,6 +218,8 @@ impl ShardConfig {
             nvme_offload_params: None,
             frozen_entries: FrozenEntries::Saved,
             saves_in_flight: 1,
+            replicas: 1,
+            mesh_layout: MeshLayout::Consecutive,
         }
     }
 
@@ -383,6 +394,44 @@ impl ShardConfig {
         self
     }
 
+    /// Hybrid sharding (HSDP; PyTorch FSDP2's 2-D `DeviceMesh` `(replicate, shard)`, DeepSpeed's
+    /// MiCS): the `world_size` ranks form `replicas` shard groups of `shard_size = world_size /
+    /// replicas` ranks ([`ShardConfig::with_mesh_layout`] says which). At stages 1-3 the
+    /// optimizer state, gradients (2-3) and parameters (3) are sharded over the `shard_size`
+    /// ranks of a group, as a flat run of `shard_size` ranks shards them, and each group holds
+    /// a whole copy. A step reduces the gradients within the group (all-reduce or
+    /// reduce-scatter, inside backward as before), then all-reduces this rank's gradient shard
+    /// (`Ψ / shard_size` elements) with the same shard of the other groups, once per step (not
+    /// per micro-batch given to `accumulate`); the update's all-gather and stage 3's gathers stay
+    /// in the group. With the groups on nodes, only that all-reduce crosses nodes.
+    ///
+    /// The numbers are those of a flat run of `world_size` ranks (the mean gradient over every
+    /// rank): the global norm for clipping and the loss scaler's overflow check are taken over
+    /// the shard group once, on gradients the replicas already share, not summed over them.
+    /// Checkpoints are written by the ranks of shard group 0 alone and equal those of a flat run
+    /// of `shard_size` ranks, so they resume at any world size, stage and mesh. The collective
+    /// passed to `init` is the world's; the backend must be able to split it
+    /// ([`Collective::split`]: in-process, MPI). `replicas = 1` is the flat run; `replicas =
+    /// world_size` is DDP across the ranks with each rank's state whole.
+    ///
+    /// # Errors
+    /// At `init`, on every rank: [`ShardError::InvalidConfig`] when `replicas` is 0 or does not
+    /// divide the world size, or with `replicas > 1` at stage 0 (DDP has nothing to shard; use
+    /// stage 0 alone); [`ShardError::Comm`] when the ranks pass different meshes or the backend
+    /// cannot split.
+    pub fn with_replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// With [`ShardConfig::with_replicas`]: which ranks form a shard group (default
+    /// [`MeshLayout::Consecutive`]: ranks `g·S .. (g+1)·S`, the ranks one node runs when the
+    /// launcher places `S` per node).
+    pub fn with_mesh_layout(mut self, layout: MeshLayout) -> Self {
+        self.mesh_layout = layout;
+        self
+    }
+
     /// Sets the maximum number of elements per bucket.
     pub fn with_bucket_numel(mut self, bucket_numel: usize) -> Self {
         self.bucket_numel = bucket_numel;
@@ -479,21 +528,51 @@ impl ShardConfig {
         optim: O,
         comm: C,
     ) -> Result<(M, ShardedOptimizer<O::Optimizer>), ShardError> {
-        let comm: Arc<dyn Collective> = Arc::new(comm);
+        let world: Arc<dyn Collective> = Arc::new(comm);
         let base = Base {
             frozen: self.frozen_entries,
             origin: pretrained.as_ref().map(|p| p.origin.clone()),
         };
-        let result = optim.grad_clipping().and_then(|clipping| {
+        let mesh = self.mesh(world.clone());
+        // With a mesh, aborting its world aborts the rank's sub-groups too.
+        let abort = match &mesh {
+            Ok(Some(mesh)) => mesh.world().clone(),
+            _ => world.clone(),
+        };
+        let result = mesh.and_then(|mesh| {
+            let clipping = optim.grad_clipping()?;
             let optim = optim.into_optimizer()?;
-            self.init_with(model, pretrained, optim, clipping, comm.clone())
+            let comm = mesh.as_ref().map_or(world, |mesh| mesh.shard().clone());
+            self.init_with(model, pretrained, optim, clipping, comm, mesh)
                 .map(|(model, optim)| (model, optim.with_base(base).with_saves_in_flight(self.saves_in_flight)))
         });
         if let Err(e) = &result {
             // A rank that fails alone (bad model) must not leave the others waiting.
-            comm.abort(&format!("rank {} failed in ShardConfig::init: {e}", comm.rank()));
+            abort.abort(&format!("rank {} failed in ShardConfig::init: {e}", abort.rank()));
         }
         result
+    }
+
+    /// The mesh of [`ShardConfig::with_replicas`] over `world`, `None` for a flat run.
+    ///
+    /// # Errors
+    /// As `with_replicas`.
+    fn mesh(&self, world: Arc<dyn Collective>) -> Result<Option<Arc<Mesh>>, ShardError> {
+        let (replicas, world_size) = (self.replicas, world.world_size());
+        if replicas == 0 || world_size % replicas != 0 {
+            return Err(ShardError::InvalidConfig(format!(
+                "with_replicas({replicas}) does not divide world_size {world_size}: the ranks form replicas ×                  shard_size = world_size, so pass a divisor of {world_size} (1 for no replication)"
+            )));
+        }
+        if replicas == 1 {
+            return Ok(None);
+        }
+        if self.stage == Stage::Zero {
+            return Err(ShardError::InvalidConfig(format!(
+                "with_replicas({replicas}) at stage 0: stage 0 (DDP) shards nothing, so every rank already holds a                  replica; drop with_replicas, or shard within groups at stage 1, 2 or 3"
+            )));
+        }
+        Ok(Some(Arc::new(Mesh::new(world, replicas, self.mesh_layout)?)))
     }
 
     fn init_with<M: Module, O: MasterWeightStep>(
@@ -503,7 +582,11 @@ impl ShardConfig {
         optim: O,
         clipping: Option<GradientClipping>,
         comm: Arc<dyn Collective>,
+        mesh: Option<Arc<Mesh>>,
     ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
+        // `comm` is where the state is sharded (the shard group of a mesh); the world agrees on
+        // the layout and starts from one rank's values, and names the files of each rank.
+        let world = mesh.as_ref().map_or(comm.clone(), |mesh| mesh.world().clone());
         if self.saves_in_flight == 0 {
             return Err(ShardError::InvalidConfig(
                 "saves_in_flight is 0: a background save needs room for itself; pass at least 1 to \
@@ -535,7 +618,7 @@ impl ShardConfig {
         let device = compute_device(&model, &everything)?;
         // Parameter offload first: its refusal of a host model names the fix for the whole
         // combination (the optimizer's own refusal would only say to drop `Offload`).
-        let param_home = self.param_home::<O>(&device, comm.rank())?;
+        let param_home = self.param_home::<O>(&device, world.rank())?;
         optim.check_device(&device)?;
         if self.stage == Stage::Three {
             crate::backend::check_stage3_device(&device)?;
@@ -549,7 +632,7 @@ impl ShardConfig {
             swap: self
                 .nvme_offload
                 .as_ref()
-                .map(|nvme| Swapper::new(nvme, comm.rank(), O::state_device(&device)))
+                .map(|nvme| Swapper::new(nvme, world.rank(), O::state_device(&device)))
                 .transpose()?,
             stores_shards: param_home.as_ref().is_some_and(|home| home.store.is_some()),
         };
@@ -564,15 +647,18 @@ impl ShardConfig {
             ^ ((self.frozen_entries == FrozenEntries::Fingerprinted) as u64).rotate_left(4)
             // And on how many saves may be in flight (settling them is a collective).
             ^ (self.saves_in_flight as u64).rotate_left(5);
-        check_same_layout(comm.as_ref(), fingerprint, &device)?;
+        check_same_layout(world.as_ref(), fingerprint, &device)?;
         let buffers = Buffers::of(&census);
-        let root = RootValues::new(comm.clone(), &model, &census, pretrained)?;
+        let root = RootValues::new(world.clone(), &model, &census, pretrained)?;
         let plan = match self.stage {
             Stage::Zero => StagePlan::Zero,
             Stage::One => StagePlan::One,
             Stage::Two => StagePlan::Two,
             // Entry by entry: each is synced and sharded before the next exists.
-            Stage::Three => return self.shard_parameters(model, optim, options, root, census, buffers, param_home),
+            Stage::Three => {
+                let optim = self.shard_parameters(model, optim, options, root, comm, census, buffers, param_home)?;
+                return Ok((optim.0, optim.1.with_mesh(mesh)));
+            }
         };
         let mut sync = SyncEntries { census: &census, root };
         let model = model.map(&mut sync);
@@ -591,8 +677,9 @@ impl ShardConfig {
             }
             _ => (model, None),
         };
-        let optim =
-            ShardedOptimizer::new(optim, comm, layout, plan, census, buffers, options).with_bucket_reducer(reducer);
+        let optim = ShardedOptimizer::new(optim, comm, layout, plan, census, buffers, options)
+            .with_bucket_reducer(reducer)
+            .with_mesh(mesh);
         Ok((model, optim))
     }
 
@@ -672,11 +759,11 @@ impl ShardConfig {
         optim: O,
         options: StepOptions,
         root: RootValues,
+        comm: Arc<dyn Collective>,
         census: Census,
         buffers: Buffers,
         param_home: Option<ParamHome>,
     ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
-        let comm = root.comm().clone();
         let ctx = FsdpContext::new(comm.clone(), self.reshard_after_forward, param_home);
         let mut sharder = Sharder {
             ctx: ctx.clone(),

@@ -79,4 +79,5 @@ pub use step::optimizer::ShardedOptimizer;
 pub use swap::config::NvmeOffload;
 
 pub use burn_shard_comm as comm;
+pub use burn_shard_comm::{Mesh, MeshLayout};
 pub use burn_shard_kernels as kernels;

@@ -23,19 +23,20 @@ impl MpiComm {
         }
     }
 
-    /// Sends `reason` to every other rank's control communicator. Never blocks: the sends are
-    /// not waited for (a peer may have failed too), and their buffers are never freed.
+    /// Sends `reason` to every other process of the job on the control communicator (the
+    /// job's, also for a sub-group: see [`State::control`]). Never blocks: the sends are not
+    /// waited for (a peer may have failed too), and their buffers are never freed.
     pub(super) fn send_notices(&self, state: &State, reason: &str) {
-        for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+        let (me, processes) = (state.control.rank(), state.control.size());
+        for peer in (0..processes).filter(|&p| p != me) {
             let notice = Pinned::new(reason.as_bytes().to_vec());
             // SAFETY: the notice is never taken back, so it stays allocated for as long as
             // MPI may send it; the forgotten request only leaks MPI's bookkeeping of it.
             let request = unsafe {
-                state.control.process_at_rank(peer as i32).immediate_send_with_tag(
-                    StaticScope,
-                    notice.as_static(),
-                    ABORT_TAG,
-                )
+                state
+                    .control
+                    .process_at_rank(peer)
+                    .immediate_send_with_tag(StaticScope, notice.as_static(), ABORT_TAG)
             };
             std::mem::forget(request);
         }

@@ -5,7 +5,7 @@
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use ::mpi::topology::SimpleCommunicator;
@@ -49,8 +49,9 @@ pub struct MpiComm {
 pub(super) struct State {
     /// Collectives and their signatures.
     pub(super) data: SimpleCommunicator,
-    /// Abort notices, so they never match a collective's messages.
-    pub(super) control: SimpleCommunicator,
+    /// Abort notices, so they never match a collective's messages. The job's: shared by every
+    /// sub-group split from it, so a notice reaches every process whichever group it waits in.
+    pub(super) control: Arc<SimpleCommunicator>,
     /// Calls made so far (the signature's call number).
     pub(super) seq: u64,
     /// A call was abandoned in flight: MPI may still use leaked buffers.
@@ -110,7 +111,8 @@ impl Drop for MpiComm {
             // error: leave the handles to the process's end.
             return;
         }
-        // SAFETY: `state` is not used again (this is drop); it frees the two communicators.
+        // SAFETY: `state` is not used again (this is drop); it frees the collectives' communicator
+        // and this handle of the shared control communicator (freed with its last handle).
         unsafe { ManuallyDrop::drop(state) };
     }
 }

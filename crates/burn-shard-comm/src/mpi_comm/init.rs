@@ -67,7 +67,10 @@ impl MpiComm {
             timeout: MPI_DEFAULT_TIMEOUT,
             state: Mutex::new(ManuallyDrop::new(State {
                 data: world.duplicate(),
-                control: world.duplicate(),
+                // Shared with the sub-groups split from this world; used, cloned and dropped
+                // only under the process-wide MPI lock (see `State`).
+                #[allow(clippy::arc_with_non_send_sync)]
+                control: std::sync::Arc::new(world.duplicate()),
                 seq: 0,
                 abandoned: false,
             })),

@@ -28,7 +28,7 @@
 //! `process.rs` (the process-wide lock, finalisation at exit, `mpirun` detection), `calls.rs`
 //! (one collective, and the MPI calls it is made of), `signature.rs` (the check that all ranks
 //! call the same thing), `wait.rs` (polling a pending call), `abort.rs` (abort notices),
-//! `pinned.rs` (buffers MPI holds), `group.rs` (the `*_many` calls); this file wires them into
+//! `pinned.rs` (buffers MPI holds), `group.rs` (the `*_many` calls), `split.rs` (sub-groups); this file wires them into
 //! [`Collective`].
 
 mod abort;
@@ -39,6 +39,7 @@ mod init;
 mod pinned;
 mod process;
 mod signature;
+mod split;
 mod wait;
 
 use ::mpi::request::StaticScope;
@@ -209,5 +210,11 @@ impl Collective for MpiComm {
     /// calls then return [`CommError::Aborted`] (within one poll of a pending call).
     fn abort(&self, reason: &str) {
         self.abort_group(reason);
+    }
+
+    /// `MPI_Comm_split` of the collectives' communicator (see `split.rs`).
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>, CommError> {
+        self.split_group(color, key)
+            .map(|comm| Box::new(comm) as Box<dyn Collective>)
     }
 }

@@ -136,7 +136,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// (see [`ShardedOptimizer::save_checkpoint`]): after a load, the complete checkpoints of
     /// `root` that sort after the loaded one and are not of its history move into
     /// `root/abandoned-<run id>/`; nothing for a fresh run. A collective: rank 0 moves, every
-    /// rank returns the same new paths (or the same failure). Call it after resuming to have
+    /// rank returns the same new paths (or the same failure); with hybrid sharding the ranks of
+    /// shard group 0 do, and the other groups' ranks return no path. Call it after resuming to have
     /// the move, and the `tracing::warn!` that names it, at the start of the run rather than at
     /// its first save.
     ///
@@ -145,6 +146,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// (those moved before stay moved), [`CheckpointError::PeerFailed`] on the other ranks,
     /// wrapped in [`ShardError::Checkpoint`]; [`ShardError::Comm`].
     pub fn set_aside_abandoned(&self, root: impl AsRef<Path>) -> Result<Vec<PathBuf>, ShardError> {
+        if !self.writes_checkpoints() {
+            // Hybrid sharding: shard group 0 moves them (the other groups write no checkpoint).
+            return Ok(Vec::new());
+        }
         let root = root.as_ref();
         let lineage = self.agreed_lineage()?;
         let planned = self.agree(
@@ -161,7 +166,29 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.agree(moved, "set_aside_abandoned")
     }
 
+    /// With hybrid sharding the ranks of shard group 0 save, as a flat run of `shard_size`
+    /// ranks would; the other groups hold the same state and write nothing, and every rank
+    /// then learns the outcome from its replica of group 0 (one all-reduce over the replicas).
     fn save_impl<M: Module>(
+        &self,
+        model: &M,
+        dir: &Path,
+        payload: &serde_json::Value,
+        scheduler: Option<LrSchedulerRecord>,
+        background: bool,
+    ) -> Result<(), ShardError> {
+        let saved = match self.writes_checkpoints() {
+            true => self.save_in_group(model, dir, payload, scheduler, background),
+            false => self.refuse_half_applied("save a checkpoint"),
+        };
+        match self.replicate() {
+            Some(replicate) => crate::step::agreement::agree(replicate, saved, "save_checkpoint"),
+            None => saved,
+        }
+    }
+
+    /// The save of [`ShardedOptimizer::save_impl`] within the shard group (every rank when flat).
+    fn save_in_group<M: Module>(
         &self,
         model: &M,
         dir: &Path,

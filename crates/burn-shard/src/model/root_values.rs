@@ -95,11 +95,6 @@ impl RootValues {
         })
     }
 
-    /// The group the values are broadcast in.
-    pub(crate) fn comm(&self) -> &Arc<dyn Collective> {
-        &self.comm
-    }
-
     /// `param` holding rank 0's value of `entry` (shape `entry.shape`, dtype `entry.dtype`).
     /// On rank 0 the value is the parameter's own (initialised here if it was lazy); on
     /// every other rank it replaces the parameter's value, whose initializer never runs.

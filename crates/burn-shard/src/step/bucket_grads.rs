@@ -39,7 +39,8 @@ impl BucketGrads {
     /// in order, each once).
     ///
     /// # Errors
-    /// [`ShardError::Nvme`] when a gradient shard cannot be read.
+    /// [`ShardError::Nvme`] when a gradient shard cannot be read; [`ShardError::Comm`] when the
+    /// replicas' all-reduce fails.
     pub(crate) fn take(&mut self, cx: &StepContext, index: usize) -> Result<Tensor<1>, ShardError> {
         let stored = match self {
             BucketGrads::Held(held) => return Ok(held[index].take().expect("each bucket is taken once")),
@@ -60,7 +61,9 @@ impl BucketGrads {
             values[index] = pending::sum_passes(&stored.shards[index], dtype, &cx.device, &mut stored.ahead)?;
         }
         let flat = flat::assemble(cx.layout, bucket, &values, 0..bucket.padded_numel, &cx.device);
-        Ok(cx.unscale(cx.plan.gradient_of_range(flat, cx.owned_range(bucket))))
+        // With hybrid sharding each read is averaged over the replicas (a step that measures
+        // norms reads a bucket twice, and all-reduces it twice, to the same values).
+        Ok(cx.unscale(cx.replica_mean(cx.plan.gradient_of_range(flat, cx.owned_range(bucket)))?))
     }
 }
 

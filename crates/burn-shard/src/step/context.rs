@@ -5,7 +5,9 @@
 use std::ops::Range;
 
 use burn::tensor::{Device, Tensor};
-use burn_shard_comm::Collective;
+use burn_shard_comm::{Collective, ReduceOp};
+
+use crate::error::ShardError;
 
 use crate::model::layout::{Bucket, FlatLayout};
 use crate::step::stage_plan::StagePlan;
@@ -17,8 +19,12 @@ pub(crate) struct StepContext<'a> {
     pub(crate) layout: &'a FlatLayout,
     /// What the stage does at each point of the step.
     pub(crate) plan: &'a StagePlan,
-    /// The rank's collective.
+    /// Where the state is sharded: every rank, or this rank's shard group.
     pub(crate) comm: &'a dyn Collective,
+    /// Every rank of the job (`comm` when flat): decisions every rank makes alike.
+    pub(crate) world: &'a dyn Collective,
+    /// Hybrid sharding: the ranks holding the same shard in the other shard groups.
+    pub(crate) replicate: Option<&'a dyn Collective>,
     /// Where the step's gradients and updates are computed: the parameters' plain device.
     pub(crate) device: Device,
     /// The loss scale the averaged gradients are divided by, read once before the loss scaler
@@ -31,6 +37,22 @@ impl StepContext<'_> {
     /// The elements of `bucket` this rank updates (see [`StagePlan::owned_range`]).
     pub(crate) fn owned_range(&self, bucket: &Bucket) -> Range<usize> {
         self.plan.owned_range(bucket, self.comm.rank())
+    }
+
+    /// With hybrid sharding, `grad` (this rank's gradient shard, already averaged over its
+    /// shard group) averaged over the replicas too: the mean over every rank, as a flat run
+    /// takes it. `grad` itself when flat.
+    ///
+    /// # Errors
+    /// [`ShardError::Comm`] when the all-reduce fails.
+    pub(crate) fn replica_mean(&self, grad: Tensor<1>) -> Result<Tensor<1>, ShardError> {
+        match self.replicate {
+            Some(replicate) => {
+                let dtype = grad.dtype();
+                Ok(replicate.all_reduce(grad, ReduceOp::Avg)?.cast(dtype))
+            }
+            None => Ok(grad),
+        }
     }
 
     /// The averaged gradient divided by the loss scale, in `f32` for `bf16`/`f16` gradients (so

@@ -8,7 +8,7 @@ use burn::optim::GradientsParams;
 use burn::optim::grad_clipping::GradientClipping;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{Device, Tensor};
-use burn_shard_comm::Collective;
+use burn_shard_comm::{Collective, Mesh};
 
 use crate::error::ShardError;
 use crate::model::buffers::Buffers;
@@ -71,7 +71,11 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     groups: Groups<O>,
     /// The parameters' (plain) device, where small agreement collectives place their tensors.
     pub(crate) device: Device,
+    /// Where the state is sharded: every rank, or this rank's shard group of `mesh`.
     pub(crate) comm: Arc<dyn Collective>,
+    /// Hybrid sharding ([`ShardConfig::with_replicas`](crate::ShardConfig::with_replicas)): the
+    /// world, and the replica group each gradient shard is averaged over; `None` when flat.
+    pub(crate) mesh: Option<Arc<Mesh>>,
     pub(crate) layout: Arc<FlatLayout>,
     pub(crate) plan: StagePlan,
     /// The model's float entries as `init` found them (paths, full shapes, kinds).
@@ -133,6 +137,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             groups: Groups::new(optim, options.clipping, &layout),
             device: options.device,
             comm,
+            mesh: None,
             layout,
             plan,
             census,
@@ -158,6 +163,32 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     pub(crate) fn with_base(mut self, base: crate::run::Base) -> Self {
         self.base = base;
         self
+    }
+
+    /// Hybrid sharding: `comm` is the mesh's shard group.
+    pub(crate) fn with_mesh(mut self, mesh: Option<Arc<Mesh>>) -> Self {
+        self.mesh = mesh;
+        self
+    }
+
+    /// Every rank of the job: `comm` when flat, the mesh's world with hybrid sharding. What
+    /// every rank must decide alike goes through it (which slots have a gradient, the
+    /// buffers' mean).
+    pub(crate) fn world(&self) -> &dyn Collective {
+        self.mesh
+            .as_ref()
+            .map_or(self.comm.as_ref(), |mesh| mesh.world().as_ref())
+    }
+
+    /// With hybrid sharding, the group this rank's gradient shards are averaged over.
+    pub(crate) fn replicate(&self) -> Option<&dyn Collective> {
+        self.mesh.as_ref().map(|mesh| mesh.replicate().as_ref())
+    }
+
+    /// Whether this rank writes checkpoints: every rank when flat, the ranks of shard group 0
+    /// with hybrid sharding (the other groups hold the same state).
+    pub(crate) fn writes_checkpoints(&self) -> bool {
+        self.mesh.as_ref().is_none_or(|mesh| mesh.replica_index() == 0)
     }
 
     /// Stages 0-2: the reducer the model's hooks hand their gradients to.
@@ -213,7 +244,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // The matched slots keep their optimizer state (step count, moments, masters), as with
         // Burn's `ModuleOptimizer::with_group`: a group added after `load_checkpoint` resumes.
         self.groups.add(group, optim, grad_clipping, &self.layout);
-        crate::model::layout::check_same_layout(self.comm.as_ref(), self.groups.fingerprint(), &self.device)?;
+        crate::model::layout::check_same_layout(self.world(), self.groups.fingerprint(), &self.device)?;
         Ok(self)
     }
 
@@ -426,12 +457,17 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let Some(device) = device.or_else(|| any_stored.then(|| self.device.clone())) else {
             // No trainable parameter (a frozen teacher): only the buffers move.
             self.last.applied = true;
-            return self.buffers.sync(self.comm.as_ref(), model);
+            return self.buffers.sync(self.world(), model);
         };
         let cx = StepContext {
             layout: &self.layout,
             plan: &self.plan,
             comm: self.comm.as_ref(),
+            world: self
+                .mesh
+                .as_ref()
+                .map_or(self.comm.as_ref(), |mesh| mesh.world().as_ref()),
+            replicate: self.mesh.as_ref().map(|mesh| mesh.replicate().as_ref()),
             device,
             loss_scale: self.loss_scaler.as_ref().map(LossScaler::scale),
         };
@@ -448,7 +484,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             None => {
                 let reduced = reduce::reduce_buckets(&cx, grad_parts, early_reduced, &reduce_in_step, &mut temp)?;
                 self.last.gradients_bytes = reduced.iter().map(tensor_bytes).sum();
-                BucketGrads::Held(reduce::owned_gradients(&cx, reduced).into_iter().map(Some).collect())
+                BucketGrads::Held(reduce::owned_gradients(&cx, reduced)?.into_iter().map(Some).collect())
             }
         };
 
@@ -458,7 +494,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.last.grad_norm = measured.grad_norm();
         let Measured::Apply(norms) = measured else {
             self.plan.skip_step();
-            return self.buffers.sync(self.comm.as_ref(), model);
+            return self.buffers.sync(self.world(), model);
         };
 
         // Phase 3: the update, published; the model rebuilt from it.
@@ -481,7 +517,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             self.last.param_io = store.take_io();
         }
         self.last.applied = true;
-        self.buffers.sync(self.comm.as_ref(), model)
+        self.buffers.sync(self.world(), model)
     }
 
     /// Stage 3: as [`ShardedOptimizer::check_collectives`], and with NVMe parameter offload the
@@ -517,9 +553,18 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.last.overlapped_buckets
     }
 
-    /// The collective this optimizer reduces over (e.g. to average a loss for logging).
+    /// Every rank of the job: the collective passed to `init` (e.g. to average a loss for
+    /// logging), and with hybrid sharding the mesh's world, whose failures abort the rank's
+    /// sub-groups too.
     pub fn comm(&self) -> &dyn Collective {
-        self.comm.as_ref()
+        self.world()
+    }
+
+    /// With hybrid sharding ([`ShardConfig::with_replicas`](crate::ShardConfig::with_replicas)),
+    /// this rank's mesh: its shard and replica groups, whose [`Collective::stats`] split the
+    /// traffic into what stays in a shard group and what crosses replicas. `None` when flat.
+    pub fn mesh(&self) -> Option<&Mesh> {
+        self.mesh.as_deref()
     }
 
     /// The flat layout of the trainable parameters.

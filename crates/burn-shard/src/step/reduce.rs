@@ -34,15 +34,16 @@ pub(crate) fn presence(
     let mut local: Vec<bool> = grads.iter().map(Option::is_some).collect();
     let Some(early) = early else {
         let every_bucket = vec![true; buckets.len()];
-        if cx.plan.gradient_presence_is_local() || cx.comm.world_size() == 1 {
+        // With replicas, a slot may have a gradient in one shard group and not in another.
+        if (cx.plan.gradient_presence_is_local() && cx.replicate.is_none()) || cx.world.world_size() == 1 {
             return Ok((local, every_bucket));
         }
-        return Ok((any_rank(cx.comm, &local, &cx.device)?, every_bucket));
+        return Ok((any_rank(cx.world, &local, &cx.device)?, every_bucket));
     };
     let unreduced = buckets.iter().map(|b| local[b.slots.clone()].iter().any(|&g| g));
     let unreduced: Vec<bool> = unreduced.collect();
     local.iter_mut().zip(&early.present).for_each(|(g, e)| *g |= e);
-    let mut flags = any_rank(cx.comm, &[local, unreduced, vec![early.differs]].concat(), &cx.device)?;
+    let mut flags = any_rank(cx.world, &[local, unreduced, vec![early.differs]].concat(), &cx.device)?;
     if flags.pop() == Some(true)
         && let Some(reducer) = reducer
     {
@@ -93,13 +94,19 @@ pub(crate) fn reduce_buckets(
     Ok(reduced)
 }
 
-/// The owned range of each bucket's reduced gradient (`reduced`, one per bucket), unscaled:
-/// `[owned range]` per bucket.
-pub(crate) fn owned_gradients(cx: &StepContext, reduced: Vec<Tensor<1>>) -> Vec<Tensor<1>> {
+/// The owned range of each bucket's reduced gradient (`reduced`, one per bucket), averaged
+/// over the replicas with hybrid sharding, unscaled: `[owned range]` per bucket.
+///
+/// # Errors
+/// [`ShardError::Comm`] when the replicas' all-reduce fails.
+pub(crate) fn owned_gradients(cx: &StepContext, reduced: Vec<Tensor<1>>) -> Result<Vec<Tensor<1>>, ShardError> {
     cx.layout
         .buckets()
         .iter()
         .zip(reduced)
-        .map(|(bucket, grad)| cx.unscale(cx.plan.gradient_of_range(grad, cx.owned_range(bucket))))
+        .map(|(bucket, grad)| {
+            let owned = cx.replica_mean(cx.plan.gradient_of_range(grad, cx.owned_range(bucket)))?;
+            Ok(cx.unscale(owned))
+        })
         .collect()
 }
