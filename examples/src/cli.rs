@@ -67,14 +67,20 @@ pub struct ShardArgs {
     /// `clip_grad_norm_`, measured over every rank's shard); default: no clipping.
     #[arg(long, value_parser = positive_f32)]
     pub max_grad_norm: Option<f32>,
+    /// Hybrid sharding: shard within `replicas` groups of consecutive ranks (one per node under
+    /// `--nproc-per-node`) and replicate across them (`ShardConfig::with_replicas`; stages
+    /// 1-3, a divisor of the world size). Default 1: one group of every rank.
+    #[arg(long, default_value_t = 1, value_parser = at_least(1, 1024))]
+    pub replicas: usize,
 }
 
 impl ShardArgs {
-    /// The sharding of `stage` with these options (`--max-grad-norm`).
+    /// The sharding of `stage` with these options (`--max-grad-norm`, `--replicas`).
     pub fn shard_config(&self, stage: Stage) -> ShardConfig {
+        let config = ShardConfig::new(stage).with_replicas(self.replicas);
         match self.max_grad_norm {
-            Some(max_norm) => ShardConfig::new(stage).with_max_grad_norm(max_norm),
-            None => ShardConfig::new(stage),
+            Some(max_norm) => config.with_max_grad_norm(max_norm),
+            None => config,
         }
     }
 

@@ -109,10 +109,12 @@ fn rank() {
         "timeout" => timeout_scenario(&comm),
         "learner" => learner(&comm),
         "lazy_init" => lazy_init(&comm),
+        "hsdp" => hsdp(&comm),
+        "hsdp_abort" => hsdp_abort(&comm),
         other => panic!("unknown scenario {other}"),
     };
     println!("RESULT rank {rank}: {result}");
-    if matches!(scenario.as_str(), "abort" | "timeout" | "reject") {
+    if matches!(scenario.as_str(), "abort" | "timeout" | "reject" | "hsdp_abort") {
         // Let every rank print before the first to exit without finalising ends the job.
         std::thread::sleep(Duration::from_secs(2));
     }
@@ -325,6 +327,79 @@ fn training(comm: &Arc<MpiComm>) -> String {
     report.join(", ")
 }
 
+/// Hybrid sharding on a 2 x 2 mesh of MPI processes (`MPI_Comm_split`): the shard groups are
+/// ranks {0, 1} and {2, 3}; training at stages 1-3 equals single-process Burn training, every
+/// rank holding the same parameters bit for bit, and the replicas all-reduce once per bucket and
+/// step.
+fn hsdp(comm: &Arc<MpiComm>) -> String {
+    let rank = comm.rank();
+    let device = Device::flex().autodiff();
+    device.seed(7);
+    let base = TinyMlp::new(&device);
+    let optim = AdamWConfig::new().with_weight_decay(0.1);
+    let (_, ref_params) = reference_run(&base, optim.init(), STEPS, GLOBAL_BATCH, LR);
+    let mut report = Vec::new();
+    for stage in [Stage::One, Stage::Two, Stage::Three] {
+        let config = ShardConfig::new(stage).with_replicas(2);
+        let run = train_rank(comm.clone(), &device, &base, optim.clone(), config);
+        let param_diff = max_abs_diff(&run.params, &ref_params);
+        assert!(
+            param_diff <= 1e-4,
+            "rank {rank} stage {stage}: param diff {param_diff:e}"
+        );
+        let gathered = host(comm.all_gather(tensor(run.params.clone(), DType::F32)).unwrap());
+        let len = run.params.len();
+        for peer in 0..comm.world_size() {
+            let same = gathered[peer * len..(peer + 1) * len]
+                .iter()
+                .zip(&run.params)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "rank {rank} stage {stage}: rank {peer} holds other parameters");
+        }
+        report.push(format!("stage {stage} param {param_diff:.1e}"));
+    }
+    let mesh = burn_shard_comm::Mesh::new(comm.clone(), 2, burn_shard::MeshLayout::Consecutive).expect("mesh");
+    let hot = |r: usize| tensor((0..4).map(|i| f32::from(u8::from(i == r))).collect(), DType::F32);
+    let shard = host(mesh.shard().all_reduce(hot(rank), ReduceOp::Sum).unwrap());
+    let replica = host(mesh.replicate().all_reduce(hot(rank), ReduceOp::Sum).unwrap());
+    let members = |v: &[f32]| {
+        (0..4)
+            .filter(|&i| v[i] == 1.0)
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    report.push(format!(
+        "shard group {}, replica group {}",
+        members(&shard),
+        members(&replica)
+    ));
+    report.join(", ")
+}
+
+/// Rank 3 fails alone in its replica group (ranks 1 and 3) while rank 0, which shares no
+/// sub-group with it, waits in its shard group's all-reduce (ranks 0 and 1) with a 60 s
+/// timeout: the abort reaches it through the job's control communicator within a poll.
+fn hsdp_abort(comm: &Arc<MpiComm>) -> String {
+    let mesh = burn_shard_comm::Mesh::new(comm.clone(), 2, burn_shard::MeshLayout::Consecutive).expect("mesh");
+    let start = Instant::now();
+    let err = match comm.rank() {
+        3 => {
+            mesh.replicate().abort("rank 3 lost its disk");
+            return "aborted".to_string();
+        }
+        0 | 1 => mesh
+            .shard()
+            .all_reduce(tensor(vec![1.0; 16], DType::F32), ReduceOp::Sum)
+            .unwrap_err(),
+        _ => mesh
+            .replicate()
+            .all_reduce(tensor(vec![1.0; 16], DType::F32), ReduceOp::Sum)
+            .unwrap_err(),
+    };
+    format!("{} after {} ms: {err}", kind_of(&err), start.elapsed().as_millis())
+}
+
 /// `init` of a lazy model and `init_pretrained` from a safetensors file, one process per rank
 /// (each with its own random generator) at stages 0-3: every rank's entries after `init`
 /// (gathered at stage 3) equal bitwise what single-device Burn initialises from the same seed
@@ -488,6 +563,40 @@ fn mismatched_calls_fail_on_every_rank() {
             line.contains("all_gather(len=3") && line.contains("all_gather(len=2"),
             "{line}"
         );
+    }
+}
+
+/// HSDP on 4 processes as a 2 x 2 mesh: see [`hsdp`].
+#[test]
+fn hybrid_sharding_on_a_two_by_two_mesh_of_processes_matches_single_process_training() {
+    let (ok, text) = mpirun(4, "hsdp");
+    assert!(ok, "mpirun -np 4 failed:\n{text}");
+    let lines = results(4, "hsdp", &text);
+    for (rank, line) in lines.iter().enumerate() {
+        let (shard, replica) = (
+            [["0 1"; 2], ["2 3"; 2]].concat()[rank],
+            ["0 2", "1 3", "0 2", "1 3"][rank],
+        );
+        assert!(
+            line.starts_with("stage 1") && line.ends_with(&format!("shard group {shard}, replica group {replica}")),
+            "rank {rank}: {line}"
+        );
+    }
+}
+
+/// A rank that fails in one sub-group of a 2 x 2 mesh stops every rank within seconds, also
+/// those blocked in a group it is not part of: see [`hsdp_abort`].
+#[test]
+fn a_rank_that_fails_in_one_sub_group_stops_every_rank_of_the_mesh_within_seconds() {
+    let (_, text) = mpirun(4, "hsdp_abort");
+    let lines = results(4, "hsdp_abort", &text);
+    assert_eq!(lines[3], "aborted");
+    for line in &lines[..3] {
+        assert!(
+            line.starts_with("Aborted") && line.contains("rank 3 lost its disk"),
+            "{line}"
+        );
+        assert!(millis(line) < 5000, "{line}");
     }
 }
 
