@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::prelude::*;
 use burn_shard::{LossScaler, MeshLayout, ShardConfig, ShardError, Stage};
@@ -419,4 +420,76 @@ fn rank_files(dir: &Path) -> Vec<usize> {
     ranks.sort_unstable();
     ranks.dedup();
     ranks
+}
+
+/// Six 64 x 64 layers: large enough that the step's small agreements do not count, deep enough
+/// that the first layer's weight, which backward does not re-gather (its input needs no
+/// gradient), is a small part of the model.
+#[derive(Module, Debug)]
+struct Wide {
+    layers: Vec<burn::nn::Linear>,
+}
+
+/// What crosses "nodes" (ranks 0-1 and 2-3) per rank and step at stage 3 on 4 ranks: flat, every
+/// collective spans both nodes (two all-gathers and a reduce-scatter of the parameters, up to
+/// `9/4 Ψ` elements sent per rank); on a 2 x 2 mesh only the replicas' all-reduce and the world's small
+/// agreement do. The replicas' all-reduce sends the theory, `2(R-1)/R · Ψ/S` elements per rank
+/// (within 5% for the padding of each bucket), and the inter-node bytes are at most a quarter of
+/// the flat run's (2/9 in theory).
+#[test]
+fn a_two_by_two_mesh_sends_a_quarter_of_flat_stage_3_across_nodes() {
+    let device = Device::flex().autodiff();
+    let base = Wide {
+        layers: (0..6)
+            .map(|_| burn::nn::LinearConfig::new(64, 64).init(&device))
+            .collect(),
+    };
+    let cross = |replicas: usize| -> Vec<(u64, u64, usize)> {
+        run_ranks(InProcessGroup::new(4).unwrap(), |comm| {
+            let device = Device::flex().autodiff();
+            let (mut model, mut optim) = ShardConfig::new(Stage::Three)
+                .with_replicas(replicas)
+                .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+                .expect("init");
+            let mut measured = (0, 0);
+            for step in 0..3 {
+                let before = (optim.comm().stats(), optim.mesh().map(|m| m.replicate().stats()));
+                let x = Tensor::<2>::ones([3, 64], &device).mul_scalar(step as f32 + 1.0);
+                let out = model.layers.iter().fold(x, |x, layer| layer.forward(x));
+                let loss = out.powi_scalar(2).mean();
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                model = optim.step(LR, model, grads).expect("step");
+                let world = optim.comm().stats().since(&before.0).total_bytes_sent();
+                let replica = match (optim.mesh(), before.1) {
+                    (Some(mesh), Some(b)) => mesh.replicate().stats().since(&b).total_bytes_sent(),
+                    _ => 0,
+                };
+                measured = (world, replica);
+            }
+            let padded: usize = optim.layout().buckets().iter().map(|b| b.padded_numel).sum();
+            (measured.0, measured.1, padded)
+        })
+        .expect("no rank panics")
+    };
+    let flat = cross(1);
+    let hsdp = cross(2);
+    for rank in 0..4 {
+        let (flat_world, _, _) = flat[rank];
+        let (world, replica, local_numel) = hsdp[rank];
+        // Stage 3's local layout holds this rank's shards: Ψ / S elements (padded).
+        let theory = (2 * (2 - 1) / 2 * local_numel * 4) as f64;
+        let off = (replica as f64 - theory).abs() / theory;
+        assert!(
+            off <= 0.05,
+            "rank {rank}: replica all-reduce sent {replica} bytes, theory {theory}"
+        );
+        let across = world + replica;
+        assert!(
+            across * 4 <= flat_world,
+            "rank {rank}: {across} bytes across nodes per step on the mesh, {flat_world} flat"
+        );
+        println!(
+            "rank {rank}: across nodes per step: flat {flat_world} B, 2 x 2 mesh {across} B (replicas {replica} B)"
+        );
+    }
 }
