@@ -477,7 +477,8 @@ fn a_two_by_two_mesh_sends_a_quarter_of_flat_stage_3_across_nodes() {
         let (flat_world, _, _) = flat[rank];
         let (world, replica, local_numel) = hsdp[rank];
         // Stage 3's local layout holds this rank's shards: Ψ / S elements (padded).
-        let theory = (2 * (2 - 1) / 2 * local_numel * 4) as f64;
+        let replicas = 2.0;
+        let theory = 2.0 * (replicas - 1.0) / replicas * local_numel as f64 * 4.0;
         let off = (replica as f64 - theory).abs() / theory;
         assert!(
             off <= 0.05,
