@@ -394,3 +394,43 @@ fn the_example_gpt_estimate_matches_its_measured_memory() {
     };
     check_against_direct_measurement(&Gpt::new(&config, &device), ParamDtype::F32);
 }
+
+/// `burn-shard estimate --replicas`: the memory of a flat run of `world_size / replicas` ranks,
+/// and per step the bytes within a shard group and across replicas (`step_traffic`): for 7.5e9
+/// bf16 parameters on 64 ranks as 8 nodes of 8 at stage 3, `3·7/8·Ψ·2` = 39.4 GB in the node and
+/// `2·7/8·Ψ/8·2` = 3.3 GB across nodes, where flat stage 3 sends `3·63/64·Ψ·2` = 44.3 GB, all of
+/// it across nodes. A `--replicas` that does not divide the world size is refused.
+#[test]
+fn estimate_command_takes_a_mesh_and_prints_the_traffic_by_group() {
+    use burn_shard::estimate::{ParamDtype, step_traffic};
+    let run = |extra: &[&str]| {
+        std::process::Command::new(burn_shard_bin())
+            .args(["estimate", "--params", "7.5e9", "--world-size", "64", "--stage", "3"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--replicas", "8"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let memory = text.lines().find(|l| l.starts_with('3')).expect("the memory row");
+    let traffic = text
+        .lines()
+        .find(|l| l.starts_with("stage 3"))
+        .expect("the traffic row");
+    // Memory: 16Ψ/8 = 15 GB per rank, as a flat run of 8 ranks.
+    assert!(memory.trim_end().ends_with("15.0 GB / 14.0 GiB"), "{memory}\n{text}");
+    assert!(
+        traffic.contains("39.4 GB") && traffic.contains("3.3 GB"),
+        "{traffic}\n{text}"
+    );
+    let hsdp = step_traffic(7.5e9, 64, 8, Stage::Three, ParamDtype::Bf16);
+    let flat = step_traffic(7.5e9, 64, 1, Stage::Three, ParamDtype::Bf16);
+    assert!((hsdp.shard_group_bytes - 3.0 * 7.0 / 8.0 * 7.5e9 * 2.0).abs() < 1.0);
+    assert!((hsdp.replica_group_bytes - 2.0 * 7.0 / 8.0 * 7.5e9 / 8.0 * 2.0).abs() < 1.0);
+    assert!((flat.shard_group_bytes - 3.0 * 63.0 / 64.0 * 7.5e9 * 2.0).abs() < 1.0);
+    assert_eq!(flat.replica_group_bytes, 0.0);
+    let bad = run(&["--replicas", "3"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("does not divide --world-size 64"));
+}

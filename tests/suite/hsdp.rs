@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::prelude::*;
+use burn_shard::estimate::{ParamDtype, step_traffic};
 use burn_shard::{LossScaler, MeshLayout, ShardConfig, ShardError, Stage};
 use burn_shard_comm::{Collective, CollectiveKind, CommError, InProcessGroup, Mesh, ReduceOp, run_ranks};
 
@@ -434,8 +435,8 @@ struct Wide {
 /// collective spans both nodes (two all-gathers and a reduce-scatter of the parameters, up to
 /// `9/4 Ψ` elements sent per rank); on a 2 x 2 mesh only the replicas' all-reduce and the world's small
 /// agreement do. The replicas' all-reduce sends the theory, `2(R-1)/R · Ψ/S` elements per rank
-/// (within 5% for the padding of each bucket), and the inter-node bytes are at most a quarter of
-/// the flat run's (2/9 in theory).
+/// (`estimate::step_traffic`, within 5%), flat sends at most its theory, and the inter-node
+/// bytes are at most a quarter of the flat run's (2/9 in theory).
 #[test]
 fn a_two_by_two_mesh_sends_a_quarter_of_flat_stage_3_across_nodes() {
     let device = Device::flex().autodiff();
@@ -476,9 +477,15 @@ fn a_two_by_two_mesh_sends_a_quarter_of_flat_stage_3_across_nodes() {
     for rank in 0..4 {
         let (flat_world, _, _) = flat[rank];
         let (world, replica, local_numel) = hsdp[rank];
-        // Stage 3's local layout holds this rank's shards: Ψ / S elements (padded).
-        let replicas = 2.0;
-        let theory = 2.0 * (replicas - 1.0) / replicas * local_numel as f64 * 4.0;
+        // Stage 3's local layout holds this rank's shards: Ψ / S elements (padded); the theory
+        // is `burn-shard estimate`'s.
+        let psi = (local_numel * 2) as f64;
+        let theory = step_traffic(psi, 4, 2, Stage::Three, ParamDtype::F32).replica_group_bytes;
+        let flat_theory = step_traffic(psi, 4, 1, Stage::Three, ParamDtype::F32).shard_group_bytes;
+        assert!(
+            flat_world as f64 <= flat_theory,
+            "rank {rank}: flat sent {flat_world} B, at most {flat_theory}"
+        );
         let off = (replica as f64 - theory).abs() / theory;
         assert!(
             off <= 0.05,

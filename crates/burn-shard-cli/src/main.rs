@@ -4,7 +4,7 @@
 //! burn-shard ckpt inspect DIR
 //! burn-shard ckpt consolidate DIR --out model.bpk [--trainable-only]
 //! burn-shard ckpt reshard DIR --world-size 8 --out DIR8
-//! burn-shard estimate --params 7.5e9 --world-size 64 [--stage N] [--dtype bf16|f16|f32] [--offload [cpu|nvme]] [--offload-params [cpu|nvme]]
+//! burn-shard estimate --params 7.5e9 --world-size 64 [--stage N] [--dtype bf16|f16|f32] [--offload [cpu|nvme]] [--offload-params [cpu|nvme]] [--replicas R]
 //! ```
 
 use std::path::PathBuf;
@@ -61,6 +61,11 @@ struct Estimate {
     /// offloaded, so they need --offload; stages 0-2 are unchanged.
     #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "cpu", requires = "offload")]
     offload_params: Option<Target>,
+    /// Hybrid sharding (ShardConfig::with_replicas): the ranks form this many shard groups (one
+    /// per node), each sharding the model over world-size / replicas ranks; default 1 (flat).
+    /// Must divide --world-size; stages 1-3.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1 << 32))]
+    replicas: u64,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -167,6 +172,18 @@ fn run(cli: Cli) -> Result<ExitCode, checkpoint::CheckpointError> {
     match cli.command {
         Command::Ckpt(command) => run_ckpt(command),
         Command::Estimate(args) => {
+            if !args.world_size.is_multiple_of(args.replicas) {
+                eprintln!(
+                    "error: --replicas {} does not divide --world-size {}: the ranks form replicas × shard size, so \
+                     pass a divisor of the world size (1 for no replication)",
+                    args.replicas, args.world_size
+                );
+                return Ok(ExitCode::from(2));
+            }
+            if args.replicas > 1 && args.stage == Some(0) {
+                eprintln!("error: --replicas at stage 0: stage 0 (DDP) shards nothing; choose stage 1, 2 or 3");
+                return Ok(ExitCode::from(2));
+            }
             print_estimate(&args);
             Ok(ExitCode::SUCCESS)
         }
@@ -178,11 +195,17 @@ fn print_estimate(args: &Estimate) {
     let dtype = ParamDtype::from(args.dtype);
     let stages: Vec<Stage> = match args.stage {
         Some(n) => vec![Stage::try_from(n).expect("clap checked 0..=3")],
-        None => estimate::STAGES.to_vec(),
+        // With replicas, stage 0 (which takes none) is left out.
+        None => estimate::STAGES
+            .into_iter()
+            .filter(|s| args.replicas == 1 || *s != Stage::Zero)
+            .collect(),
     };
+    // With replicas each shard group holds the model sharded over its own ranks.
+    let shard_size = (args.world_size / args.replicas) as usize;
     let rows: Vec<ModelStateEstimate> = stages
         .iter()
-        .map(|&stage| estimate::zero_formula(args.params, args.world_size as usize, stage, dtype, args.offload()))
+        .map(|&stage| estimate::zero_formula(args.params, shard_size, stage, dtype, args.offload()))
         .map(|row| match args.offload_params {
             Some(Target::Cpu) => row.with_params_offloaded(),
             Some(Target::Nvme) => row.with_params_on_disk(),
@@ -193,10 +216,17 @@ fn print_estimate(args: &Estimate) {
         ParamDtype::F32 => "f32 parameters, Adam".to_string(),
         d => format!("{d} mixed precision (f32 master weights), Adam"),
     };
-    println!(
-        "Per-rank model-state memory: {:e} parameters (Ψ) on {} ranks (N), {precision}",
-        args.params, args.world_size
-    );
+    match args.replicas {
+        1 => println!(
+            "Per-rank model-state memory: {:e} parameters (Ψ) on {} ranks (N), {precision}",
+            args.params, args.world_size
+        ),
+        r => println!(
+            "Per-rank model-state memory: {:e} parameters (Ψ) on {} ranks as {r} replicas of shard groups of N = {} \
+             (hybrid sharding), {precision}",
+            args.params, args.world_size, shard_size
+        ),
+    }
     let mut header = vec!["stage", "parameters", "gradients", "optimizer state", "total"];
     match args.offload() {
         OffloadTarget::None => {}
@@ -299,6 +329,43 @@ fn print_estimate(args: &Estimate) {
     }
     println!(
         "GB = 1e9 bytes, GiB = 2^30 bytes. Not included: activations, temporary buffers, allocator fragmentation."
+    );
+    print_traffic(args, &stages, dtype);
+}
+
+/// The bytes one rank sends per step, within its shard group and across the replicas
+/// ([`estimate::step_traffic`]).
+fn print_traffic(args: &Estimate, stages: &[Stage], dtype: ParamDtype) {
+    let (world_size, replicas) = (args.world_size as usize, args.replicas as usize);
+    println!();
+    println!(
+        "Bytes one rank sends per step ({} shard group{} of {} ranks):",
+        replicas,
+        if replicas == 1 { "" } else { "s" },
+        world_size / replicas
+    );
+    // Rows read "stage N", so that the memory table's rows stay the only ones that start with
+    // a stage number.
+    let mut table = vec![vec![
+        String::new(),
+        "in its shard group".to_string(),
+        "across replicas".to_string(),
+    ]];
+    for &stage in stages {
+        let t = estimate::step_traffic(args.params, world_size, replicas, stage, dtype);
+        table.push(vec![
+            format!("stage {stage}"),
+            size(t.shard_group_bytes),
+            size(t.replica_group_bytes),
+        ]);
+    }
+    for row in &table {
+        println!("{:<7}  {:>24}  {:>24}", row[0], row[1], row[2]);
+    }
+    println!(
+        "Ring volumes: an all-reduce sends 2(n-1)/n of its buffer per rank, a reduce-scatter or all-gather (n-1)/n; stage 3 \
+         counts two all-gathers (forward, backward). With one shard group per node, only the replicas' all-reduce of \
+         each rank's gradient shard (Ψ/S elements) crosses nodes."
     );
 }
 

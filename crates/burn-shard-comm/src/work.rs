@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 
 use crate::CommError;
 
+/// What [`Work::on_error`] runs.
+type OnError = Box<dyn FnOnce(&CommError) + Send>;
+
 /// A collective call that has been started. [`Work::wait`] returns its result.
 ///
 /// Dropping a `Work` without waiting lets the call finish on its own (the other ranks expect
 /// it); its result is discarded.
-/// What [`Work::on_error`] runs.
-type OnError = Box<dyn FnOnce(&CommError) + Send>;
-
 #[must_use = "a started collective returns its result through wait()"]
 pub struct Work<T> {
     state: State<T>,
@@ -50,10 +50,16 @@ impl<T> Work<T> {
     }
 
     /// Runs `f` with the call's error when [`Work::wait`] returns one, before returning it (a
-    /// wrapper that aborts related groups on any failure, see [`crate::Mesh`]). Replaces an
-    /// earlier `on_error`.
+    /// wrapper that aborts related groups on any failure, see [`crate::Mesh`]), after any
+    /// earlier `on_error`. Nothing runs for a `Work` dropped without `wait`.
     pub fn on_error(mut self, f: impl FnOnce(&CommError) + Send + 'static) -> Self {
-        self.on_error = Some(Box::new(f));
+        self.on_error = Some(match self.on_error.take() {
+            Some(earlier) => Box::new(move |e: &CommError| {
+                earlier(e);
+                f(e)
+            }),
+            None => Box::new(f),
+        });
         self
     }
 

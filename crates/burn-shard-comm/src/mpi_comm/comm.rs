@@ -40,9 +40,18 @@ pub struct MpiComm {
     /// Every MPI call happens with this lock held. Dropped by hand: the handles are freed only
     /// while MPI is still initialised and no call was abandoned (see `Drop`).
     pub(super) state: Mutex<ManuallyDrop<State>>,
-    pub(super) aborted: AtomicBool,
-    pub(super) reason: Mutex<Option<String>>,
+    /// Shared with every sub-group split from this communicator (and its world's): one abort
+    /// notice, received by whichever group polls first, aborts them all.
+    pub(super) abort: Arc<AbortState>,
     pub(super) stats: StatsCounter,
+}
+
+/// A process's abort flag and first reason, shared by its `MpiComm` and the sub-groups split
+/// from it, which also share the job's control communicator.
+#[derive(Default)]
+pub(super) struct AbortState {
+    aborted: AtomicBool,
+    reason: Mutex<Option<String>>,
 }
 
 /// The MPI handles, used only with [`MpiComm::state`] locked.
@@ -83,8 +92,8 @@ impl MpiComm {
 
     /// The reason of an abort of this rank, or of one another rank told this one about.
     pub(super) fn check(&self) -> Result<(), CommError> {
-        if self.aborted.load(Ordering::SeqCst) {
-            let reason = self.reason.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        if self.abort.aborted.load(Ordering::SeqCst) {
+            let reason = self.abort.reason.lock().unwrap_or_else(PoisonError::into_inner).clone();
             return Err(CommError::Aborted(reason.unwrap_or_default()));
         }
         Ok(())
@@ -92,12 +101,12 @@ impl MpiComm {
 
     /// Marks the group aborted with `reason` (the first reason wins); whether this call did it.
     pub(super) fn mark_aborted(&self, reason: String) -> bool {
-        let mut slot = self.reason.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut slot = self.abort.reason.lock().unwrap_or_else(PoisonError::into_inner);
         let first = slot.is_none();
         if first {
             *slot = Some(reason);
         }
-        self.aborted.store(true, Ordering::SeqCst);
+        self.abort.aborted.store(true, Ordering::SeqCst);
         first
     }
 }

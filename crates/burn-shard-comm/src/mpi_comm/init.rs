@@ -4,7 +4,7 @@
 
 use std::mem::ManuallyDrop;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ::mpi::traits::*;
@@ -74,8 +74,7 @@ impl MpiComm {
                 seq: 0,
                 abandoned: false,
             })),
-            aborted: AtomicBool::new(false),
-            reason: Mutex::new(None),
+            abort: std::sync::Arc::default(),
             stats: StatsCounter::default(),
         })
     }

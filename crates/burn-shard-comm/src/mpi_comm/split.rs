@@ -3,7 +3,6 @@
 
 use std::mem::ManuallyDrop;
 use std::sync::Mutex;
-use std::sync::atomic::AtomicBool;
 
 use ::mpi::topology::Color;
 use ::mpi::traits::*;
@@ -17,8 +16,9 @@ impl MpiComm {
     /// The sub-group of the ranks that pass `color`, numbered by `key` then rank. Every rank
     /// first reaches the split through one polled all-gather of the colors (so a rank that
     /// failed before it aborts the others instead of leaving them in the blocking
-    /// `MPI_Comm_split`); the sub-group keeps this rank's timeout, and sends and receives its
-    /// abort notices on the job's control communicator.
+    /// `MPI_Comm_split`); the sub-group keeps this rank's timeout, sends and receives its abort
+    /// notices on the job's control communicator, and shares this process's abort state: an
+    /// abort of any group of the process aborts all of them, and reaches every process.
     ///
     /// # Errors
     /// As `crate::split::plan`; [`CommError::Backend`] if MPI leaves this rank out.
@@ -44,8 +44,7 @@ impl MpiComm {
                 seq: 0,
                 abandoned: false,
             })),
-            aborted: AtomicBool::new(false),
-            reason: Mutex::new(None),
+            abort: self.abort.clone(),
             stats: StatsCounter::default(),
         })
     }

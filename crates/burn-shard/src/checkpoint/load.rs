@@ -97,7 +97,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.settle_save_keeping_failure(true)?;
         // A checkpoint that refers to its frozen base: the model must hold that base (checked
         // before anything is read or changed).
-        let meta = self.agree(CheckpointMeta::read(dir).map_err(ShardError::from), "load_checkpoint")?;
+        let meta = self.agree_everywhere(CheckpointMeta::read(dir).map_err(ShardError::from), "load_checkpoint")?;
         self.check_base(&model, dir, &meta)?;
         // The optimizer state goes where it will live (the swap file, with NVMe offload) slot
         // by slot as it is read, so a load holds one slot of it in memory at a time; it becomes
@@ -109,7 +109,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 true => Ok((read, Some(read_scheduler(dir)?))),
                 false => Ok((read, None)),
             });
-        let ((values, shards, payload, scaler, lineage), record) = self.agree(loaded, "load_checkpoint")?;
+        let ((values, shards, payload, scaler, lineage), record) = self.agree_everywhere(loaded, "load_checkpoint")?;
         // The scale continues where it was (every rank reads the same one, so all fail
         // together on a bad one, before anything else changes); a run without a scaler ignores
         // a saved one.

@@ -146,11 +146,20 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// (those moved before stay moved), [`CheckpointError::PeerFailed`] on the other ranks,
     /// wrapped in [`ShardError::Checkpoint`]; [`ShardError::Comm`].
     pub fn set_aside_abandoned(&self, root: impl AsRef<Path>) -> Result<Vec<PathBuf>, ShardError> {
-        if !self.writes_checkpoints() {
-            // Hybrid sharding: shard group 0 moves them (the other groups write no checkpoint).
-            return Ok(Vec::new());
+        // Hybrid sharding: shard group 0 moves them (the other groups write no checkpoint) and
+        // the others learn its outcome.
+        let moved = match self.writes_checkpoints() {
+            true => self.set_aside_in_group(root.as_ref()),
+            false => Ok(Vec::new()),
+        };
+        match self.replicate() {
+            Some(replicate) => crate::step::agreement::agree(replicate, moved, "set_aside_abandoned"),
+            None => moved,
         }
-        let root = root.as_ref();
+    }
+
+    /// [`ShardedOptimizer::set_aside_abandoned`] within the shard group.
+    fn set_aside_in_group(&self, root: &Path) -> Result<Vec<PathBuf>, ShardError> {
         let lineage = self.agreed_lineage()?;
         let planned = self.agree(
             to_set_aside(root, &lineage).map_err(ShardError::from),
@@ -322,6 +331,17 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             after_failed_save(self.comm.as_ref(), e, || discard(&partial));
         }
         saved
+    }
+
+    /// [`ShardedOptimizer::agree`], then, with hybrid sharding, across the replicas too: a
+    /// shard group that fails (a node that cannot read the checkpoint) fails every group, so
+    /// the replicas never go on from different states.
+    pub(crate) fn agree_everywhere<T>(&self, result: Result<T, ShardError>, op: &str) -> Result<T, ShardError> {
+        let result = self.agree(result, op);
+        match self.replicate() {
+            Some(replicate) => crate::step::agreement::agree(replicate, result, op),
+            None => result,
+        }
     }
 
     /// This run's lineage with rank 0's run id on every rank (each rank draws its own id at

@@ -16,9 +16,10 @@ use crate::model::flat::tensor_bytes;
 /// or per parameter (stage 3).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryReport {
-    /// This rank.
+    /// This rank (in the world: with hybrid sharding, not its rank in the shard group).
     pub rank: usize,
-    /// Ranks in the group.
+    /// Ranks in the job (with hybrid sharding the state is sharded over a shard group of
+    /// `world_size / replicas` of them).
     pub world_size: usize,
     /// ZeRO stage (0 to 3).
     pub stage: u8,

@@ -18,7 +18,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// rename), oldest first, and returns their outcome; `Ok` at once when no save is in
     /// flight. A background save that failed since the last call (seen at the start of a step)
     /// is returned here, once. A collective: every rank calls it (at the end of the run, before
-    /// reading the checkpoint from another process).
+    /// reading the checkpoint from another process). With hybrid sharding only shard group 0
+    /// saves, so only its ranks wait and see a failure; the other groups' ranks return `Ok` at
+    /// once (their next save learns of a failure of group 0's: see `save_checkpoint`).
     ///
     /// # Errors
     /// The first failure: the failed write's error on the rank whose write failed,
@@ -133,7 +135,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             return Err(e);
         }
         tracing::error!(
-            rank = self.comm.rank(),
+            rank = self.world().rank(),
             "a checkpoint saved in the background failed: {e}"
         );
         lock(&self.failed_save).get_or_insert(e);

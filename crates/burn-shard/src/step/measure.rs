@@ -59,7 +59,7 @@ pub(crate) fn measure(
         && !scaler.update(norms.total)
     {
         tracing::warn!(
-            rank = cx.comm.rank(),
+            rank = cx.world.rank(),
             scale = scaler.scale(),
             "gradient overflow: step skipped, loss scale backed off"
         );
@@ -69,7 +69,7 @@ pub(crate) fn measure(
         // Without a loss scaler nothing skips: say so, as PyTorch's clip_grad_norm_ would
         // with error_if_nonfinite.
         tracing::warn!(
-            rank = cx.comm.rank(),
+            rank = cx.world.rank(),
             norm = norms.total,
             "non-finite gradient norm: the step applies it (configure a LossScaler to skip such steps)"
         );

@@ -310,9 +310,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 self.half_applied = Some(e.to_string());
             }
             // A rank that fails alone (a wrong model, say) must not leave the others waiting.
-            self.comm.abort(&format!(
+            self.world().abort(&format!(
                 "rank {} failed in ShardedOptimizer::step: {e}",
-                self.comm.rank()
+                self.world().rank()
             ));
         }
         result
@@ -419,9 +419,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 Ok(())
             });
         if let Err(e) = &result {
-            self.comm.abort(&format!(
+            self.world().abort(&format!(
                 "rank {} failed in ShardedOptimizer::accumulate: {e}",
-                self.comm.rank()
+                self.world().rank()
             ));
         }
         result

@@ -37,8 +37,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
         let parameters_bytes = shards_on_device + module_param_bytes(model, |id| shards.contains_key(id));
         MemoryReport {
-            rank: self.comm.rank(),
-            world_size: self.comm.world_size(),
+            rank: self.world().rank(),
+            world_size: self.world().world_size(),
             stage: self.stage().number(),
             parameters_bytes,
             gradients_bytes: self.last.gradients_bytes + self.pending.last_cycle_bytes(),
