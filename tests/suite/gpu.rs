@@ -256,6 +256,50 @@ fn gpu_sharded_training_matches_single_device() {
     }
 }
 
+/// Hybrid sharding over NCCL (`ncclCommSplit`, NCCL 2.18): every GPU's rank in `n / 2` shard
+/// groups of 2 when `n` is even (`n` groups of 1 otherwise), stages 1-3, against single-device
+/// training, every rank holding the same parameters. Skipped without 2 GPUs; fails with the
+/// fix named when the NCCL loaded has no `ncclCommSplit`.
+#[test]
+fn gpu_hybrid_sharding_over_nccl_matches_single_device() {
+    let n = gpus();
+    if n < 2 {
+        eprintln!("skipped: hybrid sharding needs at least 2 GPUs, found {n}");
+        return;
+    }
+    let replicas = if n.is_multiple_of(2) { n / 2 } else { n };
+    let device = Device::flex().autodiff();
+    let base = TinyMlp::new(&device);
+    let global_batch = 4 * n;
+    let (_, ref_params) = reference_run(&base, AdamConfig::new().init(), 10, global_batch, 1e-2);
+    for stage in [Stage::One, Stage::Two, Stage::Three] {
+        let out = on_all_gpus(n, |comm| {
+            let rank = comm.rank();
+            let device = comm.device().clone().autodiff();
+            let (mut model, mut optim) = ShardConfig::new(stage)
+                .with_replicas(replicas)
+                .init(base.clone().fork(&device), AdamConfig::new(), comm)
+                .unwrap_or_else(|e| panic!("stage {stage}, {replicas} replicas: {e}"));
+            for step in 0..10 {
+                let (x, y) = batch(step, global_batch);
+                let (a, b) = (rank * 4, rank * 4 + 4);
+                let loss = mse(&model, rows(&x, IN, a, b, &device), rows(&y, OUT, a, b, &device));
+                model = sharded_step(&mut optim, model, loss, 1e-2).0;
+            }
+            params_of(&model.materialize())
+        });
+        for (rank, params) in out.iter().enumerate() {
+            assert_eq!(params, &out[0], "stage {stage}: rank {rank} holds other parameters");
+        }
+        let diff = max_abs_diff(&out[0], &ref_params);
+        eprintln!(
+            "NCCL HSDP {replicas} x {}, stage {stage}: max |param - reference| = {diff:e}",
+            n / replicas
+        );
+        assert!(diff < CUDA_TOLERANCE, "stage {stage}: parameters off by {diff:e}");
+    }
+}
+
 /// The in-process backend with 2 and 4 ranks as threads, their tensors on GPU 0: stages 0-3
 /// against single-device training on the CPU (the same check as the wgpu test, through
 /// CUDA's kernels, Burn's `fusion` on or off as the build has it).

@@ -10,6 +10,8 @@
 //! - `cargo xtask bench infinity`: a GPT whose model state exceeds this machine's memory, trained
 //!   with its optimizer state on disk (`NvmeOffload`), against the disk and compute bounds (see
 //!   `bench_infinity.rs`).
+//! - `cargo xtask bench hsdp`: flat sharding against hybrid sharding on 4 ranks as 2 "nodes":
+//!   bytes across and within nodes per step against the theory (`bench_hsdp.rs`).
 //! - `cargo xtask setup`: lavapipe and CubeCL's LLVM bundle on Debian/Ubuntu (`setup.rs`).
 //! - `cargo xtask multi-gpu-test`: the GPU suite on every GPU (`multi_gpu_test.rs`).
 //! - `cargo xtask gpu-bundle`: the GPU suite and the GPU benchmark as stripped binaries with a
@@ -19,6 +21,7 @@
 
 mod bench_adam;
 mod bench_checkpoint;
+mod bench_hsdp;
 mod bench_infinity;
 mod bench_init;
 mod bench_sharding;
@@ -84,6 +87,9 @@ enum Bench {
     /// What saving costs a training run: the same GPT without saves, with `save_checkpoint`
     /// and with `save_checkpoint_async` every k steps (total and per-step times, staged bytes).
     Checkpoint(bench_checkpoint::Args),
+    /// Flat sharding against hybrid sharding (2 shard groups of 2) on 4 ranks seen as 2 nodes:
+    /// bytes per rank and step across and within nodes, against the theory, and step time.
+    Hsdp(bench_hsdp::Args),
 }
 
 fn main() {
@@ -104,6 +110,9 @@ fn main() {
         Task::Bench {
             which: Bench::Checkpoint(args),
         } => bench_checkpoint::run(&args),
+        Task::Bench {
+            which: Bench::Hsdp(args),
+        } => bench_hsdp::run(&args),
         Task::Setup(args) => setup::run(&args),
         Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
         Task::GpuBundle(args) => gpu_bundle::run(&args),

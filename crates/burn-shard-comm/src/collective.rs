@@ -154,6 +154,13 @@ pub trait Collective: Send + Sync {
     /// others do not wait for it until the timeout.
     fn abort(&self, reason: &str);
 
+    /// The device every tensor passed to this group must live on (NCCL: its GPU), for callers
+    /// that build small tensors of their own (the ranks' colors in [`Collective::split`]);
+    /// `None` (the default) when any device works.
+    fn required_device(&self) -> Option<burn::tensor::Device> {
+        None
+    }
+
     /// Splits the group into disjoint sub-groups, as `MPI_Comm_split` and `ncclCommSplit` do:
     /// the ranks that pass the same `color` form one group, numbered by `key` (ties broken by
     /// rank in this group). A collective over this group: every rank calls it once, at the
@@ -162,12 +169,13 @@ pub trait Collective: Send + Sync {
     /// sub-groups of a rank together, see [`crate::Mesh`].
     ///
     /// # Errors
-    /// [`CommError::Unsupported`] (the default) where the backend cannot split; the backend's
-    /// errors of a collective.
+    /// [`CommError::Unsupported`] (the default) where the backend cannot split (NCCL before
+    /// 2.18); the backend's errors of a collective.
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>, CommError> {
         let _ = (color, key);
         Err(CommError::Unsupported(
-            "splitting a group into sub-groups (hybrid sharding needs it); the in-process and MPI backends can".into(),
+            "splitting a group into sub-groups (hybrid sharding needs it); the in-process, MPI and NCCL backends can"
+                .into(),
         ))
     }
 }
@@ -246,5 +254,9 @@ impl<C: Collective + ?Sized> Collective for std::sync::Arc<C> {
 
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>, CommError> {
         (**self).split(color, key)
+    }
+
+    fn required_device(&self) -> Option<burn::tensor::Device> {
+        (**self).required_device()
     }
 }

@@ -163,7 +163,8 @@ impl Mesh {
 /// differs.
 fn agree_on_mesh(world: &dyn Collective, replicas: usize, layout: MeshLayout) -> Result<(), CommError> {
     let mine = TensorData::new(vec![replicas as f32, layout.code()], [2]);
-    let all = world.all_gather(Tensor::<1>::from_data(mine, &Device::flex()))?;
+    let device = world.required_device().unwrap_or_else(Device::flex);
+    let all = world.all_gather(Tensor::<1>::from_data(mine, &device))?;
     let all: Vec<f32> = all
         .into_data()
         .convert::<f32>()
@@ -309,5 +310,9 @@ impl Collective for Linked {
 
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>, CommError> {
         self.check(self.inner().split(color, key))
+    }
+
+    fn required_device(&self) -> Option<Device> {
+        self.inner().required_device()
     }
 }

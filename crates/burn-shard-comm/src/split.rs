@@ -31,7 +31,8 @@ pub(crate) fn plan(parent: &dyn Collective, color: usize, key: usize) -> Result<
         parent.abort(&err.to_string());
         return Err(err);
     }
-    let mine = Tensor::<1>::from_data(TensorData::new(vec![color as f32, key as f32], [2]), &Device::flex());
+    let device = parent.required_device().unwrap_or_else(Device::flex);
+    let mine = Tensor::<1>::from_data(TensorData::new(vec![color as f32, key as f32], [2]), &device);
     let all = parent.all_gather(mine)?;
     let all: Vec<f32> = all
         .into_data()

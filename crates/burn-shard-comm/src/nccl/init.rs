@@ -90,6 +90,29 @@ pub(super) fn init_comm(
             "ncclCommInitRankConfig ({who}) returned {result:?} (set NCCL_DEBUG=WARN for NCCL's reason)"
         )));
     }
+    wait_until_ready(comm, &who, rank, world_size, timeout)?;
+    Ok((comm, true))
+}
+
+/// Polls a communicator being created non-blocking (`ncclCommInitRankConfig`, `ncclCommSplit`)
+/// until it is ready; aborts it and fails on an error or after `timeout`. `who` names the rank
+/// and device in the messages.
+///
+/// # Errors
+/// [`CommError::Backend`] when NCCL reports an error, [`CommError::NcclTimeout`] after
+/// `timeout`; the communicator is aborted in both cases.
+pub(super) fn wait_until_ready(
+    comm: ncclsys::ncclComm_t,
+    who: &str,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+) -> Result<(), CommError> {
+    let abort = |comm: ncclsys::ncclComm_t| {
+        // SAFETY: `comm` is the non-null communicator the caller just created, not yet aborted
+        // or destroyed, and used by this thread only: no `NcclComm` holds it yet.
+        let _ = unsafe { nccl::comm_abort(comm) };
+    };
     // Non-blocking: the communicator is ready when its state leaves ncclInProgress (NCCL user
     // guide, "Creating a communication with options" and "Fault Tolerance").
     let start = Instant::now();
@@ -121,5 +144,5 @@ pub(super) fn init_comm(
         }
         std::thread::sleep(INIT_POLL);
     }
-    Ok((comm, true))
+    Ok(())
 }

@@ -29,7 +29,8 @@
 //! `config.rs` (creating the communicator, non-blocking where NCCL allows), `library.rs`
 //! (loading libcuda/libnccl), `bandwidth.rs` (the device's copy bandwidth, for benchmarks), `state.rs` (`ncclCommGetAsyncError`), `buffers.rs` (tensors as
 //! NCCL gets them), `run.rs`, `issue.rs` and `wait.rs` (one collective, start to end),
-//! `group.rs` (the `*_many` calls); this file wires them into [`Collective`].
+//! `group.rs` (the `*_many` calls), `split.rs` (sub-groups, `ncclCommSplit`); this file wires them
+//! into [`Collective`].
 
 mod bandwidth;
 mod buffers;
@@ -42,6 +43,7 @@ mod issue;
 mod join;
 mod library;
 mod run;
+mod split;
 mod state;
 mod wait;
 
@@ -150,6 +152,16 @@ impl Collective for NcclComm {
     /// [`CommError::Aborted`]; with a blocking communicator (NCCL < 2.14) a call stuck inside NCCL
     /// is not interrupted, and this waits for it. Every later call returns
     /// [`CommError::Aborted`] carrying the first reason given.
+    /// `ncclCommSplit` (see `split.rs`).
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>, CommError> {
+        self.split_group(color, key)
+            .map(|comm| Box::new(comm) as Box<dyn Collective>)
+    }
+
+    fn required_device(&self) -> Option<burn::tensor::Device> {
+        Some(self.device.clone())
+    }
+
     fn abort(&self, reason: &str) {
         let _ = self.abort_reason.set(reason.to_string());
         self.abort_requested.store(true, Ordering::SeqCst);
