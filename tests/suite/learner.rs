@@ -521,6 +521,46 @@ fn sharded_strategy_resumes_an_epoch_checkpoint_at_another_world_size_and_stage(
     );
 }
 
+/// burn-train's Learner under hybrid sharding (4 ranks as 2 replicas of shard groups of 2, stage
+/// 3): the single-device Learner's parameters and logged losses (within 1e-4), and its epoch
+/// checkpoints, written by shard group 0 alone (rank files 0 and 1) in the background, kept and
+/// deleted by burn-train's strategy as in a flat run.
+#[test]
+fn sharded_strategy_trains_under_hybrid_sharding_as_the_single_device_learner() {
+    let epochs = 4;
+    let run = Run::epochs(epochs);
+    let ref_dir = scratch("learner", "hsdp-reference");
+    let reference = finished(&train(&ref_dir, None, &run), "reference");
+    let dir = scratch("learner", "hsdp");
+    let config = ShardConfig::new(Stage::Three).with_replicas(2);
+    let params = finished(&train(&dir, Some((4, config)), &run), "2 x 2 mesh");
+    let diff = max_abs_diff(&params, &reference);
+    assert!(
+        diff < 1e-4,
+        "parameters differ from the single-device Learner by {diff}"
+    );
+    for epoch in 1..=epochs {
+        let (got, want) = (logged_loss(&dir, "train", epoch), logged_loss(&ref_dir, "train", epoch));
+        assert!(
+            (got - want).abs() < 1e-4,
+            "train loss of epoch {epoch}: {got}, single-device {want}"
+        );
+    }
+    let kept: Vec<bool> = (1..=epochs)
+        .map(|e| dir.join(format!("checkpoints/epoch-{e}")).exists())
+        .collect();
+    assert_eq!(
+        kept,
+        [false, false, true, true],
+        "checkpoints kept by burn-train's strategy"
+    );
+    let files = burn_shard::checkpoint::inspect(dir.join("checkpoints/epoch-4"))
+        .expect("a complete checkpoint")
+        .bytes_per_rank()
+        .len();
+    assert_eq!(files, 2, "shard group 0 writes the files of a world of 2");
+}
+
 /// One process per rank, as `burn-shard-run` or `mpirun` start them (here threads that each
 /// build and launch their own `SupervisedTraining`, with a rank's collective each): the same
 /// parameters as the single-device Learner, and early stopping configured on rank 0 alone
