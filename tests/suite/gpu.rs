@@ -256,10 +256,9 @@ fn gpu_sharded_training_matches_single_device() {
     }
 }
 
-/// Hybrid sharding over NCCL (`ncclCommSplit`, NCCL 2.18): every GPU's rank in `n / 2` shard
-/// groups of 2 when `n` is even (`n` groups of 1 otherwise), stages 1-3, against single-device
-/// training, every rank holding the same parameters. Skipped without 2 GPUs; fails with the
-/// fix named when the NCCL loaded has no `ncclCommSplit`.
+/// Hybrid sharding over NCCL (`ncclCommSplit`, or new communicators before NCCL 2.18): every
+/// GPU's rank in 2 shard groups of `n / 2` when `n` is even (`n` groups of 1 otherwise), stages 1-3, against single-device
+/// training, every rank holding the same parameters. Skipped without 2 GPUs.
 #[test]
 fn gpu_hybrid_sharding_over_nccl_matches_single_device() {
     let n = gpus();
@@ -267,7 +266,8 @@ fn gpu_hybrid_sharding_over_nccl_matches_single_device() {
         eprintln!("skipped: hybrid sharding needs at least 2 GPUs, found {n}");
         return;
     }
-    let replicas = if n.is_multiple_of(2) { n / 2 } else { n };
+    // 2 shard groups of n/2 GPUs (n even), or n groups of 1: always a real split.
+    let replicas = if n.is_multiple_of(2) { 2 } else { n };
     let device = Device::flex().autodiff();
     let base = TinyMlp::new(&device);
     let global_batch = 4 * n;
@@ -280,6 +280,7 @@ fn gpu_hybrid_sharding_over_nccl_matches_single_device() {
                 .with_replicas(replicas)
                 .init(base.clone().fork(&device), AdamConfig::new(), comm)
                 .unwrap_or_else(|e| panic!("stage {stage}, {replicas} replicas: {e}"));
+            assert!(optim.mesh().is_some(), "a mesh of {replicas} replicas");
             for step in 0..10 {
                 let (x, y) = batch(step, global_batch);
                 let (a, b) = (rank * 4, rank * 4 + 4);

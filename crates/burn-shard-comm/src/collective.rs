@@ -169,8 +169,8 @@ pub trait Collective: Send + Sync {
     /// sub-groups of a rank together, see [`crate::Mesh`].
     ///
     /// # Errors
-    /// [`CommError::Unsupported`] (the default) where the backend cannot split (NCCL before
-    /// 2.18); the backend's errors of a collective.
+    /// [`CommError::Unsupported`] (the default) where the backend cannot split; the backend's
+    /// errors of a collective.
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>, CommError> {
         let _ = (color, key);
         Err(CommError::Unsupported(

@@ -80,6 +80,16 @@ impl NcclId {
         }
     }
 
+    /// The 128 bytes, to pass the id through a collective (`split.rs`).
+    pub(super) fn bytes(&self) -> [u8; 128] {
+        self.0
+    }
+
+    /// An id from [`NcclId::bytes`].
+    pub(super) fn from_bytes(bytes: [u8; 128]) -> Self {
+        Self(bytes)
+    }
+
     pub(super) fn raw(&self) -> ncclsys::ncclUniqueId {
         ncclsys::ncclUniqueId {
             internal: self.0.map(|b| b as std::ffi::c_char),

@@ -90,13 +90,13 @@ pub(super) fn init_comm(
             "ncclCommInitRankConfig ({who}) returned {result:?} (set NCCL_DEBUG=WARN for NCCL's reason)"
         )));
     }
-    wait_until_ready(comm, &who, rank, world_size, timeout)?;
+    wait_until_ready(comm, &who, rank, world_size, timeout, "joining the communicator")?;
     Ok((comm, true))
 }
 
 /// Polls a communicator being created non-blocking (`ncclCommInitRankConfig`, `ncclCommSplit`)
 /// until it is ready; aborts it and fails on an error or after `timeout`. `who` names the rank
-/// and device in the messages.
+/// and device in the messages, `doing` what was being done ("joining the communicator").
 ///
 /// # Errors
 /// [`CommError::Backend`] when NCCL reports an error, [`CommError::NcclTimeout`] after
@@ -107,6 +107,7 @@ pub(super) fn wait_until_ready(
     rank: usize,
     world_size: usize,
     timeout: Duration,
+    doing: &str,
 ) -> Result<(), CommError> {
     let abort = |comm: ncclsys::ncclComm_t| {
         // SAFETY: `comm` is the non-null communicator the caller just created, not yet aborted
@@ -123,8 +124,8 @@ pub(super) fn wait_until_ready(
             CommState::Failed(what) => {
                 abort(comm);
                 return Err(CommError::Backend(format!(
-                    "joining the NCCL communicator as {who} failed with {what}: check that every rank uses the same \
-                     NCCL id and reaches the others over the network (set NCCL_DEBUG=WARN for NCCL's reason)"
+                    "{doing} as {who} failed with {what}: check that every rank uses the same NCCL id and reaches \
+                     the others over the network (set NCCL_DEBUG=WARN for NCCL's reason)"
                 )));
             }
         }
@@ -134,10 +135,10 @@ pub(super) fn wait_until_ready(
             return Err(CommError::NcclTimeout {
                 rank,
                 op: format!(
-                    "initialisation (joining the communicator as {who}: check that all {world_size} ranks started \
-                     and joined with the same NCCL id, and that every node reaches the others over the network, \
-                     e.g. NCCL_SOCKET_IFNAME; the init timeout is the one given to NcclComm::new_with_init_timeout \
-                     or NcclComm::from_rendezvous_env)"
+                    "initialisation ({doing} as {who}: check that all {world_size} ranks started and joined \
+                     with the same NCCL id, and that every node reaches the others over the network, e.g. \
+                     NCCL_SOCKET_IFNAME; the timeout is the one given to NcclComm::new_with_init_timeout or \
+                     NcclComm::from_rendezvous_env, or the parent's for a sub-group)"
                 ),
                 waited,
             });

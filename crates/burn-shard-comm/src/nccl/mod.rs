@@ -147,12 +147,7 @@ impl Collective for NcclComm {
         self.stats.snapshot()
     }
 
-    /// Aborts the communicator (`ncclCommAbort`) and returns once it is aborted. A collective in
-    /// progress on another thread notices within a poll interval, aborts it itself and returns
-    /// [`CommError::Aborted`]; with a blocking communicator (NCCL < 2.14) a call stuck inside NCCL
-    /// is not interrupted, and this waits for it. Every later call returns
-    /// [`CommError::Aborted`] carrying the first reason given.
-    /// `ncclCommSplit` (see `split.rs`).
+    /// `ncclCommSplit`, or new communicators before NCCL 2.18 (see `split.rs`).
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Collective>, CommError> {
         self.split_group(color, key)
             .map(|comm| Box::new(comm) as Box<dyn Collective>)
@@ -162,6 +157,11 @@ impl Collective for NcclComm {
         Some(self.device.clone())
     }
 
+    /// Aborts the communicator (`ncclCommAbort`) and returns once it is aborted. A collective in
+    /// progress on another thread notices within a poll interval, aborts it itself and returns
+    /// [`CommError::Aborted`]; with a blocking communicator (NCCL < 2.14) a call stuck inside NCCL
+    /// is not interrupted, and this waits for it. Every later call returns
+    /// [`CommError::Aborted`] carrying the first reason given.
     fn abort(&self, reason: &str) {
         let _ = self.abort_reason.set(reason.to_string());
         self.abort_requested.store(true, Ordering::SeqCst);

@@ -34,8 +34,14 @@ pub(crate) fn any_rank(comm: &dyn Collective, flags: &[bool], device: &Device) -
     Ok(summed.iter().map(|&c| c > 0.0).collect())
 }
 
+/// Where the small agreement tensors of a phase without a model device live: Burn's `Flex` CPU
+/// device, or the device the collective requires (NCCL: its GPU, which takes no host tensor).
+pub(crate) fn flag_device(comm: &dyn Collective) -> Device {
+    comm.required_device().unwrap_or_else(Device::flex)
+}
+
 /// `values` (one `u64` each) summed over the ranks, wrapping: one `f32` all-reduce of their
-/// bytes on `Flex` (no accelerator involved). A sum of bytes over fewer than 65 793 ranks stays
+/// bytes on [`flag_device`]. A sum of bytes over fewer than 65 793 ranks stays
 /// below 2^24, where `f32` counts exactly, and the byte sums recombine into the wrapping sum of
 /// the `u64`s. With zeros on every rank but one, every rank gets that rank's values.
 ///
@@ -46,7 +52,7 @@ pub(crate) fn sum_u64(comm: &dyn Collective, values: &[u64]) -> Result<Vec<u64>,
     let n = bytes.len();
     let summed = comm
         .all_reduce(
-            Tensor::<1>::from_data(TensorData::new(bytes, [n]), (&Device::flex(), DType::F32)),
+            Tensor::<1>::from_data(TensorData::new(bytes, [n]), (&flag_device(comm), DType::F32)),
             ReduceOp::Sum,
         )?
         .into_data()
@@ -90,14 +96,14 @@ pub(crate) fn failed_ranks(comm: &dyn Collective, failed: bool, device: &Device)
 /// Ends one step of a collective file operation (`op`, e.g. "save_checkpoint") on every rank
 /// with the same outcome: a rank that failed returns its own error, every other rank
 /// [`CheckpointError::PeerFailed`] naming the failed ranks. No rank is left waiting, and the
-/// group stays usable. The flags travel on Burn's `Flex` CPU device (a checkpoint's phases
-/// involve no accelerator).
+/// group stays usable. The flags travel on [`flag_device`] (a checkpoint's phases involve no
+/// accelerator where the collective allows it).
 ///
 /// # Errors
 /// `result`'s own error, [`CheckpointError::PeerFailed`] (in [`ShardError::Checkpoint`]), or
 /// [`ShardError::Comm`] when the all-reduce fails.
 pub(crate) fn agree<T>(comm: &dyn Collective, result: Result<T, ShardError>, op: &str) -> Result<T, ShardError> {
-    let failed = failed_ranks(comm, result.is_err(), &Device::flex())?;
+    let failed = failed_ranks(comm, result.is_err(), &flag_device(comm))?;
     match result {
         Ok(_) if !failed.is_empty() => Err(CheckpointError::PeerFailed {
             op: op.to_string(),

@@ -4,11 +4,9 @@
 
 use std::path::PathBuf;
 
-use burn::tensor::Device;
-
 use crate::error::ShardError;
 use crate::optim::master::MasterWeightStep;
-use crate::step::agreement::{after_failed_save, agree, any_rank};
+use crate::step::agreement::{after_failed_save, agree, any_rank, flag_device};
 use crate::step::optimizer::ShardedOptimizer;
 use crate::step::save_in_flight::{SaveInFlight, lock};
 
@@ -82,7 +80,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             let Some(written) = lock(&self.in_flight).front().map(SaveInFlight::written) else {
                 return Ok(());
             };
-            if !wait && any_rank(self.comm.as_ref(), &[!written], &Device::flex())?[0] {
+            if !wait && any_rank(self.comm.as_ref(), &[!written], &flag_device(self.comm.as_ref()))?[0] {
                 return Ok(()); // a writer still runs: settle at a later step
             }
             self.settle_oldest()?;
