@@ -148,13 +148,33 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     pub fn set_aside_abandoned(&self, root: impl AsRef<Path>) -> Result<Vec<PathBuf>, ShardError> {
         // Hybrid sharding: shard group 0 moves them (the other groups write no checkpoint) and
         // the others learn its outcome.
-        let moved = match self.writes_checkpoints() {
-            true => self.set_aside_in_group(root.as_ref()),
-            false => Ok(Vec::new()),
+        self.by_shard_group_zero(
+            "set_aside_abandoned",
+            || self.set_aside_in_group(root.as_ref()),
+            || Ok(Vec::new()),
+        )
+    }
+
+    /// Runs `in_group` on the ranks of shard group 0 and `elsewhere` on the others, then gives
+    /// every rank the outcome of its replica in group 0 (one all-reduce over the replicas):
+    /// what only one copy of the state does (writing a checkpoint). `in_group` alone when flat.
+    ///
+    /// # Errors
+    /// The rank's own error, [`CheckpointError::PeerFailed`] naming the replica that failed,
+    /// [`ShardError::Comm`].
+    fn by_shard_group_zero<T>(
+        &self,
+        op: &str,
+        in_group: impl FnOnce() -> Result<T, ShardError>,
+        elsewhere: impl FnOnce() -> Result<T, ShardError>,
+    ) -> Result<T, ShardError> {
+        let result = match self.writes_checkpoints() {
+            true => in_group(),
+            false => elsewhere(),
         };
         match self.replicate() {
-            Some(replicate) => crate::step::agreement::agree(replicate, moved, "set_aside_abandoned"),
-            None => moved,
+            Some(replicate) => crate::step::agreement::agree(replicate, result, op),
+            None => result,
         }
     }
 
@@ -186,14 +206,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         scheduler: Option<LrSchedulerRecord>,
         background: bool,
     ) -> Result<(), ShardError> {
-        let saved = match self.writes_checkpoints() {
-            true => self.save_in_group(model, dir, payload, scheduler, background),
-            false => self.refuse_half_applied("save a checkpoint"),
-        };
-        match self.replicate() {
-            Some(replicate) => crate::step::agreement::agree(replicate, saved, "save_checkpoint"),
-            None => saved,
-        }
+        self.by_shard_group_zero(
+            "save_checkpoint",
+            || self.save_in_group(model, dir, payload, scheduler, background),
+            || self.refuse_half_applied("save a checkpoint"),
+        )
     }
 
     /// The save of [`ShardedOptimizer::save_impl`] within the shard group (every rank when flat).
