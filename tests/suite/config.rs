@@ -62,6 +62,26 @@ fn nvme_offload_params_reads_its_settings_or_a_directory_alone() {
     assert_eq!(none.nvme_offload_params, None);
 }
 
+/// The mesh of hybrid sharding round-trips, with its layout as a word.
+#[test]
+fn the_mesh_round_trips_with_its_layout_named() {
+    let config = ShardConfig::new(Stage::Three)
+        .with_replicas(4)
+        .with_mesh_layout(burn_shard::MeshLayout::Interleaved);
+    let json = serde_json::to_value(&config).unwrap();
+    assert_eq!(
+        (&json["replicas"], &json["mesh_layout"]),
+        (&serde_json::json!(4), &serde_json::json!("interleaved"))
+    );
+    let loaded: ShardConfig = serde_json::from_value(json).unwrap();
+    assert_eq!(loaded, config);
+    let flat: ShardConfig = serde_json::from_str("{\"stage\": 2}").unwrap();
+    assert_eq!(
+        (flat.replicas, flat.mesh_layout),
+        (1, burn_shard::MeshLayout::Consecutive)
+    );
+}
+
 #[test]
 fn fields_left_out_take_the_defaults_of_shard_config_new() {
     for stage in 0..=3u8 {
