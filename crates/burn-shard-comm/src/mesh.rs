@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 
 use crate::{Collective, CommError, CommStats, ReduceOp, Work};
 
@@ -162,14 +162,7 @@ impl Mesh {
 /// Every rank's `(replicas, layout)` equals rank 0's, or every rank fails naming the first that
 /// differs.
 fn agree_on_mesh(world: &dyn Collective, replicas: usize, layout: MeshLayout) -> Result<(), CommError> {
-    let mine = TensorData::new(vec![replicas as f32, layout.code()], [2]);
-    let device = world.required_device().unwrap_or_else(Device::flex);
-    let all = world.all_gather(Tensor::<1>::from_data(mine, &device))?;
-    let all: Vec<f32> = all
-        .into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .map_err(|e| CommError::Backend(format!("mesh: cannot read the ranks' meshes: {e:?}")))?;
+    let all = crate::split::all_gather_values(world, vec![replicas as f32, layout.code()], "the ranks' meshes")?;
     let pairs: Vec<&[f32]> = all.chunks(2).collect();
     match pairs.iter().position(|p| *p != pairs[0]) {
         None => Ok(()),

@@ -31,14 +31,7 @@ pub(crate) fn plan(parent: &dyn Collective, color: usize, key: usize) -> Result<
         parent.abort(&err.to_string());
         return Err(err);
     }
-    let device = parent.required_device().unwrap_or_else(Device::flex);
-    let mine = Tensor::<1>::from_data(TensorData::new(vec![color as f32, key as f32], [2]), &device);
-    let all = parent.all_gather(mine)?;
-    let all: Vec<f32> = all
-        .into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .map_err(|e| CommError::Backend(format!("split: cannot read the ranks' colors: {e:?}")))?;
+    let all = all_gather_values(parent, vec![color as f32, key as f32], "the ranks' colors")?;
     let labels: Vec<(usize, usize)> = all.chunks(2).map(|p| (p[0] as usize, p[1] as usize)).collect();
     let mut members: Vec<usize> = (0..labels.len()).filter(|&r| labels[r].0 == color).collect();
     members.sort_by_key(|&r| (labels[r].1, r));
@@ -47,4 +40,20 @@ pub(crate) fn plan(parent: &dyn Collective, color: usize, key: usize) -> Result<
         .position(|&r| r == parent.rank())
         .expect("this rank has its own color");
     Ok(SplitPlan { members, rank })
+}
+
+/// Every rank's `values` (the same length on every rank), in rank order: one all-gather of a few
+/// host numbers, on the device the group requires (NCCL: its GPU) or `Flex`. `what` names them
+/// in the error.
+///
+/// # Errors
+/// The all-gather's; [`CommError::Backend`] when the result cannot be read back.
+pub(crate) fn all_gather_values(comm: &dyn Collective, values: Vec<f32>, what: &str) -> Result<Vec<f32>, CommError> {
+    let device = comm.required_device().unwrap_or_else(Device::flex);
+    let len = values.len();
+    let all = comm.all_gather(Tensor::<1>::from_data(TensorData::new(values, [len]), &device))?;
+    all.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| CommError::Backend(format!("cannot read {what} back from the all-gather: {e:?}")))
 }

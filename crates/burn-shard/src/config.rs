@@ -656,8 +656,9 @@ impl ShardConfig {
             Stage::Two => StagePlan::Two,
             // Entry by entry: each is synced and sharded before the next exists.
             Stage::Three => {
-                let optim = self.shard_parameters(model, optim, options, root, comm, census, buffers, param_home)?;
-                return Ok((optim.0, optim.1.with_mesh(mesh)));
+                return self
+                    .shard_parameters(model, optim, options, root, comm, census, buffers, param_home)
+                    .map(|(model, optim)| (model, optim.with_mesh(mesh)));
             }
         };
         let mut sync = SyncEntries { census: &census, root };

@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Tensor, TensorData};
 use cudarc::driver::CudaContext;
 use cudarc::nccl::sys as ncclsys;
 use cudarc::nccl::sys::ncclResult_t;
@@ -19,9 +18,9 @@ use super::id::NcclId;
 use super::init::wait_until_ready;
 use super::library::nccl_has_symbol;
 use super::state::{CommState, async_state};
+use crate::CommError;
 use crate::split::SplitPlan;
 use crate::stats::StatsCounter;
-use crate::{Collective, CommError};
 
 /// What `ncclCommSplit` is given to write into and read, kept for the process's life (see
 /// [`NcclComm::split_group`]).
@@ -172,13 +171,7 @@ impl NcclComm {
                 }
             }
         }
-        let sent = Tensor::<1>::from_data(TensorData::new(sent, [ID + 1]), &self.device);
-        let all = self.all_gather(sent)?;
-        let all: Vec<f32> = all
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-            .map_err(|e| CommError::Backend(format!("split: cannot read the sub-groups' NCCL ids: {e:?}")))?;
+        let all = crate::split::all_gather_values(self, sent, "the sub-groups' NCCL ids")?;
         let leader = plan.members[0];
         let chunk = &all[leader * (ID + 1)..(leader + 1) * (ID + 1)];
         if let Some(e) = own_error {

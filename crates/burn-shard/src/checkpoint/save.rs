@@ -172,6 +172,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             true => in_group(),
             false => elsewhere(),
         };
+        self.agree_across_replicas(result, op)
+    }
+
+    /// With hybrid sharding, `result` agreed over the replica group (every rank gets its own
+    /// error, or [`CheckpointError::PeerFailed`] naming the replica that failed); `result` itself
+    /// when flat.
+    fn agree_across_replicas<T>(&self, result: Result<T, ShardError>, op: &str) -> Result<T, ShardError> {
         match self.replicate() {
             Some(replicate) => crate::step::agreement::agree(replicate, result, op),
             None => result,
@@ -355,10 +362,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// the replicas never go on from different states.
     pub(crate) fn agree_everywhere<T>(&self, result: Result<T, ShardError>, op: &str) -> Result<T, ShardError> {
         let result = self.agree(result, op);
-        match self.replicate() {
-            Some(replicate) => crate::step::agreement::agree(replicate, result, op),
-            None => result,
-        }
+        self.agree_across_replicas(result, op)
     }
 
     /// This run's lineage with rank 0's run id on every rank (each rank draws its own id at

@@ -175,14 +175,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// every rank must decide alike goes through it (which slots have a gradient, the
     /// buffers' mean).
     pub(crate) fn world(&self) -> &dyn Collective {
-        self.mesh
-            .as_ref()
-            .map_or(self.comm.as_ref(), |mesh| mesh.world().as_ref())
+        world_and_replicate(&self.comm, self.mesh.as_deref()).0
     }
 
     /// With hybrid sharding, the group this rank's gradient shards are averaged over.
     pub(crate) fn replicate(&self) -> Option<&dyn Collective> {
-        self.mesh.as_ref().map(|mesh| mesh.replicate().as_ref())
+        world_and_replicate(&self.comm, self.mesh.as_deref()).1
     }
 
     /// Whether this rank writes checkpoints: every rank when flat, the ranks of shard group 0
@@ -459,15 +457,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             self.last.applied = true;
             return self.buffers.sync(self.world(), model);
         };
+        // From the fields, not `self.world()`: the step updates other fields while `cx` lives.
+        let (world, replicate) = world_and_replicate(&self.comm, self.mesh.as_deref());
         let cx = StepContext {
             layout: &self.layout,
             plan: &self.plan,
             comm: self.comm.as_ref(),
-            world: self
-                .mesh
-                .as_ref()
-                .map_or(self.comm.as_ref(), |mesh| mesh.world().as_ref()),
-            replicate: self.mesh.as_ref().map(|mesh| mesh.replicate().as_ref()),
+            world,
+            replicate,
             device,
             loss_scale: self.loss_scaler.as_ref().map(LossScaler::scale),
         };
@@ -679,5 +676,17 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Tensors are 1-D.
     pub fn slot_states(&self) -> &[Option<O::State<1>>] {
         &self.slots.states
+    }
+}
+
+/// The world (`comm` when flat) and, with hybrid sharding, the replica group of an optimizer
+/// whose state is sharded over `comm` (the mesh's shard group when there is a `mesh`).
+fn world_and_replicate<'a>(
+    comm: &'a Arc<dyn Collective>,
+    mesh: Option<&'a Mesh>,
+) -> (&'a dyn Collective, Option<&'a dyn Collective>) {
+    match mesh {
+        Some(mesh) => (mesh.world().as_ref(), Some(mesh.replicate().as_ref())),
+        None => (comm.as_ref(), None),
     }
 }
