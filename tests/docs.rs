@@ -1,6 +1,7 @@
 //! The Rust snippets of README.md, of the guides under docs/ and of examples/README.md,
 //! compiled as doctests by `cargo test --workspace` so that they cannot rot (run too, unless
-//! marked `no_run`; the NCCL and MPI ones compile only with the `cuda` / `mpi` feature).
+//! marked `no_run`; the NCCL and MPI ones compile only with the `cuda` / `mpi` feature). No
+//! snippet is `ignore`: the architecture test refuses one.
 //! Hidden `# ` lines in the snippets hold the setup a reader does not need to see.
 #![doc = include_str!("../README.md")]
 

@@ -427,3 +427,38 @@ fn stage_decisions_go_through_the_stage_plan() {
         branches.join("\n")
     );
 }
+
+/// Every Rust snippet of README.md, docs/ and examples/README.md is a doctest (tests/docs.rs
+/// includes each of these files): none is marked `ignore` or `text`-as-Rust, so none can rot;
+/// a snippet that cannot run here is `no_run` (compiled) and says why.
+#[test]
+fn every_rust_snippet_of_the_docs_is_compiled() {
+    let docs_rs = fs::read_to_string(root().join("tests/docs.rs")).unwrap();
+    let mut files = vec![root().join("README.md"), root().join("examples/README.md")];
+    for entry in fs::read_dir(root().join("docs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "md") {
+            files.push(path);
+        }
+    }
+    for file in files {
+        let text = fs::read_to_string(&file).unwrap();
+        let name = file.strip_prefix(root()).unwrap().to_string_lossy().into_owned();
+        let has_rust = text.lines().any(|l| l.trim_start().starts_with("```rust"));
+        if has_rust {
+            assert!(
+                docs_rs.contains(&format!("include_str!(\"../{name}\")")),
+                "{name} has Rust snippets but tests/docs.rs does not include it"
+            );
+        }
+        for (n, line) in text.lines().enumerate() {
+            let fence = line.trim_start();
+            assert!(
+                !(fence.starts_with("```rust") && fence.contains("ignore")),
+                "{name}:{}: a Rust snippet marked `ignore` is never compiled; make it a doctest (hidden `# ` \
+                 lines for its setup, `no_run` if it cannot run here)",
+                n + 1
+            );
+        }
+    }
+}

@@ -772,6 +772,9 @@ fn keep_last_removes_the_oldest_complete_checkpoints_only() {
         std::fs::write(root.join(name).join("COMPLETE"), b"").unwrap();
     }
     std::fs::create_dir_all(root.join("step-5000000.partial")).unwrap();
+    // A save killed between its COMPLETE marker and the rename: still not a checkpoint.
+    std::fs::create_dir_all(root.join("step-6000000.partial")).unwrap();
+    std::fs::write(root.join("step-6000000.partial").join("COMPLETE"), b"").unwrap();
     let names = |dirs: Vec<PathBuf>| -> Vec<String> {
         dirs.iter()
             .map(|d| d.file_name().unwrap().to_string_lossy().to_string())
@@ -784,9 +787,39 @@ fn keep_last_removes_the_oldest_complete_checkpoints_only() {
     assert_eq!(names(keep_last(&root, 2).unwrap()), ["step-9", "step-10"]);
     assert_eq!(names(list(&root).unwrap()), ["step-100", "step-1000000"]);
     assert!(
-        root.join("step-5000000.partial").exists(),
-        "an unfinished save is not touched"
+        root.join("step-5000000.partial").exists() && root.join("step-6000000.partial").exists(),
+        "an unfinished save is not touched, with or without its COMPLETE marker"
     );
+}
+
+/// The input (`step-9`, `step-10`, `step-12.partial` holding `COMPLETE`) through every
+/// reader that decides "is this a checkpoint": `list`, `newest`, `keep_last`, and a load of the
+/// `.partial` directory named directly (`CheckpointMeta::read`, which every load and
+/// `inspect` start with).
+#[test]
+fn a_partial_directory_with_its_marker_is_no_checkpoint_anywhere() {
+    use burn_shard::checkpoint::{CheckpointError, CheckpointMeta, keep_last, list, newest};
+    let root = scratch("checkpoint-tests", "partial-with-marker");
+    for name in ["step-9", "step-10", "step-12.partial"] {
+        std::fs::create_dir_all(root.join(name)).unwrap();
+        std::fs::write(root.join(name).join("COMPLETE"), b"").unwrap();
+        std::fs::write(root.join(name).join("meta.json"), b"{}").unwrap();
+    }
+    let names = |dirs: Vec<PathBuf>| -> Vec<String> {
+        dirs.iter()
+            .map(|d| d.file_name().unwrap().to_string_lossy().to_string())
+            .collect()
+    };
+    assert_eq!(names(list(&root).unwrap()), ["step-9", "step-10"]);
+    assert_eq!(names(newest(&root).unwrap().into_iter().collect()), ["step-10"]);
+    assert_eq!(names(keep_last(&root, 1).unwrap()), ["step-9"]);
+    assert!(
+        root.join("step-12.partial").join("COMPLETE").exists(),
+        "keep_last left it alone"
+    );
+    let err = CheckpointMeta::read(&root.join("step-12.partial")).unwrap_err();
+    assert!(matches!(err, CheckpointError::Incomplete { .. }), "{err}");
+    assert!(err.to_string().contains("DIR.partial"), "{err}");
 }
 
 /// Global batch of the lineage tests: divides by world sizes 1-4.

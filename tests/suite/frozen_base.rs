@@ -326,3 +326,40 @@ fn a_fingerprinted_checkpoint_is_the_size_of_what_trains() {
         fingerprinted.0
     );
 }
+
+/// docs/checkpoints.md's LoRA flow as written: LoRA applied to a lazy model, then
+/// `init_pretrained` from the base's file, which holds no adapters. The adapters are initialised
+/// by the model (rank 0's, as `init` does; PEFT's behaviour) with no `allow_missing`, at stages
+/// 0-3 on 1-3 ranks: every rank's model is the base bitwise (LoRA's `b` starts at zero, so the
+/// merged weight is the base), its adapters are the same on every rank, and training moves them.
+#[test]
+fn lora_on_a_lazy_model_loads_its_base_and_initialises_its_adapters() {
+    let root = scratch("frozen-base", "lora-pretrained");
+    let base = Base::new(&root, "base");
+    let expected = crate::sharded_init::entries_of(&base.lora.clone().materialize());
+    for world_size in 1..=3 {
+        for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+            let at = format!("stage {stage}, world size {world_size}");
+            let ranks = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                let device = Device::flex().autodiff();
+                let model = Net::new(&device).apply_lora(Lora::new(2, 4.0));
+                let (model, mut optim) = ShardConfig::new(stage)
+                    .init_pretrained(model, Pretrained::safetensors(&base.file), AdamWConfig::new(), comm)
+                    .unwrap_or_else(|e| panic!("{at}: {e}"));
+                let loaded = crate::sharded_init::entries_of(&model.clone().materialize());
+                let (model, _) = sharded_step(&mut optim, model.clone(), model.loss(0, &device), 1e-2);
+                (loaded, params_of(&model.materialize()))
+            })
+            .unwrap();
+            for (rank, (loaded, trained)) in ranks.iter().enumerate() {
+                crate::sharded_init::assert_bitwise(&format!("{at}, rank {rank}"), loaded, &expected);
+                assert_eq!(trained, &ranks[0].1, "{at}, rank {rank}: the ranks' adapters differ");
+            }
+            assert_ne!(
+                ranks[0].1,
+                params_of(&base.lora.clone().materialize()),
+                "{at}: a step moves the adapters"
+            );
+        }
+    }
+}

@@ -590,3 +590,121 @@ fn load_peak_child() {
     );
     assert!(read >= model_bytes, "read {:.1} MiB: less than the weights", mib(read));
 }
+
+/// `dir/model.safetensors` split as Hugging Face splits large models: its tensors dealt over
+/// 3 files `model-0000K-of-00003.safetensors`, with `model.safetensors.index.json` naming the
+/// file of each. Returns the index's path.
+fn split_in_three(whole: &Path, dir: &Path) -> PathBuf {
+    let bytes = std::fs::read(whole).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names = file.names();
+    names.sort();
+    let mut weight_map = serde_json::Map::new();
+    for part in 0..3 {
+        let name = format!("model-{:05}-of-00003.safetensors", part + 1);
+        let views: Vec<(String, safetensors::tensor::TensorView)> = names
+            .iter()
+            .skip(part)
+            .step_by(3)
+            .map(|n| (n.to_string(), file.tensor(n).unwrap()))
+            .collect();
+        for (n, _) in &views {
+            weight_map.insert(n.clone(), serde_json::Value::String(name.clone()));
+        }
+        safetensors::serialize_to_file(views, None, &dir.join(&name)).unwrap();
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let json = serde_json::json!({ "metadata": { "total_size": bytes.len() }, "weight_map": weight_map });
+    std::fs::write(&index, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+    index
+}
+
+/// A checkpoint split over 3 safetensors files loads from its index and from its directory,
+/// at stages 0-3 on 1-4 ranks and with hybrid sharding (2 replicas of 2): every rank's entries
+/// equal bitwise the model the whole file came from. What is not a checkpoint, an index naming
+/// a missing file and an index placing a tensor in a file without it fail naming what was given
+/// and what is expected.
+#[test]
+fn a_checkpoint_split_over_files_loads_from_its_index_or_directory() {
+    use burn_shard_examples::gpt::{Gpt, GptConfig};
+    let config = GptConfig {
+        vocab_size: 11,
+        block_size: 8,
+        n_embd: 16,
+        n_head: 2,
+        n_layer: 2,
+    };
+    let device = Device::flex().autodiff();
+    let saved = perturbed(Gpt::new(&config, &device));
+    let dir = scratch("pretrained", "split");
+    let whole = dir.join("whole.safetensors");
+    saved.save_into(&mut SafetensorsStore::from_file(&whole)).unwrap();
+    let split = dir.join("split");
+    std::fs::create_dir_all(&split).unwrap();
+    let index = split_in_three(&whole, &split);
+    let expected = entries_of(&saved);
+    let mut runs = Vec::new();
+    for world_size in 1..=4 {
+        for stage in STAGES {
+            runs.push((world_size, stage, 1));
+        }
+    }
+    runs.extend([(4, Stage::One, 2), (4, Stage::Three, 2)]);
+    for (world_size, stage, replicas) in runs {
+        for given in [&index, &split] {
+            let at = format!(
+                "{} at stage {stage}, world size {world_size}, {replicas} replicas",
+                given.display()
+            );
+            let ranks = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                let mut shard = ShardConfig::new(stage);
+                if replicas > 1 {
+                    shard = shard.with_replicas(replicas);
+                }
+                let (model, _) = shard
+                    .init_pretrained(
+                        Gpt::new(&config, &device),
+                        Pretrained::safetensors(given),
+                        adamw(),
+                        comm,
+                    )
+                    .unwrap_or_else(|e| panic!("{at}: {e}"));
+                entries_of(&model.materialize())
+            })
+            .unwrap();
+            for (rank, loaded) in ranks.iter().enumerate() {
+                assert_bitwise(&format!("{at}, rank {rank}"), loaded, &expected);
+            }
+        }
+    }
+
+    // What is given and what is expected, for each way of getting it wrong.
+    let problem = |p: Pretrained| p.problem().map(|e| e.to_string()).unwrap_or_default();
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let e = problem(Pretrained::safetensors(&empty));
+    assert!(e.contains("empty") && e.contains("model.safetensors"), "{e}");
+    let e = problem(Pretrained::safetensors(dir.join("missing.safetensors")));
+    assert!(
+        e.contains("missing.safetensors") && e.contains(".safetensors.index.json"),
+        "{e}"
+    );
+    let broken = dir.join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    let broken_index = broken.join("model.safetensors.index.json");
+    std::fs::copy(&index, &broken_index).unwrap();
+    let e = problem(Pretrained::safetensors(&broken_index));
+    assert!(
+        e.contains("model-00001-of-00003.safetensors") && e.contains("is not a file"),
+        "{e}"
+    );
+    for part in 1..=3 {
+        let name = format!("model-{part:05}-of-00003.safetensors");
+        std::fs::copy(split.join(&name), broken.join(&name)).unwrap();
+    }
+    let text = std::fs::read_to_string(&index).unwrap();
+    let moved = text.replacen("model-00001-of-00003", "model-00002-of-00003", 1);
+    std::fs::write(&broken_index, moved).unwrap();
+    let e = problem(Pretrained::safetensors(&broken));
+    assert!(e.contains("does not hold it"), "{e}");
+}

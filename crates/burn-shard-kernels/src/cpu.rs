@@ -151,11 +151,13 @@ fn next_moment(old: f32, x: f32, beta: f32, one_minus_beta: f32) -> f32 {
     beta * old + one_minus_beta * x
 }
 
-/// `p·decay - step_size·m / (sqrt(v)·inv_sqrt_bc2 + ε)`: the parameter update (see
-/// [`AdamScalars`] for the formula's source).
+/// `p·decay − δ·lr` with `δ = (m·moment_scale / moment_divisor) / (sqrt(v / variance_divisor)
+/// + ε)`: Burn's own expression in Burn's order (see [`AdamScalars`]), so that each rounding is
+/// the one Burn's Flex backend makes and the result is bitwise Burn's `Adam`/`AdamW`.
 #[inline(always)]
 fn updated_param(s: &AdamScalars, p: f32, m: f32, v: f32) -> f32 {
-    p * s.decay - s.step_size * m / (v.sqrt() * s.inv_sqrt_bc2 + s.epsilon)
+    let delta = (m * s.moment_scale / s.moment_divisor) / ((v / s.variance_divisor).sqrt() + s.epsilon);
+    p * s.decay - delta * s.lr
 }
 
 /// The element-wise update; written as one straight loop over zipped slices so LLVM
@@ -163,7 +165,7 @@ fn updated_param(s: &AdamScalars, p: f32, m: f32, v: f32) -> f32 {
 #[inline(always)]
 fn adam_chunk(s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let g = g + s.l2 * *p;
+        let g = *p * s.l2 + g;
         *m = next_moment(*m, g, s.beta_1, s.one_minus_beta_1);
         *v = next_moment(*v, g * g, s.beta_2, s.one_minus_beta_2);
         *p = updated_param(s, *p, *m, *v);
@@ -179,7 +181,7 @@ fn amsgrad_chunk(s: &AdamScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &m
         .zip(v.iter_mut())
         .zip(vmax.iter_mut())
     {
-        let g = g + s.l2 * *p;
+        let g = *p * s.l2 + g;
         *m = next_moment(*m, g, s.beta_1, s.one_minus_beta_1);
         *v = next_moment(*v, g * g, s.beta_2, s.one_minus_beta_2);
         *vmax = vmax.max(*v);
@@ -226,7 +228,7 @@ impl Element for half::f16 {
 /// One fused mixed-precision step, in place: the `f32` master copy `master`, `exp_avg`,
 /// `exp_avg_sq` (and `max_exp_avg_sq` with AMSGrad) are updated from `grad` (any [`Element`]),
 /// and the low-precision model copy `param` is written from the new master in the same pass
-/// (`param[i] = P::from_f32(master[i])`). This is the mixed-precision Adam of Micikevicius et
+/// (`param[i] = P::from_f32(master[i])`). The `f32` update is the one [`adam_step`] makes. This is the mixed-precision Adam of Micikevicius et
 /// al., "Mixed Precision Training" (2018), as ZeRO keeps it: the update is applied to the
 /// `f32` master, so updates below the `bf16` resolution still accumulate.
 ///
@@ -273,7 +275,7 @@ pub fn adam_step_master<P: Element, G: Element>(
                 .zip(m.iter_mut())
                 .zip(v.iter_mut())
             {
-                let g = g.to_f32() + s.l2 * *w;
+                let g = *w * s.l2 + g.to_f32();
                 *m = next_moment(*m, g, s.beta_1, s.one_minus_beta_1);
                 *v = next_moment(*v, g * g, s.beta_2, s.one_minus_beta_2);
                 *w = updated_param(s, *w, *m, *v);
@@ -291,7 +293,7 @@ pub fn adam_step_master<P: Element, G: Element>(
                     .zip(v.iter_mut())
                     .zip(vm.iter_mut())
                 {
-                    let g = g.to_f32() + s.l2 * *w;
+                    let g = *w * s.l2 + g.to_f32();
                     *m = next_moment(*m, g, s.beta_1, s.one_minus_beta_1);
                     *v = next_moment(*v, g * g, s.beta_2, s.one_minus_beta_2);
                     *vm = vm.max(*v);

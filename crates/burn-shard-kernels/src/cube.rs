@@ -31,18 +31,22 @@ struct KernelScalars {
     one_minus_beta_1: f32,
     beta_2: f32,
     one_minus_beta_2: f32,
-    epsilon: f32,
     l2: f32,
+    moment_scale: f32,
+    moment_divisor: f32,
+    variance_divisor: f32,
+    epsilon: f32,
     decay: f32,
-    step_size: f32,
-    inv_sqrt_bc2: f32,
+    lr: f32,
     offset: usize,
 }
 
 /// Slot `i` of one Adam step, shared by both kernels: updates the moments (and, with
 /// `amsgrad`, their running maximum) in place from the gradient `g` and returns the new value
-/// of the parameter `p`: `p·decay - step_size·m / (sqrt(v)·inv_sqrt_bc2 + ε)` (see
-/// [`AdamScalars`] for the formula's source).
+/// of the parameter `p`: Burn's expression in Burn's order, `p·decay − δ·lr` with
+/// `δ = (m·moment_scale / moment_divisor) / (sqrt(v / variance_divisor) + ε)` (see
+/// [`AdamScalars`]). A GPU compiler may contract `a·b − c` into a fused multiply-add and use
+/// its own division and square root, so this is Burn's formula, not necessarily its bits.
 #[cube]
 fn adam_slot<F: Float, N: Size>(
     p: Vector<F, N>,
@@ -54,7 +58,7 @@ fn adam_slot<F: Float, N: Size>(
     s: &KernelScalars,
     #[comptime] amsgrad: bool,
 ) -> Vector<F, N> {
-    let g = g + p * Vector::new(F::cast_from(s.l2));
+    let g = p * Vector::new(F::cast_from(s.l2)) + g;
     let m = next_moment(exp_avg[i], g, s.beta_1, s.one_minus_beta_1);
     let v = next_moment(exp_avg_sq[i], g * g, s.beta_2, s.one_minus_beta_2);
     exp_avg[i] = m;
@@ -64,8 +68,10 @@ fn adam_slot<F: Float, N: Size>(
         v_used = <Vector<F, N> as FloatOps>::max(max_exp_avg_sq[i], v);
         max_exp_avg_sq[i] = v_used;
     }
-    let denom = Vector::sqrt(v_used) * Vector::new(F::cast_from(s.inv_sqrt_bc2)) + Vector::new(F::cast_from(s.epsilon));
-    p * Vector::new(F::cast_from(s.decay)) - Vector::new(F::cast_from(s.step_size)) * m / denom
+    let m_hat = m * Vector::new(F::cast_from(s.moment_scale)) / Vector::new(F::cast_from(s.moment_divisor));
+    let v_hat = v_used / Vector::new(F::cast_from(s.variance_divisor));
+    let delta = m_hat / (Vector::sqrt(v_hat) + Vector::new(F::cast_from(s.epsilon)));
+    p * Vector::new(F::cast_from(s.decay)) - delta * Vector::new(F::cast_from(s.lr))
 }
 
 /// The `f32` step in place: `param`, moments and, with `amsgrad`, their running maximum (a
@@ -116,11 +122,13 @@ fn kernel_scalars(s: &AdamScalars, offset: usize) -> KernelScalarsLaunch {
         s.one_minus_beta_1,
         s.beta_2,
         s.one_minus_beta_2,
-        s.epsilon,
         s.l2,
+        s.moment_scale,
+        s.moment_divisor,
+        s.variance_divisor,
+        s.epsilon,
         s.decay,
-        s.step_size,
-        s.inv_sqrt_bc2,
+        s.lr,
         offset,
     )
 }

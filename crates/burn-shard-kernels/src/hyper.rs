@@ -18,12 +18,28 @@ pub struct AdamHyper {
     pub amsgrad: bool,
 }
 
-/// The per-step scalars, computed once on the host in `f64` so one compiled kernel serves
-/// every step.
+/// The per-step scalars of one update, computed on the host once per step so one compiled
+/// kernel serves every step.
 ///
-/// With `t` the 1-based step, `bc1 = 1 - β1^t`, `bc2 = 1 - β2^t`, the update is
-/// `p ← p·(1 - lr·λ_decoupled) - step_size · m / (sqrt(v)/sqrt(bc2) + ε)` with
-/// `step_size = lr / bc1`, the same value as `lr · m̂ / (sqrt(v̂) + ε)` of the papers.
+/// The update is Burn 0.22.1's own expression, in Burn's order and with Burn's `f32` scalars,
+/// so that on a backend that rounds each operation (Burn's Flex CPU backend, our host loop) it
+/// is bitwise Burn's `Adam`/`AdamW`: one expression with five scalars covers both,
+///
+/// `δ = (m·moment_scale / moment_divisor) / (sqrt(v / variance_divisor) + epsilon)`,
+/// `p ← p·decay − δ·lr`,
+///
+/// where, with `t` the 1-based step, `bc1 = 1 − β1^t` and `bc2 = 1 − β2^t` (in `f32`, as Burn):
+/// - AdamW (`burn-optim` `adamw.rs`, `AdaptiveMomentumW::transform`): `m̂ = m / bc1`,
+///   `v̂ = v / bc2`, `δ = m̂ / (sqrt(v̂) + ε)`, `p ← p·(1 − lr·λ) − δ·lr`; so `moment_scale = 1`,
+///   `moment_divisor = bc1`, `variance_divisor = bc2`, `epsilon = ε`, `decay = 1 − lr·λ`.
+/// - Adam (`adam.rs`, `AdaptiveMomentum::transform`): `δ = m·(sqrt(bc2)/bc1) / (sqrt(v) +
+///   ε·sqrt(bc2))`, `p ← p − δ·lr`, the gradient first taking the L2 term `p·λ + g`; so
+///   `moment_scale = sqrt(bc2)/bc1`, `moment_divisor = 1`, `variance_divisor = 1`,
+///   `epsilon = ε·sqrt(bc2)`, `decay = 1`.
+///
+/// Multiplying or dividing by exactly 1 changes no bit, so each variant computes exactly
+/// Burn's operations. Both are Kingma & Ba (2015), Algorithm 1, and Loshchilov & Hutter (2019),
+/// Algorithm 2, in exact arithmetic.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamScalars {
     /// `β1`.
@@ -34,39 +50,56 @@ pub struct AdamScalars {
     pub beta_2: f32,
     /// `1 - β2`.
     pub one_minus_beta_2: f32,
-    /// `ε`.
-    pub epsilon: f32,
-    /// L2 penalty added to the gradient (0 for AdamW).
+    /// L2 penalty `λ` added to the gradient as `p·λ + g` (Adam; 0 for AdamW).
     pub l2: f32,
-    /// Multiplier of the parameter before the update: `1 - lr·λ` for AdamW, 1 for Adam.
+    /// Multiplier of the first moment: `sqrt(bc2)/bc1` (Adam) or 1 (AdamW).
+    pub moment_scale: f32,
+    /// Divisor of the first moment: 1 (Adam) or `bc1` (AdamW).
+    pub moment_divisor: f32,
+    /// Divisor of the second moment before its square root: 1 (Adam) or `bc2` (AdamW).
+    pub variance_divisor: f32,
+    /// What is added to the square root: `ε·sqrt(bc2)` (Adam) or `ε` (AdamW).
+    pub epsilon: f32,
+    /// Multiplier of the parameter before the update: `1 - lr·λ` (AdamW), 1 (Adam).
     pub decay: f32,
-    /// `lr / (1 - β1^t)`.
-    pub step_size: f32,
-    /// `1 / sqrt(1 - β2^t)`.
-    pub inv_sqrt_bc2: f32,
+    /// The learning rate, as Burn rounds it to `f32`.
+    pub lr: f32,
 }
 
 impl AdamHyper {
-    /// The scalars of step `t` (1-based) at learning rate `lr`.
+    /// The scalars of step `t` (1-based) at learning rate `lr`, each computed as Burn 0.22.1
+    /// computes it (see [`AdamScalars`]).
     pub fn scalars(&self, lr: f64, t: usize) -> AdamScalars {
         let t = t.max(1) as i32;
-        let bc1 = 1.0 - (self.beta_1 as f64).powi(t);
-        let bc2 = 1.0 - (self.beta_2 as f64).powi(t);
-        let (l2, decay) = if self.decoupled_weight_decay {
-            (0.0, 1.0 - lr * self.weight_decay as f64)
-        } else {
-            (self.weight_decay, 1.0)
-        };
-        AdamScalars {
+        let bc1 = 1f32 - self.beta_1.powi(t);
+        let bc2 = 1f32 - self.beta_2.powi(t);
+        let common = |l2, moment_scale, moment_divisor, variance_divisor, epsilon, decay| AdamScalars {
             beta_1: self.beta_1,
             one_minus_beta_1: 1.0 - self.beta_1,
             beta_2: self.beta_2,
             one_minus_beta_2: 1.0 - self.beta_2,
-            epsilon: self.epsilon,
             l2,
-            decay: decay as f32,
-            step_size: (lr / bc1) as f32,
-            inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
+            moment_scale,
+            moment_divisor,
+            variance_divisor,
+            epsilon,
+            decay,
+            lr: lr as f32,
+        };
+        if self.decoupled_weight_decay {
+            // Burn: `mul_scalar(1.0 - lr * weight_decay as f64)`, the f64 rounded to f32.
+            let decay = (1.0 - lr * self.weight_decay as f64) as f32;
+            common(0.0, 1.0, bc1, bc2, self.epsilon, decay)
+        } else {
+            let bc2_sqrt = bc2.sqrt();
+            common(
+                self.weight_decay,
+                bc2_sqrt / bc1,
+                1.0,
+                1.0,
+                self.epsilon * bc2_sqrt,
+                1.0,
+            )
         }
     }
 }

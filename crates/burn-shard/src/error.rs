@@ -203,9 +203,11 @@ pub enum CheckpointError {
         /// The directory.
         dir: PathBuf,
     },
-    /// The directory has no completion marker: a save that did not finish, or not a checkpoint.
+    /// The directory has no completion marker, or is a save's working directory (`DIR.partial`,
+    /// even one holding the marker: its save was killed before the rename that completes it):
+    /// a save that did not finish, or not a checkpoint.
     #[error(
-        "{dir} is not a complete checkpoint (no COMPLETE marker): its save did not finish; use an earlier checkpoint"
+        "{dir} is not a complete checkpoint (no COMPLETE marker, or a save's DIR.partial working directory): its save did not finish; use an earlier checkpoint"
     )]
     Incomplete {
         /// The directory.

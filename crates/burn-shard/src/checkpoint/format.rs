@@ -68,11 +68,29 @@ pub(crate) fn master_name(path: &str) -> String {
     format!("master/{path}")
 }
 
+/// What the name of a directory a save is writing ends with.
+const PARTIAL_SUFFIX: &str = ".partial";
+
 /// `dir` with `.partial` appended: where a save writes before it is complete.
 pub(crate) fn partial_dir(dir: &Path) -> PathBuf {
     let mut name = dir.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    name.push(".partial");
+    name.push(PARTIAL_SUFFIX);
     dir.with_file_name(name)
+}
+
+/// Whether `dir`'s name is that of a save's working directory (`DIR.partial`).
+pub(crate) fn is_partial(dir: &Path) -> bool {
+    dir.file_name()
+        .is_some_and(|n| n.to_string_lossy().ends_with(PARTIAL_SUFFIX))
+}
+
+/// The one rule for "is this a checkpoint": a directory whose name is not a save's working
+/// name (`DIR.partial`) and that holds the `COMPLETE` marker. A `DIR.partial` that holds
+/// `COMPLETE` is a save killed between the marker and the rename (see [`finish`]): not a
+/// checkpoint (the next save there removes it), whatever it holds. Every reader, lister and
+/// remover asks this.
+pub(crate) fn is_checkpoint(dir: &Path) -> bool {
+    dir.is_dir() && !is_partial(dir) && dir.join(COMPLETE).is_file()
 }
 
 /// The directory that holds the checkpoint directory `dir` (`.` for a bare name).
@@ -179,10 +197,7 @@ pub(crate) fn clear_leftovers(root: &Path) -> Vec<PathBuf> {
     };
     let mut removed = Vec::new();
     for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
-        let partial = path
-            .file_name()
-            .is_some_and(|n| n.to_string_lossy().ends_with(".partial"));
-        if !path.is_dir() || !partial || Writing::holds(&path) {
+        if !path.is_dir() || !is_partial(&path) || Writing::holds(&path) {
             continue;
         }
         if !holds_only_save_files(&path) {

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::format::COMPLETE;
+use super::format::is_checkpoint;
 use super::meta::{CheckpointMeta, Lineage, order};
 use crate::error::CheckpointError;
 
@@ -11,12 +11,12 @@ use crate::error::CheckpointError;
 /// set aside: `abandoned-<run id>`.
 pub const ABANDONED_PREFIX: &str = "abandoned-";
 
-/// The directories directly inside `root` with a completion marker, in [`order`].
+/// The checkpoints directly inside `root` ([`is_checkpoint`]), in [`order`].
 pub(crate) fn complete_dirs(root: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
         .map_err(|e| CheckpointError::io(root, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join(COMPLETE).is_file())
+        .filter(|p| is_checkpoint(p))
         .collect();
     dirs.sort_by(|a, b| order(&name_of(a)).cmp(&order(&name_of(b))));
     Ok(dirs)

@@ -5,7 +5,7 @@ use std::path::Path;
 use burn::tensor::DType;
 use serde::{Deserialize, Serialize};
 
-use super::format::{COMPLETE, FORMAT_VERSION, META};
+use super::format::{FORMAT_VERSION, META, is_checkpoint};
 use crate::error::CheckpointError;
 pub(crate) use crate::run::order;
 pub use crate::run::{Branch, Lineage};
@@ -118,14 +118,14 @@ impl CheckpointMeta {
     ///
     /// # Errors
     /// [`CheckpointError::NotFound`], [`CheckpointError::Incomplete`] without the completion
-    /// marker,
+    /// marker or for a save's working directory `DIR.partial`,
     /// [`CheckpointError::Io`], [`CheckpointError::Corrupt`] for unparsable JSON,
     /// [`CheckpointError::Version`].
     pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
         if !dir.is_dir() {
             return Err(CheckpointError::NotFound { dir: dir.to_path_buf() });
         }
-        if !dir.join(COMPLETE).exists() {
+        if !is_checkpoint(dir) {
             return Err(CheckpointError::Incomplete { dir: dir.to_path_buf() });
         }
         let path = dir.join(META);

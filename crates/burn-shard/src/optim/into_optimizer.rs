@@ -52,6 +52,8 @@ pub trait IntoOptimizer {
 /// Wraps an optimizer whose update is element-wise (each element's new value and state depend
 /// on that element alone), so it can step flat buckets that hold many parameters. It steps as
 /// the wrapped optimizer does; `bf16`/`f16` masters use [`MasterWeightStep`]'s provided method.
+/// `init` refuses Burn's LAMB, Adafactor and Muon by type, and any optimizer that fails a probe
+/// of the contract on the CPU (two steps of 8 elements against two of each half).
 #[derive(Clone, Debug)]
 pub struct ElementWise<O>(pub O);
 
@@ -78,8 +80,94 @@ impl<O: Optimizer> MasterWeightStep for ElementWise<O> {}
 impl<O: Optimizer> IntoOptimizer for ElementWise<O> {
     type Optimizer = ElementWise<O>;
 
+    /// # Errors
+    /// [`ShardError::InvalidConfig`] when `O` is one of Burn's optimizers that mix the elements
+    /// of a tensor (LAMB, Adafactor, Muon), or when the wrapped optimizer fails the element-wise
+    /// probe ([`probe_element_wise`]): either would train silently wrong on flat shards.
     fn into_optimizer(self) -> Result<ElementWise<O>, ShardError> {
+        refuse_burn_non_element_wise::<O>()?;
+        probe_element_wise(&self.0)?;
         Ok(self)
+    }
+}
+
+/// Refuses Burn's optimizers whose update of an element depends on other elements of the
+/// tensor: LAMB (the trust ratio `‖p‖/‖update‖` per tensor), Adafactor (row and column
+/// statistics, update clipping by the tensor's RMS), Muon (Newton-Schulz orthogonalisation of
+/// a whole matrix). Named by type so the error says which and why, before any step.
+fn refuse_burn_non_element_wise<O: Optimizer>() -> Result<(), ShardError> {
+    use std::any::TypeId;
+    let what = [
+        (
+            TypeId::of::<burn::optim::Lamb>(),
+            "LAMB scales each parameter's update by a per-tensor trust ratio",
+        ),
+        (
+            TypeId::of::<burn::optim::Adafactor>(),
+            "Adafactor keeps row and column statistics and clips by the tensor's RMS",
+        ),
+        (
+            TypeId::of::<burn::optim::Muon>(),
+            "Muon orthogonalises each whole matrix",
+        ),
+    ];
+    match what.iter().find(|(id, _)| *id == TypeId::of::<O>()) {
+        Some((_, why)) => Err(ShardError::InvalidConfig(format!(
+            "ElementWise({}) is refused: {why}, so on flat shards (pieces of buckets of many \
+             parameters) it would train silently wrong; use AdamW/Adam/SGD or another element-wise \
+             optimizer (sharding optimizers that need whole parameters is not supported yet)",
+            std::any::type_name::<O>()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Checks the element-wise contract on the CPU before training: two steps of a 1-D tensor of 8
+/// elements (as the flat step hands it: a piece of a bucket) must give bit for bit what two
+/// steps of its two halves give on their own. An optimizer that reads any other element (a
+/// norm, a mean, an RMS, a matrix) fails it for these values, which differ in scale, as
+/// parameters of different layers do; one that panics on a 1-D tensor fails it too, here
+/// rather than at the first step.
+///
+/// # Errors
+/// [`ShardError::InvalidConfig`] naming the optimizer and the differing element.
+fn probe_element_wise<O: Optimizer>(optim: &O) -> Result<(), ShardError> {
+    let device = Device::flex();
+    let values = |v: [f32; 8]| Tensor::<1>::from_floats(v, &device);
+    let param = [0.5f32, -1.5, 2.0, 0.25, 40.0, -30.0, 0.001, 12.0];
+    let grads = [
+        [0.1f32, -0.2, 0.3, -0.4, 5.0, -6.0, 7.0, 0.05],
+        [-0.3f32, 0.1, 0.2, 0.7, -2.0, 3.0, -1.0, 0.5],
+    ];
+    let steps = |from: usize, len: usize| -> Vec<f32> {
+        let mut p = values(param).narrow(0, from, len);
+        let mut state = None;
+        for g in grads {
+            let (next, next_state) = optim.step(1e-2, p, values(g).narrow(0, from, len), state);
+            (p, state) = (next, next_state);
+        }
+        p.into_data().convert::<f32>().iter::<f32>().collect()
+    };
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let whole = steps(0, 8);
+        let halves: Vec<f32> = steps(0, 4).into_iter().chain(steps(4, 4)).collect();
+        (whole, halves)
+    }));
+    let name = std::any::type_name::<O>();
+    let (whole, halves) = run.map_err(|_| {
+        ShardError::InvalidConfig(format!(
+            "ElementWise({name}) panicked stepping a 1-D tensor, as the flat step hands it pieces of buckets; \
+             only an optimizer whose update is element-wise can step flat shards"
+        ))
+    })?;
+    match whole.iter().zip(&halves).position(|(a, b)| a != b) {
+        Some(i) => Err(ShardError::InvalidConfig(format!(
+            "ElementWise({name}) is not element-wise: stepping 8 elements together gives element {i} = {}, \
+             stepping them as two halves gives {}; its update reads other elements of the tensor, so on \
+             flat shards it would train silently wrong",
+            whole[i], halves[i]
+        ))),
+        None => Ok(()),
     }
 }
 

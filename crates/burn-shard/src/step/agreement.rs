@@ -149,3 +149,22 @@ pub(crate) fn agree_on_disk(
 pub(crate) fn disk_dir<O: MasterWeightStep>(slots: &SlotStates<O>, plan: &StagePlan) -> PathBuf {
     slots.swap_dir().unwrap_or_else(|| plan.shard_dir())
 }
+
+/// `world_size / Σ items` over every rank of `world` (every rank calls it at the same point): the
+/// factor that turns the mean over the ranks of their summed gradients into the gradient of the
+/// mean over every item (`ShardedOptimizer::step_with_items`, `step/items.rs`).
+///
+/// # Errors
+/// [`ShardError::Comm`] when the all-reduce fails; [`ShardError::InvalidConfig`] when the total
+/// is 0.
+pub(crate) fn item_scale(world: &dyn Collective, items: u64) -> Result<f32, ShardError> {
+    let total = sum_u64(world, &[items])?[0];
+    if total == 0 {
+        return Err(ShardError::InvalidConfig(
+            "step_with_items: every rank passed 0 items, so there is no mean to take; skip the step, or pass \
+             the number of items (samples or tokens) each rank's summed loss covers"
+                .to_string(),
+        ));
+    }
+    Ok((world.world_size() as f64 / total as f64) as f32)
+}

@@ -31,6 +31,10 @@ pub(crate) struct StepContext<'a> {
     /// measures this step (which may grow or back off the scale for the next one); `None`
     /// without a loss scaler.
     pub(crate) loss_scale: Option<f32>,
+    /// `world_size / total items` for a step given each rank's item count
+    /// (`ShardedOptimizer::step_with_items`): turns the mean over the ranks of their summed
+    /// gradients into the gradient of the mean over every item; `None` for `step`.
+    pub(crate) item_scale: Option<f32>,
 }
 
 impl StepContext<'_> {
@@ -55,13 +59,16 @@ impl StepContext<'_> {
         }
     }
 
-    /// The averaged gradient divided by the loss scale, in `f32` for `bf16`/`f16` gradients (so
-    /// they lose nothing to the division; `f32` and `f64` keep their dtype); the gradient itself
-    /// without a loss scaler.
+    /// The averaged gradient divided by the loss scale and multiplied by the item scale, in
+    /// `f32` for `bf16`/`f16` gradients (so they lose nothing to it; `f32` and `f64` keep their
+    /// dtype); the gradient itself without either.
     pub(crate) fn unscale(&self, grad: Tensor<1>) -> Tensor<1> {
-        match self.loss_scale {
-            Some(scale) => crate::optim::master::widen_half(grad).mul_scalar(1.0 / scale),
-            None => grad,
-        }
+        let factor = match (self.loss_scale, self.item_scale) {
+            (None, None) => return grad,
+            (Some(scale), None) => 1.0 / scale,
+            (None, Some(items)) => items,
+            (Some(scale), Some(items)) => ((items as f64) / (scale as f64)) as f32,
+        };
+        crate::optim::master::widen_half(grad).mul_scalar(factor)
     }
 }

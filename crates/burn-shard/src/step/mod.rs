@@ -15,6 +15,7 @@ pub(crate) mod background_save;
 pub(crate) mod bucket_grads;
 pub(crate) mod context;
 pub(crate) mod grad_norm;
+pub(crate) mod items;
 pub(crate) mod last_step;
 pub(crate) mod measure;
 pub(crate) mod optimizer;

@@ -296,13 +296,26 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         model: M,
         grads: GradientsParams,
     ) -> Result<M, ShardError> {
+        self.run_step(lr.into(), model, grads, None)
+    }
+
+    /// [`ShardedOptimizer::step`], with `items` this rank's share of the global batch (see
+    /// [`ShardedOptimizer::step_with_items`]) when given, the ranks' gradients averaged with
+    /// equal weights when not.
+    pub(crate) fn run_step<M: Module>(
+        &mut self,
+        lr: ModuleLearningRate,
+        model: M,
+        grads: GradientsParams,
+        items: Option<u64>,
+    ) -> Result<M, ShardError> {
         // The shards are about to change: no gather of this pass is used again.
         self.plan.end_gather_pass();
         let result = self
             .check_call("step")
             // A background save whose writers are all done completes here (every rank is here).
             .and_then(|()| self.settle_save_keeping_failure(false))
-            .and_then(|()| self.step_with(&lr.into(), model, grads));
+            .and_then(|()| self.step_with(&lr, model, grads, items));
         if let Err(e) = &result {
             if std::mem::take(&mut self.updating) && self.half_applied.is_none() {
                 self.half_applied = Some(e.to_string());
@@ -436,6 +449,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         lr: &ModuleLearningRate,
         model: M,
         mut grads: GradientsParams,
+        items: Option<u64>,
     ) -> Result<M, ShardError> {
         let mut temp = PeakTracker::default();
         self.last.applied = false;
@@ -459,6 +473,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         };
         // From the fields, not `self.world()`: the step updates other fields while `cx` lives.
         let (world, replicate) = world_and_replicate(&self.comm, self.mesh.as_deref());
+        let item_scale = items
+            .map(|items| crate::step::agreement::item_scale(world, items))
+            .transpose()?;
         let cx = StepContext {
             layout: &self.layout,
             plan: &self.plan,
@@ -467,6 +484,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             replicate,
             device,
             loss_scale: self.loss_scaler.as_ref().map(LossScaler::scale),
+            item_scale,
         };
 
         // Phase 1: which slots have a gradient, and the reduced gradients.

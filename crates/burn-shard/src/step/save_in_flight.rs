@@ -81,17 +81,36 @@ impl SaveInFlight {
 impl Drop for SaveInFlight {
     /// A save dropped unsettled (the optimizer dropped, or the process ending without
     /// `wait_for_checkpoint`): its file is still written, but no rank completes the directory,
-    /// which stays `DIR.partial` (the next save there removes it).
+    /// which stays `DIR.partial` (the next save there removes it). Completing it here would
+    /// need the ranks to agree, a collective that a rank dropping its optimizer while the
+    /// others still train (an error returned early) would pair with a step's collective; so
+    /// the loss is said on standard error, on every rank, whether or not a `tracing`
+    /// subscriber is installed ([`unsettled_save_message`]).
     fn drop(&mut self) {
         if self.writer.is_some() {
-            let _ = self.join();
-            tracing::warn!(
-                dir = %self.dir.display(),
-                "a checkpoint saved with save_checkpoint_async was not completed: call wait_for_checkpoint() \
-                 before the end of the run; its DIR.partial is removed by the next save there"
-            );
+            let written = self.join();
+            let message = unsettled_save_message(&self.dir, written.err());
+            eprintln!("burn-shard: {message}");
+            tracing::error!(dir = %self.dir.display(), "{message}");
         }
     }
+}
+
+/// What a rank says when a background save of `dir` is dropped before it settled: that the
+/// checkpoint is lost, why, and the call that keeps it. `write_error` is this rank's write
+/// failure, if any.
+pub(crate) fn unsettled_save_message(dir: &std::path::Path, write_error: Option<ShardError>) -> String {
+    let written = match write_error {
+        None => "this rank's file was written".to_string(),
+        Some(e) => format!("this rank's write failed: {e}"),
+    };
+    format!(
+        "the checkpoint {} saved with save_checkpoint_async is LOST: the optimizer was dropped before the save \
+         completed ({written}; no rank completes the directory, which stays {}.partial and is removed by the next \
+         save there); call optimizer.wait_for_checkpoint()? on every rank before the end of the run",
+        dir.display(),
+        dir.display()
+    )
 }
 
 /// The mutex's value; a panic while it was held leaves a value that is still consistent (each

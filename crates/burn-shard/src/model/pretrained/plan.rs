@@ -111,6 +111,8 @@ impl PretrainedPlan {
                 used.insert(path.clone());
             }
         }
+        let entry_paths: HashSet<&str> = census.entries().map(|(_, e)| e.path.as_str()).collect();
+        let mut added = Vec::new();
         for (index, (id, entry)) in census.entries().enumerate() {
             if entry.numel() == 0 {
                 // Nothing to load: a tensor of the file under its path is not unused.
@@ -147,7 +149,9 @@ impl PretrainedPlan {
                 continue;
             }
             let Some(tensor) = by_name.get(&key) else {
-                if !allow_missing.iter().any(|p| p.is_match(&entry.path)) {
+                if added_by_reparameterization(&entry.path, &entry_paths) {
+                    added.push(format!("`{}`", entry.path));
+                } else if !allow_missing.iter().any(|p| p.is_match(&entry.path)) {
                     missing.push(format!("`{}` {:?}", entry.path, entry.record_shape));
                 }
                 continue;
@@ -192,6 +196,15 @@ impl PretrainedPlan {
                     tensor,
                     ranged: !entry.has_load_mapper,
                 },
+            );
+        }
+        if !added.is_empty() {
+            // As PEFT does: a base checkpoint holds no adapters, so the model initialises them.
+            tracing::info!(
+                "{} entries added by a reparameterization of the model (LoRA adapters) are not in {origin}: \
+                 initialised by the model (rank 0's values): {}",
+                added.len(),
+                listed(&added, LISTED)
             );
         }
         if !missing.is_empty() {
@@ -334,6 +347,14 @@ impl PretrainedPlan {
 }
 
 /// `("a.b", "c")` for `"a.b.c"`; `(None, "c")` for `"c"`.
+/// Whether the entry at `path` was added by a reparameterization of another entry: its path
+/// extends another entry's path (`l1.weight.lora.a` under `l1.weight`, Burn's `Lora`), which no
+/// module can give, a parameter being a leaf of the module tree. A base checkpoint never holds
+/// such entries.
+fn added_by_reparameterization(path: &str, entry_paths: &HashSet<&str>) -> bool {
+    path.match_indices('.').any(|(at, _)| entry_paths.contains(&path[..at]))
+}
+
 fn split_leaf(path: &str) -> Option<(Option<&str>, &str)> {
     match path.rsplit_once('.') {
         Some((parent, leaf)) => Some((Some(parent), leaf)),

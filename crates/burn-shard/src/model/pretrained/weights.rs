@@ -66,12 +66,18 @@ impl std::fmt::Debug for Pretrained {
 }
 
 impl Pretrained {
-    /// A Hugging Face safetensors file (memory-mapped while its header is read). A file that
-    /// cannot be opened or is not safetensors is [`ShardError::PretrainedRead`], returned by
+    /// Hugging Face safetensors weights (each file memory-mapped while its header is read):
+    /// one `.safetensors` file; the `model.safetensors.index.json` of a checkpoint split over
+    /// several files (each tensor taken from the file its `weight_map` names; a rank reads
+    /// bytes only from the files that hold its ranges); or the directory holding either
+    /// (`model.safetensors.index.json`, else `model.safetensors`, else its only index or only
+    /// safetensors file). A path that cannot be opened, is none of these, an index naming a
+    /// file that is missing or a tensor its file does not hold, is
+    /// [`ShardError::PretrainedRead`] naming what was given and what is expected, returned by
     /// `init_pretrained`.
     pub fn safetensors(path: impl AsRef<Path>) -> Self {
         let path = path.as_ref();
-        match open::safetensors(path) {
+        match open::safetensors_any(path) {
             Ok((tensors, unreadable)) => Self::new(path.display().to_string(), tensors, unreadable, None),
             Err(e) => Self::new(path.display().to_string(), Vec::new(), Vec::new(), Some(e)),
         }
