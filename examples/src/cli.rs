@@ -112,7 +112,7 @@ impl ShardArgs {
             return Ok(());
         }
         if let Some(dir) = &self.resume
-            && !dir.join("meta.json").exists()
+            && !burn_shard::checkpoint::is_checkpoint(dir)
         {
             let newest = burn_shard::checkpoint::list(dir).map_err(|e| e.to_string())?.pop();
             self.resume =

@@ -429,8 +429,8 @@ fn stage_decisions_go_through_the_stage_plan() {
 }
 
 /// Every Rust snippet of README.md, docs/ and examples/README.md is a doctest (tests/docs.rs
-/// includes each of these files): none is marked `ignore` or `text`-as-Rust, so none can rot;
-/// a snippet that cannot run here is `no_run` (compiled) and says why.
+/// includes each of these files): none is marked `ignore`, so none can rot; a snippet that
+/// cannot run here in seconds is `no_run` (compiled) and the text just before it says why.
 #[test]
 fn every_rust_snippet_of_the_docs_is_compiled() {
     let docs_rs = fs::read_to_string(root().join("tests/docs.rs")).unwrap();
@@ -451,7 +451,8 @@ fn every_rust_snippet_of_the_docs_is_compiled() {
                 "{name} has Rust snippets but tests/docs.rs does not include it"
             );
         }
-        for (n, line) in text.lines().enumerate() {
+        let lines: Vec<&str> = text.lines().collect();
+        for (n, line) in lines.iter().enumerate() {
             let fence = line.trim_start();
             assert!(
                 !(fence.starts_with("```rust") && fence.contains("ignore")),
@@ -459,6 +460,14 @@ fn every_rust_snippet_of_the_docs_is_compiled() {
                  lines for its setup, `no_run` if it cannot run here)",
                 n + 1
             );
+            if fence.starts_with("```rust") && fence.contains("no_run") {
+                let before = lines[n.saturating_sub(4)..n].join(" ");
+                assert!(
+                    before.contains("not run"),
+                    "{name}:{}: a `no_run` snippet says just before it why it is compiled but not run",
+                    n + 1
+                );
+            }
         }
     }
 }

@@ -469,8 +469,8 @@ fn saves_in_flight_lets_a_background_save_start_before_the_previous_one_complete
 
 /// A loop that returns with a background save in flight (no `wait_for_checkpoint`) loses that
 /// checkpoint, and every rank says so on standard error, naming the checkpoint and
-/// `wait_for_checkpoint`, with no `tracing` subscriber installed (the child process has none):
-/// nothing is listed as a checkpoint, and the next save there starts clean.
+/// `wait_for_checkpoint`, with no `tracing` subscriber installed (the child process has none);
+/// nothing is listed as a checkpoint.
 #[test]
 fn a_save_in_flight_when_the_optimizer_drops_is_reported_on_stderr_by_every_rank() {
     let dir = scratch("async-save", "dropped");

@@ -820,6 +820,26 @@ fn a_partial_directory_with_its_marker_is_no_checkpoint_anywhere() {
     let err = CheckpointMeta::read(&root.join("step-12.partial")).unwrap_err();
     assert!(matches!(err, CheckpointError::Incomplete { .. }), "{err}");
     assert!(err.to_string().contains("DIR.partial"), "{err}");
+
+    // No save writes a checkpoint under a name the rule refuses, on any rank.
+    let errors = burn_shard_comm::run_ranks(burn_shard_comm::InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (model, optim) = burn_shard::ShardConfig::new(burn_shard::Stage::One)
+            .init(
+                crate::common::TinyMlp::new(&device),
+                burn::optim::AdamWConfig::new(),
+                comm,
+            )
+            .unwrap();
+        optim
+            .save_checkpoint(&model, root.join("step-13.partial"), &serde_json::json!({}))
+            .unwrap_err()
+            .to_string()
+    })
+    .unwrap();
+    for e in errors {
+        assert!(e.contains("cannot end in .partial"), "{e}");
+    }
 }
 
 /// Global batch of the lineage tests: divides by world sizes 1-4.

@@ -246,6 +246,9 @@ fn default_adamw_is_burn_adamw_on_a_conv_net() {
         let (x, y) = cnn_batch(step, (0, BATCH), &device);
         m.loss(x, y)
     });
+    // The default path is the fused CPU step (not a fallback to Burn's own AdamW).
+    let paths = crate::equivalence::step_paths(&device, &crate::common::TinyMlp::new(&device), cfg.clone(), Stage::One);
+    assert_eq!(paths, [burn_shard_kernels::StepPath::FusedCpu; 2]);
     let built = cfg.build();
     check(
         "conv net, AdamWConfig",

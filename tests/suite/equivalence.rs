@@ -187,7 +187,12 @@ fn burn_adamw_config_runs_the_fused_step_and_matches_single_device() {
 
 /// Which path each of 2 ranks' fused optimizer took in one sharded step of `base` on `device`:
 /// asked of the state's moments, which are shaped and placed like the shard that was stepped.
-fn step_paths(device: &Device, base: &TinyMlp, cfg: AdamWConfig, stage: Stage) -> Vec<burn_shard_kernels::StepPath> {
+pub(crate) fn step_paths(
+    device: &Device,
+    base: &TinyMlp,
+    cfg: AdamWConfig,
+    stage: Stage,
+) -> Vec<burn_shard_kernels::StepPath> {
     run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
         let (model, mut optim) = ShardConfig::new(stage)
             .init(base.clone().fork(device), cfg.clone(), comm)

@@ -707,4 +707,16 @@ fn a_checkpoint_split_over_files_loads_from_its_index_or_directory() {
     std::fs::write(&broken_index, moved).unwrap();
     let e = problem(Pretrained::safetensors(&broken));
     assert!(e.contains("does not hold it"), "{e}");
+    // An index that leaves its directory, or names a PyTorch .bin file.
+    for (from, to) in [
+        ("model-00002-of-00003.safetensors", "../whole.safetensors"),
+        ("model-00002-of-00003.safetensors", "pytorch_model-00002.bin"),
+    ] {
+        std::fs::write(&broken_index, text.replace(from, to)).unwrap();
+        let e = problem(Pretrained::safetensors(&broken_index));
+        assert!(
+            e.contains(to) && e.contains("expected the name of a .safetensors file beside the index"),
+            "{e}"
+        );
+    }
 }

@@ -290,13 +290,16 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
                     .map_err(|e| format!("the checkpoint of epoch {old}, before deleting it: {e}"))?;
                 self.checkpoint(CheckpointingAction::Delete(old), model, optim, epoch, global_step)
             }
-            CheckpointingAction::Delete(old) if self.rank == 0 => match std::fs::remove_dir_all(epoch_dir(root, old)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!(
-                    "removing the checkpoint of epoch {old} from {}: {e}",
-                    root.display()
-                )),
-                _ => Ok(()),
-            },
+            // One already gone is what was asked; the marker goes first (`checkpoint::remove`), so
+            // a delete cut short leaves no half checkpoint that counts as one.
+            CheckpointingAction::Delete(old) if self.rank == 0 => {
+                let dir = epoch_dir(root, old);
+                match dir.exists() {
+                    false => Ok(()),
+                    true => burn_shard::checkpoint::remove(&dir)
+                        .map_err(|e| format!("removing the checkpoint of epoch {old} from {}: {e}", root.display())),
+                }
+            }
             CheckpointingAction::Delete(_) => Ok(()),
         }
     }

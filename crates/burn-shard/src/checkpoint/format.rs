@@ -88,9 +88,23 @@ pub(crate) fn is_partial(dir: &Path) -> bool {
 /// name (`DIR.partial`) and that holds the `COMPLETE` marker. A `DIR.partial` that holds
 /// `COMPLETE` is a save killed between the marker and the rename (see [`finish`]): not a
 /// checkpoint (the next save there removes it), whatever it holds. Every reader, lister and
-/// remover asks this.
-pub(crate) fn is_checkpoint(dir: &Path) -> bool {
+/// remover asks this (also the examples' `--resume` and burn-shard-train's Learner).
+pub fn is_checkpoint(dir: &Path) -> bool {
     dir.is_dir() && !is_partial(dir) && dir.join(COMPLETE).is_file()
+}
+
+/// Removes the checkpoint `dir`: its `COMPLETE` marker first, so that a removal interrupted
+/// half-way leaves a directory [`is_checkpoint`] refuses, never a half checkpoint that counts.
+/// A directory that is not a checkpoint (no marker) is removed as it is. Call it on one rank.
+///
+/// # Errors
+/// [`CheckpointError::Io`] when the marker or the directory cannot be removed.
+pub fn remove(dir: &Path) -> Result<(), CheckpointError> {
+    match std::fs::remove_file(dir.join(COMPLETE)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(CheckpointError::io(dir, e)),
+        _ => {}
+    }
+    std::fs::remove_dir_all(dir).map_err(|e| CheckpointError::io(dir, e))
 }
 
 /// The directory that holds the checkpoint directory `dir` (`.` for a bare name).
@@ -101,10 +115,29 @@ pub(crate) fn parent_of(dir: &Path) -> PathBuf {
     }
 }
 
-/// Starts a checkpoint directory: refuses an existing `dir`, removes what saves that did not
+/// Refuses a checkpoint directory named `*.partial`, the name of a save in progress: such a
+/// directory would never count as a checkpoint ([`is_checkpoint`]), and the next save beside it
+/// would remove it. Asked by every rank before a save, and by [`begin`].
+///
+/// # Errors
+/// [`CheckpointError::InvalidArgument`] naming the directory and the fix.
+pub(crate) fn check_name(dir: &Path) -> Result<(), CheckpointError> {
+    match is_partial(dir) {
+        true => Err(CheckpointError::InvalidArgument(format!(
+            "{}: a checkpoint's name cannot end in {PARTIAL_SUFFIX}, which names a save in progress (it would \
+             never count as a checkpoint, and the next save there would remove it); choose another name",
+            dir.display()
+        ))),
+        false => Ok(()),
+    }
+}
+
+/// Starts a checkpoint directory: refuses a `dir` named `*.partial` (a save's working name) and
+/// an existing `dir`, removes what saves that did not
 /// finish left next to it (`*.partial`, see [`clear_leftovers`]) and creates `DIR.partial`.
 /// Returns `DIR.partial`.
 pub(crate) fn begin(dir: &Path) -> Result<PathBuf, CheckpointError> {
+    check_name(dir)?;
     if dir.exists() {
         return Err(CheckpointError::Exists { dir: dir.to_path_buf() });
     }

@@ -67,7 +67,7 @@ pub use consolidate::{
     ConsolidateReport, Selection, consolidate, consolidate_optimizer, consolidate_safetensors,
     consolidate_safetensors_selected, consolidate_selected,
 };
-pub use format::FORMAT_VERSION;
+pub use format::{FORMAT_VERSION, is_checkpoint, remove};
 pub use lineage::ABANDONED_PREFIX;
 pub use meta::{BaseMeta, Branch, CheckpointMeta, EntryMeta, FileMeta, Lineage, Piece};
 pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, newest, reshard};

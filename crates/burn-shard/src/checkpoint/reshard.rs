@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use super::files::{RankFile, RankFiles, digest, read_digest};
-use super::format::{COMPLETE, META, begin, discard, finish, master_name, param_name, state_name, state_prefix};
+use super::format::{META, begin, discard, finish, master_name, param_name, remove, state_name, state_prefix};
 use super::lineage::{complete_dirs, lineage_of, name_of};
 use super::meta::CheckpointMeta;
 use super::pieces::{Holding, pieces};
@@ -219,9 +219,7 @@ pub fn keep_last(root: impl AsRef<Path>, keep: usize) -> Result<Vec<PathBuf>, Ch
     let old = dirs.len().saturating_sub(keep);
     let removed: Vec<PathBuf> = dirs.into_iter().take(old).collect();
     for dir in &removed {
-        // The marker first: a half-removed directory is then not mistaken for a checkpoint.
-        std::fs::remove_file(dir.join(COMPLETE)).map_err(|e| CheckpointError::io(dir, e))?;
-        std::fs::remove_dir_all(dir).map_err(|e| CheckpointError::io(dir, e))?;
+        remove(dir)?;
     }
     Ok(removed)
 }

@@ -10,8 +10,8 @@ use burn::tensor::TensorData;
 use super::files::{RankFile, digest, read_digest};
 use super::format::Writing;
 use super::format::{
-    SCHEDULER, begin, discard, finish, master_name, param_name, parent_of, partial_dir, state_name, version_for,
-    write_atomically,
+    SCHEDULER, begin, check_name, discard, finish, master_name, param_name, parent_of, partial_dir, state_name,
+    version_for, write_atomically,
 };
 use super::frozen::{base_fingerprint, to_hex};
 use super::held::HeldValues;
@@ -234,8 +234,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             false => "save_checkpoint",
         };
         // Before any collective: a rank whose step failed half-way refuses here; the others
-        // fail at their first collective, the group having been aborted by that step.
+        // fail at their first collective, the group having been aborted by that step. A name
+        // no checkpoint may have is refused by every rank alike.
         self.refuse_half_applied("save a checkpoint")?;
+        check_name(dir)?;
         // Earlier background saves complete first (a background save waits only for the
         // oldest, while `saves_in_flight` are in flight), and their failure is reported here.
         match background {

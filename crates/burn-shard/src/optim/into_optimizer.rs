@@ -53,7 +53,10 @@ pub trait IntoOptimizer {
 /// on that element alone), so it can step flat buckets that hold many parameters. It steps as
 /// the wrapped optimizer does; `bf16`/`f16` masters use [`MasterWeightStep`]'s provided method.
 /// `init` refuses Burn's LAMB, Adafactor and Muon by type, and any optimizer that fails a probe
-/// of the contract on the CPU (two steps of 8 elements against two of each half).
+/// of the contract on Burn's Flex CPU device (two steps of 8 elements against two of each
+/// half). The probe cannot see mixing that these 8 values do not trigger (an update that reads
+/// other elements only past a threshold), and refuses an optimizer that cannot step a Flex
+/// tensor: the contract is the user's to keep beyond it.
 #[derive(Clone, Debug)]
 pub struct ElementWise<O>(pub O);
 

@@ -161,8 +161,9 @@ pub(crate) fn item_scale(world: &dyn Collective, items: u64) -> Result<f32, Shar
     let total = sum_u64(world, &[items])?[0];
     if total == 0 {
         return Err(ShardError::InvalidConfig(
-            "step_with_items: every rank passed 0 items, so there is no mean to take; skip the step, or pass \
-             the number of items (samples or tokens) each rank's summed loss covers"
+            "step_with_items: every rank passed 0 items, so there is no mean to take and the step is refused \
+             (as every failed step, it stops the group); call step_with_items only for a step with items, \
+             passing the number of items (samples or tokens) each rank's summed loss covers"
                 .to_string(),
         ));
     }

@@ -30,11 +30,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// scaler see this gradient.
     ///
     /// [`ShardedOptimizer::step`] instead averages each rank's gradient with equal weight:
-    /// exact only when every rank's loss is a mean over the same number of items.
+    /// exact only when every rank's loss is a mean over the same number of items. Every rank
+    /// calls the same one of the two at each step (`step_with_items` adds a collective: a rank
+    /// calling `step` meanwhile gets a collective mismatch error, on the backends that check
+    /// call order, as the in-process one does).
     ///
     /// # Errors
     /// As [`ShardedOptimizer::step`]; [`ShardError::InvalidConfig`] on every rank when the
-    /// ranks' counts add up to 0 (there is no mean to take).
+    /// ranks' counts add up to 0 (there is no mean to take); the group then stops, as after any
+    /// failed step.
     pub fn step_with_items<M: Module>(
         &mut self,
         lr: impl Into<ModuleLearningRate>,

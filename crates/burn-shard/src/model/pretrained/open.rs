@@ -63,7 +63,9 @@ fn in_directory(dir: &Path) -> Result<std::path::PathBuf, ShardError> {
     }
     let names: Vec<String> = std::fs::read_dir(dir)
         .map_err(|e| unreadable(format!("{e}")))?
-        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     let indexes: Vec<&String> = names.iter().filter(|n| n.ends_with(INDEX_SUFFIX)).collect();
     let files: Vec<&String> = names.iter().filter(|n| n.ends_with(".safetensors")).collect();
@@ -100,6 +102,17 @@ fn split(index: &Path) -> Result<(Vec<PackTensor>, Unreadable), ShardError> {
     }
     let (mut tensors, mut others) = (Vec::new(), Vec::new());
     for (file, names) in by_file {
+        // An index names files beside it: a path that leaves its directory is not one.
+        let plain = Path::new(file)
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !plain || !file.ends_with(".safetensors") {
+            return Err(unreadable(format!(
+                "the index names `{file}` for tensor `{}`; expected the name of a .safetensors file beside the \
+                 index (PyTorch .bin checkpoints are not read: convert them to safetensors)",
+                names[0]
+            )));
+        }
         let path = dir.join(file);
         if !path.is_file() {
             return Err(unreadable(format!(

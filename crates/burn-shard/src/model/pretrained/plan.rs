@@ -209,7 +209,7 @@ impl PretrainedPlan {
         }
         if !missing.is_empty() {
             problems.push(format!(
-                "{} of the model's entries are not in the file: {}; if they are new (a head, adapters), let them be \
+                "{} of the model's entries are not in the file: {}; if they are new (a head), let them be \
                  initialised with Pretrained::allow_missing([..regex of their paths..]), or map the file's names onto \
                  them with Pretrained::with_key_remapping",
                 missing.len(),
@@ -346,7 +346,6 @@ impl PretrainedPlan {
     }
 }
 
-/// `("a.b", "c")` for `"a.b.c"`; `(None, "c")` for `"c"`.
 /// Whether the entry at `path` was added by a reparameterization of another entry: its path
 /// extends another entry's path (`l1.weight.lora.a` under `l1.weight`, Burn's `Lora`), which no
 /// module can give, a parameter being a leaf of the module tree. A base checkpoint never holds
@@ -355,6 +354,7 @@ fn added_by_reparameterization(path: &str, entry_paths: &HashSet<&str>) -> bool 
     path.match_indices('.').any(|(at, _)| entry_paths.contains(&path[..at]))
 }
 
+/// `("a.b", "c")` for `"a.b.c"`; `(None, "c")` for `"c"`.
 fn split_leaf(path: &str) -> Option<(Option<&str>, &str)> {
     match path.rsplit_once('.') {
         Some((parent, leaf)) => Some((Some(parent), leaf)),

@@ -151,7 +151,9 @@ impl Pretrained {
 
     /// Entries of the model whose module path matches one of these regexes may be absent from
     /// the file: they are initialised as without pretrained weights (rank 0's initializer,
-    /// broadcast): a new classification head, LoRA adapters. `".*"` is burn-store's
+    /// broadcast): a new classification head. (Entries a reparameterization adds, LoRA's
+    /// adapters `PARAM.lora.a`/`.b`, need no pattern: they are never in a base file, and are
+    /// initialised so, with their count logged.) `".*"` is burn-store's
     /// `allow_partial(true)`. Any other entry missing from the file is an error. An invalid
     /// regex is [`ShardError::InvalidConfig`], returned by `init_pretrained`.
     pub fn allow_missing<S: AsRef<str>>(mut self, patterns: impl IntoIterator<Item = S>) -> Self {
