@@ -18,10 +18,11 @@ use rand::seq::SliceRandom;
 
 use crate::bert::{BertConfig, SentenceClassifier};
 use crate::cli::{ShardArgs, at_least, positive_f64, probability};
+use crate::data_dir::examples_data_dir;
 use crate::metrics::Metrics;
+use crate::minilm_weights;
 use crate::sentences::{Sentence, Task, batch, load_tokenizer, read_labelled};
 use crate::training::{Progress, StepEnd, end_step, lr_at, resume, train_step, training_device};
-use crate::{examples_data_dir, minilm_weights};
 
 /// Options of `finetune-minilm`.
 #[derive(Parser, Debug, Clone)]

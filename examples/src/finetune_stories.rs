@@ -17,7 +17,7 @@ use rand::rngs::StdRng;
 
 use crate::char_data::global_batch_slice;
 use crate::cli::{ShardArgs, at_least, positive_f64};
-use crate::examples_data_dir;
+use crate::data_dir::examples_data_dir;
 use crate::llama::{Llama, LlamaConfig};
 use crate::llama2c_tokenizer::{BOS, Llama2cTokenizer};
 use crate::metrics::Metrics;

@@ -6,6 +6,7 @@
 pub mod bert;
 pub mod char_data;
 pub mod cli;
+mod data_dir;
 pub mod finetune_minilm;
 pub mod finetune_minilm_learner;
 pub mod finetune_stories;
@@ -18,7 +19,4 @@ pub mod minilm_weights;
 pub mod sentences;
 pub mod training;
 
-/// The data shipped with the examples (`examples/data`, provenance in its README.md).
-pub fn examples_data_dir() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data")
-}
+pub use data_dir::examples_data_dir;

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use burn_shard_rendezvous::{RendezvousError, StoreClient, StoreLimits, StoreServer};
 
+use crate::attempts::Attempts;
 use crate::launch::launch_with;
-use crate::restart::Attempts;
 use crate::{LaunchConfig, LaunchError, LaunchOutcome, OutputMode};
 
 /// How often a launcher beats its counter while its ranks run.

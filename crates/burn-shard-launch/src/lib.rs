@@ -25,6 +25,7 @@
 //! [`RendezvousEnv::from_env`]: burn_shard_rendezvous::RendezvousEnv::from_env
 
 mod agent;
+mod attempts;
 mod cli;
 mod config;
 mod error;

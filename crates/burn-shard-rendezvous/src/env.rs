@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 
+use crate::process_env::process_var;
 use crate::{JOB_TOKEN, JOB_TOKEN_FILE, JobToken, RendezvousError, token};
 
 /// `RANK`: this process's rank in `0..WORLD_SIZE`.
@@ -157,21 +158,5 @@ impl RendezvousEnv {
         } else {
             format!("{}:{}", self.master_addr, self.master_port)
         }
-    }
-}
-
-/// Variable `var` of this process's environment; `None` when unset.
-///
-/// # Errors
-/// [`RendezvousError::Env`] when it is not UTF-8 (its bytes are not shown: it may hold the job
-/// token).
-pub(crate) fn process_var(var: &'static str) -> Result<Option<String>, RendezvousError> {
-    match std::env::var(var) {
-        Ok(value) => Ok(Some(value)),
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(raw)) => Err(RendezvousError::Env {
-            var,
-            problem: format!("is not UTF-8 ({} bytes)", raw.len()),
-        }),
     }
 }

@@ -22,6 +22,7 @@ mod env;
 mod error;
 mod limits;
 mod membership;
+mod process_env;
 mod server;
 mod token;
 mod wire;

@@ -107,7 +107,7 @@ impl JobToken {
     /// As [`JobToken::new`] and [`JobToken::from_file`]; [`RendezvousError::Env`] when both
     /// variables are set, or one is not UTF-8.
     pub fn from_env() -> Result<Option<Self>, RendezvousError> {
-        Self::from_lookup(crate::env::process_var)
+        Self::from_lookup(crate::process_env::process_var)
     }
 
     /// [`JobToken::from_env`] with the variables read by `get`.

@@ -1,0 +1,99 @@
+//! [`Attempts`]: the starts of one job and the failures that led to restarts, as the
+//! single-node restart loop (`restart.rs`) and the nodes' agreement (`agent.rs`) both count
+//! them.
+
+use crate::{LaunchConfig, LaunchError, LaunchOutcome, MAX_RESTARTS, OutputMode, RESTART_COUNT, signals};
+
+/// The starts of one job so far: the failures that led to restarts.
+pub(crate) struct Attempts<'a> {
+    config: &'a LaunchConfig,
+    failures: Vec<LaunchError>,
+    /// Starts made before this launcher joined (a node that joined an elastic job late).
+    skipped: usize,
+    /// Termination signals counted before the job began: one that arrives at any point
+    /// (between two starts too) ends the job instead of a restart.
+    pub(crate) signals_before: usize,
+}
+
+impl<'a> Attempts<'a> {
+    pub(crate) fn new(config: &'a LaunchConfig) -> Self {
+        Self {
+            config,
+            failures: Vec::new(),
+            skipped: 0,
+            signals_before: signals::count(),
+        }
+    }
+
+    /// The number of this start: 0 for the first, then one more per restart.
+    pub(crate) fn count(&self) -> usize {
+        self.skipped + self.failures.len()
+    }
+
+    /// Counts this launcher's first start as the job's start `round` (it joined late).
+    pub(crate) fn join_at(&mut self, round: usize) {
+        self.skipped = round.saturating_sub(self.failures.len());
+    }
+
+    /// The termination signal received since the job began, as the error that ends it.
+    pub(crate) fn interrupted(&self) -> Option<LaunchError> {
+        signals::received_since(self.signals_before).map(|signal| LaunchError::Interrupted { signal })
+    }
+
+    /// The variables every rank of this start gets on top of its rank variables.
+    pub(crate) fn env(&self) -> [(&'static str, String); 2] {
+        [
+            (RESTART_COUNT, self.count().to_string()),
+            (MAX_RESTARTS, self.config.max_restarts.to_string()),
+        ]
+    }
+
+    /// Takes one start's result: `Ok(Some(outcome))` when the job finished (with the restarts'
+    /// causes), `Ok(None)` when it should start again (the cause is logged), or the error that
+    /// ends the job.
+    pub(crate) fn settle(
+        &mut self,
+        result: Result<LaunchOutcome, LaunchError>,
+    ) -> Result<Option<LaunchOutcome>, LaunchError> {
+        // A signal during the stop of a failed start, or since: no new start.
+        let result = match (result, self.interrupted()) {
+            (Err(e), Some(signal)) if e.is_restartable() => Err(signal),
+            (result, _) => result,
+        };
+        match result {
+            Ok(mut outcome) => {
+                outcome.restarts = self.failures.iter().map(ToString::to_string).collect();
+                Ok(Some(outcome))
+            }
+            Err(error) if error.is_restartable() && self.count() < self.config.max_restarts => {
+                if self.config.output == OutputMode::Prefix {
+                    eprintln!(
+                        "burn-shard-run: restart {} of {} after: {error}",
+                        self.count() + 1,
+                        self.config.max_restarts
+                    );
+                }
+                self.failures.push(error);
+                Ok(None)
+            }
+            Err(error) => Err(self.give_up(error)),
+        }
+    }
+
+    /// The error that ends the job: `last` itself when nothing was restarted or when `last`
+    /// is not a failure a restart mends (an interrupt), else [`LaunchError::GaveUp`] with the
+    /// first failure.
+    fn give_up(&mut self, last: LaunchError) -> LaunchError {
+        if self.failures.is_empty() || !last.is_restartable() {
+            return last;
+        }
+        let mut failures = std::mem::take(&mut self.failures).into_iter();
+        let first = failures.next().expect("checked: not empty");
+        let later = failures.map(|e| e.to_string()).chain([last.to_string()]).collect();
+        LaunchError::GaveUp {
+            restarts: self.config.max_restarts,
+            first: Box::new(first),
+            later,
+        }
+    }
+}
