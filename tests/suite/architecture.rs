@@ -341,7 +341,9 @@ fn every_crates_modules_import_without_cycles() {
         let mut edges = import_graph(&src);
         let roots = ["lib", "main"];
         edges.retain(|module, _| !roots.contains(&module.as_str()));
-        edges.values_mut().for_each(|to| to.retain(|m| !roots.contains(&m.as_str())));
+        edges
+            .values_mut()
+            .for_each(|to| to.retain(|m| !roots.contains(&m.as_str())));
         assert_acyclic(&edges, &name);
     }
 }

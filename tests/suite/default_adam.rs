@@ -85,8 +85,11 @@ fn cnn_batch(step: usize, (start, end): (usize, usize), device: &Device) -> (Ten
     )
 }
 
+/// One step's token ids and next-token targets, `[BATCH / 4, 16]` each, row-major.
+type Windows = (Vec<i64>, Vec<i64>);
+
 /// The GPT of the examples on tiny shakespeare windows.
-fn gpt_parts() -> (burn_shard_examples::gpt::GptConfig, Vec<(Vec<i64>, Vec<i64>)>) {
+fn gpt_parts() -> (burn_shard_examples::gpt::GptConfig, Vec<Windows>) {
     use burn_shard_examples::char_data::CharCorpus;
     let text = include_str!("../../examples/data/tinyshakespeare.txt");
     let corpus = CharCorpus::new(&text[..40_000]);
