@@ -680,6 +680,20 @@ fn a_checkpoint_split_over_files_loads_from_its_index_or_directory() {
 
     // What is given and what is expected, for each way of getting it wrong.
     let problem = |p: Pretrained| p.problem().map(|e| e.to_string()).unwrap_or_default();
+    // A file shorter than its header says (truncated, or still being copied): refused when
+    // opened, naming both lengths, before any rank reads a tensor (the header is read, not
+    // memory-mapped, so no access can kill the process).
+    let bytes = std::fs::read(&whole).unwrap();
+    let truncated = dir.join("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() - 10]).unwrap();
+    let e = problem(Pretrained::safetensors(&truncated));
+    assert!(
+        e.contains("truncated") && e.contains(&format!("file holds {}", bytes.len() - 10)),
+        "{e}"
+    );
+    std::fs::write(&truncated, &bytes[..4]).unwrap();
+    let e = problem(Pretrained::safetensors(&truncated));
+    assert!(e.contains("not a safetensors file") && e.contains("4 bytes"), "{e}");
     let empty = dir.join("empty");
     std::fs::create_dir_all(&empty).unwrap();
     let e = problem(Pretrained::safetensors(&empty));

@@ -7,7 +7,8 @@ use std::path::Path;
 
 use burn::tensor::{Bytes, DType};
 use burn_pack::Tensor as PackTensor;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
+use safetensors::tensor::TensorInfo;
 
 use crate::error::ShardError;
 
@@ -142,32 +143,70 @@ fn split(index: &Path) -> Result<(Vec<PackTensor>, Unreadable), ShardError> {
     Ok((tensors, others))
 }
 
+/// The largest safetensors header read (the format's own limit, in bytes).
+const MAX_HEADER: u64 = 100_000_000;
+
 /// A safetensors file's tensors, and those of a dtype Burn has no type for.
+///
+/// The header is read with plain reads (no memory map: a file truncated while mapped would kill
+/// the process on access) and checked against the file's length: every tensor's bytes, as its
+/// dtype and shape make them, must lie inside the file. A file shorter than its header says
+/// (truncated, or still being copied) is an error naming both lengths here, before any rank
+/// reads a byte of a tensor.
 pub(super) fn safetensors(path: &Path) -> Result<(Vec<PackTensor>, Unreadable), ShardError> {
+    use std::io::Read;
     let unreadable = |reason: String| ShardError::PretrainedRead {
         origin: path.display().to_string(),
         reason,
     };
-    let file = File::open(path).map_err(|e| unreadable(format!("{e}")))?;
-    // SAFETY: the map is read while the header is parsed and dropped before this returns; a
-    // file changed meanwhile gives a parse error, never undefined behaviour in safe code
-    // reading the copied metadata.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| unreadable(format!("{e}")))?;
-    let (header_len, metadata) =
-        SafeTensors::read_metadata(&map).map_err(|e| unreadable(format!("not a safetensors file: {e}")))?;
-    let data_start = 8 + header_len as u64;
+    let mut file = File::open(path).map_err(|e| unreadable(format!("{e}")))?;
+    let file_len = file.metadata().map_err(|e| unreadable(format!("{e}")))?.len();
+    let not_safetensors = |why: String| unreadable(format!("not a safetensors file: {why}"));
+    let mut len_bytes = [0u8; 8];
+    file.read_exact(&mut len_bytes)
+        .map_err(|_| not_safetensors(format!("{file_len} bytes, shorter than the 8-byte header length")))?;
+    let header_len = u64::from_le_bytes(len_bytes);
+    if header_len > MAX_HEADER || 8 + header_len > file_len {
+        return Err(not_safetensors(format!(
+            "its header length says {header_len} bytes, and the file holds {file_len} (at most {MAX_HEADER})"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).map_err(|e| unreadable(format!("{e}")))?;
+    let entries: std::collections::BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| not_safetensors(format!("its header is not JSON: {e}")))?;
+    let data_start = 8 + header_len;
+    let data_len = file_len - data_start;
     let mut tensors = Vec::new();
     let mut others = Vec::new();
-    let mut infos: Vec<_> = metadata.tensors().into_iter().collect();
-    infos.sort_by(|a, b| a.0.cmp(&b.0));
-    for (name, info) in infos {
+    for (name, value) in entries {
+        if name == "__metadata__" {
+            continue;
+        }
+        let info: TensorInfo = serde_json::from_value(value)
+            .map_err(|e| not_safetensors(format!("tensor `{name}` in its header: {e}")))?;
+        let (start, end) = (info.data_offsets.0 as u64, info.data_offsets.1 as u64);
+        let numel: u64 = info.shape.iter().map(|&d| d as u64).product();
+        let bytes = (numel * info.dtype.bitsize() as u64).div_ceil(8);
+        if end < start || end - start != bytes {
+            return Err(not_safetensors(format!(
+                "tensor `{name}` spans bytes {start}..{end}, and its shape {:?} of {:?} takes {bytes}",
+                info.shape, info.dtype
+            )));
+        }
+        if end > data_len {
+            return Err(unreadable(format!(
+                "tensor `{name}` ends at byte {} and the file holds {file_len}: the file is truncated (or still \
+                 being written); copy it again",
+                data_start + end
+            )));
+        }
         let Some(dtype) = burn_dtype(info.dtype) else {
             others.push((name, format!("dtype {:?} has no Burn type", info.dtype)));
             continue;
         };
-        let (start, end) = info.data_offsets;
-        let bytes = Bytes::from_file(path, (end - start) as u64, data_start + start as u64);
-        tensors.push(PackTensor::new(name, dtype, info.shape.clone(), None, bytes));
+        let window = Bytes::from_file(path, end - start, data_start + start);
+        tensors.push(PackTensor::new(name, dtype, info.shape, None, window));
     }
     Ok((tensors, others))
 }
