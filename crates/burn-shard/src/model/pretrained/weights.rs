@@ -66,7 +66,8 @@ impl std::fmt::Debug for Pretrained {
 }
 
 impl Pretrained {
-    /// Hugging Face safetensors weights (each file memory-mapped while its header is read):
+    /// Hugging Face safetensors weights (each file's header read, not memory-mapped, and checked
+    /// against the file's length):
     /// one `.safetensors` file; the `model.safetensors.index.json` of a checkpoint split over
     /// several files (each tensor taken from the file its `weight_map` names; a rank reads
     /// bytes only from the files that hold its ranges); or the directory holding either
