@@ -277,16 +277,11 @@ fn default_adam_is_burn_adam_on_a_transformer() {
     for (name, cfg) in [
         (
             "GPT, AdamWConfig",
-            AdamWConfig::new()
-                .with_weight_decay(0.1)
-                .with_epsilon(1e-8)
-                .into_either(),
+            Either::AdamW(AdamWConfig::new().with_weight_decay(0.1).with_epsilon(1e-8)),
         ),
         (
             "GPT, AdamConfig with L2",
-            AdamConfig::new()
-                .with_weight_decay(Some(burn::optim::decay::WeightDecayConfig::new(0.01)))
-                .into_either(),
+            Either::Adam(AdamConfig::new().with_weight_decay(Some(burn::optim::decay::WeightDecayConfig::new(0.01)))),
         ),
     ] {
         let reference = reference(model.clone(), cfg.init(), |m, step| {
@@ -318,21 +313,5 @@ impl Either {
             Either::AdamW(c) => c.init(),
             Either::Adam(c) => c.init(),
         }
-    }
-}
-
-trait IntoEither {
-    fn into_either(self) -> Either;
-}
-
-impl IntoEither for AdamWConfig {
-    fn into_either(self) -> Either {
-        Either::AdamW(self)
-    }
-}
-
-impl IntoEither for AdamConfig {
-    fn into_either(self) -> Either {
-        Either::Adam(self)
     }
 }

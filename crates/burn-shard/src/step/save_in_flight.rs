@@ -99,7 +99,7 @@ impl Drop for SaveInFlight {
 /// What a rank says when a background save of `dir` is dropped before it settled: that the
 /// checkpoint is lost, why, and the call that keeps it. `write_error` is this rank's write
 /// failure, if any.
-pub(crate) fn unsettled_save_message(dir: &std::path::Path, write_error: Option<ShardError>) -> String {
+fn unsettled_save_message(dir: &std::path::Path, write_error: Option<ShardError>) -> String {
     let written = match write_error {
         None => "this rank's file was written".to_string(),
         Some(e) => format!("this rank's write failed: {e}"),

@@ -186,12 +186,18 @@ pub(super) fn safetensors(path: &Path) -> Result<(Vec<PackTensor>, Unreadable), 
         let info: TensorInfo = serde_json::from_value(value)
             .map_err(|e| not_safetensors(format!("tensor `{name}` in its header: {e}")))?;
         let (start, end) = (info.data_offsets.0 as u64, info.data_offsets.1 as u64);
-        let numel: u64 = info.shape.iter().map(|&d| d as u64).product();
-        let bytes = (numel * info.dtype.bitsize() as u64).div_ceil(8);
-        if end < start || end - start != bytes {
+        // Checked: a header is untrusted input, and its shape may not fit 64 bits.
+        let bits = info
+            .shape
+            .iter()
+            .try_fold(info.dtype.bitsize() as u64, |bits, &d| bits.checked_mul(d as u64));
+        let bytes = bits.map(|b| b.div_ceil(8));
+        if end < start || Some(end - start) != bytes {
             return Err(not_safetensors(format!(
-                "tensor `{name}` spans bytes {start}..{end}, and its shape {:?} of {:?} takes {bytes}",
-                info.shape, info.dtype
+                "tensor `{name}` spans bytes {start}..{end}, and its shape {:?} of {:?} takes {}",
+                info.shape,
+                info.dtype,
+                bytes.map_or("more than 2^64 bits".to_string(), |b| b.to_string())
             )));
         }
         if end > data_len {
