@@ -165,7 +165,7 @@ fn rank_order(base: &[Item], world_size: usize) -> Vec<Item> {
 
 /// `module` with fixed pseudo-random values: the same model in every run, whatever Burn's RNG
 /// did in the tests that ran before on the same device.
-fn seeded<M: Module>(module: M) -> M {
+pub(crate) fn seeded<M: Module>(module: M) -> M {
     struct Seeded(Rng);
     impl ModuleMapper for Seeded {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {

@@ -29,6 +29,7 @@ mod launcher;
 mod launcher_killed;
 mod layout;
 mod learner;
+mod learner_items;
 mod loss_scaling;
 mod memory;
 mod mixed_precision;

@@ -8,7 +8,7 @@
 //!
 //! Files: `strategy.rs` (the public type and `fit`), `coordinator.rs` (the calling thread:
 //! events, metrics, the decisions of an epoch's end), `rank.rs` (one rank's epoch loop),
-//! `events.rs` (their messages), `error.rs` (failed ranks), `data.rs` (each rank's share of a data loader),
+//! `events.rs` (their messages), `item_count.rs` (how a step weighs the ranks' gradients), `error.rs` (failed ranks), `data.rs` (each rank's share of a data loader),
 //! `loss_scale.rs` ([`scale_loss`] for a `TrainStep`), `renderer.rs` ([`LineRenderer`]: metrics as plain
 //! lines when the output is not a terminal).
 
@@ -16,12 +16,14 @@ mod coordinator;
 mod data;
 mod error;
 mod events;
+mod item_count;
 mod loss_scale;
 mod rank;
 mod renderer;
 mod strategy;
 
 pub use error::RankFailures;
+pub use item_count::{EqualShares, ItemCount};
 pub use loss_scale::scale_loss;
 pub use renderer::LineRenderer;
 pub use strategy::ShardedStrategy;

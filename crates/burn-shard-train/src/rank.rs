@@ -19,6 +19,9 @@ use crate::loss_scale::with_scaling;
 /// What a rank sends the coordinator.
 pub(crate) type Event<M> = RankEvent<<M as TrainStep>::Output, <M as InferenceStep>::Output>;
 
+/// A `TrainStep` output item's count of items.
+pub(crate) type ItemCounter<M> = dyn Fn(&<M as TrainStep>::Output) -> u64 + Send + Sync;
+
 /// The directory of the sharded checkpoint of `epoch` under `root`.
 pub(crate) fn epoch_dir(root: &Path, epoch: usize) -> PathBuf {
     root.join(format!("epoch-{epoch}"))
@@ -42,6 +45,9 @@ pub(crate) struct RankJob<'a, M: LearnerModel, O> {
     pub grad_accumulation: Option<usize>,
     pub interrupter: Interrupter,
     pub checkpoints: Option<&'a Path>,
+    /// Each micro-batch's item count, when the ranks' gradients are weighed by it
+    /// (`ShardedStrategy::with_item_count`); `None`: equal weights.
+    pub item_count: Option<&'a ItemCounter<M>>,
     pub resume_from: Option<usize>,
     pub events: Sender<Event<M>>,
     pub decisions: Receiver<EpochDecision>,
@@ -168,6 +174,8 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
     ) -> Result<bool, RankError> {
         let accumulation = self.grad_accumulation.unwrap_or(1).max(1);
         let mut micro_batches = 0;
+        // Items of this step's micro-batches so far (with an item count).
+        let mut items = 0u64;
         let mut iterator = self.train.iter();
         loop {
             let (item, failed) = next_item(iterator.next(), &self.interrupter);
@@ -188,13 +196,19 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
             let output = with_scaling(optim.loss_scaling(), || TrainStep::step(model, item));
             let progress = iterator.progress();
             micro_batches += 1;
+            if let Some(count) = self.item_count {
+                items += count(&output.item);
+            }
             // Burn's rule: step after `accumulation` micro-batches, or at the last one.
             if micro_batches == accumulation || progress.is_completed() {
                 learner.lr_step();
-                *model = optim
-                    .step(learner.lr_current(), model.clone(), output.grads)
-                    .map_err(step_error)?;
-                micro_batches = 0;
+                let (lr, stepped) = (learner.lr_current(), model.clone());
+                *model = match self.item_count {
+                    Some(_) => optim.step_with_items(lr, stepped, output.grads, items),
+                    None => optim.step(lr, stepped, output.grads),
+                }
+                .map_err(step_error)?;
+                (micro_batches, items) = (0, 0);
                 *global_step += 1;
             } else {
                 optim.accumulate(model, output.grads).map_err(step_error)?;

@@ -7,8 +7,8 @@ use std::thread;
 use burn::tensor::Device;
 use burn::train::checkpoint::CheckpointingStrategy;
 use burn::train::{
-    LearnerModel, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents,
-    TrainingStrategy, ValidLoader,
+    LearnerModel, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainStep,
+    TrainingComponents, TrainingStrategy, ValidLoader,
 };
 use burn_shard::comm::{Collective, InProcessGroup};
 use burn_shard::{IntoOptimizer, ShardConfig};
@@ -16,6 +16,7 @@ use burn_shard::{IntoOptimizer, ShardConfig};
 use crate::coordinator::Coordinator;
 use crate::data::{equal_share, whole_share};
 use crate::error::RankFailures;
+use crate::item_count::{EqualShares, ItemCount};
 use crate::rank::RankJob;
 
 /// Sharded data-parallel training (ZeRO stages 0-3) inside burn-train's `SupervisedTraining`:
@@ -80,11 +81,15 @@ use crate::rank::RankJob;
 ///   on the device of this process's first rank, as a model trained by burn-train's
 ///   single-device strategy. The model given to `Learner::new` is moved to host memory
 ///   (Burn's Flex device) for the run, so a stage-3 run does not keep it on the GPU.
-pub struct ShardedStrategy<O> {
+///
+/// `C` is how a step weighs the ranks' gradients: [`EqualShares`] (the default) or the item
+/// count given to [`ShardedStrategy::with_item_count`].
+pub struct ShardedStrategy<O, C = EqualShares> {
     config: ShardConfig,
     optim: O,
     ranks: Ranks,
     checkpoints: Option<(PathBuf, Mutex<Box<dyn CheckpointingStrategy>>)>,
+    item_count: C,
 }
 
 /// One rank of this process: its number, its collective, its device.
@@ -109,6 +114,7 @@ impl<O> ShardedStrategy<O> {
             optim,
             ranks: Ranks::Threads(devices),
             checkpoints: None,
+            item_count: EqualShares,
         }
     }
 
@@ -133,6 +139,39 @@ impl<O> ShardedStrategy<O> {
                 device,
             },
             checkpoints: None,
+            item_count: EqualShares,
+        }
+    }
+}
+
+impl<O, C> ShardedStrategy<O, C> {
+    /// Weighs each rank's gradient by its item count, for ranks whose batches hold different
+    /// numbers of items: a token-mean loss over padded sequences, a loss that skips masked or
+    /// ignored targets. burn-train's data shares give every rank as many *samples*, so the
+    /// default (equal weights: the mean of the ranks' mean losses) is exact only when every
+    /// rank's loss is a mean over as many items; with other counts it is another gradient than
+    /// one device's on the global batch.
+    ///
+    /// With `count`, each step is `ShardedOptimizer::step_with_items`: the `TrainStep`'s
+    /// gradients must be those of the **sum** of its per-item losses (`backward` on the sum; the
+    /// output item may keep the mean for the metrics), and `count(&item)` the number of items
+    /// (samples, or tokens) that sum covers, read from the `TrainStep`'s output item. The
+    /// counts of a step's micro-batches (with `grads_accumulation`) are added, every rank's
+    /// counts are added (one all-reduce of 8 bytes per step), and the summed gradients divided
+    /// by the total: the gradient of the mean loss over every item of the global batch, as one
+    /// device computes it. A step whose items total 0 on every rank fails the run (there is no
+    /// mean to take).
+    ///
+    /// For a classifier whose padded targets hold `PAD`:
+    /// `.with_item_count(|item: &ClassificationOutput| item.targets.clone().not_equal_elem(PAD).int().sum().into_scalar::<i64>() as u64)`
+    /// (one read of a scalar per micro-batch; a count the batch already holds on the host is cheaper).
+    pub fn with_item_count<T, F: Fn(&T) -> u64 + Send + Sync + 'static>(self, count: F) -> ShardedStrategy<O, F> {
+        ShardedStrategy {
+            config: self.config,
+            optim: self.optim,
+            ranks: self.ranks,
+            checkpoints: self.checkpoints,
+            item_count: count,
         }
     }
 
@@ -180,17 +219,18 @@ impl<O> ShardedStrategy<O> {
     }
 }
 
-impl<M, O> From<ShardedStrategy<O>> for TrainingStrategy<M>
+impl<M, O, C> From<ShardedStrategy<O, C>> for TrainingStrategy<M>
 where
     M: LearnerModel,
     O: IntoOptimizer + Clone + Send + Sync + 'static,
+    C: ItemCount<<M as TrainStep>::Output>,
 {
-    fn from(strategy: ShardedStrategy<O>) -> Self {
+    fn from(strategy: ShardedStrategy<O, C>) -> Self {
         TrainingStrategy::Custom(Arc::new(strategy))
     }
 }
 
-impl<O> ShardedStrategy<O> {
+impl<O, C> ShardedStrategy<O, C> {
     /// Refuses the run before training: `interrupter` reports `message`, and with one process
     /// per rank the group is aborted, so the other processes do not wait for this one.
     fn refuse(&self, interrupter: &burn::train::Interrupter, message: String) {
@@ -206,10 +246,11 @@ impl<O> ShardedStrategy<O> {
     }
 }
 
-impl<M, O> SupervisedLearningStrategy<M> for ShardedStrategy<O>
+impl<M, O, C> SupervisedLearningStrategy<M> for ShardedStrategy<O, C>
 where
     M: LearnerModel,
     O: IntoOptimizer + Clone + Send + Sync + 'static,
+    C: ItemCount<<M as TrainStep>::Output>,
 {
     fn fit(
         &self,
@@ -304,6 +345,7 @@ where
                     grad_accumulation: components.grad_accumulation,
                     interrupter: interrupter.clone(),
                     checkpoints: self.checkpoints.as_ref().map(|(dir, _)| dir.as_path()),
+                    item_count: self.item_count.counter(),
                     resume_from: components.checkpoint,
                     events: events_tx.clone(),
                     decisions: decision_rx,
