@@ -339,7 +339,7 @@ fn train_rank(
         )?;
     }
     progress.finish();
-    let memory = optim.memory_report(&model);
+    let memory = optim.report().memory(&model);
     Ok((start, metrics, memory))
 }
 

@@ -295,7 +295,7 @@ fn train_rank(
         )?;
     }
     progress.finish();
-    let memory = optim.memory_report(&model);
+    let memory = optim.report().memory(&model);
     // At stage 3 unsharding is a collective, so every rank takes part; then rank 0 samples.
     let full = model.valid().materialize();
     let sample = (rank == 0).then(|| {

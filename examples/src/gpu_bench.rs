@@ -6,7 +6,7 @@
 //!   kernel on a CubeCL device) next to Burn's own AdamW on the same device.
 //! - [`train_gpt_rank`] / [`gpt_in_process`]: the shakespeare example's GPT trained for a few
 //!   steps at one stage, with the step time, the tokens per second, each rank's model-state
-//!   bytes from [`burn_shard::ShardedOptimizer::memory_report`], the device allocator's bytes
+//!   bytes from [`burn_shard::RankReport::memory`], the device allocator's bytes
 //!   ([`Device::memory_pool_usage`]) and the share of collective time hidden behind compute
 //!   ([`CommStats::hidden_share`]).
 
@@ -126,7 +126,7 @@ pub struct GptRankRun {
     /// The mean over ranks of each step's loss (all steps, warm-up included).
     pub losses: Vec<f32>,
     /// This rank's parameters + gradients + optimizer state, bytes
-    /// ([`burn_shard::ShardedOptimizer::memory_report`] after the last step).
+    /// ([`burn_shard::RankReport::memory`] after the last step).
     pub model_state_bytes: u64,
     /// The largest `bytes_in_use` of the device's allocator seen after backward or after a step, bytes; `None`
     /// where the backend does not report it (Burn's Flex CPU backend). Ranks that share one
@@ -292,7 +292,7 @@ fn train<C: Collective + 'static>(
     let local = Tensor::<1>::from_floats(run.losses.as_slice(), &device.clone().without_autodiff());
     let mean = optim.comm().all_reduce(local, ReduceOp::Avg)?;
     run.losses = mean.into_data().convert::<f32>().iter::<f32>().collect();
-    run.model_state_bytes = optim.memory_report(&model).model_state_bytes() as u64;
+    run.model_state_bytes = optim.report().memory(&model).model_state_bytes() as u64;
     Ok(run)
 }
 

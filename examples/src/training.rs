@@ -7,6 +7,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
+use burn_shard::checkpoint::SaveOptions;
 use burn_shard::comm::{Collective, ReduceOp};
 use burn_shard::{MasterWeightStep, ShardError, ShardedOptimizer, Stage};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -163,8 +164,8 @@ pub fn resume<M: Module, O: MasterWeightStep>(
     let Some(dir) = &args.resume else {
         return Ok((model, 0));
     };
-    let (model, payload) = optim.load_checkpoint(model, dir)?;
-    let start = payload["step"].as_u64().unwrap_or(0) as usize;
+    let (model, restored) = optim.load_checkpoint(model, dir)?;
+    let start = restored.payload["step"].as_u64().unwrap_or(0) as usize;
     if start >= steps && args.resumed_auto {
         // A job restarted after it had saved its last step (a rank failed on its way out).
         if optim.comm().rank() == 0 {
@@ -209,7 +210,7 @@ pub fn resume<M: Module, O: MasterWeightStep>(
 /// After step `done` (1-based) of `steps`: saves a checkpoint under `--save-dir` every
 /// `--save-every` steps and after the last, with `{"step": done}` as payload, and keeps the
 /// newest `--keep` complete ones (a collective: every rank calls it). The saves are written in
-/// the background (`save_checkpoint_async`: training goes on while the files are written); the
+/// the background (`SaveOptions::in_background`: training goes on while the files are written); the
 /// last one is waited for.
 ///
 /// # Errors
@@ -231,7 +232,11 @@ pub fn save_if_due<M: Module, O: MasterWeightStep>(
     }
     let dir = root.join(format!("step-{done:06}"));
     let last = done == steps;
-    optim.save_checkpoint_async(model, &dir, &serde_json::json!({ "step": done }))?;
+    optim.save_checkpoint(
+        model,
+        &dir,
+        SaveOptions::new(serde_json::json!({ "step": done })).in_background(),
+    )?;
     if last {
         optim.wait_for_checkpoint()?;
     }

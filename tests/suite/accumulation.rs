@@ -129,13 +129,25 @@ fn pending_micro_batches_block_a_checkpoint_and_count_as_gradient_memory() {
             .to_string();
         let last = grads(&model);
         let model = optim.step(LR, model, last).expect("step");
-        let report = optim.memory_report(&model);
-        let shards: usize = optim.layout().buckets().iter().map(|b| b.shard_numel * 4).sum();
+        let report = optim.report().memory(&model);
+        let shards: usize = optim
+            .report()
+            .layout()
+            .buckets()
+            .iter()
+            .map(|b| b.shard_numel * 4)
+            .sum();
         (
             refused,
             report.gradients_bytes,
             shards,
-            optim.layout().slots().iter().map(|s| s.numel * 4).sum::<usize>(),
+            optim
+                .report()
+                .layout()
+                .slots()
+                .iter()
+                .map(|s| s.numel * 4)
+                .sum::<usize>(),
         )
     })
     .expect("no rank panics");

@@ -1,4 +1,4 @@
-//! Checkpoints written in the background (`save_checkpoint_async`): what is written is the step
+//! Checkpoints written in the background (`save_checkpoint` with `SaveOptions::in_background`): what is written is the step
 //! the save was staged at, whatever the steps after it do; the checkpoint completes at a later
 //! step or at `wait_for_checkpoint`; a failure is reported on every rank and leaves nothing
 //! behind; the next save waits for the previous one.
@@ -9,7 +9,7 @@ use burn::module::{Module, Param};
 use burn::optim::AdamWConfig;
 use burn::prelude::*;
 use burn::tensor::DType;
-use burn_shard::checkpoint::{CheckpointMeta, inspect};
+use burn_shard::checkpoint::{CheckpointMeta, SaveOptions, inspect};
 use burn_shard::{NvmeOffload, ShardConfig, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 
@@ -117,10 +117,14 @@ fn check_staged<M: Stepped>(
             .save_checkpoint(&model, &sync_dir, &serde_json::json!({ "step": 3 }))
             .unwrap();
         optim
-            .save_checkpoint_async(&model, &async_dir, &serde_json::json!({ "step": 3 }))
+            .save_checkpoint(
+                &model,
+                &async_dir,
+                SaveOptions::new(serde_json::json!({ "step": 3 })).in_background(),
+            )
             .unwrap();
-        let in_flight = optim.checkpoint_in_flight();
-        let staged = optim.memory_report(&model).checkpoint_staging_bytes;
+        let in_flight = optim.report().checkpoints_in_flight().first().cloned();
+        let staged = optim.report().memory(&model).checkpoint_staging_bytes;
         let complete_before = async_dir.join("COMPLETE").exists();
         let before = params_of(&model.valid().materialize());
         for step in 3..6 {
@@ -134,7 +138,7 @@ fn check_staged<M: Stepped>(
             staged,
             complete_before,
             before != after,
-            optim.checkpoint_in_flight(),
+            optim.report().checkpoints_in_flight().first().cloned(),
         )
     })
     .unwrap();
@@ -243,7 +247,7 @@ fn a_background_save_reads_its_step_from_the_swap_file_while_the_next_steps_writ
         for round in 0..4 {
             let dir = root.join(format!("rounds/step-{round}"));
             optim
-                .save_checkpoint_async(&model, &dir, &serde_json::Value::Null)
+                .save_checkpoint(&model, &dir, SaveOptions::new(serde_json::Value::Null).in_background())
                 .unwrap();
             for step in 0..3 {
                 let loss = model.step_loss(step, &device);
@@ -285,7 +289,7 @@ fn a_failed_background_save_is_reported_on_every_rank_and_leaves_nothing() {
         let loss = model.loss(0, &device);
         model = sharded_step(&mut optim, model, loss, 1e-2).0;
         optim
-            .save_checkpoint_async(&model, &dir, &serde_json::Value::Null)
+            .save_checkpoint(&model, &dir, SaveOptions::new(serde_json::Value::Null).in_background())
             .unwrap();
         optim.comm().barrier().unwrap();
         if optim.comm().rank() == 0 {
@@ -308,7 +312,7 @@ fn a_failed_background_save_is_reported_on_every_rank_and_leaves_nothing() {
         let error = optim.wait_for_checkpoint().unwrap_err().to_string();
         let again = optim.wait_for_checkpoint().is_ok();
         optim
-            .save_checkpoint_async(&model, &next, &serde_json::Value::Null)
+            .save_checkpoint(&model, &next, SaveOptions::new(serde_json::Value::Null).in_background())
             .unwrap();
         optim.wait_for_checkpoint().unwrap();
         (error, again)
@@ -318,7 +322,7 @@ fn a_failed_background_save_is_reported_on_every_rank_and_leaves_nothing() {
         assert!(
             match rank {
                 0 => error.contains("rank-1.sha256") && error.contains("corrupt"),
-                _ => error.contains("rank(s) [0] failed in save_checkpoint_async"),
+                _ => error.contains("rank(s) [0] failed in save_checkpoint (background)"),
             },
             "rank {rank}: {error}"
         );
@@ -345,16 +349,24 @@ fn the_next_save_and_a_load_wait_for_the_background_save() {
         let loss = model.loss(0, &device);
         model = sharded_step(&mut optim, model, loss, 1e-2).0;
         optim
-            .save_checkpoint_async(&model, root.join("a"), &serde_json::json!(1))
+            .save_checkpoint(
+                &model,
+                root.join("a"),
+                SaveOptions::new(serde_json::json!(1)).in_background(),
+            )
             .unwrap();
         optim
-            .save_checkpoint_async(&model, root.join("b"), &serde_json::json!(2))
+            .save_checkpoint(
+                &model,
+                root.join("b"),
+                SaveOptions::new(serde_json::json!(2)).in_background(),
+            )
             .unwrap();
         let saved = params_of(&model.valid().materialize());
         let loss = model.loss(1, &device);
         model = sharded_step(&mut optim, model, loss, 1e-2).0;
-        let (model, payload) = optim.load_checkpoint(model, root.join("b")).unwrap();
-        (saved == params_of(&model.valid().materialize()), payload)
+        let (model, restored) = optim.load_checkpoint(model, root.join("b")).unwrap();
+        (saved == params_of(&model.valid().materialize()), restored.payload)
     })
     .unwrap();
     for (rank, (same, payload)) in ranks.into_iter().enumerate() {
@@ -394,15 +406,15 @@ fn saves_in_flight_lets_a_background_save_start_before_the_previous_one_complete
                 }
                 match background {
                     true => optim
-                        .save_checkpoint_async(&model, dir, &serde_json::Value::Null)
+                        .save_checkpoint(&model, dir, SaveOptions::new(serde_json::Value::Null).in_background())
                         .unwrap(),
                     false => optim.save_checkpoint(&model, dir, &serde_json::Value::Null).unwrap(),
                 }
-                let staged = optim.memory_report(&model).checkpoint_staging_bytes;
-                seen.push((optim.checkpoints_in_flight(), staged));
+                let staged = optim.report().memory(&model).checkpoint_staging_bytes;
+                seen.push((optim.report().checkpoints_in_flight(), staged));
             }
             optim.wait_for_checkpoint().unwrap();
-            assert!(optim.checkpoints_in_flight().is_empty());
+            assert!(optim.report().checkpoints_in_flight().is_empty());
             seen
         })
         .unwrap();
@@ -514,7 +526,11 @@ fn dropped_save_child() {
             .unwrap();
         let (model, _) = sharded_step(&mut optim, model.clone(), model.loss(0, &device), 1e-3);
         optim
-            .save_checkpoint_async(&model, dir.join("step-1"), &serde_json::json!({}))
+            .save_checkpoint(
+                &model,
+                dir.join("step-1"),
+                SaveOptions::new(serde_json::json!({})).in_background(),
+            )
             .unwrap();
         // The loop ends here: `optim` drops with the save in flight.
     })

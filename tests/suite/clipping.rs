@@ -32,7 +32,7 @@ fn rank_run<O: IntoOptimizer>(comm: impl Collective + 'static, config: ShardConf
         let (next, global) = sharded_step(&mut optim, model, loss, LR);
         model = next;
         losses.push(global);
-        norms.extend(optim.last_grad_norm().map(|n| n as f32));
+        norms.extend(optim.report().last_grad_norm().map(|n| n as f32));
     }
     // The norms are compared where the reference clips by global norm.
     if global {
@@ -195,7 +195,7 @@ fn check_one_sgd_step(
                 };
                 let loss = mse(&model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
                 let (model, _) = sharded_step(&mut optim, model, loss, SGD_LR);
-                (params_of(&model.materialize()), optim.last_grad_norm())
+                (params_of(&model.materialize()), optim.report().last_grad_norm())
             })
             .expect("no rank panics");
             let ctx = format!("{name}, world_size {world_size}, stage {stage}");
@@ -330,7 +330,7 @@ fn norm_and_update(stage: Stage, world_size: usize, coefficient: &[f32], max_nor
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let model = optim.step(1.0, model, grads).expect("step");
         let update = params_of(&model.materialize()).iter().map(|v| -v).collect::<Vec<f32>>();
-        (optim.last_grad_norm().expect("measured"), update)
+        (optim.report().last_grad_norm().expect("measured"), update)
     })
     .unwrap();
     let norms = results.iter().map(|(n, _)| *n).collect();

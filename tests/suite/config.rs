@@ -105,3 +105,99 @@ fn bad_values_are_errors_naming_the_field() {
         .to_string();
     assert!(err.contains("stage"), "{err}");
 }
+
+/// Ranks whose `ShardConfig`s differ in any field (each field of the config changed on rank 1
+/// alone, one at a time) fail `init` together with `ConfigMismatch` before any other collective,
+/// whatever the field; the NVMe offload directories and I/O settings, which are node-local, may
+/// differ. A field added to `ShardConfig` without a case here fails the sweep's coverage check.
+#[test]
+fn ranks_with_different_configs_fail_init_together_whatever_the_field() {
+    use burn::module::Module;
+    use burn::optim::AdamWConfig;
+    use burn::prelude::Device;
+    use burn_shard::comm::{Collective, InProcessGroup, MeshLayout, run_ranks};
+    use burn_shard::{FrozenEntries, ShardError};
+
+    use crate::common::TinyMlp;
+
+    let base_config = || ShardConfig::new(Stage::Two);
+    let dir = scratch("config", "agreement");
+    type Change = (&'static str, Box<dyn Fn(ShardConfig) -> ShardConfig + Sync>);
+    let nvme = dir.join("nvme");
+    let changes: Vec<Change> = vec![
+        ("stage", Box::new(|_| ShardConfig::new(Stage::One))),
+        ("bucket_numel", Box::new(|c| c.with_bucket_numel(1000))),
+        (
+            "reshard_after_forward",
+            Box::new(|c| c.with_reshard_after_forward(false)),
+        ),
+        ("max_grad_norm", Box::new(|c| c.with_max_grad_norm(1.0))),
+        ("loss_scaler", Box::new(|c| c.with_loss_scaler(LossScaler::dynamic()))),
+        ("overlap_comm", Box::new(|c| c.with_overlap_comm(false))),
+        ("units", Box::new(|c| c.with_units(["l1"]))),
+        ("nvme_offload", {
+            let nvme = nvme.clone();
+            Box::new(move |c| c.with_nvme_offload(NvmeOffload::new(&nvme)))
+        }),
+        ("offload_params", Box::new(|c| c.with_offload_params(true))),
+        ("nvme_offload_params", {
+            let nvme = nvme.clone();
+            Box::new(move |c| c.with_nvme_offload_params(NvmeOffload::new(&nvme)))
+        }),
+        (
+            "frozen_entries",
+            Box::new(|c| c.with_frozen_entries(FrozenEntries::Fingerprinted)),
+        ),
+        ("saves_in_flight", Box::new(|c| c.with_saves_in_flight(2))),
+        ("replicas", Box::new(|c| c.with_replicas(2))),
+        ("mesh_layout", Box::new(|c| c.with_mesh_layout(MeshLayout::Interleaved))),
+    ];
+    // Coverage: every serialized field of the config is changed by one case.
+    let fields = |c: &ShardConfig| serde_json::to_value(c).unwrap().as_object().unwrap().clone();
+    let base_fields = fields(&base_config());
+    for key in base_fields.keys() {
+        let covered = changes
+            .iter()
+            .any(|(name, change)| name == key && fields(&change(base_config()))[key] != base_fields[key]);
+        assert!(covered, "ShardConfig field `{key}` has no case in this sweep: add one");
+    }
+    let device = Device::flex().autodiff();
+    let model = TinyMlp::new(&device);
+    for (name, change) in &changes {
+        let errors = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+            let config = match comm.rank() {
+                0 => base_config(),
+                _ => change(base_config()),
+            };
+            config
+                .init(model.clone().fork(&Device::flex().autodiff()), AdamWConfig::new(), comm)
+                .err()
+        })
+        .expect("no rank panics");
+        for (rank, err) in errors.into_iter().enumerate() {
+            let err = err.unwrap_or_else(|| panic!("`{name}` differs, yet rank {rank}'s init succeeded"));
+            assert!(
+                matches!(err, ShardError::ConfigMismatch { rank: r, peer } if r == rank && peer == 1 - rank),
+                "`{name}` differs: rank {rank}: {err}"
+            );
+        }
+    }
+    // Node-local: each rank's own NVMe directories and I/O threads.
+    let results = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let rank = comm.rank();
+        let local = dir.join(format!("node-{rank}"));
+        for sub in ["state", "params"] {
+            std::fs::create_dir_all(local.join(sub)).unwrap();
+        }
+        let config = ShardConfig::new(Stage::Three)
+            .with_nvme_offload(NvmeOffload::new(local.join("state")).with_io_threads(1 + rank))
+            .with_nvme_offload_params(NvmeOffload::new(local.join("params")).with_max_in_flight(2 + rank));
+        config
+            .init(model.clone().fork(&Device::flex().autodiff()), AdamWConfig::new(), comm)
+            .map(drop)
+    })
+    .expect("no rank panics");
+    for (rank, result) in results.into_iter().enumerate() {
+        result.unwrap_or_else(|e| panic!("rank {rank}: node-local NVMe settings must not be refused: {e}"));
+    }
+}

@@ -184,6 +184,7 @@ fn bf16_masters(
         model = sharded_step(&mut optim, model, loss, lr).0;
     }
     optim
+        .report()
         .master_weights()
         .iter()
         // A slot outside this rank's range (stages 1-2) has no master here: empty.

@@ -48,7 +48,7 @@ pub(crate) struct RankRun {
     pub(crate) losses: Vec<f32>,
     /// The final parameters, every rank's the same.
     pub(crate) params: Vec<f32>,
-    /// `ShardedOptimizer::overlapped_buckets` at the last step: buckets reduced inside backward
+    /// `RankReport::overlapped_buckets` at the last step: buckets reduced inside backward
     /// (read by the CubeCL device tests: a build with neither `wgpu` nor `cuda` leaves it unread).
     #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     pub(crate) overlapped_buckets: usize,
@@ -83,7 +83,10 @@ pub(crate) fn train_rank<O: IntoOptimizer, C: Collective + 'static>(
         model = next;
         losses.push(global);
     }
-    let (overlapped_buckets, buckets) = (optim.overlapped_buckets(), optim.layout().buckets().len());
+    let (overlapped_buckets, buckets) = (
+        optim.report().overlapped_buckets(),
+        optim.report().layout().buckets().len(),
+    );
     // Stage 3 unshards with a collective, so every rank does it.
     RankRun {
         losses,
@@ -200,7 +203,14 @@ pub(crate) fn step_paths(
         let (x, y) = batch(0, 4);
         let loss = mse(&model, rows(&x, IN, 0, 2, device), rows(&y, OUT, 0, 2, device));
         sharded_step(&mut optim, model, loss, LR);
-        let state = optim.slot_states().iter().flatten().next().cloned().expect("stepped");
+        let state = optim
+            .report()
+            .slot_states()
+            .iter()
+            .flatten()
+            .next()
+            .cloned()
+            .expect("stepped");
         optim.optimizer().path_for(&state.momentum.moment_1)
     })
     .unwrap()

@@ -10,7 +10,7 @@ use burn::module::{Lora, Module};
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
 use burn::optim::AdamWConfig;
 use burn::prelude::*;
-use burn_shard::checkpoint::{CheckpointMeta, Selection, consolidate, consolidate_selected, inspect, reshard};
+use burn_shard::checkpoint::{CheckpointMeta, Selection, consolidate, inspect, reshard};
 use burn_shard::{FrozenEntries, Pretrained, ShardConfig, ShardError, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 use burn_store::ModuleSnapshot;
@@ -264,13 +264,13 @@ fn a_checkpoint_that_refers_to_its_frozen_base_resumes_on_it_and_refuses_another
 
             // Offline tools.
             let out = root.join(format!("{tune:?}-{stage}.bpk"));
-            let refused = consolidate(&dir, &out).unwrap_err().to_string();
+            let refused = consolidate(&dir, &out, Selection::All).unwrap_err().to_string();
             assert!(
                 refused.contains("does not hold its frozen base") && refused.contains("--trainable-only"),
                 "{at}: {refused}"
             );
             assert!(!out.exists(), "{at}: nothing written");
-            let trained = consolidate_selected(&dir, &out, Selection::Trainable).unwrap();
+            let trained = consolidate(&dir, &out, Selection::Trainable).unwrap();
             assert_eq!(
                 trained.entries,
                 meta.entries.iter().filter(|e| e.trainable).count(),

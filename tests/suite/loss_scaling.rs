@@ -87,11 +87,11 @@ fn rank_run(
         }
         model = optim.step(LR, model, grads).expect("step");
         assert_eq!(
-            optim.last_step_applied(),
+            optim.report().last_step_applied(),
             !overflow,
             "rank {rank}, step {step}: last_step_applied must say whether the scaler skipped the step"
         );
-        let norm = optim.last_grad_norm().expect("measured");
+        let norm = optim.report().last_grad_norm().expect("measured");
         if overflow {
             around.1 = params_of(&model.clone().materialize());
             assert!(

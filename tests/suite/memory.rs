@@ -32,7 +32,7 @@ fn reports(world_size: usize, stage: Stage) -> Vec<MemoryReport> {
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(1e-3, model, grads).unwrap();
         }
-        optim.memory_report(&model)
+        optim.report().memory(&model)
     })
     .unwrap()
 }

@@ -110,12 +110,18 @@ fn bf16_training_with_master_weights_matches_the_f32_master_reference() {
                     model = next;
                     losses.push(global);
                 }
-                let masters: Vec<DType> = optim.master_weights().iter().flatten().map(|t| t.dtype()).collect();
-                let report = optim.memory_report(&model);
+                let masters: Vec<DType> = optim
+                    .report()
+                    .master_weights()
+                    .iter()
+                    .flatten()
+                    .map(|t| t.dtype())
+                    .collect();
+                let report = optim.report().memory(&model);
                 // Stage 0 steps whole buckets; stages 1-3 this rank's shard (stage 3's layout
                 // is built over the local shards at world size 1).
                 // Padding is never stepped, so it holds no state.
-                let owned = optim.stepped_numel();
+                let owned = optim.report().stepped_numel();
                 (losses, params_of(&model.materialize()), masters, report, owned)
             })
             .expect("no rank panics");

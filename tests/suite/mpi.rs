@@ -905,7 +905,12 @@ fn a_killed_rank_restarts_the_mpi_job_which_ends_as_an_uninterrupted_run_from_it
     let last = format!("step-{steps:06}");
     let consolidated = |root: &std::path::Path| {
         let out = root.join("final.safetensors");
-        burn_shard::checkpoint::consolidate_safetensors(root.join(&last), &out).unwrap();
+        burn_shard::checkpoint::consolidate(
+            root.join(&last),
+            &out,
+            burn_shard::checkpoint::RecordFormat::Safetensors,
+        )
+        .unwrap();
         std::fs::read(out).unwrap()
     };
     println!("resumed from {}; whole job {:?}", resumed.display(), started.elapsed());

@@ -63,12 +63,12 @@ fn train_rank<O: IntoOptimizer, C: Collective + 'static>(
         let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
         model = optim.step(LR, model, grads)?;
     }
-    let report = optim.memory_report(&model);
+    let report = optim.report().memory(&model);
     Ok(RankRun {
         losses,
         params: params_of(&model.materialize()).iter().map(|p| p.to_bits()).collect(),
         report,
-        io: optim.nvme_io_bytes(),
+        io: optim.report().nvme_io_bytes(),
     })
 }
 

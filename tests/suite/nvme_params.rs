@@ -243,7 +243,7 @@ fn the_shard_file_has_no_name_while_the_job_runs() {
     let (model, optim) = config
         .init(base().fork(&device), AdamWConfig::new(), comm)
         .expect("init");
-    let report = optim.memory_report(&model);
+    let report = optim.report().memory(&model);
     assert!(report.disk_bytes > 0 && report.parameters_bytes == 0, "{report:?}");
     assert!(entries(&dir).is_empty(), "no file has a name: {:?}", entries(&dir));
     // A second job in the same directory, while the first holds its shards there.
@@ -478,7 +478,10 @@ fn deep_rank<C: burn_shard_comm::Collective + 'static>(comm: C, base: &Deep, dir
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(LR, model, grads).unwrap();
     }
-    (optim.nvme_io_bytes().0, optim.nvme_read_on_demand_bytes())
+    (
+        optim.report().nvme_io_bytes().0,
+        optim.report().nvme_read_on_demand_bytes(),
+    )
 }
 
 /// The shard file is read ahead of its use, off the compute thread: once the gather schedule

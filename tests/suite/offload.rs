@@ -164,15 +164,17 @@ pub(crate) mod on_cube {
                 .save_checkpoint(&model, dir, &serde_json::json!({}))
                 .expect("save");
         }
-        let report = optim.memory_report(&model);
+        let report = optim.report().memory(&model);
         let mut state_devices: Vec<Device> = optim
+            .report()
             .slot_states()
             .iter()
             .flatten()
             .flat_map(|s| [s.momentum.moment_1.device(), s.momentum.moment_2.device()])
             .collect();
-        state_devices.extend(optim.master_weights().iter().flatten().map(|m| m.device()));
+        state_devices.extend(optim.report().master_weights().iter().flatten().map(|m| m.device()));
         let masters = optim
+            .report()
             .master_weights()
             .iter()
             .flatten()
@@ -586,15 +588,21 @@ pub(crate) mod on_cube {
             for s in 0..first {
                 model = step_rows(model, &mut optim, s, mine, &autodiff);
             }
-            let saved = optim.memory_report(&model);
+            let saved = optim.report().memory(&model);
             optim.save_checkpoint(&model, &dir, &serde_json::json!({})).unwrap();
             // Offloaded from the checkpoint on.
             let (model, mut offloaded) = ShardConfig::new(Stage::Two)
                 .init(base.clone().fork(&autodiff), Offload(adamw()), comm.clone())
                 .unwrap();
             let (mut model, _) = offloaded.load_checkpoint(model, &dir).unwrap();
-            let loaded = offloaded.memory_report(&model);
-            let state = offloaded.slot_states().iter().flatten().next().expect("loaded state");
+            let loaded = offloaded.report().memory(&model);
+            let state = offloaded
+                .report()
+                .slot_states()
+                .iter()
+                .flatten()
+                .next()
+                .expect("loaded state");
             assert_eq!(
                 offloaded.optimizer().inner().path_for(&state.momentum.moment_1),
                 burn_shard_kernels::StepPath::FusedCpu,
@@ -651,7 +659,7 @@ pub(crate) mod on_cube {
             let loss = model.b.forward(model.a.forward(x)).powi_scalar(2).mean();
             let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
             let model = optim.step(1e-3, model, grads).unwrap();
-            optim.memory_report(&model)
+            optim.report().memory(&model)
         })
         .unwrap()
     }

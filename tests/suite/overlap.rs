@@ -175,11 +175,11 @@ fn train(
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(1e-2, model, grads).unwrap();
             calls.push(StepCalls {
-                overlapped: optim.overlapped_buckets(),
+                overlapped: optim.report().overlapped_buckets(),
                 reductions: reductions(&optim.comm().stats().since(&before)),
             });
         }
-        (calls, optim.layout().buckets().len(), params_of(&model))
+        (calls, optim.report().layout().buckets().len(), params_of(&model))
     })
     .unwrap();
     runs.into_iter().next().unwrap()
@@ -311,7 +311,7 @@ fn train_with_split_steps(
                 let loss = optim.scale_loss(model.loss(first, skip).div_scalar(2.0));
                 let grads = GradientsParams::from_grads(loss.backward(), &model);
                 optim.accumulate(&model, grads).unwrap();
-                overlapped.push(optim.overlapped_buckets());
+                overlapped.push(optim.report().overlapped_buckets());
                 let second = tokens(step, rows.start + 1..rows.end, &device);
                 let loss = optim.scale_loss(model.loss(second, skip).div_scalar(2.0));
                 let grads = GradientsParams::from_grads(loss.backward(), &model);
@@ -321,7 +321,7 @@ fn train_with_split_steps(
                 let grads = GradientsParams::from_grads(loss.backward(), &model);
                 model = optim.step(1e-2, model, grads).unwrap();
             }
-            overlapped.push(optim.overlapped_buckets());
+            overlapped.push(optim.report().overlapped_buckets());
         }
         (overlapped, params_of(&model))
     })
@@ -425,7 +425,7 @@ fn micro_batches_given_to_accumulate_send_nothing_and_the_last_one_reduces_insid
                 .with_bucket_numel(BUCKET_NUMEL)
                 .init(base.clone().fork(&device), AdamConfig::new(), comm)
                 .unwrap();
-            let buckets = optim.layout().buckets().len();
+            let buckets = optim.report().layout().buckets().len();
             for step in 0..steps {
                 for m in 0..k {
                     // Micro-batch m of this rank's share: one row, loss / k.
@@ -438,7 +438,7 @@ fn micro_batches_given_to_accumulate_send_nothing_and_the_last_one_reduces_insid
                         optim.accumulate(&model, grads).unwrap();
                         let sent = optim.comm().stats().since(&before).total_bytes_sent();
                         assert_eq!(sent, 0, "stage {stage}, step {step}, micro-batch {m}");
-                        assert_eq!(optim.overlapped_buckets(), 0, "stage {stage}, step {step}");
+                        assert_eq!(optim.report().overlapped_buckets(), 0, "stage {stage}, step {step}");
                         if m + 2 == k {
                             // Pending sums (handed to the next backward's buckets from step 2
                             // on) are state a checkpoint does not hold.
@@ -450,7 +450,11 @@ fn micro_batches_given_to_accumulate_send_nothing_and_the_last_one_reduces_insid
                     } else {
                         model = optim.step(1e-2, model, grads).unwrap();
                         let expected = if step == 0 { 0 } else { buckets };
-                        assert_eq!(optim.overlapped_buckets(), expected, "stage {stage}, step {step}");
+                        assert_eq!(
+                            optim.report().overlapped_buckets(),
+                            expected,
+                            "stage {stage}, step {step}"
+                        );
                     }
                 }
             }
@@ -561,11 +565,11 @@ fn train_changing(
                 }
             }
             calls.push(StepCalls {
-                overlapped: optim.overlapped_buckets(),
+                overlapped: optim.report().overlapped_buckets(),
                 reductions: reductions(&optim.comm().stats().since(&before)),
             });
         }
-        (calls, optim.layout().buckets().len(), params_of(&model))
+        (calls, optim.report().layout().buckets().len(), params_of(&model))
     })
     .unwrap();
     runs.into_iter().next().unwrap()

@@ -208,7 +208,7 @@ fn a_frozen_teacher_shards_and_runs_forward_beside_a_student() {
                 .init(teacher_base.clone().fork(&device), AdamWConfig::new(), comm.clone())
                 .expect("a model without trainable parameters shards");
             assert!(
-                teacher_optim.layout().slots().is_empty(),
+                teacher_optim.report().layout().slots().is_empty(),
                 "no optimizer state for a frozen model"
             );
             let (mut student, mut optim) = ShardConfig::new(stage)
@@ -294,7 +294,7 @@ fn lora_adapters_train_at_every_stage_like_single_device_lora() {
                     model = sharded_step(&mut optim, model, l, LR).0;
                 }
                 // Only the adapters have optimizer state (stage 3: this rank's shards of them).
-                let trained: usize = optim.layout().slots().iter().map(|s| s.numel).sum();
+                let trained: usize = optim.report().layout().slots().iter().map(|s| s.numel).sum();
                 (params_of(&model.materialize()), trained)
             })
             .unwrap_or_else(|e| panic!("stage {stage}, world size {world_size}: {e:?}"));

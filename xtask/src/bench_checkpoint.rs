@@ -1,6 +1,6 @@
 //! `cargo xtask bench checkpoint`: what saving costs a training run, in one run: the same GPT
 //! trained for the same steps without saving, with `save_checkpoint` every k steps, and with
-//! `save_checkpoint_async` every k steps (waited for at the end), ranks as threads of one
+//! `save_checkpoint` in the background every k steps (waited for at the end), ranks as threads of one
 //! process. Prints each run's total time against the run without saves, the median time of a
 //! step that saves against one that does not, and the bytes each save staged.
 
@@ -10,6 +10,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::Device;
+use burn_shard::checkpoint::SaveOptions;
 use burn_shard::comm::{InProcessGroup, run_ranks};
 use burn_shard::{NvmeOffload, ShardConfig, Stage};
 use burn_shard_examples::char_data::sample_batch;
@@ -21,7 +22,7 @@ use rand::rngs::StdRng;
 
 use crate::bench_infinity::{corpus, date, gpt_config};
 
-const MODES: [&str; 3] = ["no saves", "save_checkpoint", "save_checkpoint_async"];
+const MODES: [&str; 3] = ["no saves", "save_checkpoint", "save_checkpoint in the background"];
 const GB: f64 = 1e9;
 
 /// Arguments of `cargo xtask bench checkpoint`.
@@ -108,8 +109,8 @@ pub fn run(args: &Args) -> Result<(), String> {
                         match mode {
                             1 => optim.save_checkpoint(&model, &dir, &payload)?,
                             2 => {
-                                optim.save_checkpoint_async(&model, &dir, &payload)?;
-                                staged = optim.memory_report(&model).checkpoint_staging_bytes;
+                                optim.save_checkpoint(&model, &dir, SaveOptions::from(&payload).in_background())?;
+                                staged = optim.report().memory(&model).checkpoint_staging_bytes;
                             }
                             _ => {}
                         }
@@ -194,7 +195,7 @@ fn print_table(args: &Args, params: usize, runs: &[Run]) {
     let run = &runs[2];
     let extra = saves(run) - plain(run);
     println!(
-        "\nsave_checkpoint_async staged {:.3} GB on rank 0 per save; its saving step took {:.3} s more than a plain \
+        "\na background save_checkpoint staged {:.3} GB on rank 0 per save; its saving step took {:.3} s more than a plain \
          step ({:.2} GB/s if all of it were the staging copy). The background writers share the CPU with training \
          here (2 cores, {} rank threads).",
         run.staged as f64 / GB,

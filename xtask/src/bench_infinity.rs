@@ -31,6 +31,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::Device;
+use burn_shard::checkpoint::SaveOptions;
 use burn_shard::comm::InProcessGroup;
 use burn_shard::{NvmeOffload, ShardConfig, Stage};
 use burn_shard_examples::char_data::{CharCorpus, sample_batch};
@@ -85,7 +86,7 @@ pub struct Args {
     /// instead of 36Ψ): how a model larger than the disk's room for a checkpoint is measured.
     #[arg(long)]
     no_checkpoint: bool,
-    /// Also save a checkpoint in the background (`save_checkpoint_async`) before the last
+    /// Also save a checkpoint in the background (`save_checkpoint` with `SaveOptions::in_background`) before the last
     /// step, so that the step runs while the writer reads the swap files: the disk then needs
     /// 40Ψ bytes instead of 36Ψ (the state and shards the step writes beside the pinned ones).
     #[arg(long, conflicts_with = "no_checkpoint")]
@@ -308,7 +309,7 @@ struct CheckpointRun {
     background: Option<BackgroundSave>,
 }
 
-/// A `save_checkpoint_async` before the last step, measured.
+/// A background `save_checkpoint` before the last step, measured.
 #[derive(serde::Serialize, serde::Deserialize, Debug, Clone, Copy)]
 struct BackgroundSave {
     /// Seconds the call took (agreement and staging: what the training thread waits for).
@@ -365,10 +366,10 @@ fn train(
             }
             let start = Instant::now();
             optim
-                .save_checkpoint_async(&model, dir, &serde_json::json!({}))
+                .save_checkpoint(&model, dir, SaveOptions::new(serde_json::json!({})).in_background())
                 .map_err(|e| e.to_string())?;
             let call_s = start.elapsed().as_secs_f64();
-            let staged = optim.memory_report(&model).checkpoint_staging_bytes;
+            let staged = optim.report().memory(&model).checkpoint_staging_bytes;
             eprintln!(
                 "  background save started in {call_s:.2} s ({:.3} GB staged)",
                 staged as f64 / GB
@@ -382,8 +383,8 @@ fn train(
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(lr, model, grads).map_err(|e| e.to_string())?;
         out.step_s.push(start.elapsed().as_secs_f64());
-        out.io.push(optim.nvme_io_bytes());
-        out.on_demand.push(optim.nvme_read_on_demand_bytes());
+        out.io.push(optim.report().nvme_io_bytes());
+        out.on_demand.push(optim.report().nvme_read_on_demand_bytes());
         eprintln!(
             "  step {step}: {:.2} s, loss {:.4}, swap read {:.2} GB ({:.2} GB not read ahead), written {:.2} GB, RSS {:.2} GiB",
             out.step_s[step],
@@ -417,7 +418,7 @@ fn train(
         }
         _ => None,
     };
-    let r = optim.memory_report(&model);
+    let r = optim.report().memory(&model);
     out.report = (
         r.parameters_bytes,
         r.gradients_bytes,
@@ -689,7 +690,7 @@ fn print_table(
         );
         if let Some(b) = &c.background {
             println!(
-                "| background save before the last step (`save_checkpoint_async`: the writer reads the swap files while the step runs) | \
+                "| background save before the last step (`save_checkpoint` in the background: the writer reads the swap files while the step runs) | \
                  {:.1} GB; the call took {:.2} s ({:.3} GB staged in memory); the last step {:.1} s against {:.1} s for the step before; \
                  then {:.1} s of waiting for the writer |",
                 b.bytes as f64 / GB,

@@ -10,7 +10,7 @@
 //! busy machine slows both sides alike.
 //!
 //! Ours: step time (median of rank 0's timed steps after the warm-up), tokens/s, per-rank
-//! model-state bytes from `ShardedOptimizer::memory_report` next to the ZeRO formula for f32
+//! model-state bytes from `RankReport::memory` next to the ZeRO formula for f32
 //! AdamW (16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N), bytes sent per rank per step from the
 //! collective's `CommStats` next to the ring volumes (2, 3, 2, 3 times (N-1)/N·4Ψ), the time a
 //! rank is blocked on collectives and the share of their time hidden behind compute
@@ -641,7 +641,7 @@ fn worker(args: &Args, spec: &str) -> Result<(), String> {
             sent: 0,
             busy_ms: 0.0,
             hidden_share: None,
-            memory: optim.memory_report(&model),
+            memory: optim.report().memory(&model),
         };
         let mut sent_before = CommStats::default();
         for step in 0..total {
@@ -668,7 +668,7 @@ fn worker(args: &Args, spec: &str) -> Result<(), String> {
         run.sent = timed.total_bytes_sent();
         run.busy_ms = timed.busy().as_secs_f64() * 1e3 / steps.max(1) as f64;
         run.hidden_share = timed.hidden_share();
-        run.memory = optim.memory_report(&model);
+        run.memory = optim.report().memory(&model);
         Ok(run)
     })
     .map_err(|f| format!("rank {} panicked: {}", f.rank, f.message))?

@@ -85,7 +85,7 @@ enum Bench {
     /// `init_pretrained`.
     Init(bench_init::Args),
     /// What saving costs a training run: the same GPT without saves, with `save_checkpoint`
-    /// and with `save_checkpoint_async` every k steps (total and per-step times, staged bytes).
+    /// and with it in the background every k steps (total and per-step times, staged bytes).
     Checkpoint(bench_checkpoint::Args),
     /// Flat sharding against hybrid sharding (2 shard groups of 2) on 4 ranks seen as 2 nodes:
     /// bytes per rank and step across and within nodes, against the theory, and step time.

@@ -455,10 +455,14 @@ fn run_ckpt(command: Ckpt) -> Result<ExitCode, checkpoint::CheckpointError> {
                 true => checkpoint::Selection::Trainable,
                 false => checkpoint::Selection::All,
             };
-            let report = match safetensors {
-                true => checkpoint::consolidate_safetensors_selected(&dir, &out, selection)?,
-                false => checkpoint::consolidate_selected(&dir, &out, selection)?,
+            let format = match safetensors {
+                true => checkpoint::RecordFormat::Safetensors,
+                false => checkpoint::RecordFormat::Burnpack,
             };
+            let options = checkpoint::ConsolidateOptions::new()
+                .with_selection(selection)
+                .with_format(format);
+            let report = checkpoint::consolidate(&dir, &out, options)?;
             println!(
                 "{}: {} entries, {} elements, from {}",
                 out.display(),
@@ -467,7 +471,7 @@ fn run_ckpt(command: Ckpt) -> Result<ExitCode, checkpoint::CheckpointError> {
                 dir.display()
             );
             if let Some(optimizer_out) = optimizer_out {
-                let report = checkpoint::consolidate_optimizer(&dir, &optimizer_out)?;
+                let report = checkpoint::consolidate(&dir, &optimizer_out, checkpoint::Selection::OptimizerState)?;
                 println!(
                     "{}: optimizer state of {} parameters ({} elements)",
                     optimizer_out.display(),

@@ -309,3 +309,57 @@ impl Collective for Linked {
         self.inner().required_device()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    /// For every mesh of up to 12 ranks and both layouts: each shard group has `shard_size`
+    /// ranks keyed `0..shard_size`, each replica group `replicas` ranks keyed `0..replicas`, a
+    /// shard group and a replica group meet in exactly one rank, and `Consecutive` shard groups
+    /// are runs of consecutive ranks (one node's under `--nproc-per-node`).
+    #[test]
+    fn every_rank_is_in_one_shard_group_and_one_replica_group() {
+        for world in 1..=12 {
+            for replicas in (1..=world).filter(|r| world % r == 0) {
+                let shard_size = world / replicas;
+                for layout in [MeshLayout::Consecutive, MeshLayout::Interleaved] {
+                    let what = format!("{layout:?} mesh of {replicas} × {shard_size}");
+                    let mut shards: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
+                    let mut replica_groups: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
+                    let mut meets = BTreeMap::new();
+                    for rank in 0..world {
+                        let (shard, shard_key, replica, replica_key) = layout.colors(rank, replicas, shard_size);
+                        shards.entry(shard).or_default().push((shard_key, rank));
+                        replica_groups.entry(replica).or_default().push((replica_key, rank));
+                        assert!(
+                            meets.insert((shard, replica), rank).is_none(),
+                            "{what}: two ranks in one pair"
+                        );
+                    }
+                    assert_eq!(shards.len(), replicas, "{what}: shard groups");
+                    assert_eq!(replica_groups.len(), shard_size, "{what}: replica groups");
+                    for members in shards.values_mut() {
+                        members.sort();
+                        let keys: Vec<usize> = members.iter().map(|m| m.0).collect();
+                        assert_eq!(keys, (0..shard_size).collect::<Vec<_>>(), "{what}: shard keys");
+                        if layout == MeshLayout::Consecutive {
+                            let first = members[0].1;
+                            assert!(
+                                members.iter().enumerate().all(|(i, m)| m.1 == first + i),
+                                "{what}: {members:?}"
+                            );
+                        }
+                    }
+                    for members in replica_groups.values() {
+                        let mut keys: Vec<usize> = members.iter().map(|m| m.0).collect();
+                        keys.sort();
+                        assert_eq!(keys, (0..replicas).collect::<Vec<_>>(), "{what}: replica keys");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -127,3 +127,58 @@ pub(crate) fn read_u64(r: &mut impl Read) -> io::Result<u64> {
     r.read_exact(&mut b)?;
     Ok(u64::from_le_bytes(b))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request is one buffer: the op byte, the key as `len: u32` little-endian and its bytes,
+    /// then the value (`len` and bytes), the wait in milliseconds (`u64`) or the delta (`i64`).
+    #[test]
+    fn requests_are_written_as_the_wire_format_says() {
+        let mut out = Vec::new();
+        let set = Request::Set {
+            key: "k".into(),
+            value: vec![7, 8],
+        };
+        set.write(&mut out).unwrap();
+        assert_eq!(out, [SET, 1, 0, 0, 0, b'k', 2, 0, 0, 0, 7, 8]);
+        let mut out = Vec::new();
+        Request::Get {
+            key: "ab".into(),
+            wait: Duration::from_millis(258),
+        }
+        .write(&mut out)
+        .unwrap();
+        assert_eq!(out, [GET, 2, 0, 0, 0, b'a', b'b', 2, 1, 0, 0, 0, 0, 0, 0]);
+        let mut out = Vec::new();
+        Request::Add {
+            key: String::new(),
+            delta: -1,
+        }
+        .write(&mut out)
+        .unwrap();
+        assert_eq!(out, [ADD, 0, 0, 0, 0, 255, 255, 255, 255, 255, 255, 255, 255]);
+    }
+
+    /// Bytes read back as written; a length over the reader's limit is refused before anything
+    /// is allocated for it, and a short stream is an error, not a hang or a short value.
+    #[test]
+    fn byte_strings_round_trip_and_oversized_or_short_ones_are_refused() {
+        let mut buf = Vec::new();
+        put_bytes(&mut buf, b"value").unwrap();
+        assert_eq!(read_bytes(&mut buf.as_slice(), 5).unwrap(), b"value");
+        let err = read_bytes(&mut buf.as_slice(), 4).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
+        let huge = u32::MAX.to_le_bytes();
+        assert_eq!(
+            read_bytes(&mut huge.as_slice(), MAX_VALUE_BYTES).unwrap_err().kind(),
+            io::ErrorKind::InvalidData
+        );
+        let short = [5u8, 0, 0, 0, b'v'];
+        assert_eq!(
+            read_bytes(&mut short.as_slice(), 5).unwrap_err().kind(),
+            io::ErrorKind::UnexpectedEof
+        );
+    }
+}

@@ -9,6 +9,7 @@ use burn::data::dataloader::DataLoader;
 use burn::data::dataset::DatasetError;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn::train::{InferenceStep, Interrupter, Learner, LearnerModel, TrainStep};
+use burn_shard::checkpoint::SaveOptions;
 use burn_shard::comm::Collective;
 use burn_shard::{IntoOptimizer, ShardConfig, ShardError, ShardedOptimizer};
 
@@ -93,11 +94,11 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
                 )
             })?;
             let dir = epoch_dir(root, epoch);
-            let (loaded, payload) = optim
+            let (loaded, restored) = optim
                 .load_checkpoint(model, &dir)
                 .map_err(|e| format!("resuming from {}: {e}", dir.display()))?;
             model = loaded;
-            global_step = payload["global_step"].as_u64().ok_or_else(|| {
+            global_step = restored.payload["global_step"].as_u64().ok_or_else(|| {
                 format!(
                     "{} was not saved by ShardedStrategy (its payload has no global_step, which the learning-rate \
                      schedule resumes from): resume it with burn-shard's own loop, or start afresh",
@@ -292,13 +293,15 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
                 // In the background: the next epoch trains while the files are written (the
                 // next save, a load and the end of the run wait for it).
                 optim
-                    .save_checkpoint_async(model, &dir, &payload)
+                    .save_checkpoint(model, &dir, SaveOptions::from(&payload).in_background())
                     .map_err(|e| format!("saving the checkpoint of epoch {epoch} into {}: {e}", dir.display()))
             }
             // A checkpoint still being written completes first (every rank: settling is a
             // collective, and every rank holds the same saves), or it would be renamed into
             // place after the delete. Then one rank removes; one already gone is what was asked.
-            CheckpointingAction::Delete(old) if optim.checkpoints_in_flight().contains(&epoch_dir(root, old)) => {
+            CheckpointingAction::Delete(old)
+                if optim.report().checkpoints_in_flight().contains(&epoch_dir(root, old)) =>
+            {
                 optim
                     .wait_for_checkpoint()
                     .map_err(|e| format!("the checkpoint of epoch {old}, before deleting it: {e}"))?;

@@ -184,7 +184,7 @@ impl<O, C> ShardedStrategy<O, C> {
     /// burn-shard's `CheckpointError::Exists`, on every rank (use a new directory, or resume
     /// with `SupervisedTraining::checkpoint`); a failed save or delete ends the run with
     /// [`crate::RankFailures`]. Saves are written in the background
-    /// (`save_checkpoint_async`): the next epoch trains meanwhile; the next save and the end of
+    /// (`save_checkpoint` with `SaveOptions::in_background`): the next epoch trains meanwhile; the next save and the end of
     /// the run wait for the previous one, and a failed background write ends the run there.
     pub fn with_checkpoints(mut self, dir: impl Into<PathBuf>, strategy: impl CheckpointingStrategy + 'static) -> Self {
         self.checkpoints = Some((dir.into(), Mutex::new(Box::new(strategy))));

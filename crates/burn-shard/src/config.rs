@@ -1,39 +1,12 @@
-//! [`ShardConfig`]: the one call that turns sharding on.
+//! [`ShardConfig`]: how to shard, as data (its fields, their serde defaults, the `with_*`
+//! builders). The call that turns sharding on, [`ShardConfig::init`], is `init/`'s.
 
-use std::sync::Arc;
+use burn_shard_comm::MeshLayout;
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::grad_clipping::GradientClipping;
-use burn::tensor::{DType, Device, Tensor};
-use burn_shard_comm::{Collective, Mesh, MeshLayout};
-
-use crate::error::ShardError;
-use crate::hooks::bucket_hook::AttachHooks;
-use crate::hooks::sharded_param::Sharder;
-use crate::model::buffers::Buffers;
-use crate::model::census::{Census, EntryKind};
-use crate::model::flat;
-use crate::model::layout::{FlatLayout, check_same_layout};
-use crate::model::pretrained::Pretrained;
-use crate::model::pretrained::plan::PretrainedPlan;
-use crate::model::root_values::{RootValues, SyncEntries};
-use crate::model::units::UnitPolicy;
-use crate::optim::into_optimizer::IntoOptimizer;
 use crate::optim::loss_scale::LossScaler;
-use crate::optim::master::MasterWeightStep;
-use crate::optim::offload::Offloaded;
-use crate::overlap::bucket_reducer::{BucketReducer, reduces_in_backward};
-use crate::overlap::context::FsdpContext;
-use crate::placement::home::ParamHome;
-use crate::run::{Base, FrozenEntries};
+use crate::run::FrozenEntries;
 use crate::stage::Stage;
-use crate::step::measure::check_one_norm_clipping;
-use crate::step::optimizer::ShardedOptimizer;
-use crate::step::options::StepOptions;
-use crate::step::stage_plan::StagePlan;
 use crate::swap::config::NvmeOffload;
-use crate::swap::shard_store::ShardStore;
-use crate::swap::swapper::Swapper;
 
 /// Default bucket size: 256 Ki elements (1 MiB of `f32`, the size of PyTorch DDP's first
 /// bucket). Buckets are what stages 0-2 reduce inside backward: a bucket starts once all its
@@ -72,7 +45,7 @@ pub struct ShardConfig {
     /// Clip the averaged gradient to this global L2 norm (over every parameter of every rank)
     /// before the optimizer step, as PyTorch's `clip_grad_norm_`; `None` (default): no
     /// global clipping. `f32::INFINITY` measures the norm without clipping. The pre-clip norm
-    /// is [`ShardedOptimizer::last_grad_norm`].
+    /// is [`RankReport::last_grad_norm`](crate::RankReport::last_grad_norm).
     #[serde(default, with = "defaults::norm")]
     pub max_grad_norm: Option<f32>,
     /// Loss scaling, required for `f16` parameters (default `None`).
@@ -115,7 +88,7 @@ pub struct ShardConfig {
     /// [`FrozenEntries::Saved`]: their values). See [`ShardConfig::with_frozen_entries`].
     #[serde(default)]
     pub frozen_entries: FrozenEntries,
-    /// How many checkpoints `save_checkpoint_async` may write in the background at once
+    /// How many checkpoints `save_checkpoint` may write in the background at once
     /// (default 1: the next save waits for the previous one). See
     /// [`ShardConfig::with_saves_in_flight`].
     #[serde(default = "defaults::one")]
@@ -337,7 +310,7 @@ impl ShardConfig {
     /// each holding its shard's bytes until done (a shard being written reads from memory),
     /// and the step waits for the last ones before it returns. Host memory for the I/O: one
     /// unit (gathers) or bucket (step) read ahead, plus the queued writes.
-    /// [`ShardedOptimizer::nvme_read_on_demand_bytes`](crate::ShardedOptimizer::nvme_read_on_demand_bytes)
+    /// [`RankReport::nvme_read_on_demand_bytes`](crate::RankReport::nvme_read_on_demand_bytes)
     /// says how many bytes were read without being read ahead. I/O goes through the page cache.
     /// An updated shard is written beside the old one, whose space is reused
     /// once nothing holds the old values, so the file holds up to twice the parameter shards
@@ -379,7 +352,7 @@ impl ShardConfig {
         self
     }
 
-    /// Lets `save_checkpoint_async` keep up to `saves` checkpoints in flight (default 1): a
+    /// Lets background saves (`save_checkpoint` with `SaveOptions::in_background`) keep up to `saves` checkpoints in flight (default 1): a
     /// save then waits only for the oldest once `saves` are being written. Each holds its own
     /// staged copy of what the rank keeps in memory (`memory_report`'s
     /// `checkpoint_staging_bytes` counts them all), so host memory for staging grows to
@@ -436,414 +409,5 @@ impl ShardConfig {
     pub fn with_bucket_numel(mut self, bucket_numel: usize) -> Self {
         self.bucket_numel = bucket_numel;
         self
-    }
-
-    /// Wraps `model` and `optim` for this rank: builds the flat layout, checks that every rank
-    /// built the same one, and gives every rank rank 0's parameters and buffers so all ranks
-    /// start identical (as PyTorch DDP does at construction). Every rank must call it.
-    ///
-    /// **Large models: build them lazily.** Every `burn::nn` module's parameters are lazy until
-    /// their first `val()` (Burn's `Param::uninitialized`), and `init` keeps them so: it lays
-    /// the model out from each parameter's lazy shape, device and the device's default float
-    /// dtype, then goes through the entries one at a time in module order: rank 0 runs the
-    /// entry's initializer and broadcasts the value (`numel` elements), every other rank
-    /// receives it without running its own, and at stage 3 each rank keeps its shard and drops
-    /// the rest before the next entry exists. So during `init` a stage-3 rank holds its shards
-    /// plus about one parameter (with ranks as threads, the process holds one model's shards
-    /// plus one parameter per rank), and a stage 0-2 rank one copy of the model. The values are
-    /// bitwise those single-device Burn initialises from the same seed in module order (only
-    /// rank 0 draws from the random generator). Values travel in record form (Burn's save
-    /// mapper applied, the receivers' load mapper: `LinearLayout::Col`). What makes a model
-    /// eager before `init`: reading a parameter (`val()`; `num_params` does not), a forward pass,
-    /// a mapper that reads or rebuilds values (`Param::map`, `consume`) or loading a record; an
-    /// eager model works too, at one whole copy per rank. Cloning the model shares the lazy
-    /// state: a clone kept by the caller keeps every parameter rank 0 initialises. To start
-    /// from pretrained weights without a whole copy per rank, see
-    /// [`ShardConfig::init_pretrained`].
-    ///
-    /// `optim` is anything [`IntoOptimizer`] accepts; Burn's `AdamConfig` / `AdamWConfig` select
-    /// the fused Adam step ([`burn_shard_kernels::FusedAdam`]) where the backend has one.
-    ///
-    /// A model with no trainable parameter (a frozen teacher, an evaluation-only model) is
-    /// accepted: it is sharded like any other, and its optimizer holds no state (its `step`
-    /// only keeps the buffers in sync). To shard two models on one rank, pass each an
-    /// `Arc` of the same collective (`Arc<C>` is a `Collective`).
-    ///
-    /// Gradient clipping in Burn's config (`grad_clipping`) is applied as Burn's
-    /// `ModuleOptimizer` applies it, per parameter (see [`ShardedOptimizer`]).
-    ///
-    /// # Errors
-    /// [`ShardError::InvalidConfig`] (zero bucket size, a model with no tensor, `f16` parameters
-    /// without a [`LossScaler`], a `max_grad_norm` that is not positive, clipping by global norm
-    /// and by each parameter's norm together, an invalid loss scaler),
-    /// [`ShardError::UnsupportedParam`] (stage 3: a trainable parameter
-    /// that carries a reparameterization of its own), [`ShardError::UnsupportedDtype`],
-    /// [`ShardError::DuplicateParam`], [`ShardError::LayoutMismatch`] (ranks built different
-    /// models), [`ShardError::UnsupportedBackend`] (stage 3 on a device without burn-shard's
-    /// gather op: LibTorch, NdArray, or CubeCL without the `cube` feature), [`ShardError::Comm`].
-    pub fn init<M: Module, O: IntoOptimizer, C: Collective + 'static>(
-        &self,
-        model: M,
-        optim: O,
-        comm: C,
-    ) -> Result<(M, ShardedOptimizer<O::Optimizer>), ShardError> {
-        self.init_from(model, None, optim, comm)
-    }
-
-    /// [`ShardConfig::init`] with pretrained weights loaded straight into the shards: every
-    /// float entry the file holds takes its value from it on every rank (no broadcast, and its
-    /// initializer never runs), at stage 3 reading only the bytes of the rank's shard where
-    /// the file allows (see [`Pretrained`]); entries it does not hold and
-    /// [`Pretrained::allow_missing`] names are initialised as by `init`. So a model that fits
-    /// only sharded starts from a checkpoint without any rank holding it whole: build it lazily
-    /// (as `burn::nn` modules are), do not load the record into it first. The values equal
-    /// those burn-store's `load_from` gives a whole model from the same file, with the same
-    /// key remapping and adapter (bitwise for a tensor of the parameter's dtype).
-    ///
-    /// Memory per rank during `init`: at stage 3 its shards plus one parameter (a tensor read
-    /// whole: see [`Pretrained`]); at stages 0-2 one copy of the model.
-    ///
-    /// # Errors
-    /// Those of `init`; [`ShardError::PretrainedMismatch`] on every rank, before any entry is
-    /// read or changed, when the file does not fit the model (every entry missing from it,
-    /// every tensor of another shape or kind of dtype, every tensor left unused, each named
-    /// with both shapes); the error `pretrained` kept ([`ShardError::PretrainedRead`]: the
-    /// file could not be opened; [`ShardError::InvalidConfig`]: a pattern is not a regex);
-    /// [`ShardError::PretrainedRead`] when a tensor cannot be read. A rank that fails alone
-    /// stops the group: the others return [`ShardError::Comm`] naming it.
-    pub fn init_pretrained<M: Module, O: IntoOptimizer, C: Collective + 'static>(
-        &self,
-        model: M,
-        pretrained: Pretrained,
-        optim: O,
-        comm: C,
-    ) -> Result<(M, ShardedOptimizer<O::Optimizer>), ShardError> {
-        self.init_from(model, Some(pretrained), optim, comm)
-    }
-
-    fn init_from<M: Module, O: IntoOptimizer, C: Collective + 'static>(
-        &self,
-        model: M,
-        pretrained: Option<Pretrained>,
-        optim: O,
-        comm: C,
-    ) -> Result<(M, ShardedOptimizer<O::Optimizer>), ShardError> {
-        let world: Arc<dyn Collective> = Arc::new(comm);
-        let base = Base {
-            frozen: self.frozen_entries,
-            origin: pretrained.as_ref().map(|p| p.origin.clone()),
-        };
-        let mesh = self.mesh(world.clone());
-        // With a mesh, aborting its world aborts the rank's sub-groups too.
-        let abort = match &mesh {
-            Ok(Some(mesh)) => mesh.world().clone(),
-            _ => world.clone(),
-        };
-        let result = mesh.and_then(|mesh| {
-            let clipping = optim.grad_clipping()?;
-            let optim = optim.into_optimizer()?;
-            let comm = mesh.as_ref().map_or(world, |mesh| mesh.shard().clone());
-            self.init_with(model, pretrained, optim, clipping, comm, mesh)
-                .map(|(model, optim)| (model, optim.with_base(base).with_saves_in_flight(self.saves_in_flight)))
-        });
-        if let Err(e) = &result {
-            // A rank that fails alone (bad model) must not leave the others waiting.
-            abort.abort(&format!("rank {} failed in ShardConfig::init: {e}", abort.rank()));
-        }
-        result
-    }
-
-    /// The mesh of [`ShardConfig::with_replicas`] over `world`, `None` for a flat run.
-    ///
-    /// # Errors
-    /// As `with_replicas`.
-    fn mesh(&self, world: Arc<dyn Collective>) -> Result<Option<Arc<Mesh>>, ShardError> {
-        let (replicas, world_size) = (self.replicas, world.world_size());
-        if replicas == 0 || world_size % replicas != 0 {
-            return Err(ShardError::InvalidConfig(format!(
-                "with_replicas({replicas}) does not divide world_size {world_size}: the ranks form replicas ×                  shard_size = world_size, so pass a divisor of {world_size} (1 for no replication)"
-            )));
-        }
-        if replicas == 1 {
-            return Ok(None);
-        }
-        if self.stage == Stage::Zero {
-            return Err(ShardError::InvalidConfig(format!(
-                "with_replicas({replicas}) at stage 0: stage 0 (DDP) shards nothing, so every rank already holds a                  replica; drop with_replicas, or shard within groups at stage 1, 2 or 3"
-            )));
-        }
-        Ok(Some(Arc::new(Mesh::new(world, replicas, self.mesh_layout)?)))
-    }
-
-    fn init_with<M: Module, O: MasterWeightStep>(
-        &self,
-        model: M,
-        pretrained: Option<Pretrained>,
-        optim: O,
-        clipping: Option<GradientClipping>,
-        comm: Arc<dyn Collective>,
-        mesh: Option<Arc<Mesh>>,
-    ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
-        // `comm` is where the state is sharded (the shard group of a mesh); the world agrees on
-        // the layout and starts from one rank's values, and names the files of each rank.
-        let world = mesh.as_ref().map_or(comm.clone(), |mesh| mesh.world().clone());
-        if self.saves_in_flight == 0 {
-            return Err(ShardError::InvalidConfig(
-                "saves_in_flight is 0: a background save needs room for itself; pass at least 1 to \
-                 ShardConfig::with_saves_in_flight"
-                    .into(),
-            ));
-        }
-        let census = Census::of(&model);
-        refuse_sharded(&census)?;
-        // From the file's header alone: a file that does not fit fails here, on every rank.
-        let pretrained = pretrained
-            .map(|pretrained| PretrainedPlan::resolve(pretrained, &census))
-            .transpose()?;
-        self.check_step_options(&census, clipping.as_ref())?;
-        if self.stage == Stage::Three {
-            refuse_stage3_misfits(&census)?;
-        }
-        let layout = FlatLayout::from_module(&model, comm.world_size(), self.bucket_numel)?;
-        if layout.slots().is_empty() {
-            tracing::info!(
-                rank = comm.rank(),
-                "no trainable parameter: the sharded optimizer holds no state (frozen or evaluation-only model; \
-                 build the model on an autodiff device to train it)"
-            );
-        }
-        // Frozen parameters and buffers are not trained but must be identical too: the ranks
-        // agree on every float entry (`everything`) and each takes rank 0's values.
-        let everything = FlatLayout::with_frozen(&model, comm.world_size(), self.bucket_numel)?;
-        let device = compute_device(&model, &everything)?;
-        // Parameter offload first: its refusal of a host model names the fix for the whole
-        // combination (the optimizer's own refusal would only say to drop `Offload`).
-        let param_home = self.param_home::<O>(&device, world.rank())?;
-        optim.check_device(&device)?;
-        if self.stage == Stage::Three {
-            crate::backend::check_stage3_device(&device)?;
-        }
-        let options = StepOptions {
-            max_grad_norm: self.max_grad_norm,
-            loss_scaler: self.loss_scaler.clone(),
-            clipping,
-            device: device.clone(),
-            // Before the first collective: a rank whose directory is unusable aborts the others.
-            swap: self
-                .nvme_offload
-                .as_ref()
-                .map(|nvme| Swapper::new(nvme, world.rank(), O::state_device(&device)))
-                .transpose()?,
-            stores_shards: param_home.as_ref().is_some_and(|home| home.store.is_some()),
-        };
-        // Ranks must also agree on what the step does: clipping and loss scaling add a
-        // collective and decide skips.
-        // And on which entries come from a pretrained file (read there, not broadcast).
-        let fingerprint = layout.fingerprint()
-            ^ everything.fingerprint().rotate_left(1)
-            ^ options.fingerprint().rotate_left(2)
-            ^ pretrained.as_ref().map_or(0, |plan| plan.fingerprint().rotate_left(3))
-            // And on what checkpoints hold (fingerprinting frozen entries is a collective).
-            ^ ((self.frozen_entries == FrozenEntries::Fingerprinted) as u64).rotate_left(4)
-            // And on how many saves may be in flight (settling them is a collective).
-            ^ (self.saves_in_flight as u64).rotate_left(5);
-        check_same_layout(world.as_ref(), fingerprint, &device)?;
-        let buffers = Buffers::of(&census);
-        let root = RootValues::new(world.clone(), &model, &census, pretrained)?;
-        let plan = match self.stage {
-            Stage::Zero => StagePlan::Zero,
-            Stage::One => StagePlan::One,
-            Stage::Two => StagePlan::Two,
-            // Entry by entry: each is synced and sharded before the next exists.
-            Stage::Three => {
-                return self
-                    .shard_parameters(model, optim, options, root, comm, census, buffers, param_home)
-                    .map(|(model, optim)| (model, optim.with_mesh(mesh)));
-            }
-        };
-        let mut sync = SyncEntries { census: &census, root };
-        let model = model.map(&mut sync);
-        sync.root.finish()?;
-        let layout = Arc::new(layout);
-        let overlaps = self.overlap_comm && reduces_in_backward(comm.as_ref(), &device) && !layout.slots().is_empty();
-        let (model, reducer) = match plan.bucket_reduction() {
-            Some(reduction) if overlaps => {
-                let reducer = BucketReducer::new(comm.clone(), layout.clone(), reduction, device);
-                let hooks = AttachHooks {
-                    reducer: reducer.clone(),
-                    layout: &layout,
-                    census: &census,
-                };
-                (model.apply_reparameterization(hooks), Some(reducer))
-            }
-            _ => (model, None),
-        };
-        let optim = ShardedOptimizer::new(optim, comm, layout, plan, census, buffers, options)
-            .with_bucket_reducer(reducer)
-            .with_mesh(mesh);
-        Ok((model, optim))
-    }
-
-    /// Refuses combinations the step would get wrong or silently ignore.
-    fn check_step_options(&self, census: &Census, clipping: Option<&GradientClipping>) -> Result<(), ShardError> {
-        if let Some(max) = self.max_grad_norm
-            && (max.is_nan() || max <= 0.0)
-        {
-            return Err(ShardError::InvalidConfig(format!(
-                "max_grad_norm must be positive (f32::INFINITY measures without clipping), got {max}"
-            )));
-        }
-        check_one_norm_clipping(self.max_grad_norm, clipping)?;
-        match &self.loss_scaler {
-            Some(scaler) => scaler.validate(),
-            None => match census.entries().find(|(_, e)| e.require_grad && e.dtype == DType::F16) {
-                // f16 gradients under- and overflow without scaling; bf16 has f32's range.
-                Some((_, e)) => Err(ShardError::InvalidConfig(format!(
-                    "parameter `{}` is f16, which needs loss scaling: ShardConfig::with_loss_scaler(LossScaler::dynamic()) \
-                     and optim.scale_loss(loss).backward(); or train in bf16, which needs none",
-                    e.path
-                ))),
-                None => Ok(()),
-            },
-        }
-    }
-
-    /// With [`ShardConfig::offload_params`]: where the shards live and where they compute, or
-    /// the reason the combination moves nothing or cannot step (see
-    /// [`ShardConfig::with_offload_params`]).
-    fn param_home<O: MasterWeightStep>(&self, device: &Device, rank: usize) -> Result<Option<ParamHome>, ShardError> {
-        let nvme = self.nvme_offload_params.as_ref();
-        if !self.offload_params && nvme.is_none() {
-            return Ok(None);
-        }
-        let host = Offloaded::<()>::host_device();
-        let refuse = |why: &str| Err(ShardError::InvalidConfig(format!("offload_params: {why}")));
-        if *device == host && nvme.is_none() {
-            return refuse(
-                "the model's parameters already live in host memory (Burn's Flex CPU device), so nothing would \
-                 move; drop with_offload_params(true), and keep the shards and the optimizer state on disk with \
-                 with_nvme_offload_params(dir) and with_nvme_offload(NvmeOffload::new(dir)) to save memory there",
-            );
-        }
-        if self.stage != Stage::Three {
-            return refuse(&format!(
-                "parameter offload keeps stage-3 shards in host memory or on disk, and at stage {} every rank holds \
-                 whole parameters; use stage 3 (ShardConfig::new(Stage::Three)), or Offload(..) or \
-                 with_nvme_offload(..) alone to move the optimizer state",
-                self.stage.number()
-            ));
-        }
-        if O::state_device(device) != host {
-            return refuse(
-                "the shards would live in host memory while the optimizer state stays on the device, and a step \
-                 updates a shard where its state is; wrap the optimizer in Offload (Offload(AdamWConfig::new())) \
-                 so both live in host memory",
-            );
-        }
-        // On Flex the shards are read into host memory, where the model computes.
-        let store = nvme
-            .map(|nvme| ShardStore::create(nvme, rank, host.clone()))
-            .transpose()?;
-        Ok(Some(ParamHome {
-            host,
-            compute: device.clone(),
-            store,
-        }))
-    }
-
-    /// Stage 3: keeps only this rank's shard of every parameter; `val()` gathers on demand. The
-    /// optimizer then works on the local shards alone (their gradients arrive reduced).
-    #[allow(clippy::too_many_arguments)]
-    fn shard_parameters<M: Module, O: MasterWeightStep>(
-        &self,
-        model: M,
-        optim: O,
-        options: StepOptions,
-        root: RootValues,
-        comm: Arc<dyn Collective>,
-        census: Census,
-        buffers: Buffers,
-        param_home: Option<ParamHome>,
-    ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
-        let ctx = FsdpContext::new(comm.clone(), self.reshard_after_forward, param_home);
-        let mut sharder = Sharder {
-            ctx: ctx.clone(),
-            census: census.clone(),
-            root,
-            slots: Vec::new(),
-            units: UnitPolicy::new(&self.units)?,
-        };
-        let model = model.apply_reparameterization(&mut sharder);
-        let Sharder { root, slots, units, .. } = sharder;
-        root.finish()?;
-        // A shard that could not be written to the shard file (NVMe parameter offload): the
-        // writes were queued behind the sharding; all are done before `init` returns.
-        if let Some(e) = ctx.take_error() {
-            return Err(e);
-        }
-        ctx.home().flush()?;
-        units.check_all_used(&census)?;
-        let local = Arc::new(FlatLayout::from_slots(slots, 1, self.bucket_numel)?);
-        let plan = StagePlan::Three(ctx);
-        let optim = ShardedOptimizer::new(optim, comm, local, plan, census, buffers, options);
-        Ok((model, optim))
-    }
-}
-
-/// The plain device the model computes on, read without initialising anything: that of its
-/// first entry in `everything` (in traversal order), else of its first tensor.
-fn compute_device<M: Module>(model: &M, layout: &FlatLayout) -> Result<Device, ShardError> {
-    struct First<'a> {
-        layout: &'a FlatLayout,
-        device: Option<Device>,
-    }
-    impl ModuleVisitor for First<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if self.device.is_none() && self.layout.slot_of(&param.id).is_some() {
-                self.device = Some(param.lazy_device().without_autodiff());
-            }
-        }
-    }
-    let mut first = First { layout, device: None };
-    model.visit(&mut first);
-    match first.device {
-        Some(device) => Ok(device),
-        None => flat::plain_device(model),
-    }
-}
-
-/// Stage 3 shards a parameter by attaching a reparameterization, and a parameter holds one:
-/// a trainable parameter that carries its own cannot be sharded, and its full gradient would
-/// never be reduced. (LoRA freezes the bases it reparameterizes, so LoRA models pass; their
-/// adapters are sharded.)
-fn refuse_stage3_misfits(census: &Census) -> Result<(), ShardError> {
-    match census
-        .entries()
-        .find(|(_, e)| e.kind == EntryKind::Reparameterized && e.require_grad)
-    {
-        Some((_, e)) => Err(ShardError::UnsupportedParam {
-            path: e.path.clone(),
-            stage: 3,
-            reason: "it is trainable and carries a reparameterization of its own, and stage 3 shards a parameter \
-                     through a reparameterization (a parameter holds one); freeze it (as LoRA does with its bases), \
-                     or train this model at stage 2"
-                .to_string(),
-        }),
-        None => Ok(()),
-    }
-}
-
-/// A model `init` returned carries its hooks (stages 0-2) or shards (stage 3), tied to that
-/// call's optimizer: Burn keeps a parameter's reparameterization through every map, so a second
-/// `init` could not replace them.
-fn refuse_sharded(census: &Census) -> Result<(), ShardError> {
-    match census.entries().find(|(_, e)| e.kind == EntryKind::Sharded) {
-        Some((_, e)) => Err(ShardError::InvalidConfig(format!(
-            "parameter `{}` already carries burn-shard's gradient hook or shard: this model was returned by an \
-             earlier ShardConfig::init, and belongs to that call's optimizer; build the model afresh (or load it from \
-             a record or a consolidated checkpoint) and pass that to init",
-            e.path
-        ))),
-        None => Ok(()),
     }
 }

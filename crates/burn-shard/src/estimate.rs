@@ -9,7 +9,7 @@
 //!   Model Training", §4) or to disk (Rajbhandari et al., SC21, "ZeRO-Infinity: Breaking the
 //!   GPU Memory Wall for Extreme Scale Deep Learning", §3, §5.1);
 //! - [`estimate_model`]: the same figures for a built Burn model, measured by
-//!   [`ShardedOptimizer::memory_report`](crate::ShardedOptimizer::memory_report) on in-process
+//!   [`RankReport::memory`](crate::RankReport::memory) on in-process
 //!   groups of 1 and 2 ranks and extrapolated to `N` ranks.
 //!
 //! "Model state" is the parameters, the gradients and the optimizer state (ZeRO §3.1); it
@@ -342,7 +342,7 @@ impl ModelEstimate {
 }
 
 /// Per-rank model-state bytes of `model` at every stage on `world_size` ranks, extrapolated
-/// from what [`ShardedOptimizer::memory_report`](crate::ShardedOptimizer::memory_report)
+/// from what [`RankReport::memory`](crate::RankReport::memory)
 /// measures on 1 and 2 ranks.
 ///
 /// What is measured: for each stage, `model` is sharded with
@@ -449,9 +449,9 @@ pub fn measure_memory<M: Module>(model: &M, stage: Stage, world_size: usize) -> 
         let (model, mut optim) = ShardConfig::new(stage).init(model, AdamWConfig::new(), comm)?;
         // A gradient of ones for every trainable element: what backward of the sum of all
         // parameters gives, registered directly (at stage 3, for this rank's shard).
-        let grads = ones_gradients(&model, optim.layout());
+        let grads = ones_gradients(&model, optim.report().layout());
         let model = optim.step(0.0, model, grads)?;
-        Ok(optim.memory_report(&model))
+        Ok(optim.report().memory(&model))
     })
     .unwrap_or_else(|failure| panic!("measuring stage {stage} on {world_size} ranks: {failure}"));
     // The first error that is not a consequence of another rank's abort.

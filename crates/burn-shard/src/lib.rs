@@ -38,7 +38,7 @@
 
 // Layers, bottom to top; each imports only the ones above it in this list (checked by the test
 // suite's `architecture` module): error, run, stage, backend < model < optim < swap < placement <
-// overlap < hooks < step < checkpoint < config < estimate. `bucket` and `fsdp` are the public pages of the two overlap
+// overlap < hooks < checkpoint < step < sharded_optimizer < config < init < estimate. `bucket` and `fsdp` are the public pages of the two overlap
 // systems and re-export what users name.
 mod backend;
 mod error;
@@ -55,11 +55,15 @@ mod placement;
 mod overlap;
 
 mod hooks;
-mod step;
 
 pub mod checkpoint;
+mod step;
+
+mod sharded_optimizer;
+
 mod config;
 pub mod estimate;
+mod init;
 
 pub mod bucket;
 pub mod fsdp;
@@ -74,8 +78,9 @@ pub use optim::loss_scale::{LossScaler, LossScaling};
 pub use optim::master::MasterWeightStep;
 pub use optim::offload::{Offload, Offloaded};
 pub use run::FrozenEntries;
+pub use sharded_optimizer::optimizer::ShardedOptimizer;
+pub use sharded_optimizer::reports::RankReport;
 pub use stage::Stage;
-pub use step::optimizer::ShardedOptimizer;
 pub use swap::config::NvmeOffload;
 
 pub use burn_shard_comm as comm;

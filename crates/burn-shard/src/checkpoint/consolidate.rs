@@ -33,29 +33,114 @@ impl ConsolidateReport {
     }
 }
 
-/// Writes the model of the checkpoint in `dir` as one ordinary Burn record at `out` (burnpack,
-/// as `Module::save_file` writes it: every entry at full shape under its module path, with its
-/// `ParamId`), which the unsharded model loads with `load_file` / `load_record`. No model type
-/// is needed, and no collective: run it anywhere the checkpoint is readable.
+/// Writes what `options` selects of the checkpoint in `dir` as one ordinary file at `out`, in
+/// the format it names ([`ConsolidateOptions`]; a [`Selection`] or a [`RecordFormat`] alone
+/// converts into options, the other part at its default). No model type is needed, and no
+/// collective: run it anywhere the checkpoint is readable. The write is atomic (a temporary file
+/// renamed to `out`).
 ///
-/// Streamed: the rank files are verified against their digests first, then each entry is read
-/// from the pieces that hold it while it is written, so memory holds about one entry at a time.
-/// The write is atomic (a temporary file renamed to `out`).
+/// - **The model** ([`Selection::All`], the default; [`Selection::Trainable`] for the trained
+///   entries alone): every entry at full shape under its module path. As
+///   [`RecordFormat::Burnpack`] (the default), the record `Module::save_file` writes, with each
+///   entry's `ParamId`, which the unsharded model loads with `load_file` / `load_record`;
+///   streamed: the rank files are verified against their digests first, then each entry is
+///   read from the pieces that hold it while it is written, so memory holds about one entry at
+///   a time. As [`RecordFormat::Safetensors`], tensors named by module path in the
+///   checkpoint's dtypes, for other tools (Python's `safetensors.torch.load_file`; Burn reads
+///   it with `burn-store`'s `SafetensorsStore`); it holds the selected entries in memory while
+///   writing (the safetensors writer takes every tensor at once).
+/// - **The optimizer state** ([`Selection::OptimizerState`], burnpack only): Burn's own
+///   optimizer record (the file `ModuleOptimizer::save` writes: each parameter's state at the
+///   parameter's shape, keyed by its `ParamId`, with its step count and rank), so single-device
+///   Burn training resumes from it: load the model from the consolidated model, then
+///   `AdamWConfig::new().init().load(out)` (the optimizer the run used, as a Burn config;
+///   Burn's Adam/AdamW read `FusedAdam`'s state, which is Burn's `AdamState`). The `f32`
+///   masters of `bf16`/`f16` parameters have no place in that record and are left out. Holds
+///   the whole optimizer state in memory while writing.
 ///
 /// # Errors
 /// As [`ShardedOptimizer::load_checkpoint`](crate::ShardedOptimizer::load_checkpoint) for a
 /// bad checkpoint; [`CheckpointError::Io`] when `out` cannot be written;
-/// [`CheckpointError::BaseNotSaved`] for a checkpoint that holds its frozen base by fingerprint
-/// alone ([`FrozenEntries::Fingerprinted`](crate::FrozenEntries::Fingerprinted)): consolidate
-/// its trained entries with [`Selection::Trainable`].
-pub fn consolidate(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<ConsolidateReport, CheckpointError> {
-    consolidate_selected(dir, out, Selection::All)
+/// [`CheckpointError::BaseNotSaved`] when the model is asked of a checkpoint that holds its
+/// frozen base by fingerprint alone
+/// ([`FrozenEntries::Fingerprinted`](crate::FrozenEntries::Fingerprinted)): consolidate its
+/// trained entries with [`Selection::Trainable`]; [`CheckpointError::InvalidArgument`] for the
+/// optimizer state as safetensors (it has scalars, which safetensors cannot hold);
+/// [`CheckpointError::Corrupt`] for a dtype safetensors cannot hold.
+pub fn consolidate(
+    dir: impl AsRef<Path>,
+    out: impl AsRef<Path>,
+    options: impl Into<ConsolidateOptions>,
+) -> Result<ConsolidateReport, CheckpointError> {
+    let (dir, out, options) = (dir.as_ref(), out.as_ref(), options.into());
+    match (options.selection, options.format) {
+        (Selection::OptimizerState, RecordFormat::Burnpack) => optimizer_record(dir, out),
+        (Selection::OptimizerState, RecordFormat::Safetensors) => Err(CheckpointError::InvalidArgument(
+            "the optimizer state consolidates as burnpack only (Burn's optimizer record holds step counts as \
+             scalars, which safetensors has no place for): use RecordFormat::Burnpack"
+                .into(),
+        )),
+        (selection, RecordFormat::Burnpack) => as_burnpack(dir, out, selection),
+        (selection, RecordFormat::Safetensors) => as_safetensors(dir, out, selection),
+    }
 }
 
-/// Which entries of a checkpoint a consolidated file holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What [`consolidate`] writes: which part of the checkpoint, in which format. The default is
+/// the whole model as burnpack.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConsolidateOptions {
+    /// Which part of the checkpoint (default [`Selection::All`]).
+    pub selection: Selection,
+    /// Which file format (default [`RecordFormat::Burnpack`]).
+    pub format: RecordFormat,
+}
+
+impl ConsolidateOptions {
+    /// The whole model as burnpack.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Writes what `selection` picks.
+    pub fn with_selection(mut self, selection: Selection) -> Self {
+        self.selection = selection;
+        self
+    }
+
+    /// Writes in `format`.
+    pub fn with_format(mut self, format: RecordFormat) -> Self {
+        self.format = format;
+        self
+    }
+}
+
+impl From<Selection> for ConsolidateOptions {
+    fn from(selection: Selection) -> Self {
+        Self::new().with_selection(selection)
+    }
+}
+
+impl From<RecordFormat> for ConsolidateOptions {
+    fn from(format: RecordFormat) -> Self {
+        Self::new().with_format(format)
+    }
+}
+
+/// The file format [`consolidate`] writes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RecordFormat {
+    /// Burn's burnpack (what `Module::save_file` and `ModuleOptimizer::save` write).
+    #[default]
+    Burnpack,
+    /// safetensors, for other tools.
+    Safetensors,
+}
+
+/// Which part of a checkpoint a consolidated file holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Selection {
     /// Every float entry: parameters, frozen ones and buffers (the whole model).
+    #[default]
     All,
     /// Only the entries the optimizer trained, under their module paths: a LoRA or head-only
     /// fine-tune's adapters without its frozen base (at every stage; at stage 3 the adapters
@@ -63,24 +148,19 @@ pub enum Selection {
     /// base (burn-store's `load_from` with `allow_partial(true)`, or `init_pretrained` with
     /// `allow_missing`).
     Trainable,
+    /// The optimizer state, as Burn's optimizer record (see [`consolidate`]).
+    OptimizerState,
 }
 
 impl Selection {
+    /// Whether a model's entry is written (the optimizer state is written by its own path).
     fn keeps(self, entry: &EntryMeta) -> bool {
         self == Selection::All || entry.trainable
     }
 }
 
-/// [`consolidate`] of the entries `selection` keeps.
-///
-/// # Errors
-/// As [`consolidate`].
-pub fn consolidate_selected(
-    dir: impl AsRef<Path>,
-    out: impl AsRef<Path>,
-    selection: Selection,
-) -> Result<ConsolidateReport, CheckpointError> {
-    let (dir, out) = (dir.as_ref(), out.as_ref());
+/// The model's entries that `selection` keeps, as burnpack, streamed.
+fn as_burnpack(dir: &Path, out: &Path, selection: Selection) -> Result<ConsolidateReport, CheckpointError> {
     let mut meta = CheckpointMeta::read(dir)?;
     meta.entries.retain(|e| selection.keeps(e));
     refuse_unheld(dir, &meta, &meta.entries, NEEDS_BASE)?;
@@ -121,30 +201,8 @@ pub fn consolidate_selected(
     Ok(ConsolidateReport::of(&meta.entries))
 }
 
-/// As [`consolidate`], into a safetensors file (tensors named by module path, full shapes,
-/// the checkpoint's dtypes) for other tools, e.g. Python's `safetensors.torch.load_file`; Burn
-/// reads it with `burn-store`'s `SafetensorsStore`. Unlike [`consolidate`] it holds the whole
-/// model in memory while writing (the safetensors writer takes every tensor at once). Atomic.
-///
-/// # Errors
-/// As [`consolidate`].
-pub fn consolidate_safetensors(
-    dir: impl AsRef<Path>,
-    out: impl AsRef<Path>,
-) -> Result<ConsolidateReport, CheckpointError> {
-    consolidate_safetensors_selected(dir, out, Selection::All)
-}
-
-/// [`consolidate_safetensors`] of the entries `selection` keeps.
-///
-/// # Errors
-/// As [`consolidate`].
-pub fn consolidate_safetensors_selected(
-    dir: impl AsRef<Path>,
-    out: impl AsRef<Path>,
-    selection: Selection,
-) -> Result<ConsolidateReport, CheckpointError> {
-    let (dir, out) = (dir.as_ref(), out.as_ref());
+/// The model's entries that `selection` keeps, as safetensors.
+fn as_safetensors(dir: &Path, out: &Path, selection: Selection) -> Result<ConsolidateReport, CheckpointError> {
     let mut meta = CheckpointMeta::read(dir)?;
     meta.entries.retain(|e| selection.keeps(e));
     refuse_unheld(dir, &meta, &meta.entries, NEEDS_BASE)?;
@@ -182,22 +240,8 @@ pub fn consolidate_safetensors_selected(
     Ok(ConsolidateReport::of(&meta.entries))
 }
 
-/// Writes the checkpoint's optimizer state as Burn's own optimizer record (the burnpack file
-/// `ModuleOptimizer::save` writes: each parameter's state at the parameter's shape, keyed by
-/// its `ParamId`, with its step count and rank), so single-device Burn training resumes from
-/// it: load the model from [`consolidate`]'s record, then
-/// `AdamWConfig::new().init().load(out)` (the optimizer the run used, as a Burn config; Burn's
-/// Adam/AdamW read `FusedAdam`'s state, which is Burn's `AdamState`). The `f32` masters of
-/// `bf16`/`f16` parameters have no place in that record and are left out. Holds the whole
-/// optimizer state in memory while writing. Atomic.
-///
-/// # Errors
-/// As [`consolidate`].
-pub fn consolidate_optimizer(
-    dir: impl AsRef<Path>,
-    out: impl AsRef<Path>,
-) -> Result<ConsolidateReport, CheckpointError> {
-    let (dir, out) = (dir.as_ref(), out.as_ref());
+/// The optimizer state as Burn's optimizer record (burnpack).
+fn optimizer_record(dir: &Path, out: &Path) -> Result<ConsolidateReport, CheckpointError> {
     let meta = CheckpointMeta::read(dir)?;
     let mut files = RankFiles::new(dir, &meta);
     let mut tensors = Vec::new();

@@ -152,7 +152,7 @@ pub(crate) fn begin(dir: &Path) -> Result<PathBuf, CheckpointError> {
 }
 
 /// The `DIR.partial` directories this process is still writing in the background
-/// (`save_checkpoint_async`): not leftovers, whatever other saves into the same directory (another
+/// (background saves): not leftovers, whatever other saves into the same directory (another
 /// optimizer's, a reshard's) find. Canonical paths.
 static WRITING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
 
@@ -281,5 +281,36 @@ pub(crate) fn discard(partial: &Path) {
             "the failed save's {} could not be removed: {e}; the next save into its directory removes it",
             partial.display()
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One rule: a directory with `COMPLETE` is a checkpoint unless its name is a save's working
+    /// name; `remove` leaves no directory that counts; a save refuses a working name.
+    #[test]
+    fn a_checkpoint_is_a_complete_directory_not_named_partial() {
+        let root = std::env::temp_dir().join(format!("burn-shard-unit-format-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let made = |name: &str, complete: bool| {
+            let dir = root.join(name);
+            std::fs::create_dir_all(&dir).unwrap();
+            if complete {
+                std::fs::write(dir.join(COMPLETE), b"").unwrap();
+            }
+            dir
+        };
+        assert!(is_checkpoint(&made("step-9", true)));
+        assert!(!is_checkpoint(&made("step-10", false)), "no marker");
+        let killed = made("step-12.partial", true);
+        assert!(!is_checkpoint(&killed), "killed between the marker and the rename");
+        assert_eq!(partial_dir(&root.join("step-12")), killed);
+        assert!(check_name(&killed).is_err() && check_name(&root.join("step-12")).is_ok());
+        assert!(!is_checkpoint(&root.join("absent")));
+        remove(&root.join("step-9")).unwrap();
+        assert!(!root.join("step-9").exists());
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

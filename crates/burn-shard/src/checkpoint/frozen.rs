@@ -14,23 +14,13 @@
 //!
 //! [`FrozenEntries::Fingerprinted`]: crate::FrozenEntries::Fingerprinted
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use burn::module::{Module, ParamId};
 use burn::tensor::TensorData;
 use sha2::{Digest, Sha256};
 
-use super::held::HeldValues;
-use super::load::check_same_model;
 use super::meta::{BaseMeta, CheckpointMeta, EntryMeta};
-use super::pieces::piece;
-use crate::error::{CheckpointError, ShardError, listed};
-use crate::model::census::{Entry, EntryKind};
-use crate::optim::master::MasterWeightStep;
-use crate::run::FrozenEntries;
-use crate::step::agreement::sum_u64;
-use crate::step::optimizer::ShardedOptimizer;
+use crate::error::{CheckpointError, listed};
 
 /// The golden-ratio increment of SplitMix64, which spreads element indices over 64 bits.
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -116,122 +106,34 @@ pub(crate) fn refuse_unheld(
     }
 }
 
-impl<O: MasterWeightStep> ShardedOptimizer<O> {
-    /// Whether this run's checkpoints hold `entry` by fingerprint alone: a parameter the
-    /// optimizer does not train, with [`FrozenEntries::Fingerprinted`] (buffers change in
-    /// training and are always saved).
-    pub(crate) fn refers_to(&self, id: &ParamId, entry: &Entry) -> bool {
-        self.base.frozen == FrozenEntries::Fingerprinted
-            && entry.kind != EntryKind::Buffer
-            && self.layout.slot_of(id).is_none()
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(values: &[f32]) -> TensorData {
+        TensorData::new(values.to_vec(), [values.len()])
     }
 
-    /// The fingerprints of the model's entries that `select` picks, by module path. A
-    /// collective: each rank hashes the piece of each entry it holds (see the module docs),
-    /// the ranks agree that every one could (`op` names the operation in errors), and one
-    /// all-reduce sums the pieces. Every rank returns the same map; no collective runs when
-    /// `select` picks nothing (every rank decides alike: the same census and options).
-    ///
-    /// # Errors
-    /// [`ShardError::UnknownParam`] (not the model `init` returned) or [`ShardError::Nvme`]
-    /// (a shard file that cannot be read) on the rank that failed,
-    /// [`CheckpointError::PeerFailed`] on the others; [`ShardError::Comm`].
-    pub(crate) fn fingerprints<M: Module>(
-        &self,
-        model: &M,
-        select: impl Fn(&ParamId, &Entry) -> bool,
-        op: &str,
-    ) -> Result<HashMap<String, u64>, ShardError> {
-        let (rank, world_size, stage) = (self.comm.rank(), self.comm.world_size(), self.stage());
-        let entries: Vec<_> = self
-            .saved_entries()
-            .into_iter()
-            .filter(|(id, entry, _)| select(id, entry))
-            .collect();
-        if entries.is_empty() {
-            return Ok(HashMap::new());
+    /// A fingerprint splits over any partition of the elements (what lets ranks of any world
+    /// size and stage compute it from their own pieces), and moving an element changes it.
+    #[test]
+    fn fingerprints_add_over_any_partition_and_see_moved_elements() {
+        let values: Vec<f32> = (0..23).map(|i| (i as f32 * 0.37).sin()).collect();
+        let whole = partial_fingerprint(&data(&values), 0);
+        for parts in 1..=5 {
+            let chunk = values.len().div_ceil(parts);
+            let sum = values.chunks(chunk).enumerate().fold(0u64, |sum, (i, piece)| {
+                sum.wrapping_add(partial_fingerprint(&data(piece), i * chunk))
+            });
+            assert_eq!(sum, whole, "{parts} pieces of {chunk}");
         }
-        let local = (|| {
-            let mut held = HeldValues::of(model, &entries, self.plan.shards_parameters());
-            let mut sums = Vec::with_capacity(entries.len());
-            for (id, entry, holding) in &entries {
-                let sum = match piece(stage, *holding, entry.numel(), rank, world_size) {
-                    Some(range) => {
-                        partial_fingerprint(&held.take(id, entry, *holding, range.clone())?.read()?, range.start)
-                    }
-                    None => 0,
-                };
-                sums.push(sum);
-            }
-            Ok(sums)
-        })();
-        let local = self.agree(local, op)?;
-        let summed = sum_u64(self.comm.as_ref(), &local)?;
-        Ok(entries
-            .iter()
-            .map(|(_, entry, _)| entry.path.clone())
-            .zip(summed)
-            .collect())
-    }
-
-    /// Before a load: when the checkpoint in `dir` (its metadata `meta`) holds entries by fingerprint alone, checks
-    /// that the model's values of them are the base it was trained on, and that they are frozen
-    /// here too (their optimizer state is not in the checkpoint). A collective; every rank
-    /// returns the same outcome.
-    ///
-    /// # Errors
-    /// [`CheckpointError::BaseMismatch`] naming the base and the entries that differ;
-    /// [`CheckpointError::ModelMismatch`] for an entry trainable here; those of
-    /// [`ShardedOptimizer::fingerprints`].
-    pub(crate) fn check_base<M: Module>(&self, model: &M, dir: &Path, meta: &CheckpointMeta) -> Result<(), ShardError> {
-        let expected: HashMap<&str, &str> = meta
-            .entries
-            .iter()
-            .filter_map(|e| e.fingerprint.as_deref().map(|f| (e.path.as_str(), f)))
-            .collect();
-        if expected.is_empty() {
-            return Ok(());
-        }
-        // Another model (a frozen entry of another shape or dtype) is named as such, not as
-        // another base. The same on every rank: the same metadata and census.
-        check_same_model(meta, &self.saved_entries())?;
-        // The same census and layout on every rank: every rank refuses alike.
-        if let Some((_, entry, _)) = self
-            .saved_entries()
-            .into_iter()
-            .find(|(id, entry, _)| expected.contains_key(entry.path.as_str()) && self.layout.slot_of(id).is_some())
-        {
-            return Err(CheckpointError::ModelMismatch(format!(
-                "`{}` was frozen in the run that saved {} (which holds its fingerprint, not its values or optimizer \
-                 state) and is trainable here; load the checkpoint with it frozen (as when saved), then unfreeze it",
-                entry.path,
-                dir.display()
-            ))
-            .into());
-        }
-        let found = self.fingerprints(
-            model,
-            |_, entry| expected.contains_key(entry.path.as_str()),
-            "load_checkpoint",
-        )?;
-        // Entries missing from the model are `read_checkpoint`'s to name (another model).
-        let differ: Vec<&str> = meta
-            .entries
-            .iter()
-            .filter_map(|e| {
-                let wanted = e.fingerprint.as_deref()?;
-                let fingerprint = found.get(&e.path)?;
-                (to_hex(*fingerprint) != wanted).then_some(e.path.as_str())
-            })
-            .collect();
-        match differ.is_empty() {
-            true => Ok(()),
-            false => Err(CheckpointError::BaseMismatch {
-                dir: dir.to_path_buf(),
-                base: describe(meta.base.as_ref()),
-                differ: first_few(&differ),
-            }
-            .into()),
-        }
+        let mut swapped = values.clone();
+        swapped.swap(3, 17);
+        assert_ne!(partial_fingerprint(&data(&swapped), 0), whole, "two elements swapped");
+        assert_ne!(
+            partial_fingerprint(&data(&values), 1),
+            whole,
+            "the same values one place later"
+        );
     }
 }

@@ -50,24 +50,24 @@
 //! them, and a whole-model [`consolidate`] refuses and names the fix
 //! ([`Selection::Trainable`] works). Such a checkpoint is format 2 ([`FORMAT_VERSION`]).
 
+// The format, the files, the pieces and the offline operations (reshard, consolidate,
+// inspect), usable without an optimizer; saving and loading a run's state are the optimizer's
+// (`sharded_optimizer/save.rs`, `load.rs`), built on these.
 mod consolidate;
-mod files;
-mod format;
-mod frozen;
-mod held;
-mod lineage;
-mod load;
-mod meta;
-mod pieces;
+pub(crate) mod files;
+pub(crate) mod format;
+pub(crate) mod frozen;
+pub(crate) mod held;
+pub(crate) mod lineage;
+pub(crate) mod meta;
+pub(crate) mod options;
+pub(crate) mod pieces;
 mod reshard;
-mod save;
 
 pub use crate::error::CheckpointError;
-pub use consolidate::{
-    ConsolidateReport, Selection, consolidate, consolidate_optimizer, consolidate_safetensors,
-    consolidate_safetensors_selected, consolidate_selected,
-};
+pub use consolidate::{ConsolidateOptions, ConsolidateReport, RecordFormat, Selection, consolidate};
 pub use format::{FORMAT_VERSION, is_checkpoint, remove};
 pub use lineage::ABANDONED_PREFIX;
 pub use meta::{BaseMeta, Branch, CheckpointMeta, EntryMeta, FileMeta, Lineage, Piece};
+pub use options::{Restored, SaveOptions};
 pub use reshard::{FileStatus, Inspection, inspect, keep_last, list, newest, reshard};

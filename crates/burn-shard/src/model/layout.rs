@@ -303,9 +303,27 @@ impl ModuleVisitor for SlotCollector {
     }
 }
 
-/// All-gathers every rank's layout fingerprint (as four exact 16-bit pieces in f32) and fails
-/// on the first rank that differs.
+/// All-gathers every rank's layout fingerprint and fails on the first rank that differs.
 pub(crate) fn check_same_layout(comm: &dyn Collective, ours: u64, device: &Device) -> Result<(), ShardError> {
+    match first_differing(comm, ours, device)? {
+        Some((peer, theirs)) => Err(ShardError::LayoutMismatch {
+            rank: comm.rank(),
+            peer,
+            ours,
+            theirs,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// All-gathers every rank's `ours` (as four exact 16-bit pieces in `f32`) and returns the first
+/// rank whose value differs, with that value; `None` when every rank holds the same. A
+/// collective.
+pub(crate) fn first_differing(
+    comm: &dyn Collective,
+    ours: u64,
+    device: &Device,
+) -> Result<Option<(usize, u64)>, ShardError> {
     let pieces: Vec<f32> = (0..4).map(|i| ((ours >> (16 * i)) & 0xffff) as f32).collect();
     // `f32` whatever the device's default float dtype (a `bf16` default would round the pieces).
     let all = comm.all_gather(Tensor::<1>::from_data(
@@ -313,19 +331,11 @@ pub(crate) fn check_same_layout(comm: &dyn Collective, ours: u64, device: &Devic
         (device, DType::F32),
     ))?;
     let all: Vec<f32> = all.into_data().convert::<f32>().iter::<f32>().collect();
-    for (peer, p) in all.chunks(4).enumerate() {
+    Ok(all.chunks(4).enumerate().find_map(|(peer, p)| {
         let theirs = p
             .iter()
             .enumerate()
             .fold(0u64, |acc, (i, v)| acc | ((*v as u64) << (16 * i)));
-        if theirs != ours {
-            return Err(ShardError::LayoutMismatch {
-                rank: comm.rank(),
-                peer,
-                ours,
-                theirs,
-            });
-        }
-    }
-    Ok(())
+        (theirs != ours).then_some((peer, theirs))
+    }))
 }

@@ -62,7 +62,7 @@ pub struct MemoryReport {
     /// on their buffers, sampled at every all-gather and reduce-scatter).
     pub temporary_peak_bytes: usize,
     /// Host bytes of the checkpoint being written in the background
-    /// ([`ShardedOptimizer::save_checkpoint_async`](crate::ShardedOptimizer::save_checkpoint_async)):
+    /// ([`ShardedOptimizer::save_checkpoint`](crate::ShardedOptimizer::save_checkpoint) in the background):
     /// this rank's staged values, optimizer state and masters, reported until the save settles (at
     /// the first step after every rank's writer is done, or at `wait_for_checkpoint`);
     /// 0 without one. Not in [`MemoryReport::model_state_bytes`] nor

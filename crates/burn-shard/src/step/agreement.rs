@@ -152,7 +152,7 @@ pub(crate) fn disk_dir<O: MasterWeightStep>(slots: &SlotStates<O>, plan: &StageP
 
 /// `world_size / Σ items` over every rank of `world` (every rank calls it at the same point): the
 /// factor that turns the mean over the ranks of their summed gradients into the gradient of the
-/// mean over every item (`ShardedOptimizer::step_with_items`, `step/items.rs`).
+/// mean over every item (`ShardedOptimizer::step_with_items`, `sharded_optimizer/items.rs`).
 ///
 /// # Errors
 /// [`ShardError::Comm`] when the all-reduce fails; [`ShardError::InvalidConfig`] when the total

@@ -1,5 +1,5 @@
-//! One optimizer step. [`ShardedOptimizer`](crate::ShardedOptimizer) (`optimizer`) is the
-//! public face; `step` builds the step's `context` and runs its phases in order: `reduce`
+//! One optimizer step's phases. [`ShardedOptimizer`](crate::ShardedOptimizer)'s `step`
+//! (`sharded_optimizer/`, the public face) builds the step's `context` and runs them in order: `reduce`
 //! (which slots have a gradient, the buckets reduced), `measure` (norms, the loss scaler's
 //! verdict, clipping; `grad_norm`), `update` (Burn's optimizer on each piece, then publishing).
 //! Beside them: what each stage does at each point (`stage_plan`, the one place that asks the
@@ -11,20 +11,14 @@
 //! `hooks`, `overlap`, `placement`, `swap`, `optim`, `model`, `error` and `stage`.
 
 pub(crate) mod agreement;
-pub(crate) mod background_save;
 pub(crate) mod bucket_grads;
 pub(crate) mod context;
 pub(crate) mod grad_norm;
-pub(crate) mod items;
 pub(crate) mod last_step;
 pub(crate) mod measure;
-pub(crate) mod optimizer;
 pub(crate) mod options;
-pub(crate) mod params;
 pub(crate) mod pending;
 pub(crate) mod reduce;
-pub(crate) mod reports;
-pub(crate) mod save_in_flight;
 pub(crate) mod slot_state;
 pub(crate) mod stage_plan;
 pub(crate) mod update;

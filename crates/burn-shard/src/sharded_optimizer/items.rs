@@ -16,7 +16,7 @@ use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 
 use crate::error::ShardError;
 use crate::optim::master::MasterWeightStep;
-use crate::step::optimizer::ShardedOptimizer;
+use crate::sharded_optimizer::optimizer::ShardedOptimizer;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// A step on the gradient of the mean loss over every item of the global batch, when the

@@ -3,49 +3,75 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::{Module, ParamId};
 use burn::tensor::TensorData;
 
-use super::files::{RankFile, digest, read_digest};
-use super::format::Writing;
-use super::format::{
+use crate::checkpoint::files::{RankFile, digest, read_digest};
+use crate::checkpoint::format::Writing;
+use crate::checkpoint::format::{
     SCHEDULER, begin, check_name, discard, finish, master_name, param_name, parent_of, partial_dir, state_name,
     version_for, write_atomically,
 };
-use super::frozen::{base_fingerprint, to_hex};
-use super::held::HeldValues;
-use super::lineage::{abandoned_dir, name_of, set_aside, to_set_aside};
-use super::meta::{BaseMeta, CheckpointMeta, EntryMeta, FileMeta, Lineage, dtype_name};
-use super::pieces::{Holding, piece, pieces};
+use crate::checkpoint::frozen::{base_fingerprint, to_hex};
+use crate::checkpoint::held::HeldValues;
+use crate::checkpoint::lineage::{abandoned_dir, name_of, set_aside, to_set_aside};
+use crate::checkpoint::meta::{BaseMeta, CheckpointMeta, EntryMeta, FileMeta, Lineage, dtype_name};
+use crate::checkpoint::options::SaveOptions;
+use crate::checkpoint::pieces::{Holding, piece, pieces};
 use crate::error::CheckpointError;
 use crate::error::ShardError;
 use crate::model::census::{Entry, EntryKind};
 use crate::model::layout::SUPPORTED;
 use crate::optim::master::MasterWeightStep;
 use crate::overlap::bucket_reducer::BucketReducer;
+use crate::sharded_optimizer::optimizer::ShardedOptimizer;
+use crate::sharded_optimizer::save_in_flight::SaveInFlight;
 use crate::stage::Stage;
 use crate::step::agreement::{after_failed_save, sum_u64};
-use crate::step::optimizer::ShardedOptimizer;
-use crate::step::save_in_flight::SaveInFlight;
 use crate::step::slot_state::SavedTensor;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Saves `model` (the one `step` returned) and this optimizer into the new directory `dir`,
-    /// with `payload` (the step, the data position, the seed, a scheduler's state: anything
-    /// JSON) for [`ShardedOptimizer::load_checkpoint`] to hand back. A collective: every rank
-    /// calls it with the same `dir`, on a filesystem every rank sees.
+    /// with what `options` carries ([`SaveOptions`]: a JSON payload such as the step, the data
+    /// position and the seed; a learning-rate scheduler's state) for
+    /// [`ShardedOptimizer::load_checkpoint`] to hand back. A `&serde_json::Value` is options
+    /// holding that payload: `optim.save_checkpoint(&model, dir, &payload)`. A collective: every
+    /// rank calls it with the same `dir` and the same kind of save, on a filesystem every rank
+    /// sees.
     ///
     /// Each rank writes only what it holds: its range of each trainable parameter's values,
     /// optimizer state (Burn's state of that parameter, step count included) and `f32` master;
     /// at stage 3 its shard of every sharded parameter; rank 0 the buffers and other whole
-    /// entries, and `meta.json`. See the [module docs](crate::checkpoint) for the layout.
+    /// entries, `meta.json` and the scheduler's state. See the [module docs](crate::checkpoint)
+    /// for the layout.
+    ///
+    /// **In the background** ([`SaveOptions::in_background`]) the call returns as soon as this
+    /// rank's part is staged: its values, optimizer state and masters in memory copied into
+    /// host memory. A background thread per rank writes the same files; training goes on
+    /// meanwhile, and the steps that follow cannot change what is written (the copies are the
+    /// checkpoint's own). With NVMe offload, what is on disk is not copied: the writer reads it
+    /// from the swap and shard files, and until it has written this rank's file, the steps
+    /// write those slots and shards elsewhere in the files (copy-on-write: each file grows by
+    /// at most the state the save reads, per save in flight; the space is reused by the steps
+    /// after). The checkpoint is complete (`meta.json`, `COMPLETE`, the rename) once every rank
+    /// has written: rank 0 completes it at the first `step` that finds every writer done, or at
+    /// [`ShardedOptimizer::wait_for_checkpoint`], which a run calls before it ends. The writers
+    /// run no collective. One save is in flight at a time (more with
+    /// `ShardConfig::with_saves_in_flight`, each holding its own staged copy): the next save
+    /// first waits for the oldest one and returns its error if it failed (a foreground save and
+    /// a load wait for every one; a load leaves a failure for the next save or
+    /// `wait_for_checkpoint`). A failure seen at a step is logged (`tracing::error!`, every
+    /// rank) and returned by the next save or `wait_for_checkpoint`; `DIR.partial` is then
+    /// removed and no earlier checkpoint is touched. Host memory: the staged bytes of this
+    /// rank's file ([`MemoryReport::checkpoint_staging_bytes`]) until the save settles.
     ///
     /// A run resumed from a checkpoint (see [`ShardedOptimizer::load_checkpoint`]) first sets
     /// aside, in `dir`'s parent, the complete checkpoints that sort after the one it resumed
     /// from and are not of its history: they move into `abandoned-<run id>/` there (see the
     /// [module docs](crate::checkpoint#lineage)). Before writing, rank 0 removes what crashed
     /// saves left there (`*.partial`); a failed save removes its own `DIR.partial`.
+    ///
+    /// [`MemoryReport::checkpoint_staging_bytes`]: crate::MemoryReport::checkpoint_staging_bytes
     ///
     /// # Errors
     /// [`CheckpointError::Exists`] when `dir` exists (and is not set aside),
@@ -54,82 +80,20 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// [`CheckpointError::PeerFailed`] on the ranks that did not fail themselves, wrapped in
     /// [`ShardError::Checkpoint`]; [`ShardError::Comm`]. Every rank returns an error when one
     /// rank fails, and the group stays usable: training can go on.
-    /// [`ShardError::HalfAppliedStep`] once a step failed half-way: nothing is written.
+    /// [`ShardError::HalfAppliedStep`] once a step failed half-way: nothing is written. In the
+    /// background: those checked before staging, and the previous background save's error.
     pub fn save_checkpoint<M: Module>(
         &self,
         model: &M,
         dir: impl AsRef<Path>,
-        payload: &serde_json::Value,
+        options: impl Into<SaveOptions>,
     ) -> Result<(), ShardError> {
-        self.save_impl(model, dir.as_ref(), payload, None, false)
-    }
-
-    /// As [`ShardedOptimizer::save_checkpoint`], with the state of a Burn learning-rate
-    /// scheduler (`scheduler.to_record()`, any scheduler: written by rank 0 as `scheduler.bpk`
-    /// and covered by the digests); [`ShardedOptimizer::load_checkpoint_with_scheduler`]
-    /// returns it.
-    ///
-    /// # Errors
-    /// As [`ShardedOptimizer::save_checkpoint`].
-    pub fn save_checkpoint_with_scheduler<M: Module>(
-        &self,
-        model: &M,
-        dir: impl AsRef<Path>,
-        payload: &serde_json::Value,
-        scheduler: LrSchedulerRecord,
-    ) -> Result<(), ShardError> {
-        self.save_impl(model, dir.as_ref(), payload, Some(scheduler), false)
-    }
-
-    /// As [`ShardedOptimizer::save_checkpoint`], and returns as soon as this rank's part is
-    /// staged: its values, optimizer state and masters in memory copied into host memory. A
-    /// background thread per rank writes the same files; training goes on meanwhile, and the
-    /// steps that follow cannot change what is written (the copies are the checkpoint's own).
-    /// With NVMe offload, what is on disk is not copied: the writer reads it from the swap and
-    /// shard files, and until it has written this rank's file, the steps write those slots and
-    /// shards elsewhere in the files (copy-on-write: each file grows by at most the state the
-    /// save reads, per save in flight; the space is reused by the steps after). The checkpoint
-    /// is complete (`meta.json`, `COMPLETE`, the rename) once every rank has written: rank 0
-    /// completes it at the first `step` that finds every writer done, or at
-    /// [`ShardedOptimizer::wait_for_checkpoint`], which a run calls before it ends. The writers
-    /// run no collective.
-    ///
-    /// One save is in flight at a time (more with `ShardConfig::with_saves_in_flight`, each
-    /// holding its own staged copy): the next save first waits for the oldest one and returns
-    /// its error if it failed (a synchronous save and a load wait for every one; a load leaves
-    /// a failure for the next save or `wait_for_checkpoint`). A failure seen at a step is logged
-    /// (`tracing::error!`, every rank) and returned by the next save or `wait_for_checkpoint`;
-    /// `DIR.partial` is then removed and no earlier checkpoint is touched. Host memory: the
-    /// staged bytes of this rank's file ([`MemoryReport::checkpoint_staging_bytes`]) until the
-    /// save settles. A collective: every rank calls it with the same `dir`.
-    ///
-    /// [`MemoryReport::checkpoint_staging_bytes`]: crate::MemoryReport::checkpoint_staging_bytes
-    ///
-    /// # Errors
-    /// As [`ShardedOptimizer::save_checkpoint`] for what is checked before staging; the
-    /// previous background save's error.
-    pub fn save_checkpoint_async<M: Module>(
-        &self,
-        model: &M,
-        dir: impl AsRef<Path>,
-        payload: &serde_json::Value,
-    ) -> Result<(), ShardError> {
-        self.save_impl(model, dir.as_ref(), payload, None, true)
-    }
-
-    /// [`ShardedOptimizer::save_checkpoint_async`] with a learning-rate scheduler's state, as
-    /// [`ShardedOptimizer::save_checkpoint_with_scheduler`].
-    ///
-    /// # Errors
-    /// As [`ShardedOptimizer::save_checkpoint_async`].
-    pub fn save_checkpoint_async_with_scheduler<M: Module>(
-        &self,
-        model: &M,
-        dir: impl AsRef<Path>,
-        payload: &serde_json::Value,
-        scheduler: LrSchedulerRecord,
-    ) -> Result<(), ShardError> {
-        self.save_impl(model, dir.as_ref(), payload, Some(scheduler), true)
+        let options = options.into();
+        self.by_shard_group_zero(
+            "save_checkpoint",
+            || self.save_in_group(model, dir.as_ref(), options),
+            || self.refuse_half_applied("save a checkpoint"),
+        )
     }
 
     /// Sets aside now what this run's next save into the checkpoint directory `root` would
@@ -202,35 +166,19 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.agree(moved, "set_aside_abandoned")
     }
 
-    /// With hybrid sharding the ranks of shard group 0 save, as a flat run of `shard_size`
-    /// ranks would; the other groups hold the same state and write nothing, and every rank
-    /// then learns the outcome from its replica of group 0 (one all-reduce over the replicas).
-    fn save_impl<M: Module>(
-        &self,
-        model: &M,
-        dir: &Path,
-        payload: &serde_json::Value,
-        scheduler: Option<LrSchedulerRecord>,
-        background: bool,
-    ) -> Result<(), ShardError> {
-        self.by_shard_group_zero(
-            "save_checkpoint",
-            || self.save_in_group(model, dir, payload, scheduler, background),
-            || self.refuse_half_applied("save a checkpoint"),
-        )
-    }
-
-    /// The save of [`ShardedOptimizer::save_impl`] within the shard group (every rank when flat).
-    fn save_in_group<M: Module>(
-        &self,
-        model: &M,
-        dir: &Path,
-        payload: &serde_json::Value,
-        scheduler: Option<LrSchedulerRecord>,
-        background: bool,
-    ) -> Result<(), ShardError> {
+    /// The save of [`ShardedOptimizer::save_checkpoint`] within the shard group (every rank
+    /// when flat). With hybrid sharding the ranks of shard group 0 save, as a flat run of
+    /// `shard_size` ranks would; the other groups hold the same state and write nothing, and
+    /// every rank then learns the outcome from its replica of group 0.
+    fn save_in_group<M: Module>(&self, model: &M, dir: &Path, options: SaveOptions) -> Result<(), ShardError> {
+        let SaveOptions {
+            payload,
+            scheduler,
+            background,
+        } = options;
+        let payload = &payload;
         let op = match background {
-            true => "save_checkpoint_async",
+            true => "save_checkpoint (background)",
             false => "save_checkpoint",
         };
         // Before any collective: a rank whose step failed half-way refuses here; the others
@@ -370,13 +318,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// This run's lineage with rank 0's run id on every rank (each rank draws its own id at
     /// `init` and at a load; rank 0's is the one saved). A collective.
     fn agreed_lineage(&self) -> Result<Lineage, ShardError> {
-        let mine = u64::from_str_radix(&self.lineage.run, 16).unwrap_or_default();
+        let mine = u64::from_str_radix(&self.run.lineage.run, 16).unwrap_or_default();
         // Rank 0's id; the other ranks add zeros.
         let sent = if self.comm.rank() == 0 { mine } else { 0 };
         let run = sum_u64(self.comm.as_ref(), &[sent])?[0];
         Ok(Lineage {
             run: format!("{run:016x}"),
-            ..self.lineage.clone()
+            ..self.run.lineage.clone()
         })
     }
 
@@ -447,7 +395,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             })
             .collect();
         let base = (!fingerprints.is_empty()).then(|| BaseMeta {
-            origin: self.base.origin.clone(),
+            origin: self.run.base.origin.clone(),
             fingerprint: base_fingerprint(&entries),
         });
         CheckpointMeta {

@@ -2,16 +2,14 @@
 //! collectives that decide when it is complete and what its outcome is (see
 //! `save_in_flight.rs`), and the public calls that wait for it.
 
-use std::path::PathBuf;
-
 use crate::error::ShardError;
 use crate::optim::master::MasterWeightStep;
+use crate::sharded_optimizer::optimizer::ShardedOptimizer;
+use crate::sharded_optimizer::save_in_flight::{SaveInFlight, lock};
 use crate::step::agreement::{after_failed_save, agree, any_rank, flag_device};
-use crate::step::optimizer::ShardedOptimizer;
-use crate::step::save_in_flight::{SaveInFlight, lock};
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
-    /// Waits until every checkpoint saved by [`ShardedOptimizer::save_checkpoint_async`] is
+    /// Waits until every checkpoint saved in the background by [`ShardedOptimizer::save_checkpoint`] is
     /// complete on disk (every rank's file written, then `meta.json`, `COMPLETE` and the
     /// rename), oldest first, and returns their outcome; `Ok` at once when no save is in
     /// flight. A background save that failed since the last call (seen at the start of a step)
@@ -32,22 +30,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.report_kept_failure()
     }
 
-    /// The directory of the oldest checkpoint being written in the background, if any: `None`
-    /// once every save has settled, complete or failed (as seen at the start of the last step,
-    /// or by [`ShardedOptimizer::wait_for_checkpoint`]).
-    pub fn checkpoint_in_flight(&self) -> Option<PathBuf> {
-        lock(&self.in_flight).front().map(|s| s.dir().to_path_buf())
-    }
-
-    /// The directories of every checkpoint being written in the background, oldest first (at
-    /// most `ShardConfig::with_saves_in_flight`).
-    pub fn checkpoints_in_flight(&self) -> Vec<PathBuf> {
-        lock(&self.in_flight).iter().map(|s| s.dir().to_path_buf()).collect()
-    }
-
     /// Host bytes held by the staged files of the saves in flight (0 without one).
     pub(crate) fn staged_bytes(&self) -> usize {
-        lock(&self.in_flight).iter().map(|s| s.staged_bytes).sum()
+        lock(&self.saves.in_flight).iter().map(|s| s.staged_bytes).sum()
     }
 
     /// Before a background save: settles the oldest saves in flight (waiting for them) until
@@ -57,7 +42,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// As [`ShardedOptimizer::wait_for_checkpoint`].
     pub(crate) fn make_room_for_save(&self) -> Result<(), ShardError> {
-        while lock(&self.in_flight).len() >= self.saves_in_flight {
+        while lock(&self.saves.in_flight).len() >= self.saves.limit {
             if let Err(e) = self.settle_oldest() {
                 self.keep_failure(e)?;
             }
@@ -77,7 +62,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// after it stay in flight.
     fn settle_save(&self, wait: bool) -> Result<(), ShardError> {
         loop {
-            let Some(written) = lock(&self.in_flight).front().map(SaveInFlight::written) else {
+            let Some(written) = lock(&self.saves.in_flight).front().map(SaveInFlight::written) else {
                 return Ok(());
             };
             if !wait && any_rank(self.comm.as_ref(), &[!written], &flag_device(self.comm.as_ref()))?[0] {
@@ -89,14 +74,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
     /// Settles the oldest save in flight, waiting for this rank's writer.
     fn settle_oldest(&self) -> Result<(), ShardError> {
-        let Some(mut save) = lock(&self.in_flight).pop_front() else {
+        let Some(mut save) = lock(&self.saves.in_flight).pop_front() else {
             return Ok(());
         };
         let comm = self.comm.clone();
         let written = save.join();
         let commit = std::mem::replace(&mut save.commit, Box::new(|| Ok(())));
-        let outcome = agree(comm.as_ref(), written, "save_checkpoint_async")
-            .and_then(|()| agree(comm.as_ref(), commit(), "save_checkpoint_async"));
+        let outcome = agree(comm.as_ref(), written, "save_checkpoint (background)")
+            .and_then(|()| agree(comm.as_ref(), commit(), "save_checkpoint (background)"));
         if let Err(e) = &outcome {
             after_failed_save(comm.as_ref(), e, std::mem::replace(&mut save.discard, Box::new(|| ())));
         }
@@ -120,7 +105,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
 
     /// The first background save failure kept since the last report, returned once.
     fn report_kept_failure(&self) -> Result<(), ShardError> {
-        match lock(&self.failed_save).take() {
+        match lock(&self.saves.failed).take() {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -136,18 +121,18 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             rank = self.world().rank(),
             "a checkpoint saved in the background failed: {e}"
         );
-        lock(&self.failed_save).get_or_insert(e);
+        lock(&self.saves.failed).get_or_insert(e);
         Ok(())
     }
 
     /// Starts `save` in the background: the optimizer holds it until it settles.
     pub(crate) fn put_in_flight(&self, save: SaveInFlight) {
-        lock(&self.in_flight).push_back(save);
+        lock(&self.saves.in_flight).push_back(save);
     }
 
     /// Allows `saves` background saves in flight at once (at least 1).
     pub(crate) fn with_saves_in_flight(mut self, saves: usize) -> Self {
-        self.saves_in_flight = saves.max(1);
+        self.saves.limit = saves.max(1);
         self
     }
 }

@@ -21,6 +21,7 @@ use crate::optim::into_optimizer::IntoOptimizer;
 use crate::optim::loss_scale::{self, LossScaler, LossScaling};
 use crate::optim::master::MasterWeightStep;
 use crate::overlap::bucket_reducer::{BucketReducer, Early};
+use crate::sharded_optimizer::save_in_flight::SaveQueue;
 use crate::stage::Stage;
 use crate::step::agreement;
 use crate::step::bucket_grads::{BucketGrads, StoredGrads};
@@ -92,12 +93,8 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// [`LossScaling`]) since the last optimizer call, 0 for none: checked and cleared by each
     /// `step` and `accumulate`.
     loss_scaled: Arc<AtomicU32>,
-    /// Set while a step updates the parameters and the optimizer state, bucket by bucket: an
-    /// error then leaves them half updated.
-    updating: bool,
-    /// The error of a step that failed while `updating`: every later step, `accumulate`,
-    /// `map_params` and save is refused ([`ShardError::HalfAppliedStep`]).
-    half_applied: Option<String>,
+    /// Whether a step failed half-way (see [`StepGuard`]).
+    guard: StepGuard,
     /// What the last optimizer call measured (norm, applied, overlap, bytes), for the reports.
     pub(crate) last: LastStep,
     /// The micro-batch sums the next step adds (`accumulate`, and buckets reduced inside
@@ -106,20 +103,31 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// Stages 0-2 reducing inside backward (see [`crate::bucket`]); `None` where they reduce in
     /// the step alone.
     pub(crate) bucket_reducer: Option<BucketReducer>,
-    /// This run's history, saved with its checkpoints: a new run id at `init` and at every
-    /// load, and the checkpoint loaded (see [`crate::run::Lineage`]).
+    /// This run's history and base, saved with its checkpoints.
+    pub(crate) run: RunRecord,
+    /// The checkpoints being written in the background.
+    pub(crate) saves: SaveQueue,
+}
+
+/// Whether a step failed half-way: set while a step updates the parameters and the optimizer
+/// state, bucket by bucket, where an error leaves them half updated; the error of such a step
+/// refuses every later step, `accumulate`, `map_params` and save
+/// ([`ShardError::HalfAppliedStep`]).
+#[derive(Default)]
+struct StepGuard {
+    updating: bool,
+    half_applied: Option<String>,
+}
+
+/// What this run's checkpoints record of the run.
+#[derive(Default)]
+pub(crate) struct RunRecord {
+    /// A new run id at `init` and at every load, and the checkpoint loaded (see
+    /// [`crate::run::Lineage`]).
     pub(crate) lineage: crate::run::Lineage,
-    /// What this run's checkpoints hold of frozen entries, and the pretrained file it started
-    /// from (`ShardConfig::with_frozen_entries`, `init_pretrained`).
+    /// What checkpoints hold of frozen entries, and the pretrained file the run started from
+    /// (`ShardConfig::with_frozen_entries`, `init_pretrained`).
     pub(crate) base: crate::run::Base,
-    /// The checkpoints being written in the background (`save_checkpoint_async`), oldest
-    /// first, each until every rank has written and rank 0 completed it.
-    pub(crate) in_flight: std::sync::Mutex<std::collections::VecDeque<crate::step::save_in_flight::SaveInFlight>>,
-    /// How many background saves may be in flight at once (`ShardConfig::with_saves_in_flight`).
-    pub(crate) saves_in_flight: usize,
-    /// A background save that failed, seen at the start of a step: returned by the next
-    /// `wait_for_checkpoint` or save.
-    pub(crate) failed_save: std::sync::Mutex<Option<ShardError>>,
 }
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
@@ -146,22 +154,21 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             max_grad_norm: options.max_grad_norm,
             loss_scaler: options.loss_scaler,
             loss_scaled: Arc::default(),
-            updating: false,
-            half_applied: None,
+            guard: StepGuard::default(),
             last: LastStep::default(),
             pending: PendingGradients::new(slots, buckets),
             bucket_reducer: None,
-            lineage: crate::run::Lineage::fresh(),
-            base: crate::run::Base::default(),
-            in_flight: std::sync::Mutex::new(std::collections::VecDeque::new()),
-            saves_in_flight: 1,
-            failed_save: std::sync::Mutex::new(None),
+            run: RunRecord {
+                lineage: crate::run::Lineage::fresh(),
+                base: crate::run::Base::default(),
+            },
+            saves: SaveQueue::new(1),
         }
     }
 
     /// The base this run's checkpoints refer to (see [`crate::run::Base`]).
     pub(crate) fn with_base(mut self, base: crate::run::Base) -> Self {
-        self.base = base;
+        self.run.base = base;
         self
     }
 
@@ -317,8 +324,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .and_then(|()| self.settle_save_keeping_failure(false))
             .and_then(|()| self.step_with(&lr, model, grads, items));
         if let Err(e) = &result {
-            if std::mem::take(&mut self.updating) && self.half_applied.is_none() {
-                self.half_applied = Some(e.to_string());
+            if std::mem::take(&mut self.guard.updating) && self.guard.half_applied.is_none() {
+                self.guard.half_applied = Some(e.to_string());
             }
             // A rank that fails alone (a wrong model, say) must not leave the others waiting.
             self.world().abort(&format!(
@@ -336,7 +343,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// [`ShardError::HalfAppliedStep`] after a step failed while it was updating: `op` would see
     /// parameters and optimizer state of two different steps.
     pub(crate) fn refuse_half_applied(&self, op: &str) -> Result<(), ShardError> {
-        match &self.half_applied {
+        match &self.guard.half_applied {
             Some(cause) => Err(ShardError::HalfAppliedStep {
                 op: op.to_string(),
                 cause: cause.clone(),
@@ -521,10 +528,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             groups: &self.groups,
             slots: &mut self.slots,
             overlap: self.bucket_reducer.is_some(),
-            updating: &mut self.updating,
+            updating: &mut self.guard.updating,
         };
         let updated = update.run(&model, grads, &mut temp)?;
-        self.updating = false;
+        self.guard.updating = false;
         self.last.temporary_peak_bytes = self.plan.temporary_peak(temp.peak());
         let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
         let model = self.plan.write_values(model, &self.layout, updated, &keep);
@@ -558,16 +565,6 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         agreement::agree_on_disk(self.comm.as_ref(), own, &self.device, when, dir)
     }
 
-    /// Buckets whose reduction started inside backward, before the last `step` or `accumulate`
-    /// was called (stages 0-2 with [`ShardConfig::overlap_comm`](crate::ShardConfig::overlap_comm),
-    /// see [`crate::bucket`]): every bucket of [`ShardedOptimizer::layout`] when the backward
-    /// matched the learned one; 0 at the first step (which learns), for micro-batches given to
-    /// `accumulate` as learned (not when a step was expected instead), at stage 3 and where
-    /// buckets are reduced in the step.
-    pub fn overlapped_buckets(&self) -> usize {
-        self.last.overlapped_buckets
-    }
-
     /// Every rank of the job: the collective passed to `init` (e.g. to average a loss for
     /// logging), and with hybrid sharding the mesh's world, whose failures abort the rank's
     /// sub-groups too.
@@ -582,46 +579,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.mesh.as_deref()
     }
 
-    /// The flat layout of the trainable parameters.
-    pub fn layout(&self) -> &FlatLayout {
-        &self.layout
-    }
-
     /// The optimizer each flat shard is stepped with (e.g. to ask a
     /// [`FusedAdam`](burn_shard_kernels::FusedAdam) which path it takes): the one `init` was
     /// given (groups added with [`ShardedOptimizer::with_group`] have their own).
     pub fn optimizer(&self) -> &O {
         self.groups.base()
-    }
-
-    /// The global L2 norm of the gradient the last step applied: averaged over the ranks,
-    /// divided by the loss scale, before any clipping (every trainable element of every rank
-    /// counted once; the value PyTorch's `clip_grad_norm_` returns). Measured only when the step
-    /// needs it: with [`ShardConfig::with_max_grad_norm`](crate::ShardConfig::with_max_grad_norm)
-    /// (`f32::INFINITY` measures without clipping), a [`LossScaler`], or clipping by norm in a
-    /// group; `None` otherwise and before the first step. Non-finite after an overflow.
-    pub fn last_grad_norm(&self) -> Option<f64> {
-        self.last.grad_norm
-    }
-
-    /// Whether the last [`ShardedOptimizer::step`] updated the parameters: `false` when the
-    /// [`LossScaler`] skipped it because the gradient overflowed on some rank (the same answer
-    /// on every rank), and before the first step. PyTorch's `GradScaler` users compare the scale
-    /// before and after `update()` for the same purpose.
-    ///
-    /// A learning-rate schedule that should advance on applied steps only (warm-up counted in
-    /// updates, not in batches) advances when this is `true`:
-    ///
-    /// ```ignore
-    /// let lr = lr_at(applied, steps);            // the schedule's index: applied steps
-    /// model = optim.step(lr, model, grads)?;
-    /// if optim.last_step_applied() { applied += 1; }
-    /// ```
-    ///
-    /// With a Burn `LrScheduler`, keep a clone from before `scheduler.step()` and put it back
-    /// when the step was skipped.
-    pub fn last_step_applied(&self) -> bool {
-        self.last.applied
     }
 
     /// The loss scaler (current scale, steps skipped), when one was configured.
@@ -665,16 +627,6 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.plan.shards_parameters()
     }
 
-    /// The `f32` master weights of this rank's piece of each `bf16`/`f16` parameter of the
-    /// layout (same shapes as [`ShardedOptimizer::slot_states`]' tensors); `None` for `f32`
-    /// parameters and before a parameter's first gradient. They are initialised from the
-    /// parameters then; after loading new parameter values later, call
-    /// [`ShardedOptimizer::reset_master_weights`]. Empty (every entry `None`) with
-    /// [`NvmeOffload`](crate::NvmeOffload), which keeps them on disk between steps.
-    pub fn master_weights(&self) -> &[Option<Tensor<1>>] {
-        &self.slots.masters
-    }
-
     /// Makes the `f32` masters follow values changed outside the optimizer: when a
     /// `bf16`/`f16` parameter is next stepped, each element whose value no longer equals its
     /// master rounded to the parameter's dtype (an edit, new values loaded) takes the
@@ -684,16 +636,6 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Costs one comparison of each stepped piece with its master at that step.
     pub fn reset_master_weights(&mut self) {
         self.slots.mark_edited();
-    }
-
-    /// Burn's optimizer state of each parameter of the layout ([`FlatLayout::slots`] order), for
-    /// the piece of it this rank steps: the whole parameter (stage 0), its part of this rank's
-    /// range of the bucket (stages 1-2; `None` when the range holds none of it) or this rank's
-    /// shard (stage 3). `None` before the parameter's first gradient, and for every parameter
-    /// with [`NvmeOffload`](crate::NvmeOffload), which keeps the states on disk between steps.
-    /// Tensors are 1-D.
-    pub fn slot_states(&self) -> &[Option<O::State<1>>] {
-        &self.slots.states
     }
 }
 

@@ -1,5 +1,5 @@
 //! A checkpoint save whose files are being written in the background
-//! (`ShardedOptimizer::save_checkpoint_async`): the staged rank file's writer thread, and the
+//! (`ShardedOptimizer::save_checkpoint` with `SaveOptions::in_background`): the staged rank file's writer thread, and the
 //! commit that completes the directory once every rank has written.
 //!
 //! The writer threads run no collective. Every decision that needs the ranks to agree (whether
@@ -10,6 +10,7 @@
 //! The checkpoint layer builds what the writer and the commit do; this file holds them and
 //! `background_save.rs` settles them, so the step needs nothing from that layer.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -105,7 +106,7 @@ fn unsettled_save_message(dir: &std::path::Path, write_error: Option<ShardError>
         Some(e) => format!("this rank's write failed: {e}"),
     };
     format!(
-        "the checkpoint {} saved with save_checkpoint_async is LOST: the optimizer was dropped before the save \
+        "the checkpoint {} saved in the background is LOST: the optimizer was dropped before the save \
          completed ({written}; no rank completes the directory, which stays {}.partial and is removed by the next \
          save there); call optimizer.wait_for_checkpoint()? on every rank before the end of the run",
         dir.display(),
@@ -117,4 +118,31 @@ fn unsettled_save_message(dir: &std::path::Path, write_error: Option<ShardError>
 /// holder only takes or puts a whole value).
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The checkpoints being written in the background (`save_checkpoint` with [`SaveOptions::in_background`](crate::checkpoint::SaveOptions::in_background)), and the failure
+/// of one that a step saw.
+pub(crate) struct SaveQueue {
+    /// Oldest first, each until every rank has written and rank 0 completed it.
+    pub(crate) in_flight: Mutex<VecDeque<SaveInFlight>>,
+    /// How many may be in flight at once (`ShardConfig::with_saves_in_flight`).
+    pub(crate) limit: usize,
+    /// A background save that failed, seen at the start of a step: returned by the next
+    /// `wait_for_checkpoint` or save.
+    pub(crate) failed: Mutex<Option<ShardError>>,
+}
+
+impl SaveQueue {
+    pub(crate) fn new(limit: usize) -> Self {
+        Self {
+            in_flight: Mutex::new(VecDeque::new()),
+            limit,
+            failed: Mutex::new(None),
+        }
+    }
+
+    /// The directories of the saves in flight, oldest first.
+    pub(crate) fn dirs(&self) -> Vec<PathBuf> {
+        lock(&self.in_flight).iter().map(|s| s.dir().to_path_buf()).collect()
+    }
 }

@@ -10,24 +10,25 @@ use burn::module::Module;
 use burn::optim::{RecordState, StateSource};
 use burn::tensor::{Device, Tensor, TensorData};
 
-use super::files::{RankFiles, digest};
-use super::format::{SCHEDULER, master_name, param_name, state_name, state_prefix};
-use super::lineage::name_of;
-use super::meta::{CheckpointMeta, EntryMeta, Lineage, dtype_name};
-use super::pieces::{Holding, piece, stepped};
+use crate::checkpoint::files::{RankFiles, digest};
+use crate::checkpoint::format::{SCHEDULER, master_name, param_name, state_name, state_prefix};
+use crate::checkpoint::lineage::name_of;
+use crate::checkpoint::meta::{CheckpointMeta, EntryMeta, Lineage, dtype_name};
+use crate::checkpoint::options::Restored;
+use crate::checkpoint::pieces::{Holding, piece, stepped};
 use crate::error::CheckpointError;
 use crate::error::ShardError;
 use crate::hooks::exchange;
 use crate::model::flat;
 use crate::optim::master::MasterWeightStep;
 use crate::placement::shard::Shard;
-use crate::step::optimizer::ShardedOptimizer;
+use crate::sharded_optimizer::optimizer::ShardedOptimizer;
 use crate::step::slot_state::LoadedSlots;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Loads the checkpoint in `dir` into `model` (the one `init` returned) and this optimizer,
-    /// and returns the model and the payload given to
-    /// [`ShardedOptimizer::save_checkpoint`]. A collective: every rank calls it.
+    /// and returns the model and what the save was given ([`Restored`]: the payload, and the
+    /// scheduler state when the checkpoint holds one). A collective: every rank calls it.
     ///
     /// The checkpoint may come from any world size and any stage: each rank reads the element
     /// ranges its own layout needs (values, Burn's optimizer state of each parameter with its
@@ -55,38 +56,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// without its base: names the base and the entries that differ),
     /// wrapped in [`ShardError::Checkpoint`]. A rank that fails makes every rank fail with its
     /// message; the model and optimizer given are then unchanged.
-    pub fn load_checkpoint<M: Module>(
-        &mut self,
-        model: M,
-        dir: impl AsRef<Path>,
-    ) -> Result<(M, serde_json::Value), ShardError> {
-        self.load_impl(model, dir.as_ref(), false)
-            .map(|(model, payload, _)| (model, payload))
-    }
-
-    /// As [`ShardedOptimizer::load_checkpoint`], and returns the scheduler state that
-    /// [`ShardedOptimizer::save_checkpoint_with_scheduler`] saved
-    /// (`scheduler = scheduler.load_record(record)`).
-    ///
-    /// # Errors
-    /// As [`ShardedOptimizer::load_checkpoint`]; [`CheckpointError::ModelMismatch`] when the
-    /// checkpoint holds no scheduler state.
-    pub fn load_checkpoint_with_scheduler<M: Module>(
-        &mut self,
-        model: M,
-        dir: impl AsRef<Path>,
-    ) -> Result<(M, serde_json::Value, LrSchedulerRecord), ShardError> {
-        let (model, payload, record) = self.load_impl(model, dir.as_ref(), true)?;
-        Ok((model, payload, record.expect("asked for")))
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn load_impl<M: Module>(
-        &mut self,
-        model: M,
-        dir: &Path,
-        wants_scheduler: bool,
-    ) -> Result<(M, serde_json::Value, Option<LrSchedulerRecord>), ShardError> {
+    pub fn load_checkpoint<M: Module>(&mut self, model: M, dir: impl AsRef<Path>) -> Result<(M, Restored), ShardError> {
+        let dir = dir.as_ref();
         // Gradients handed to the stage 0-2 reducer belong to the model before the load (a
         // collective: every rank is here).
         if let Some(reducer) = &self.bucket_reducer {
@@ -103,13 +74,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // by slot as it is read, so a load holds one slot of it in memory at a time; it becomes
         // the live state only once every rank has read all of its own.
         let mut slots = self.slots.loading();
+        let has_scheduler = meta.files.iter().any(|f| f.name == SCHEDULER);
         let loaded = self
             .read_checkpoint(&model, dir, &meta, &mut slots)
-            .and_then(|read| match wants_scheduler {
-                true => Ok((read, Some(read_scheduler(dir)?))),
+            .and_then(|read| match has_scheduler {
+                true => Ok((read, Some(read_scheduler(dir, &meta)?))),
                 false => Ok((read, None)),
             });
-        let ((values, shards, payload, scaler, lineage), record) = self.agree_everywhere(loaded, "load_checkpoint")?;
+        let ((values, shards, payload, scaler, lineage), scheduler) =
+            self.agree_everywhere(loaded, "load_checkpoint")?;
         // The scale continues where it was (every rank reads the same one, so all fail
         // together on a bad one, before anything else changes); a run without a scaler ignores
         // a saved one.
@@ -117,7 +90,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             mine.resume(&saved)?;
         }
         // A new run starts here: its checkpoints continue the loaded one's history.
-        self.lineage = Lineage::resumed_from(&name_of(dir), lineage.as_ref());
+        self.run.lineage = Lineage::resumed_from(&name_of(dir), lineage.as_ref());
         self.slots.replace(slots);
         // Micro-batch sums of the model before the load do not belong to the loaded one.
         self.drop_kept_sums();
@@ -126,7 +99,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             true => exchange::replace_shards(model, shards),
             false => model,
         };
-        Ok((model, payload, record))
+        Ok((model, Restored { payload, scheduler }))
     }
 
     /// Everything a load changes, read and checked before anything is changed.
@@ -237,16 +210,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     }
 }
 
-/// The scheduler record of the checkpoint in `dir`, verified against its digest.
-fn read_scheduler(dir: &Path) -> Result<LrSchedulerRecord, CheckpointError> {
-    let meta = CheckpointMeta::read(dir)?;
+/// The scheduler record of the checkpoint in `dir` (whose `meta` lists it), verified against
+/// its digest.
+fn read_scheduler(dir: &Path, meta: &CheckpointMeta) -> Result<LrSchedulerRecord, CheckpointError> {
     let path = dir.join(SCHEDULER);
-    let expected = meta.files.iter().find(|f| f.name == SCHEDULER).ok_or_else(|| {
-        CheckpointError::ModelMismatch(format!(
-            "{} holds no scheduler state (saved with save_checkpoint, not save_checkpoint_with_scheduler)",
-            dir.display()
-        ))
-    })?;
+    let expected = meta
+        .files
+        .iter()
+        .find(|f| f.name == SCHEDULER)
+        .ok_or_else(|| CheckpointError::ModelMismatch(format!("{} holds no scheduler state", dir.display())))?;
     let (bytes, sha256) = digest(&path)?;
     if bytes != expected.bytes || sha256 != expected.sha256 {
         return Err(CheckpointError::Corrupt {

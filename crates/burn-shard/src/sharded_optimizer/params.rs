@@ -30,7 +30,7 @@ use crate::hooks::exchange;
 use crate::hooks::gather_op::GatherSpec;
 use crate::model::census::{Census, EntryKind};
 use crate::optim::master::MasterWeightStep;
-use crate::step::optimizer::ShardedOptimizer;
+use crate::sharded_optimizer::optimizer::ShardedOptimizer;
 
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Runs `visitor` over `model` (`model.visit(visitor)`) with every parameter's full value,

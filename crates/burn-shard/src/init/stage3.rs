@@ -1,0 +1,59 @@
+//! Stage 3's part of `init`: each parameter replaced by this rank's shard as it is synced.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn_shard_comm::Collective;
+
+use crate::config::ShardConfig;
+use crate::error::ShardError;
+use crate::hooks::sharded_param::Sharder;
+use crate::model::buffers::Buffers;
+use crate::model::census::Census;
+use crate::model::layout::FlatLayout;
+use crate::model::root_values::RootValues;
+use crate::model::units::UnitPolicy;
+use crate::optim::master::MasterWeightStep;
+use crate::overlap::context::FsdpContext;
+use crate::placement::home::ParamHome;
+use crate::sharded_optimizer::optimizer::ShardedOptimizer;
+use crate::step::options::StepOptions;
+use crate::step::stage_plan::StagePlan;
+
+/// Stage 3: keeps only this rank's shard of every parameter; `val()` gathers on demand. The
+/// optimizer then works on the local shards alone (their gradients arrive reduced).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn shard_parameters<M: Module, O: MasterWeightStep>(
+    config: &ShardConfig,
+    model: M,
+    optim: O,
+    options: StepOptions,
+    root: RootValues,
+    comm: Arc<dyn Collective>,
+    census: Census,
+    buffers: Buffers,
+    param_home: Option<ParamHome>,
+) -> Result<(M, ShardedOptimizer<O>), ShardError> {
+    let ctx = FsdpContext::new(comm.clone(), config.reshard_after_forward, param_home);
+    let mut sharder = Sharder {
+        ctx: ctx.clone(),
+        census: census.clone(),
+        root,
+        slots: Vec::new(),
+        units: UnitPolicy::new(&config.units)?,
+    };
+    let model = model.apply_reparameterization(&mut sharder);
+    let Sharder { root, slots, units, .. } = sharder;
+    root.finish()?;
+    // A shard that could not be written to the shard file (NVMe parameter offload): the
+    // writes were queued behind the sharding; all are done before `init` returns.
+    if let Some(e) = ctx.take_error() {
+        return Err(e);
+    }
+    ctx.home().flush()?;
+    units.check_all_used(&census)?;
+    let local = Arc::new(FlatLayout::from_slots(slots, 1, config.bucket_numel)?);
+    let plan = StagePlan::Three(ctx);
+    let optim = ShardedOptimizer::new(optim, comm, local, plan, census, buffers, options);
+    Ok((model, optim))
+}
