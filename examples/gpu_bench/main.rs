@@ -8,7 +8,7 @@
 //!   and synchronisation overhead.
 //! - GPT: the shakespeare example's GPT at about 20M and about 300M parameters, stages 0-3,
 //!   through NCCL (one rank per GPU) and through the in-process backend (2 ranks as threads on
-//!   GPU 0): step time, tokens/s, each rank's model state (`memory_report`), the device
+//!   GPU 0): step time, tokens/s, each rank's model state (`report().memory`), the device
 //!   allocator's bytes, bytes sent per step and the share of collective time hidden behind
 //!   compute. One child process (`--worker`) per model size and backend runs the four stages;
 //!   a child that outlives its share of `--budget` is stopped, and what it measured is kept.
@@ -233,7 +233,7 @@ fn gpt_table(args: &Args, gpus: usize, budget: Duration, md: &mut Report) -> Res
     md.line(
         "The shakespeare GPT (block 256), AdamW, median step after the warm-up; stage 3 recomputes activations in backward \
          (Burn's balanced gradient checkpointing), stages 0-2 do not. Model state = one rank's parameters + gradients + \
-         optimizer state (memory_report). Device = the peak bytes in use of GPU 0's allocator, sampled after backward and \
+         optimizer state (report().memory). Device = the peak bytes in use of GPU 0's allocator, sampled after backward and \
          after the step (ranks of the in-process backend share it). CubeCL's matmul autotune may run f32 matmuls as TF32.",
     )?;
     md.line(&format!("| {} |", GPT_COLUMNS.join(" | ")))?;

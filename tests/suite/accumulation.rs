@@ -124,7 +124,7 @@ fn pending_micro_batches_block_a_checkpoint_and_count_as_gradient_memory() {
         };
         optim.accumulate(&model, grads(&model)).expect("accumulate");
         let refused = optim
-            .save_checkpoint(&model, &dir, &serde_json::Value::Null)
+            .save_checkpoint(&model, &dir, serde_json::Value::Null)
             .expect_err("refused")
             .to_string();
         let last = grads(&model);

@@ -92,7 +92,7 @@ fn files_of(dir: &Path) -> Vec<(String, u64, String)> {
 
 /// On 2 ranks with `config`: a save staged after 3 steps of `base`, followed at once by 3 more
 /// steps, writes the same bytes as a synchronous save after 3 steps (every rank file's SHA-256).
-/// While in flight it is reported in `memory_report` and by `checkpoint_in_flight`, and the
+/// While in flight it is reported in `report().memory` and by `report().checkpoints_in_flight()`, and the
 /// directory is not complete; `wait_for_checkpoint` completes it. The bytes staged in memory,
 /// as a share of the rank's file, lie in `share` (all but the header for tensors in memory;
 /// what NVMe offload keeps on disk is not staged).
@@ -114,7 +114,7 @@ fn check_staged<M: Stepped>(
             model = sharded_step(&mut optim, model, loss, 1e-2).0;
         }
         optim
-            .save_checkpoint(&model, &sync_dir, &serde_json::json!({ "step": 3 }))
+            .save_checkpoint(&model, &sync_dir, serde_json::json!({ "step": 3 }))
             .unwrap();
         optim
             .save_checkpoint(
@@ -408,7 +408,7 @@ fn saves_in_flight_lets_a_background_save_start_before_the_previous_one_complete
                     true => optim
                         .save_checkpoint(&model, dir, SaveOptions::new(serde_json::Value::Null).in_background())
                         .unwrap(),
-                    false => optim.save_checkpoint(&model, dir, &serde_json::Value::Null).unwrap(),
+                    false => optim.save_checkpoint(&model, dir, serde_json::Value::Null).unwrap(),
                 }
                 let staged = optim.report().memory(&model).checkpoint_staging_bytes;
                 seen.push((optim.report().checkpoints_in_flight(), staged));

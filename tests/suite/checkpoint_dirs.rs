@@ -4,21 +4,15 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::module::{Module, Param};
-use burn::nn::{BatchNorm, BatchNormConfig};
-use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdamConfig, AdamWConfig, SgdConfig};
+use burn::module::Module;
+use burn::optim::AdamWConfig;
 use burn::prelude::*;
-use burn::tensor::DType;
-use burn_shard::checkpoint::{
-    ConsolidateOptions, FileStatus, RecordFormat, SaveOptions, Selection, consolidate, inspect, reshard,
-};
-use burn_shard::{IntoOptimizer, ShardConfig, ShardError, Stage};
+use burn_shard::checkpoint::inspect;
+use burn_shard::{ShardConfig, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
-use burn_store::ModuleSnapshot;
 
 use crate::checkpoint::LR;
-use crate::common::{Rng, max_abs_diff, params_of, scratch, sharded_step};
+use crate::common::{params_of, scratch, sharded_step};
 
 /// `list` orders checkpoints by the step that ends their names (not as text) and skips
 /// incomplete ones; `keep_last` removes the oldest complete ones only.
@@ -91,7 +85,7 @@ fn a_partial_directory_with_its_marker_is_no_checkpoint_anywhere() {
             )
             .unwrap();
         optim
-            .save_checkpoint(&model, root.join("step-13.partial"), &serde_json::json!({}))
+            .save_checkpoint(&model, root.join("step-13.partial"), serde_json::json!({}))
             .unwrap_err()
             .to_string()
     })

@@ -107,8 +107,8 @@ fn bad_values_are_errors_naming_the_field() {
 }
 
 /// Ranks whose `ShardConfig`s differ in any field (each field of the config changed on rank 1
-/// alone, one at a time) fail `init` together with `ConfigMismatch` before any other collective,
-/// whatever the field; the NVMe offload directories and I/O settings, which are node-local, may
+/// alone, one at a time) fail `init` together with `ConfigMismatch` naming that field, before any
+/// other collective, whatever the field; the NVMe offload directories and I/O settings, which are node-local, may
 /// differ. A field added to `ShardConfig` without a case here fails the sweep's coverage check.
 #[test]
 fn ranks_with_different_configs_fail_init_together_whatever_the_field() {
@@ -177,7 +177,8 @@ fn ranks_with_different_configs_fail_init_together_whatever_the_field() {
         for (rank, err) in errors.into_iter().enumerate() {
             let err = err.unwrap_or_else(|| panic!("`{name}` differs, yet rank {rank}'s init succeeded"));
             assert!(
-                matches!(err, ShardError::ConfigMismatch { rank: r, peer } if r == rank && peer == 1 - rank),
+                matches!(&err, ShardError::ConfigMismatch { rank: r, peer, fields }
+                    if *r == rank && *peer == 1 - rank && fields == &[name.to_string()]),
                 "`{name}` differs: rank {rank}: {err}"
             );
         }

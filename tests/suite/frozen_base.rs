@@ -123,7 +123,7 @@ fn run(
         }
         if let Some(dir) = save {
             optim
-                .save_checkpoint(&model, dir, &serde_json::json!({ "step": first + steps }))
+                .save_checkpoint(&model, dir, serde_json::json!({ "step": first + steps }))
                 .expect("save");
         }
         params_of(&model.valid().materialize())
@@ -299,7 +299,7 @@ fn a_fingerprinted_checkpoint_is_the_size_of_what_trains() {
             let (model, mut optim) = start(Tune::HeadOnly, &base, Stage::Three, frozen, comm).unwrap();
             let loss = model.loss(0, &device);
             let model = sharded_step(&mut optim, model, loss, 1e-2).0;
-            optim.save_checkpoint(&model, &dir, &serde_json::Value::Null).unwrap();
+            optim.save_checkpoint(&model, &dir, serde_json::Value::Null).unwrap();
         })
         .unwrap();
         let meta = CheckpointMeta::read(&dir).unwrap();

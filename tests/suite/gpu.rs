@@ -417,7 +417,7 @@ fn tiny_steps(
         }
         if let Some(dir) = save {
             optim
-                .save_checkpoint(&model, dir, &serde_json::json!({}))
+                .save_checkpoint(&model, dir, serde_json::json!({}))
                 .expect("the save succeeds");
         }
         params_of(&model.materialize())

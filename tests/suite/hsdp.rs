@@ -372,7 +372,7 @@ fn a_hybrid_checkpoint_is_written_once_and_resumes_at_any_mesh_and_stage() {
             for step in first..STEPS {
                 if save && step == half {
                     optim
-                        .save_checkpoint(&model, &dir, &serde_json::json!({}))
+                        .save_checkpoint(&model, &dir, serde_json::json!({}))
                         .expect("save");
                 }
                 let (x, y) = batch(step, GLOBAL_BATCH);

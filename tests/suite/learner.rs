@@ -149,13 +149,14 @@ fn items(n: usize, seed: u64) -> Vec<Item> {
         .collect()
 }
 
-/// The order in which `world_size` ranks see the same global batches as one device: rank `r`
-/// reads the contiguous share `[r·n, (r+1)·n)`, so base item `k·G + r·b + j` (global batch `k`,
-/// the `j`-th item of rank `r`'s part) goes to position `r·n + k·b + j`.
-fn rank_order(base: &[Item], world_size: usize) -> Vec<Item> {
-    let (n, b) = (base.len() / world_size, GLOBAL_BATCH / world_size);
+/// The order in which `world_size` ranks see the same global batches of `global_batch` items
+/// as one device: rank `r` reads the contiguous share `[r·n, (r+1)·n)`, so base item
+/// `k·G + r·b + j` (global batch `k`, the `j`-th item of rank `r`'s part) goes to position
+/// `r·n + k·b + j`. With gradient accumulation a rank's part spans its micro-batches of the step.
+pub(crate) fn rank_order<T: Clone>(base: &[T], world_size: usize, global_batch: usize) -> Vec<T> {
+    let (n, b) = (base.len() / world_size, global_batch / world_size);
     let mut out = base.to_vec();
-    for (k, global) in base.chunks(GLOBAL_BATCH).enumerate() {
+    for (k, global) in base.chunks(global_batch).enumerate() {
         for (r, part) in global.chunks(b).enumerate() {
             out[r * n + k * b..r * n + (k + 1) * b].clone_from_slice(part);
         }
@@ -277,7 +278,7 @@ pub(crate) fn train_with(
     let world_size = strategy.as_ref().map_or(1, |s| s.world_size());
     let base_train = items(TRAIN_ITEMS, 1);
     let train = loader(
-        rank_order(&base_train, world_size),
+        rank_order(&base_train, world_size, GLOBAL_BATCH),
         GLOBAL_BATCH / world_size,
         run.batcher.of(run.dtype),
     );
@@ -748,7 +749,7 @@ fn hand_loop(world_size: usize, config: &ShardConfig, run: &Run) -> Vec<f32> {
         let (mut model, mut optim) = config.init(model, AdamConfig::new(), comm).expect("init");
         let mut scheduler = scheduler();
         let (share, batch) = (TRAIN_ITEMS / world_size, GLOBAL_BATCH / world_size);
-        let ordered = rank_order(&items(TRAIN_ITEMS, 1), world_size);
+        let ordered = rank_order(&items(TRAIN_ITEMS, 1), world_size, GLOBAL_BATCH);
         let batches: Vec<&[Item]> = ordered[rank * share..(rank + 1) * share].chunks(batch).collect();
         let accumulation = run.accumulation.unwrap_or(1).max(1);
         for _ in 0..run.epochs {

@@ -21,7 +21,7 @@ use burn_shard::{ShardConfig, Stage};
 use burn_shard_train::{LineRenderer, ShardedStrategy};
 
 use crate::common::{Rng, max_abs_diff, params_of, scratch};
-use crate::learner::seeded;
+use crate::learner::{rank_order, seeded};
 
 const FEATURES: usize = 5;
 const CLASSES: usize = 3;
@@ -140,24 +140,9 @@ fn items(n: usize, seed: u64) -> Vec<Item> {
         .collect()
 }
 
-/// The items' order for `world_size` ranks with `accumulation` micro-batches per step, so that
-/// each step covers the same [`GLOBAL_BATCH`] items as one device's step: rank `r` reads the
-/// contiguous share `[r·n, (r+1)·n)`, and its part of global batch `k` is the `k`-th run of
-/// `GLOBAL_BATCH / world_size` items of it.
-fn rank_order(base: &[Item], world_size: usize) -> Vec<Item> {
-    let (n, part) = (base.len() / world_size, GLOBAL_BATCH / world_size);
-    let mut out = base.to_vec();
-    for (k, global) in base.chunks(GLOBAL_BATCH).enumerate() {
-        for (r, piece) in global.chunks(part).enumerate() {
-            out[r * n + k * part..r * n + (k + 1) * part].clone_from_slice(piece);
-        }
-    }
-    out
-}
-
 /// The unmasked items of each rank's micro-batches, over the first epoch.
 fn counts_per_rank(world_size: usize, accumulation: usize) -> Vec<Vec<usize>> {
-    let ordered = rank_order(&items(TRAIN_ITEMS, 1), world_size);
+    let ordered = rank_order(&items(TRAIN_ITEMS, 1), world_size, GLOBAL_BATCH);
     let micro = GLOBAL_BATCH / world_size / accumulation;
     ordered
         .chunks(TRAIN_ITEMS / world_size)
@@ -183,7 +168,7 @@ fn train(dir: &std::path::Path, sharding: Option<(usize, Stage, bool)>, accumula
             .batch_size(micro)
             .build(InMemDataset::new(items))
     };
-    let train = loader(rank_order(&items(TRAIN_ITEMS, 1), world_size));
+    let train = loader(rank_order(&items(TRAIN_ITEMS, 1), world_size, GLOBAL_BATCH));
     let valid = loader(items(12, 2));
     let model = seeded(Masked::new(&device.clone().autodiff()));
     let mut training = SupervisedTraining::new(dir, train, valid)

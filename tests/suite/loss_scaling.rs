@@ -245,7 +245,7 @@ fn the_loss_scale_resumes_from_a_checkpoint() {
             model = optim.step(LR, model, grads).expect("step");
         }
         optim
-            .save_checkpoint(&model, &dir, &serde_json::Value::Null)
+            .save_checkpoint(&model, &dir, serde_json::Value::Null)
             .expect("save");
         let saved = optim.loss_scaler().unwrap().clone();
         let (fresh, mut resumed) = init(LossScaler::dynamic().with_growth_interval(2));

@@ -251,9 +251,7 @@ pub(super) fn train_span<C: Collective + 'static>(
         model = step(&mut optim, model, index);
     }
     if let Some(dir) = &span.save {
-        optim
-            .save_checkpoint(&model, dir, &serde_json::json!({}))
-            .expect("save");
+        optim.save_checkpoint(&model, dir, serde_json::json!({})).expect("save");
     }
     params_of(&model.materialize()).iter().map(|p| p.to_bits()).collect()
 }
@@ -606,7 +604,7 @@ fn fail_then_retry<C: Collective + 'static>(comm: C, config: &ShardConfig) -> (S
                 let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &kept);
                 let step = optim.step(LR, kept.clone(), grads).err();
                 let dir = std::env::temp_dir().join("burn-shard-half-applied-never-written");
-                let save = optim.save_checkpoint(&kept, &dir, &serde_json::Value::Null).err();
+                let save = optim.save_checkpoint(&kept, &dir, serde_json::Value::Null).err();
                 assert!(!dir.exists(), "rank {rank}: the refused save wrote {}", dir.display());
                 return (e, vec![step, save]);
             }
@@ -694,7 +692,7 @@ fn a_save_that_reads_a_damaged_swap_file_fails_on_every_rank_and_leaves_no_check
             model = step_batch(&mut optim, model, index, &device).unwrap();
         }
         optim
-            .save_checkpoint(&model, &good, &serde_json::json!({}))
+            .save_checkpoint(&model, &good, serde_json::json!({}))
             .expect("a save before the damage");
         if rank == 1 {
             use std::os::unix::fs::FileExt;
@@ -707,7 +705,7 @@ fn a_save_that_reads_a_damaged_swap_file_fails_on_every_rank_and_leaves_no_check
         }
         optim.comm().barrier().unwrap();
         optim
-            .save_checkpoint(&model, &bad, &serde_json::json!({}))
+            .save_checkpoint(&model, &bad, serde_json::json!({}))
             .expect_err("a damaged swap file must fail the save")
             .to_string()
     })
@@ -784,7 +782,7 @@ fn failed_load_child() {
                 }
                 model = step_batch(&mut optim, model, index, &device).unwrap();
                 if index == 1 && load_after.is_some() {
-                    optim.save_checkpoint(&model, &ckpt, &serde_json::json!({})).unwrap();
+                    optim.save_checkpoint(&model, &ckpt, serde_json::json!({})).unwrap();
                 }
             }
             (error, params_of(&model).iter().map(|p| p.to_bits()).collect::<Vec<_>>())
@@ -839,7 +837,7 @@ fn repeated_loads_reuse_the_swap_files_space() {
         for index in 0..2 {
             model = step_batch(&mut optim, model, index, &device).unwrap();
         }
-        optim.save_checkpoint(&model, &ckpt, &serde_json::json!({})).unwrap();
+        optim.save_checkpoint(&model, &ckpt, serde_json::json!({})).unwrap();
         for index in 2..6 {
             model = optim.load_checkpoint(model, &ckpt).unwrap().0;
             model = step_batch(&mut optim, model, index, &device).unwrap();

@@ -402,7 +402,7 @@ fn discard_rank<C: burn_shard_comm::Collective + 'static>(
         .collect();
     let g = grads(&model, 99);
     optim.accumulate(&model, g).unwrap();
-    let saved = optim.save_checkpoint(&model, dir, &serde_json::json!({}));
+    let saved = optim.save_checkpoint(&model, dir, serde_json::json!({}));
     (params, saved.err().map(|e| e.to_string()))
 }
 
@@ -460,7 +460,7 @@ impl Deep {
 
 /// Rank `comm.rank()` trains 3 steps of `Deep` with its shards on disk (one layer per bucket:
 /// stage 3's buckets hold shards); returns `nvme_io_bytes().0` and
-/// `nvme_read_on_demand_bytes()` of the last step.
+/// `report().nvme_read_on_demand_bytes()` of the last step.
 fn deep_rank<C: burn_shard_comm::Collective + 'static>(comm: C, base: &Deep, dir: &Path) -> (u64, u64) {
     let device = Device::flex().autodiff();
     let world_size = comm.world_size();

@@ -160,9 +160,7 @@ pub(crate) mod on_cube {
             model = optim.step(LR, model, grads).expect("sharded step");
         }
         if let Some(dir) = checkpoints.save {
-            optim
-                .save_checkpoint(&model, dir, &serde_json::json!({}))
-                .expect("save");
+            optim.save_checkpoint(&model, dir, serde_json::json!({})).expect("save");
         }
         let report = optim.report().memory(&model);
         let mut state_devices: Vec<Device> = optim
@@ -589,7 +587,7 @@ pub(crate) mod on_cube {
                 model = step_rows(model, &mut optim, s, mine, &autodiff);
             }
             let saved = optim.report().memory(&model);
-            optim.save_checkpoint(&model, &dir, &serde_json::json!({})).unwrap();
+            optim.save_checkpoint(&model, &dir, serde_json::json!({})).unwrap();
             // Offloaded from the checkpoint on.
             let (model, mut offloaded) = ShardConfig::new(Stage::Two)
                 .init(base.clone().fork(&autodiff), Offload(adamw()), comm.clone())

@@ -443,7 +443,7 @@ fn micro_batches_given_to_accumulate_send_nothing_and_the_last_one_reduces_insid
                             // Pending sums (handed to the next backward's buckets from step 2
                             // on) are state a checkpoint does not hold.
                             let dir = scratch("overlap", &format!("pending-{stage}-{step}")).join("ckpt");
-                            let refused = optim.save_checkpoint(&model, &dir, &serde_json::Value::Null);
+                            let refused = optim.save_checkpoint(&model, &dir, serde_json::Value::Null);
                             let refused = refused.expect_err("refused").to_string();
                             assert!(refused.contains("accumulate"), "stage {stage}: {refused}");
                         }

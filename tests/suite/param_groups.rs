@@ -195,7 +195,7 @@ fn a_resumed_run_continues_bitwise_whether_groups_are_added_before_or_after_the_
                 let mut optim = group(optim);
                 let model = train(&mut optim, model, 0..half);
                 optim
-                    .save_checkpoint(&model, &dir, &serde_json::Value::Null)
+                    .save_checkpoint(&model, &dir, serde_json::Value::Null)
                     .expect("save");
                 params_of(&train(&mut optim, model, half..STEPS).materialize())
             })

@@ -4,16 +4,13 @@
 
 use burn::module::{Module, Param};
 use burn::nn::loss::{MseLoss, Reduction};
-use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::prelude::*;
-use burn::tensor::DType;
 use burn::tensor::activation::relu;
 use burn_shard::fsdp::unit;
 use burn_shard::{IntoOptimizer, ShardConfig, Stage};
 use burn_shard_comm::{Collective, CollectiveKind, InProcessGroup, run_ranks};
-use burn_shard_examples::gpt::{Gpt, GptConfig};
 
 use crate::common::{Rng, max_abs_diff, params_of, rows, sharded_step};
 
@@ -21,8 +18,8 @@ use crate::common::{Rng, max_abs_diff, params_of, rows, sharded_step};
 /// trainable but never read, and the three `blocks` are the units.
 #[derive(Module, Debug)]
 pub(crate) struct Net3 {
-    embed: Param<Tensor<2>>,
-    blocks: Vec<Linear>,
+    pub(crate) embed: Param<Tensor<2>>,
+    pub(crate) blocks: Vec<Linear>,
     frozen: Param<Tensor<1>>,
     unused: Param<Tensor<1>>,
 }
@@ -53,7 +50,7 @@ impl Net3 {
 
 impl Net3 {
     /// `forward` without block `skip` (when given): a backward with fewer gradients.
-    fn forward_skipping(&self, x: Tensor<2>, skip: Option<usize>) -> Tensor<2> {
+    pub(crate) fn forward_skipping(&self, x: Tensor<2>, skip: Option<usize>) -> Tensor<2> {
         let mut h = unit(&x, || x.clone().matmul(self.embed.val()));
         for (i, block) in self.blocks.iter().enumerate() {
             if Some(i) != skip {

@@ -4,19 +4,18 @@
 //! of two dtypes bit for bit, a parameter left out of the gradients, and the example GPT.
 
 use burn::module::{Module, Param};
-use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
 use burn::nn::{Linear, LinearConfig};
-use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::optim::{AdamConfig, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::DType;
 use burn::tensor::activation::relu;
 use burn_shard::fsdp::unit;
-use burn_shard::{IntoOptimizer, ShardConfig, Stage};
+use burn_shard::{ShardConfig, Stage};
 use burn_shard_comm::{Collective, CollectiveKind, InProcessGroup, run_ranks};
 use burn_shard_examples::gpt::{Gpt, GptConfig};
 
-use crate::common::{Rng, max_abs_diff, params_of, rows, sharded_step};
+use crate::common::{Rng, max_abs_diff, params_of};
 use crate::stage3::*;
 
 /// Per-step `(all-gather calls, bytes, reduce-scatter calls, bytes, parameters with a gradient

@@ -112,7 +112,7 @@ struct BigRun {
     io: Vec<(u64, u64)>,
     /// Of the bytes read, those not read ahead (`nvme_read_on_demand_bytes`), per step.
     on_demand: Vec<u64>,
-    /// `memory_report` after the last step: parameters, gradients, in-memory optimizer state,
+    /// `report().memory` after the last step: parameters, gradients, in-memory optimizer state,
     /// on-disk optimizer state.
     report: (usize, usize, usize, usize),
     /// The checkpoint saved after the last step and loaded back.
@@ -282,7 +282,7 @@ struct Trained {
     step_s: Vec<f64>,
     io: Vec<(u64, u64)>,
     on_demand: Vec<u64>,
-    /// `memory_report` after the last step: parameters, gradients, optimizer state in memory,
+    /// `report().memory` after the last step: parameters, gradients, optimizer state in memory,
     /// optimizer state on disk (bytes).
     report: (usize, usize, usize, usize),
     /// Peak resident bytes (`VmHWM`) at the end of the last step, before any checkpoint.
@@ -432,7 +432,7 @@ fn train(
         let _ = std::fs::write("/proc/self/clear_refs", "5");
         let start = Instant::now();
         optim
-            .save_checkpoint(&model, dir, &serde_json::json!({}))
+            .save_checkpoint(&model, dir, serde_json::json!({}))
             .map_err(|e| e.to_string())?;
         let (save_s, save_peak_rss) = (start.elapsed().as_secs_f64(), status_bytes("VmHWM"));
         let bytes = burn_shard::checkpoint::inspect(dir)
@@ -711,7 +711,7 @@ fn print_table(
     }
     let (p, g, o, d) = big.report;
     println!(
-        "| memory_report after the last step | parameters {:.2} GB, gradients {:.2} GB, optimizer state in memory {:.2} GB, on disk (shards and state) {:.2} GB |",
+        "| report().memory after the last step | parameters {:.2} GB, gradients {:.2} GB, optimizer state in memory {:.2} GB, on disk (shards and state) {:.2} GB |",
         p as f64 / GB,
         g as f64 / GB,
         o as f64 / GB,

@@ -943,7 +943,7 @@ fn plot_memory(path: &Path, params: usize, points: &[SweepPoint]) -> Result<(), 
             .collect();
         chart
             .draw_series(measured.iter().map(|&p| Circle::new(p, 5, color.filled())))?
-            .label(format!("stage {i} measured (memory_report)"))
+            .label(format!("stage {i} measured (report().memory)"))
             .legend(move |(x, y)| Circle::new((x + 10, y), 4, color.filled()));
     }
     chart
@@ -1000,7 +1000,7 @@ fn print_table(args: &Args, rows: &[Row], threads: usize, torch: bool) {
         println!("PyTorch skipped (--skip-torch).");
     }
     println!(
-        "State = params + grads + optimizer state per rank (ours: memory_report, largest rank; formula in parentheses); \
+        "State = params + grads + optimizer state per rank (ours: report().memory, largest rank; formula in parentheses); \
          sent = bytes per rank per step (CommStats; ring theory in parentheses); in collectives = rank 0's time blocked \
          on collectives (CommStats::exposed: synchronous calls whole, waiting included, and the unfinished part of a \
          prefetched gather when it is needed), with the step's share; hidden = share of the time the collectives ran \

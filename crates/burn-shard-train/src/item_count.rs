@@ -5,8 +5,8 @@
 ///
 /// Implemented by [`EqualShares`] (every rank's gradient weighs the same: `ShardedOptimizer::step`)
 /// and by every `Fn(&T) -> u64` (each rank's gradient weighs its item count:
-/// `ShardedOptimizer::step_with_items`). Not meant to be implemented elsewhere.
-pub trait ItemCount<T>: Send + Sync + 'static {
+/// `ShardedOptimizer::step_with_items`). Sealed: those two are the only kinds.
+pub trait ItemCount<T>: sealed::Sealed<T> + Send + Sync + 'static {
     /// The count of one micro-batch's output item, or `None` for equal weights.
     fn counter(&self) -> Option<&(dyn Fn(&T) -> u64 + Send + Sync + 'static)>;
 }
@@ -15,6 +15,15 @@ pub trait ItemCount<T>: Send + Sync + 'static {
 /// ranks' gradients are averaged with equal weights.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct EqualShares;
+
+mod sealed {
+    /// Keeps [`super::ItemCount`] to the kinds this file implements.
+    pub trait Sealed<T> {}
+
+    impl<T> Sealed<T> for super::EqualShares {}
+
+    impl<T, F: Fn(&T) -> u64> Sealed<T> for F {}
+}
 
 impl<T> ItemCount<T> for EqualShares {
     fn counter(&self) -> Option<&(dyn Fn(&T) -> u64 + Send + Sync + 'static)> {

@@ -142,14 +142,27 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
         Ok(model.materialize())
     }
 
-    /// Every rank must run the same number of training batches and see the same validation
-    /// set; with one process per rank each built its own loaders, so their sizes are compared
-    /// first (one all-gather of two numbers: the training share, the whole validation set).
+    /// Every rank must run the same number of training batches, see the same validation set
+    /// and weigh its gradients alike (a step with item counts adds a collective); with one
+    /// process per rank each built its own loaders and strategy, so these are compared first
+    /// (one all-gather of three numbers: the training share, the whole validation set, whether
+    /// steps count items).
     fn check_same_data(&self, comm: &dyn Collective) -> Result<(), RankError> {
         let (train, valid) = (self.train.num_items(), self.valid_total);
-        let mine = vec![train as f32, valid as f32];
-        let all = small_collective(mine, &self.device, "comparing the ranks' data", |t| comm.all_gather(t))?;
-        match all.chunks(2).position(|other| other != [train as f32, valid as f32]) {
+        let counted = self.item_count.is_some();
+        let mine = [train as f32, valid as f32, f32::from(u8::from(counted))];
+        let all = small_collective(mine.to_vec(), &self.device, "comparing the ranks' data", |t| {
+            comm.all_gather(t)
+        })?;
+        if let Some(other) = all.chunks(3).position(|other| other[2] != mine[2]) {
+            return Err(format!(
+                "rank {other} weighs its gradients otherwise than rank {} (with_item_count {}): every process must \
+                 build the same ShardedStrategy",
+                self.rank,
+                if counted { "here, not there" } else { "there, not here" }
+            ));
+        }
+        match all.chunks(3).position(|other| other[..2] != mine[..2]) {
             Some(other) => Err(format!(
                 "rank {other}'s data differs from rank {}'s ({train} training items in its share, {valid} validation \
                  items in all): every process must build the same loaders (same data, batch size and shuffle seed)",

@@ -58,7 +58,7 @@ pub struct ShardConfig {
     /// `false` reduces every bucket in `step`, keeps every gradient in `GradientsParams` until
     /// then, and runs every collective to completion before the next. The same results either way,
     /// as long as every backward's gradients reach `step`/`accumulate` or are dropped with
-    /// [`ShardedOptimizer::discard_gradients`].
+    /// [`ShardedOptimizer::discard_gradients`](crate::ShardedOptimizer::discard_gradients).
     #[serde(default = "defaults::yes")]
     pub overlap_comm: bool,
     /// Stage 3: the units of a model whose `forward` has no [`crate::fsdp::unit`] calls, by
@@ -214,7 +214,7 @@ impl ShardConfig {
     /// [`crate::fsdp::unit`]). A model's own `fsdp::unit` scopes take precedence over the policy.
     ///
     /// # Errors (at `init`)
-    /// [`ShardError::InvalidConfig`] for a pattern with an empty segment, or one that matches
+    /// [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) for a pattern with an empty segment, or one that matches
     /// no sharded parameter.
     pub fn with_units<S: Into<String>>(mut self, patterns: impl IntoIterator<Item = S>) -> Self {
         self.units = patterns.into_iter().map(Into::into).collect();
@@ -274,7 +274,7 @@ impl ShardConfig {
     /// shards on the device.
     ///
     /// # Errors (at `init`)
-    /// [`ShardError::InvalidConfig`] below stage 3 (every rank holds whole parameters there;
+    /// [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) below stage 3 (every rank holds whole parameters there;
     /// [`Offload`](crate::Offload) moves the optimizer state), for a model on the host already
     /// (Burn's `Flex`: nothing would move; [`ShardConfig::with_nvme_offload`] is what saves memory
     /// there), and with an optimizer that is not [`Offload`](crate::Offload)ed (the step updates
@@ -331,9 +331,9 @@ impl ShardConfig {
     /// ends, also when it is killed.
     ///
     /// # Errors
-    /// At `init`: [`ShardError::InvalidConfig`] below stage 3, on an accelerator without
+    /// At `init`: [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) below stage 3, on an accelerator without
     /// [`Offload`](crate::Offload), and when `nvme.io_threads` or `nvme.max_in_flight` is 0;
-    /// [`ShardError::Nvme`] when `nvme.path` is not an existing writable directory. During training: [`ShardError::Nvme`] from the step (on every rank, the
+    /// [`ShardError::Nvme`](crate::ShardError::Nvme) when `nvme.path` is not an existing writable directory. During training: [`ShardError::Nvme`](crate::ShardError::Nvme) from the step (on every rank, the
     /// others naming the rank whose file failed) when a read or write failed (a full disk) or
     /// a read came back with other bytes, naming the file and the fix.
     pub fn with_nvme_offload_params(mut self, nvme: impl Into<NvmeOffload>) -> Self {
@@ -354,14 +354,14 @@ impl ShardConfig {
 
     /// Lets background saves (`save_checkpoint` with `SaveOptions::in_background`) keep up to `saves` checkpoints in flight (default 1): a
     /// save then waits only for the oldest once `saves` are being written. Each holds its own
-    /// staged copy of what the rank keeps in memory (`memory_report`'s
+    /// staged copy of what the rank keeps in memory (`report().memory`'s
     /// `checkpoint_staging_bytes` counts them all), so host memory for staging grows to
     /// `saves` times one save's; more than 1 helps only when a save takes longer to write than
     /// the steps between saves and the disk is not the bound. Every rank passes the same value
     /// (checked at `init`).
     ///
     /// # Errors
-    /// At `init`: [`ShardError::InvalidConfig`] when `saves` is 0.
+    /// At `init`: [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) when `saves` is 0.
     pub fn with_saves_in_flight(mut self, saves: usize) -> Self {
         self.saves_in_flight = saves;
         self
@@ -384,14 +384,15 @@ impl ShardConfig {
     /// Checkpoints are written by the ranks of shard group 0 alone and equal those of a flat run
     /// of `shard_size` ranks, so they resume at any world size, stage and mesh. The collective
     /// passed to `init` is the world's; the backend must be able to split it
-    /// ([`Collective::split`]: in-process, MPI). `replicas = 1` is the flat run; `replicas =
+    /// ([`Collective::split`](crate::comm::Collective::split): in-process, MPI). `replicas = 1` is the flat run; `replicas =
     /// world_size` is DDP across the ranks with each rank's state whole.
     ///
     /// # Errors
-    /// At `init`, on every rank: [`ShardError::InvalidConfig`] when `replicas` is 0 or does not
+    /// At `init`, on every rank: [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) when `replicas` is 0 or does not
     /// divide the world size, or with `replicas > 1` at stage 0 (DDP has nothing to shard; use
-    /// stage 0 alone); [`ShardError::Comm`] when the ranks pass different meshes or the backend
-    /// cannot split.
+    /// stage 0 alone); [`ShardError::ConfigMismatch`](crate::ShardError::ConfigMismatch) when
+    /// the ranks pass different meshes (checked before any split); [`ShardError::Comm`](crate::ShardError::Comm) when the
+    /// backend cannot split.
     pub fn with_replicas(mut self, replicas: usize) -> Self {
         self.replicas = replicas;
         self
@@ -399,7 +400,8 @@ impl ShardConfig {
 
     /// With [`ShardConfig::with_replicas`]: which ranks form a shard group (default
     /// [`MeshLayout::Consecutive`]: ranks `g·S .. (g+1)·S`, the ranks one node runs when the
-    /// launcher places `S` per node).
+    /// launcher places `S` per node). Ranks that pass different layouts fail `init` with
+    /// [`ShardError::ConfigMismatch`](crate::ShardError::ConfigMismatch).
     pub fn with_mesh_layout(mut self, layout: MeshLayout) -> Self {
         self.mesh_layout = layout;
         self

@@ -50,15 +50,17 @@ pub enum ShardError {
     },
     /// Ranks passed different [`ShardConfig`](crate::ShardConfig)s to `init`.
     #[error(
-        "rank {rank}'s ShardConfig differs from rank {peer}'s: every rank must pass the same ShardConfig to init \
-         (every field but the NVMe offload directories and their I/O settings, which may differ per node); compare \
-         the configs the ranks were given (`serde_json::to_string(&config)`)"
+        "rank {rank}'s ShardConfig differs from rank {peer}'s in {fields:?}: every rank must pass the same \
+         ShardConfig to init (every field but the NVMe offload directories and their I/O settings, which may \
+         differ per node)"
     )]
     ConfigMismatch {
         /// This rank.
         rank: usize,
         /// The rank whose config differs.
         peer: usize,
+        /// The fields that differ (their serde names).
+        fields: Vec<String>,
     },
     /// The module given to `step`, `save_checkpoint` or `load_checkpoint` is not the one the
     /// optimizer was built for.

@@ -8,46 +8,75 @@ use sha2::{Digest, Sha256};
 
 use crate::config::ShardConfig;
 use crate::error::ShardError;
-use crate::model::layout::{FlatLayout, check_same_layout, first_differing};
+use crate::model::layout::{FlatLayout, all_gather_u64s, check_same_layout};
 use crate::model::pretrained::plan::PretrainedPlan;
 use crate::step::agreement::flag_device;
 use crate::step::options::StepOptions;
 
-/// The fields of a [`ShardConfig`] that may differ between ranks: where each node keeps its
-/// NVMe files and how many threads write them. Whether NVMe offload is on changes the
-/// collectives (the ranks agree on each disk outcome), so only its settings are left out.
-const NODE_LOCAL: [&str; 2] = ["nvme_offload", "nvme_offload_params"];
-
-/// One hash of every field of `config` but the node-local ones: the first 8 bytes of the
-/// SHA-256 of its JSON (serde's, the form `config.json` holds), with each [`NODE_LOCAL`] field
-/// replaced by whether it is set. A field added to `ShardConfig` is covered without a change
+/// The hash of each field of `config`, by name, in name order: the first 8 bytes of the
+/// SHA-256 of the field's JSON (serde's, the form `config.json` holds). The NVMe offload fields
+/// count as whether they are set: where each node keeps its files and how many threads write
+/// them may differ between ranks, while whether NVMe offload is on changes the collectives (the
+/// ranks agree on each disk outcome). A field added to `ShardConfig` is covered without a change
 /// here.
-pub(crate) fn config_hash(config: &ShardConfig) -> u64 {
-    let mut value = serde_json::to_value(config).expect("a ShardConfig is plain data and serializes");
-    for field in NODE_LOCAL {
-        if let Some(v) = value.get_mut(field) {
-            *v = serde_json::Value::Bool(!v.is_null());
-        }
-    }
-    let digest = Sha256::digest(value.to_string().as_bytes());
-    u64::from_le_bytes(digest[..8].try_into().expect("SHA-256 has 32 bytes"))
+pub(crate) fn field_hashes(config: &ShardConfig) -> Vec<(String, u64)> {
+    let mut plain = config.clone();
+    // Taken out before serializing: a directory need not be UTF-8, which JSON cannot hold.
+    let nvme = [
+        ("nvme_offload", plain.nvme_offload.take().is_some()),
+        ("nvme_offload_params", plain.nvme_offload_params.take().is_some()),
+    ];
+    let serde_json::Value::Object(fields) =
+        serde_json::to_value(&plain).expect("without its directories a ShardConfig is numbers, strings and booleans")
+    else {
+        unreachable!("a struct serializes as a JSON object")
+    };
+    let mut hashes: Vec<(String, u64)> = fields
+        .into_iter()
+        .map(|(name, value)| {
+            let value = match nvme.iter().find(|(field, _)| *field == name) {
+                Some((_, set)) => serde_json::Value::Bool(*set),
+                None => value,
+            };
+            let digest = Sha256::digest(value.to_string().as_bytes());
+            (
+                name,
+                u64::from_le_bytes(digest[..8].try_into().expect("SHA-256 has 32 bytes")),
+            )
+        })
+        .collect();
+    hashes.sort();
+    hashes
 }
 
 /// Refuses, on every rank, a world whose ranks passed different configs
-/// ([`ShardError::ConfigMismatch`]): the first collective of `init`, over the whole world
-/// before the mesh is split (a rank whose config has other replicas would split alone). One
-/// all-gather of 8 bytes per rank, on the collective's flag device.
+/// ([`ShardError::ConfigMismatch`], naming the fields that differ): the first collective of
+/// `init`, over the whole world before the mesh is split (a rank whose config has other
+/// replicas would split alone). One all-gather of 8 bytes per field and rank, on the
+/// collective's flag device.
 ///
 /// # Errors
 /// That one; [`ShardError::Comm`].
 pub(super) fn check_same_config(world: &dyn Collective, config: &ShardConfig) -> Result<(), ShardError> {
-    match first_differing(world, config_hash(config), &flag_device(world))? {
-        Some((peer, _)) => Err(ShardError::ConfigMismatch {
-            rank: world.rank(),
-            peer,
-        }),
-        None => Ok(()),
+    let ours = field_hashes(config);
+    let values: Vec<u64> = ours.iter().map(|(_, hash)| *hash).collect();
+    let all = all_gather_u64s(world, &values, &flag_device(world))?;
+    for (peer, theirs) in all.iter().enumerate() {
+        let fields: Vec<String> = ours
+            .iter()
+            .zip(theirs)
+            .filter(|((_, mine), theirs)| mine != *theirs)
+            .map(|((name, _), _)| name.clone())
+            .collect();
+        if !fields.is_empty() {
+            return Err(ShardError::ConfigMismatch {
+                rank: world.rank(),
+                peer,
+                fields,
+            });
+        }
     }
+    Ok(())
 }
 
 /// Refuses, on every rank, a world whose ranks built different layouts, step options or
@@ -85,24 +114,31 @@ mod tests {
     use crate::stage::Stage;
     use crate::swap::config::NvmeOffload;
 
-    /// Where a node keeps its NVMe files and how many threads write them leaves the hash as it
-    /// is; whether NVMe offload is on, and any other field, changes it.
+    /// Where a node keeps its NVMe files and how many threads write them leaves the hashes as
+    /// they are; whether NVMe offload is on, and any other field, changes its own hash alone.
     #[test]
-    fn the_config_hash_ignores_node_local_settings_alone() {
+    fn field_hashes_ignore_node_local_settings_alone() {
         let base = ShardConfig::new(Stage::Three);
         let on_disk = |dir: &str, threads: usize| {
             base.clone()
                 .with_nvme_offload(NvmeOffload::new(format!("{dir}/state")).with_io_threads(threads))
                 .with_nvme_offload_params(NvmeOffload::new(format!("{dir}/params")).with_max_in_flight(threads))
         };
-        assert_eq!(config_hash(&on_disk("/a", 1)), config_hash(&on_disk("/b", 3)));
-        assert_ne!(
-            config_hash(&on_disk("/a", 1)),
-            config_hash(&base),
-            "NVMe offload on or off"
+        assert_eq!(field_hashes(&on_disk("/a", 1)), field_hashes(&on_disk("/b", 3)));
+        let differing = |a: &ShardConfig, b: &ShardConfig| -> Vec<String> {
+            field_hashes(a)
+                .into_iter()
+                .zip(field_hashes(b))
+                .filter(|(x, y)| x.1 != y.1)
+                .map(|(x, _)| x.0)
+                .collect()
+        };
+        assert_eq!(
+            differing(&on_disk("/a", 1), &base),
+            ["nvme_offload", "nvme_offload_params"]
         );
-        assert_ne!(config_hash(&base), config_hash(&base.clone().with_bucket_numel(7)));
-        assert_ne!(config_hash(&base), config_hash(&ShardConfig::new(Stage::Two)));
-        assert_eq!(config_hash(&base), config_hash(&base.clone()), "deterministic");
+        assert_eq!(differing(&base, &base.clone().with_bucket_numel(7)), ["bucket_numel"]);
+        assert_eq!(differing(&base, &ShardConfig::new(Stage::Two)), ["stage"]);
+        assert_eq!(field_hashes(&base), field_hashes(&base.clone()), "deterministic");
     }
 }

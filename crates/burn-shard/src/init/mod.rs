@@ -73,15 +73,15 @@ impl ShardConfig {
     /// `ModuleOptimizer` applies it, per parameter (see [`ShardedOptimizer`]).
     ///
     /// # Errors
-    /// [`ShardError::InvalidConfig`] (zero bucket size, a model with no tensor, `f16` parameters
-    /// without a [`LossScaler`], a `max_grad_norm` that is not positive, clipping by global norm
+    /// [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) (zero bucket size, a model with no tensor, `f16` parameters
+    /// without a [`LossScaler`](crate::LossScaler), a `max_grad_norm` that is not positive, clipping by global norm
     /// and by each parameter's norm together, an invalid loss scaler),
-    /// [`ShardError::UnsupportedParam`] (stage 3: a trainable parameter
-    /// that carries a reparameterization of its own), [`ShardError::UnsupportedDtype`],
-    /// [`ShardError::DuplicateParam`], [`ShardError::ConfigMismatch`] (ranks passed different
-    /// configs; checked first, on every rank), [`ShardError::LayoutMismatch`] (ranks built
-    /// different models), [`ShardError::UnsupportedBackend`] (stage 3 on a device without burn-shard's
-    /// gather op: LibTorch, NdArray, or CubeCL without the `cube` feature), [`ShardError::Comm`].
+    /// [`ShardError::UnsupportedParam`](crate::ShardError::UnsupportedParam) (stage 3: a trainable parameter
+    /// that carries a reparameterization of its own), [`ShardError::UnsupportedDtype`](crate::ShardError::UnsupportedDtype),
+    /// [`ShardError::DuplicateParam`](crate::ShardError::DuplicateParam), [`ShardError::ConfigMismatch`](crate::ShardError::ConfigMismatch) (ranks passed different
+    /// configs; checked first, on every rank), [`ShardError::LayoutMismatch`](crate::ShardError::LayoutMismatch) (ranks built
+    /// different models), [`ShardError::UnsupportedBackend`](crate::ShardError::UnsupportedBackend) (stage 3 on a device without burn-shard's
+    /// gather op: LibTorch, NdArray, or CubeCL without the `cube` feature), [`ShardError::Comm`](crate::ShardError::Comm).
     pub fn init<M: Module, O: IntoOptimizer, C: Collective + 'static>(
         &self,
         model: M,
@@ -105,13 +105,13 @@ impl ShardConfig {
     /// whole: see [`Pretrained`]); at stages 0-2 one copy of the model.
     ///
     /// # Errors
-    /// Those of `init`; [`ShardError::PretrainedMismatch`] on every rank, before any entry is
+    /// Those of `init`; [`ShardError::PretrainedMismatch`](crate::ShardError::PretrainedMismatch) on every rank, before any entry is
     /// read or changed, when the file does not fit the model (every entry missing from it,
     /// every tensor of another shape or kind of dtype, every tensor left unused, each named
-    /// with both shapes); the error `pretrained` kept ([`ShardError::PretrainedRead`]: the
-    /// file could not be opened; [`ShardError::InvalidConfig`]: a pattern is not a regex);
-    /// [`ShardError::PretrainedRead`] when a tensor cannot be read. A rank that fails alone
-    /// stops the group: the others return [`ShardError::Comm`] naming it.
+    /// with both shapes); the error `pretrained` kept ([`ShardError::PretrainedRead`](crate::ShardError::PretrainedRead): the
+    /// file could not be opened; [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig): a pattern is not a regex);
+    /// [`ShardError::PretrainedRead`](crate::ShardError::PretrainedRead) when a tensor cannot be read. A rank that fails alone
+    /// stops the group: the others return [`ShardError::Comm`](crate::ShardError::Comm) naming it.
     pub fn init_pretrained<M: Module, O: IntoOptimizer, C: Collective + 'static>(
         &self,
         model: M,
@@ -209,7 +209,8 @@ fn init_with<M: Module, O: MasterWeightStep>(
         loss_scaler: config.loss_scaler.clone(),
         clipping,
         device: device.clone(),
-        // Before the first collective: a rank whose directory is unusable aborts the others.
+        // Before the collectives that move values: a rank whose directory is unusable aborts the
+        // others (init's error path aborts the world).
         swap: config
             .nvme_offload
             .as_ref()

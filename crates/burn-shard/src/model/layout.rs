@@ -316,26 +316,48 @@ pub(crate) fn check_same_layout(comm: &dyn Collective, ours: u64, device: &Devic
     }
 }
 
-/// All-gathers every rank's `ours` (as four exact 16-bit pieces in `f32`) and returns the first
-/// rank whose value differs, with that value; `None` when every rank holds the same. A
-/// collective.
+/// All-gathers every rank's `ours` and returns the first rank whose value differs, with that
+/// value; `None` when every rank holds the same. A collective.
 pub(crate) fn first_differing(
     comm: &dyn Collective,
     ours: u64,
     device: &Device,
 ) -> Result<Option<(usize, u64)>, ShardError> {
-    let pieces: Vec<f32> = (0..4).map(|i| ((ours >> (16 * i)) & 0xffff) as f32).collect();
-    // `f32` whatever the device's default float dtype (a `bf16` default would round the pieces).
+    let all = all_gather_u64s(comm, &[ours], device)?;
+    Ok(all
+        .into_iter()
+        .enumerate()
+        .find_map(|(peer, theirs)| (theirs[0] != ours).then_some((peer, theirs[0]))))
+}
+
+/// Every rank's `values` (the same number on every rank), in rank order: one all-gather of
+/// four exact 16-bit pieces in `f32` per value (`f32` whatever the device's default float
+/// dtype: a `bf16` default would round the pieces). A collective.
+pub(crate) fn all_gather_u64s(
+    comm: &dyn Collective,
+    values: &[u64],
+    device: &Device,
+) -> Result<Vec<Vec<u64>>, ShardError> {
+    let pieces: Vec<f32> = values
+        .iter()
+        .flat_map(|v| (0..4).map(move |i| ((v >> (16 * i)) & 0xffff) as f32))
+        .collect();
+    let len = pieces.len();
     let all = comm.all_gather(Tensor::<1>::from_data(
-        TensorData::new(pieces, [4]),
+        TensorData::new(pieces, [len]),
         (device, DType::F32),
     ))?;
     let all: Vec<f32> = all.into_data().convert::<f32>().iter::<f32>().collect();
-    Ok(all.chunks(4).enumerate().find_map(|(peer, p)| {
-        let theirs = p
-            .iter()
-            .enumerate()
-            .fold(0u64, |acc, (i, v)| acc | ((*v as u64) << (16 * i)));
-        (theirs != ours).then_some((peer, theirs))
-    }))
+    Ok(all
+        .chunks(len.max(1))
+        .map(|rank| {
+            rank.chunks(4)
+                .map(|p| {
+                    p.iter()
+                        .enumerate()
+                        .fold(0u64, |acc, (i, v)| acc | ((*v as u64) << (16 * i)))
+                })
+                .collect()
+        })
+        .collect())
 }

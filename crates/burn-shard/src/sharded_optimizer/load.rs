@@ -45,7 +45,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// file, beside the live state until every rank has read all of its own.
     ///
     /// `model` is consumed: pass a clone (it shares the parameters) to keep training it when
-    /// the load fails.
+    /// the load fails. A checkpoint saved with a scheduler's state
+    /// ([`SaveOptions::with_scheduler`](crate::checkpoint::SaveOptions::with_scheduler)) has
+    /// it read and verified too: a corrupt `scheduler.bpk` fails the load like any other file.
     ///
     /// # Errors
     /// [`CheckpointError::Incomplete`], [`CheckpointError::Missing`],

@@ -6,7 +6,7 @@
 //! every writer is done, whether every write succeeded, whether rank 0 completed the directory)
 //! is taken on the training thread, at a point where every rank is anyway: the start of each
 //! `step` (without waiting: one all-reduce of one flag, and the save settles once every writer
-//! is done), the next save or load, and [`ShardedOptimizer::wait_for_checkpoint`] (waiting).
+//! is done), the next save or load, and [`ShardedOptimizer::wait_for_checkpoint`](crate::ShardedOptimizer::wait_for_checkpoint) (waiting).
 //! The checkpoint layer builds what the writer and the commit do; this file holds them and
 //! `background_save.rs` settles them, so the step needs nothing from that layer.
 

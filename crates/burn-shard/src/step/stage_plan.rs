@@ -160,7 +160,7 @@ impl StagePlan {
         }
     }
 
-    /// The step's peak of temporary bytes for `memory_report`, given the step's own
+    /// The step's peak of temporary bytes for `report().memory`, given the step's own
     /// (`step_peak`): at stage 3 the gathered parameters and full gradients of the forward and
     /// backward that produced the gradients dominate (the step itself holds only shards), and
     /// their peak starts anew.
