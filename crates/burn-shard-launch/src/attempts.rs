@@ -97,3 +97,59 @@ impl<'a> Attempts<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::ExitStatus;
+
+    use super::*;
+
+    fn failed(code: i32) -> LaunchError {
+        LaunchError::CommandFailed {
+            program: "train".into(),
+            status: ExitStatus::from_raw(code << 8),
+        }
+    }
+
+    /// Restarts are counted from the first start: `max_restarts` failures restart, the next
+    /// one gives up naming the first failure and the later ones; a finished start reports the
+    /// restarts' causes; a launcher that joined at start `k` counts from there.
+    #[test]
+    fn restarts_are_counted_and_the_first_failure_is_kept() {
+        let config = LaunchConfig::new("train", 1)
+            .with_max_restarts(2)
+            .with_output(OutputMode::Capture);
+        let mut attempts = Attempts::new(&config);
+        assert_eq!(attempts.count(), 0);
+        assert!(attempts.settle(Err(failed(3))).unwrap().is_none());
+        assert_eq!(attempts.count(), 1);
+        assert_eq!(attempts.env()[0], (RESTART_COUNT, "1".to_string()));
+        assert!(attempts.settle(Err(failed(4))).unwrap().is_none());
+        match attempts.settle(Err(failed(5))) {
+            Err(LaunchError::GaveUp { restarts, first, later }) => {
+                assert_eq!(restarts, 2);
+                assert_eq!(first.to_string(), failed(3).to_string());
+                assert_eq!(later, [failed(4).to_string(), failed(5).to_string()]);
+            }
+            other => panic!("expected GaveUp, got {other:?}"),
+        }
+        let mut attempts = Attempts::new(&config);
+        assert!(attempts.settle(Err(failed(3))).unwrap().is_none());
+        let outcome = LaunchOutcome {
+            ranks: Vec::new(),
+            output: Vec::new(),
+            world_size: 1,
+            restarts: Vec::new(),
+        };
+        let done = attempts.settle(Ok(outcome)).unwrap().expect("finished");
+        assert_eq!(done.restarts, [failed(3).to_string()]);
+        let mut late = Attempts::new(&config);
+        late.join_at(2);
+        assert_eq!(late.count(), 2, "joined at start 2");
+        assert!(
+            matches!(late.settle(Err(failed(6))), Err(LaunchError::CommandFailed { .. })),
+            "no restart left, nothing restarted here"
+        );
+    }
+}
