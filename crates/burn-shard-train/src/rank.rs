@@ -155,11 +155,13 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
             comm.all_gather(t)
         })?;
         if let Some(other) = all.chunks(3).position(|other| other[2] != mine[2]) {
+            let (with, without) = match counted {
+                true => (self.rank, other),
+                false => (other, self.rank),
+            };
             return Err(format!(
-                "rank {other} weighs its gradients otherwise than rank {} (with_item_count {}): every process must \
-                 build the same ShardedStrategy",
-                self.rank,
-                if counted { "here, not there" } else { "there, not here" }
+                "rank {with} weighs its gradients by item counts (ShardedStrategy::with_item_count) and rank \
+                 {without} does not: every process must build the same ShardedStrategy"
             ));
         }
         match all.chunks(3).position(|other| other[..2] != mine[..2]) {
@@ -306,7 +308,7 @@ impl<M: LearnerModel, O: IntoOptimizer + Clone> RankJob<'_, M, O> {
                 // In the background: the next epoch trains while the files are written (the
                 // next save, a load and the end of the run wait for it).
                 optim
-                    .save_checkpoint(model, &dir, SaveOptions::from(&payload).in_background())
+                    .save_checkpoint(model, &dir, SaveOptions::new(payload).in_background())
                     .map_err(|e| format!("saving the checkpoint of epoch {epoch} into {}: {e}", dir.display()))
             }
             // A checkpoint still being written completes first (every rank: settling is a

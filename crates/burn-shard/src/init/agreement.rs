@@ -38,15 +38,17 @@ pub(crate) fn field_hashes(config: &ShardConfig) -> Vec<(String, u64)> {
                 Some((_, set)) => serde_json::Value::Bool(*set),
                 None => value,
             };
-            let digest = Sha256::digest(value.to_string().as_bytes());
-            (
-                name,
-                u64::from_le_bytes(digest[..8].try_into().expect("SHA-256 has 32 bytes")),
-            )
+            (name, sha256_u64(value.to_string().as_bytes()))
         })
         .collect();
     hashes.sort();
     hashes
+}
+
+/// The first 8 bytes of the SHA-256 of `bytes`, little-endian.
+fn sha256_u64(bytes: &[u8]) -> u64 {
+    let digest = Sha256::digest(bytes);
+    u64::from_le_bytes(digest[..8].try_into().expect("SHA-256 has 32 bytes"))
 }
 
 /// Refuses, on every rank, a world whose ranks passed different configs
@@ -94,17 +96,13 @@ pub(super) fn check_same_models(
     pretrained: Option<&PretrainedPlan>,
     device: &Device,
 ) -> Result<(), ShardError> {
-    let mut hasher = Sha256::new();
-    for part in [
+    let parts = [
         layouts[0].fingerprint(),
         layouts[1].fingerprint(),
         options.fingerprint(),
         pretrained.map_or(0, PretrainedPlan::fingerprint),
-    ] {
-        hasher.update(part.to_le_bytes());
-    }
-    let digest = hasher.finalize();
-    let fingerprint = u64::from_le_bytes(digest[..8].try_into().expect("SHA-256 has 32 bytes"));
+    ];
+    let fingerprint = sha256_u64(&parts.map(u64::to_le_bytes).concat());
     check_same_layout(world, fingerprint, device)
 }
 

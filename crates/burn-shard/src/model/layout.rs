@@ -305,29 +305,16 @@ impl ModuleVisitor for SlotCollector {
 
 /// All-gathers every rank's layout fingerprint and fails on the first rank that differs.
 pub(crate) fn check_same_layout(comm: &dyn Collective, ours: u64, device: &Device) -> Result<(), ShardError> {
-    match first_differing(comm, ours, device)? {
+    let all = all_gather_u64s(comm, &[ours], device)?;
+    match all.into_iter().enumerate().find(|(_, theirs)| theirs[0] != ours) {
         Some((peer, theirs)) => Err(ShardError::LayoutMismatch {
             rank: comm.rank(),
             peer,
             ours,
-            theirs,
+            theirs: theirs[0],
         }),
         None => Ok(()),
     }
-}
-
-/// All-gathers every rank's `ours` and returns the first rank whose value differs, with that
-/// value; `None` when every rank holds the same. A collective.
-pub(crate) fn first_differing(
-    comm: &dyn Collective,
-    ours: u64,
-    device: &Device,
-) -> Result<Option<(usize, u64)>, ShardError> {
-    let all = all_gather_u64s(comm, &[ours], device)?;
-    Ok(all
-        .into_iter()
-        .enumerate()
-        .find_map(|(peer, theirs)| (theirs[0] != ours).then_some((peer, theirs[0]))))
 }
 
 /// Every rank's `values` (the same number on every rank), in rank order: one all-gather of
