@@ -10,7 +10,7 @@ use burn::optim::AdamWConfig;
 use burn::prelude::*;
 use burn::tensor::DType;
 use burn_shard::checkpoint::{CheckpointMeta, SaveOptions, inspect};
-use burn_shard::{NvmeOffload, ShardConfig, Stage};
+use burn_shard::{Home, NvmeOffload, ShardConfig, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 
 use crate::common::{Rng, params_of, scratch, sharded_step};
@@ -201,9 +201,9 @@ fn a_background_save_stages_what_nvme_offload_keeps_on_disk() {
     for stage in [Stage::One, Stage::Three] {
         let swap = root.join(format!("swap-{stage}"));
         std::fs::create_dir_all(&swap).unwrap();
-        let mut config = ShardConfig::new(stage).with_nvme_offload(NvmeOffload::new(&swap));
+        let mut config = ShardConfig::new(stage).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&swap)));
         if stage == Stage::Three {
-            config = config.with_nvme_offload_params(&swap);
+            config = config.with_params_on(Home::Disk(NvmeOffload::new(&swap)));
         }
         let share = match stage {
             Stage::Three => 0.0..=0.001,
@@ -229,7 +229,7 @@ fn a_background_save_reads_its_step_from_the_swap_file_while_the_next_steps_writ
         frozen: Param::from_tensor(frozen),
         wide: Wide::new(&device, DType::F32),
     };
-    let config = ShardConfig::new(Stage::One).with_nvme_offload(NvmeOffload::new(&swap));
+    let config = ShardConfig::new(Stage::One).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&swap)));
     check_staged("nvme-cow", &base, &config, &root, 0.9..=1.0);
 
     // The swap file over 4 rounds of a background save followed by 3 steps: before the first

@@ -812,14 +812,14 @@ fn every_shard_config_option_means_the_same_in_the_learner_as_in_a_hand_written_
             "NVMe offload of the state",
             DType::F32,
             None,
-            |c, dir| c.with_nvme_offload(burn_shard::NvmeOffload::new(dir)),
+            |c, dir| c.with_optimizer_state_on(burn_shard::Home::Disk(burn_shard::NvmeOffload::new(dir))),
             false,
         ),
         (
             "stage 3's parameters on NVMe",
             DType::F32,
             None,
-            |c, dir| c.with_nvme_offload_params(dir),
+            |c, dir| c.with_params_on(burn_shard::Home::Disk(dir.into())),
             true,
         ),
     ];

@@ -28,7 +28,7 @@ use burn::nn::{
 };
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::prelude::*;
-use burn_shard::{MasterWeightStep, ShardConfig, ShardedOptimizer, Stage};
+use burn_shard::{Home, MasterWeightStep, NvmeOffload, ShardConfig, ShardedOptimizer, Stage};
 use burn_shard_comm::{Collective, InProcessGroup, run_ranks};
 
 use crate::common::{Rng, max_abs_diff, scratch, sharded_step};
@@ -407,7 +407,7 @@ fn sweep_configs(
                 let at = format!(
                     "{name} on {rank_device:?}, stage {stage}, world size {world_size}, {} replicas, rank {rank}, buffers \
                      shared: {shared_buffers}",
-                    config.replicas
+                    config.mesh.replicas
                 );
                 assert_eq!(
                     r.num_params, expected_num_params,
@@ -487,14 +487,14 @@ sweep_tests! {
 }
 
 /// Every module trains at stage 3 with its parameter and gradient shards on disk
-/// (`ShardConfig::with_nvme_offload_params`) bitwise as with them in memory (parameters and
+/// (`ShardConfig::with_params_on(Home::Disk(..))`) bitwise as with them in memory (parameters and
 /// running statistics; each rank with its own copy of the buffers, since ranks sharing one
 /// race on it), at world sizes 1 and 3.
 #[test]
 fn every_module_trains_bitwise_with_its_shards_on_disk() {
     let dir = scratch("nvme-params", "modules");
     let resident = ShardConfig::new(Stage::Three);
-    let stored = resident.clone().with_nvme_offload_params(&dir);
+    let stored = resident.clone().with_params_on(Home::Disk(NvmeOffload::new(&dir)));
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for name in MODULES {
         let device = Device::flex().autodiff();

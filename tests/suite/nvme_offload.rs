@@ -13,7 +13,7 @@ use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::DType;
 use burn_shard::{
-    IntoOptimizer, LossScaler, MasterWeightStep, MemoryReport, NvmeOffload, ShardConfig, ShardError, ShardedOptimizer,
+    Home, IntoOptimizer, LossScaler, MasterWeightStep, MemoryReport, NvmeOffload, ShardConfig, ShardError, ShardedOptimizer,
     Stage,
 };
 use burn_shard_comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
@@ -127,7 +127,7 @@ fn check_against_memory<O: IntoOptimizer + Clone + Send + Sync>(
     let plain = config(stage, dtype);
     let nvme = plain
         .clone()
-        .with_nvme_offload(NvmeOffload::new(dir).with_max_in_flight(2));
+        .with_optimizer_state_on(Home::Disk(NvmeOffload::new(dir).with_max_in_flight(2)));
     let memory = run(&Device::flex(), world_size, &base, &plain, optim.clone(), dtype);
     let swapped = run(&Device::flex(), world_size, &base, &nvme, optim, dtype);
     for (rank, (m, s)) in memory.into_iter().zip(swapped).enumerate() {
@@ -270,7 +270,7 @@ fn checkpoints_move_between_nvme_offload_and_memory() {
         std::fs::create_dir_all(&swap).unwrap();
         let first = ShardConfig::new(Stage::Three);
         let second = ShardConfig::new(Stage::One);
-        let on_disk = |config: &ShardConfig| config.clone().with_nvme_offload(NvmeOffload::new(&swap));
+        let on_disk = |config: &ShardConfig| config.clone().with_optimizer_state_on(Home::Disk(NvmeOffload::new(&swap)));
         // Built once: ranks building it at once would draw from the seeded generator in turn.
         let base = base();
         let run = |world_size: usize, config: ShardConfig, span: Span, steps: std::ops::Range<usize>| {
@@ -333,7 +333,7 @@ fn unusable_nvme_paths_are_refused_at_init_on_every_rank() {
     ];
     for (path, cause, fix) in cases {
         let started = std::time::Instant::now();
-        let config = ShardConfig::new(Stage::Two).with_nvme_offload(NvmeOffload::new(&path));
+        let config = ShardConfig::new(Stage::Two).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&path)));
         for (rank, result) in run(&Device::flex(), 2, &base(), &config, AdamWConfig::new(), DType::F32)
             .into_iter()
             .enumerate()
@@ -349,7 +349,7 @@ fn unusable_nvme_paths_are_refused_at_init_on_every_rank() {
         }
         assert!(started.elapsed().as_secs() < 10, "refused within seconds");
     }
-    let config = ShardConfig::new(Stage::One).with_nvme_offload(NvmeOffload::new(&dir).with_io_threads(0));
+    let config = ShardConfig::new(Stage::One).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&dir).with_io_threads(0)));
     let err = run(&Device::flex(), 1, &base(), &config, AdamWConfig::new(), DType::F32)
         .pop()
         .unwrap()
@@ -366,7 +366,7 @@ fn unusable_nvme_paths_are_refused_at_init_on_every_rank() {
 #[test]
 fn a_second_job_on_the_same_directory_is_refused() {
     let dir = scratch("nvme", "two-jobs");
-    let config = ShardConfig::new(Stage::One).with_nvme_offload(NvmeOffload::new(&dir));
+    let config = ShardConfig::new(Stage::One).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&dir)));
     let device = Device::flex().autodiff();
     let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
     let first = config
@@ -473,7 +473,7 @@ fn a_swap_file_damaged_under_a_running_job_fails_the_next_step_on_every_rank() {
         for (name, sabotage, cause) in SABOTAGES {
             let dir = scratch("nvme", &format!("damaged-{name}-{stage}"));
             let started = std::time::Instant::now();
-            let config = ShardConfig::new(stage).with_nvme_offload(NvmeOffload::new(&dir));
+            let config = ShardConfig::new(stage).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&dir)));
             let failures = run_sabotaged(&config, &dir.join("burn-shard-rank1.swap"), sabotage);
             let ctx = format!("{name}, stage {stage}");
             for (rank, (step, err)) in failures.iter().enumerate() {
@@ -541,7 +541,7 @@ pub(super) fn run_child(limit: &str, child: &str, var: &str, dir: &Path) {
 #[ignore = "run by a_disk_that_fills_mid_step_fails_the_step_on_every_rank under a file-size limit"]
 fn disk_full_child() {
     let dir = PathBuf::from(std::env::var_os("BURN_SHARD_DISK_FULL_DIR").expect("run by the parent test"));
-    let config = ShardConfig::new(Stage::Two).with_nvme_offload(NvmeOffload::new(&dir));
+    let config = ShardConfig::new(Stage::Two).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&dir)));
     // Each rank's own writes fail (its file holds more than 4 KiB): the step, not init.
     assert_disk_full(&config, "burn-shard-rank{rank}.swap", "writing a piece", true);
     let own = swap_files(&dir);
@@ -613,15 +613,14 @@ fn fail_then_retry<C: Collective + 'static>(comm: C, config: &ShardConfig) -> (S
     panic!("rank {rank}: no step failed")
 }
 
-/// On an accelerator (wgpu over lavapipe here, where `Offload` applies), `NvmeOffload` combines
-/// with `Offload`: the state is stepped on the host and kept on disk between steps. At stages 1
-/// and 3 on 2 ranks, `f32` and `f16` with masters, the parameters are bitwise those of
-/// `Offload` alone (the same host kernels run), and what `Offload` keeps in host memory is on
+/// On an accelerator (wgpu over lavapipe here), the optimizer state on disk is stepped in host
+/// memory, as DeepSpeed's NVMe offload of the state runs its CPU Adam: at stages 1 and 3 on 2
+/// ranks, `f32` and `f16` with masters, the parameters are bitwise those of the state in host
+/// memory (`Home::Host`: the same host kernels run), and what that keeps in host memory is on
 /// disk instead.
 #[cfg(feature = "wgpu")]
 #[test]
-fn nvme_offload_combines_with_offload_on_wgpu() {
-    use burn_shard::Offload;
+fn the_state_on_disk_steps_on_the_host_on_wgpu() {
     let Some(wgpu) = crate::fused_adam_wgpu::device() else {
         return;
     };
@@ -630,16 +629,16 @@ fn nvme_offload_combines_with_offload_on_wgpu() {
     for dtype in [DType::F32, DType::F16] {
         for stage in [Stage::One, Stage::Three] {
             let ctx = format!("{dtype:?}, stage {stage}");
-            let host = config(stage, dtype);
-            let disk = host.clone().with_nvme_offload(NvmeOffload::new(&dir));
-            let offload = Offload(AdamWConfig::new().with_weight_decay(0.1));
-            let on_host = run(&wgpu, 2, &base, &host, offload.clone(), dtype);
-            let on_disk = run(&wgpu, 2, &base, &disk, offload, dtype);
+            let host = config(stage, dtype).with_optimizer_state_on(Home::Host);
+            let disk = host.clone().with_optimizer_state_on(Home::Disk(NvmeOffload::new(&dir)));
+            let adamw = AdamWConfig::new().with_weight_decay(0.1);
+            let on_host = run(&wgpu, 2, &base, &host, adamw.clone(), dtype);
+            let on_disk = run(&wgpu, 2, &base, &disk, adamw, dtype);
             for (rank, (h, d)) in on_host.into_iter().zip(on_disk).enumerate() {
-                let (h, d) = (h.expect("Offload alone"), d.unwrap_or_else(|e| panic!("{ctx}: {e}")));
+                let (h, d) = (h.expect("state in host memory"), d.unwrap_or_else(|e| panic!("{ctx}: {e}")));
                 assert!(
                     d.params == h.params,
-                    "{ctx}, rank {rank}: parameters differ from Offload alone"
+                    "{ctx}, rank {rank}: parameters differ from the state in host memory"
                 );
                 assert!(h.report.host_bytes > 0, "{ctx}: {:?}", h.report);
                 assert_eq!(
@@ -681,7 +680,7 @@ fn a_save_that_reads_a_damaged_swap_file_fails_on_every_rank_and_leaves_no_check
     let dir = scratch("nvme", "save-damaged");
     let (swap, good, bad) = (dir.join("swap"), dir.join("good"), dir.join("bad"));
     std::fs::create_dir_all(&swap).unwrap();
-    let config = ShardConfig::new(Stage::One).with_nvme_offload(NvmeOffload::new(&swap));
+    let config = ShardConfig::new(Stage::One).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&swap)));
     let base = base();
     let errors = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
         let device = Device::flex().autodiff();
@@ -791,7 +790,7 @@ fn failed_load_child() {
     };
     let reference = train(ShardConfig::new(Stage::Two), None);
     let failed = train(
-        ShardConfig::new(Stage::Two).with_nvme_offload(NvmeOffload::new(&swap)),
+        ShardConfig::new(Stage::Two).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&swap))),
         Some(3),
     );
     for (rank, ((error, params), (_, expected))) in failed.iter().zip(&reference).enumerate() {
@@ -825,7 +824,7 @@ fn repeated_loads_reuse_the_swap_files_space() {
     let dir = scratch("nvme", "repeated-loads");
     let (swap, ckpt) = (dir.join("swap"), dir.join("ckpt"));
     std::fs::create_dir_all(&swap).unwrap();
-    let config = ShardConfig::new(Stage::Three).with_nvme_offload(NvmeOffload::new(&swap));
+    let config = ShardConfig::new(Stage::Three).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&swap)));
     let base = base();
     let lengths = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
         let device = Device::flex().autodiff();

@@ -1,4 +1,4 @@
-//! NVMe offload of stage-3 parameter shards (`ShardConfig::with_nvme_offload_params`,
+//! NVMe offload of stage-3 parameter shards (`ShardConfig::with_params_on(Home::Disk(..))`,
 //! ZeRO-Infinity's `offload_param: {device: nvme}`): each rank's shards live in one file between
 //! uses. On Burn's Flex CPU device, where the same kernels run either way, training with it gives
 //! bitwise the parameters of training with the shards in memory, at world sizes 1-4, in `f32` and
@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::DType;
-use burn_shard::{LossScaler, NvmeOffload, ShardConfig, ShardError, Stage};
+use burn_shard::{Home, LossScaler, NvmeOffload, ShardConfig, ShardError, Stage};
 use burn_shard_comm::{InProcessGroup, run_ranks};
 
 use crate::common::*;
@@ -29,9 +29,9 @@ use crate::nvme_offload::{
 fn check_against_memory(ctx: &str, world_size: usize, dtype: DType, units: &[&str], with_state: bool, dir: &Path) {
     let base = base();
     let plain = config(Stage::Three, dtype).with_units(units.to_vec());
-    let mut nvme = plain.clone().with_nvme_offload_params(dir);
+    let mut nvme = plain.clone().with_params_on(Home::Disk(dir.into()));
     if with_state {
-        nvme = nvme.with_nvme_offload(NvmeOffload::new(dir));
+        nvme = nvme.with_optimizer_state_on(Home::Disk(NvmeOffload::new(dir)));
     }
     let adamw = AdamWConfig::new().with_weight_decay(0.1);
     let memory = run(&Device::flex(), world_size, &base, &plain, adamw.clone(), dtype);
@@ -136,7 +136,7 @@ fn accumulation_and_clipping_with_gradient_shards_on_disk_match_memory() {
         for world_size in 1..=3 {
             let ctx = format!("{dtype:?}, world_size {world_size}");
             let plain = config(Stage::Three, dtype).with_max_grad_norm(0.05);
-            let stored = plain.clone().with_nvme_offload_params(&dir);
+            let stored = plain.clone().with_params_on(Home::Disk(NvmeOffload::new(&dir)));
             let run = |config: &ShardConfig| accumulate_ranks(world_size, &base, config, dtype);
             let (memory, on_disk) = (run(&plain), run(&stored));
             assert!(memory == on_disk, "{ctx}: parameters differ from the in-memory run's");
@@ -163,7 +163,7 @@ fn a_loss_scale_that_grows_at_a_step_unscales_stored_gradients_as_in_memory() {
             let plain = ShardConfig::new(Stage::Three)
                 .with_bucket_numel(64)
                 .with_loss_scaler(scaler.clone());
-            let stored = plain.clone().with_nvme_offload_params(&dir);
+            let stored = plain.clone().with_params_on(Home::Disk(NvmeOffload::new(&dir)));
             let run = |config: &ShardConfig| accumulate_ranks(world_size, &base, config, dtype);
             let (memory, on_disk) = (run(&plain), run(&stored));
             let grown = 256.0 * 2f32.powi(STEPS as i32);
@@ -185,7 +185,7 @@ fn checkpoints_move_between_stored_and_resident_shards() {
     let swap = dir.join("swap");
     std::fs::create_dir_all(&swap).unwrap();
     let resident = ShardConfig::new(Stage::Three);
-    let stored = resident.clone().with_nvme_offload_params(&swap);
+    let stored = resident.clone().with_params_on(Home::Disk(NvmeOffload::new(&swap)));
     let base = base();
     let run = |world_size: usize, config: &ShardConfig, span: Span, steps: std::ops::Range<usize>| {
         let ranks = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
@@ -237,7 +237,7 @@ fn entries(dir: &Path) -> Vec<PathBuf> {
 #[test]
 fn the_shard_file_has_no_name_while_the_job_runs() {
     let dir = scratch("nvme-params", "unnamed");
-    let config = ShardConfig::new(Stage::Three).with_nvme_offload_params(&dir);
+    let config = ShardConfig::new(Stage::Three).with_params_on(Home::Disk(NvmeOffload::new(&dir)));
     let device = Device::flex().autodiff();
     let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
     let (model, optim) = config
@@ -287,7 +287,7 @@ fn a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named() {
 /// failure in the step's own writes (`half_applied`) then refuses the next step and a save.
 fn shard_disk_full(what: &str, half_applied: bool) {
     let dir = PathBuf::from(std::env::var_os("BURN_SHARD_DISK_FULL_DIR").expect("run by the parent test"));
-    let config = ShardConfig::new(Stage::Three).with_nvme_offload_params(&dir);
+    let config = ShardConfig::new(Stage::Three).with_params_on(Home::Disk(NvmeOffload::new(&dir)));
     // `init` fits under the limit: what fails below is training.
     let device = Device::flex().autodiff();
     let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
@@ -311,7 +311,7 @@ fn shard_disk_full(what: &str, half_applied: bool) {
 #[ignore = "run by a_disk_that_fills_mid_step_fails_the_step_with_the_shard_file_named under a file-size limit"]
 fn init_disk_full_child() {
     let dir = PathBuf::from(std::env::var_os("BURN_SHARD_DISK_FULL_DIR").expect("run by the parent test"));
-    let config = ShardConfig::new(Stage::Three).with_nvme_offload_params(&dir);
+    let config = ShardConfig::new(Stage::Three).with_params_on(Home::Disk(NvmeOffload::new(&dir)));
     let started = std::time::Instant::now();
     assert_disk_full(
         &config,
@@ -342,7 +342,7 @@ fn step_disk_full_child() {
 fn nvme_param_offload_is_refused_where_it_cannot_apply() {
     let dir = scratch("nvme-params", "refused");
     for stage in [Stage::Zero, Stage::One, Stage::Two] {
-        let config = ShardConfig::new(stage).with_nvme_offload_params(&dir);
+        let config = ShardConfig::new(stage).with_params_on(Home::Disk(NvmeOffload::new(&dir)));
         for result in run(&Device::flex(), 2, &base(), &config, AdamWConfig::new(), DType::F32) {
             let err = result.expect_err("below stage 3");
             assert!(
@@ -352,7 +352,7 @@ fn nvme_param_offload_is_refused_where_it_cannot_apply() {
         }
     }
     let missing = dir.join("missing");
-    let config = ShardConfig::new(Stage::Three).with_nvme_offload_params(&missing);
+    let config = ShardConfig::new(Stage::Three).with_params_on(Home::Disk(NvmeOffload::new(&missing)));
     for result in run(&Device::flex(), 2, &base(), &config, AdamWConfig::new(), DType::F32) {
         let msg = result.expect_err("a missing directory").to_string();
         assert!(
@@ -417,7 +417,7 @@ fn discarded_and_pending_gradient_shards_behave_as_in_memory() {
     std::fs::create_dir_all(&swap).unwrap();
     let base = base();
     let resident = ShardConfig::new(Stage::Three);
-    let stored = resident.clone().with_nvme_offload_params(&swap);
+    let stored = resident.clone().with_params_on(Home::Disk(NvmeOffload::new(&swap)));
     let run = |config: &ShardConfig, extra: bool, name: &str| {
         run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
             discard_rank(comm, &base, config, extra, &dir.join(name))
@@ -466,7 +466,7 @@ fn deep_rank<C: burn_shard_comm::Collective + 'static>(comm: C, base: &Deep, dir
     let world_size = comm.world_size();
     let layer_shards = (DEEP_WIDTH * DEEP_WIDTH).div_ceil(world_size) + DEEP_WIDTH.div_ceil(world_size);
     let config = ShardConfig::new(Stage::Three)
-        .with_nvme_offload_params(dir)
+        .with_params_on(Home::Disk(dir.into()))
         .with_bucket_numel(layer_shards);
     let (mut model, mut optim) = config
         .init(base.clone().fork(&device), AdamWConfig::new(), comm)

@@ -1,14 +1,14 @@
-//! ZeRO-Offload (`burn_shard::Offload`): the optimizer state, the `f32` masters and the update
-//! move to host memory and the fused CPU Adam, the parameters and gradients stay on the
-//! device. Trained on wgpu (lavapipe on CI), offloading changes neither the result (against
+//! ZeRO-Offload (`with_optimizer_state_on(Home::Host)`): the optimizer state, the `f32` masters
+//! and the update move to host memory and the fused CPU Adam, the parameters and gradients stay
+//! on the device. Trained on wgpu (lavapipe on CI), offloading changes neither the result (against
 //! the same training with the state on the device) nor the parameters' and gradients' bytes,
 //! and moves exactly the device's optimizer-state bytes to the host. Stage 3's parameter
-//! offload (`ShardConfig::with_offload_params`) also keeps the shards in host memory: bitwise the
+//! offload (`with_params_on(Home::Host)`) also keeps the shards in host memory: bitwise the
 //! same training, the same checkpoint files.
 
 use burn::optim::AdamWConfig;
 use burn::prelude::*;
-use burn_shard::{IntoOptimizer, Offload, ShardConfig, ShardError, Stage};
+use burn_shard::{Home, ShardConfig, ShardError, Stage};
 use burn_shard_comm::InProcessGroup;
 
 use crate::common::*;
@@ -17,62 +17,48 @@ fn adamw() -> AdamWConfig {
     AdamWConfig::new().with_weight_decay(0.1)
 }
 
-/// Offload needs parameters on an accelerator: a model on Burn's Flex CPU device is refused at
-/// `init` with the fix named, not trained with an offload that moves nothing.
+/// The optimizer state in host memory needs parameters on an accelerator: a model on Burn's Flex
+/// CPU device is refused at `init` with the fix named, not trained with an offload that moves
+/// nothing.
 #[test]
 fn offloading_a_model_that_lives_on_the_host_is_refused_at_init() {
     let device = Device::flex().autodiff();
     for stage in [Stage::Zero, Stage::Two, Stage::Three] {
         let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
         let err = ShardConfig::new(stage)
-            .init(TinyMlp::new(&device), Offload(adamw()), comm)
+            .with_optimizer_state_on(Home::Host)
+            .init(TinyMlp::new(&device), adamw(), comm)
             .err()
             .expect("offload of a host model must be refused");
         assert!(matches!(err, ShardError::InvalidConfig(_)), "{err:?}");
         let msg = err.to_string();
         assert!(
-            msg.contains("already live") && msg.contains("without Offload"),
+            msg.contains("placement.optimizer_state") && msg.contains("already live") && msg.contains("Home::Disk"),
             "stage {stage}: the error names the cause and the fix: {msg}"
         );
     }
 }
 
 /// Parameter offload of a model whose parameters live in host memory already (Burn's `Flex`)
-/// moves nothing: refused at `init`, naming what saves memory there (NVMe offload).
+/// moves nothing: refused at `init`, naming what saves memory there (the disk), whatever the
+/// optimizer state's home.
 #[test]
 fn offloading_parameters_of_a_host_model_is_refused() {
-    fn refusal<O: IntoOptimizer>(optim: O) -> String {
+    for state in [Home::Device, Home::Host] {
         let model = TinyMlp::new(&Device::flex().autodiff());
         let comm = InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
-        ShardConfig::new(Stage::Three)
-            .with_offload_params(true)
-            .init(model, optim, comm)
+        let err = ShardConfig::new(Stage::Three)
+            .with_params_on(Home::Host)
+            .with_optimizer_state_on(state)
+            .init(model, adamw(), comm)
             .err()
             .expect("refused")
-            .to_string()
-    }
-    // With and without `Offload`: one message for the combination, naming the target that
-    // saves memory on the host.
-    for err in [refusal(adamw()), refusal(Offload(adamw()))] {
+            .to_string();
         assert!(
-            err.contains("offload_params")
-                && err.contains("already live in host memory")
-                && err.contains("with_nvme_offload"),
+            err.contains("placement.params") && err.contains("already live in host memory") && err.contains("Home::Disk"),
             "{err}"
         );
     }
-}
-
-/// `Offload` keeps what the wrapped config asks beyond the optimizer (its gradient clipping).
-#[test]
-fn offload_keeps_the_configs_gradient_clipping() {
-    use burn::grad_clipping::{GradientClipping, GradientClippingConfig};
-    let cfg = adamw().with_grad_clipping(Some(GradientClippingConfig::Norm(1.0)));
-    assert!(matches!(cfg.grad_clipping(), Ok(Some(GradientClipping::Norm(n))) if n == 1.0));
-    assert!(
-        matches!(Offload(cfg).grad_clipping(), Ok(Some(GradientClipping::Norm(n))) if n == 1.0),
-        "Offload must pass the config's clipping on, not drop it"
-    );
 }
 
 /// The runs on a CubeCL device (offloading needs parameters on an accelerator): the tests on
@@ -82,7 +68,7 @@ pub(crate) mod on_cube {
     use burn::optim::{AdamState, GradientsParams, Optimizer};
     use burn::prelude::*;
     use burn::tensor::DType;
-    use burn_shard::{IntoOptimizer, MemoryReport, Offload, ShardConfig, Stage};
+    use burn_shard::{Home, IntoOptimizer, MemoryReport, NvmeOffload, ShardConfig, Stage};
     #[cfg(feature = "wgpu")]
     use burn_shard::{MasterWeightStep, ShardedOptimizer};
     use burn_shard_comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
@@ -187,21 +173,13 @@ pub(crate) mod on_cube {
         }
     }
 
-    fn run<O: IntoOptimizer + Clone + Send + Sync>(
-        device: &Device,
-        base: &TinyMlp,
-        optim: O,
-        stage: Stage,
-        dtype: DType,
-    ) -> Vec<RankRun>
-    where
-        O::Optimizer: Optimizer<State<1> = AdamState<1>>,
-    {
+    /// [`run_with`] at `stage` with the optimizer state at `state`, on [`WORLD_SIZE`] ranks.
+    fn run(device: &Device, base: &TinyMlp, state: Home, stage: Stage, dtype: DType) -> Vec<RankRun> {
         run_with(
             device,
             base,
-            optim,
-            ShardConfig::new(stage),
+            adamw(),
+            ShardConfig::new(stage).with_optimizer_state_on(state),
             dtype,
             WORLD_SIZE,
             Checkpoints::default(),
@@ -259,8 +237,8 @@ pub(crate) mod on_cube {
         let host = Device::flex();
         for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
             let ctx = format!("{dtype:?}, stage {stage}");
-            let resident = run(&autodiff, &base, adamw(), stage, dtype);
-            let offloaded = run(&autodiff, &base, Offload(adamw()), stage, dtype);
+            let resident = run(&autodiff, &base, Home::Device, stage, dtype);
+            let offloaded = run(&autodiff, &base, Home::Host, stage, dtype);
             assert!(
                 resident[0].losses[STEPS - 1] < resident[0].losses[0],
                 "{ctx}: the run must learn: {:?}",
@@ -357,7 +335,7 @@ pub(crate) mod on_cube {
         }
     }
 
-    /// Stage 3 with the parameter shards in host memory ([`ShardConfig::with_offload_params`])
+    /// Stage 3 with the parameter shards in host memory (`with_params_on(Home::Host)`)
     /// on the CubeCL device `device`, against the same training with the shards on the device
     /// (both with the optimizer offloaded, which parameter offload requires), at world sizes
     /// 1-3, gathering parameter by parameter and unit by unit (`with_units`, one grouped
@@ -384,14 +362,16 @@ pub(crate) mod on_cube {
                     "param-offload",
                     &format!("{device_name}-{dtype:?}-{world_size}-{}", units.len()),
                 );
-                let resident = ShardConfig::new(Stage::Three).with_units(units.clone());
-                let offloaded = resident.clone().with_offload_params(true);
+                let resident = ShardConfig::new(Stage::Three)
+                    .with_units(units.clone())
+                    .with_optimizer_state_on(Home::Host);
+                let offloaded = resident.clone().with_params_on(Home::Host);
                 let (saved_resident, saved_offloaded) = (dir.join("resident"), dir.join("offloaded"));
                 let run = |config: &ShardConfig, checkpoints| {
                     run_with(
                         &autodiff,
                         &base,
-                        Offload(adamw()),
+                        adamw(),
                         config.clone(),
                         dtype,
                         world_size,
@@ -434,14 +414,14 @@ pub(crate) mod on_cube {
                     checkpoint_files(&saved_resident),
                     "{ctx}: the checkpoints differ"
                 );
-                // The shards on disk instead (`with_nvme_offload_params`): read into host memory
+                // The shards on disk instead (`with_params_on(Home::Disk(..))`): read into host memory
                 // and copied to the device per gather; the gradient shards go to disk as backward
                 // reduces them. The same numbers and checkpoint, and neither parameters nor
                 // gradients left in memory.
                 let nvme = dir.join("nvme");
                 std::fs::create_dir_all(&nvme).unwrap();
                 let saved_stored = dir.join("stored");
-                let stored = offloaded.clone().with_nvme_offload_params(&nvme);
+                let stored = offloaded.clone().with_params_on(Home::Disk(NvmeOffload::new(&nvme)));
                 let s = run(&stored, saving(&saved_stored));
                 for (rank, (r, s)) in r.iter().zip(&s).enumerate() {
                     let ctx = format!("{ctx}, rank {rank}, shards on disk");
@@ -515,19 +495,20 @@ pub(crate) mod on_cube {
         let model = || TinyMlp::new(&wgpu.clone().autodiff());
         let comm = || InProcessGroup::new(1).unwrap().into_comms().pop().unwrap();
         let err = ShardConfig::new(Stage::Two)
-            .with_offload_params(true)
-            .init(model(), Offload(adamw()), comm())
+            .with_params_on(Home::Host)
+            .with_optimizer_state_on(Home::Host)
+            .init(model(), adamw(), comm())
             .err()
             .expect("refused")
             .to_string();
         assert!(err.contains("at stage 2") && err.contains("Stage::Three"), "{err}");
         let err = ShardConfig::new(Stage::Three)
-            .with_offload_params(true)
+            .with_params_on(Home::Host)
             .init(model(), adamw(), comm())
             .err()
             .expect("refused")
             .to_string();
-        assert!(err.contains("Offload(AdamWConfig::new())"), "{err}");
+        assert!(err.contains("with_optimizer_state_on(Home::Host)"), "{err}");
     }
 
     /// One step of `optim` on rows `start..end` of step `step`'s global batch.
@@ -590,7 +571,8 @@ pub(crate) mod on_cube {
             optim.save_checkpoint(&model, &dir, serde_json::json!({})).unwrap();
             // Offloaded from the checkpoint on.
             let (model, mut offloaded) = ShardConfig::new(Stage::Two)
-                .init(base.clone().fork(&autodiff), Offload(adamw()), comm.clone())
+                .with_optimizer_state_on(Home::Host)
+                .init(base.clone().fork(&autodiff), adamw(), comm.clone())
                 .unwrap();
             let (mut model, _) = offloaded.load_checkpoint(model, &dir).unwrap();
             let loaded = offloaded.report().memory(&model);
@@ -602,7 +584,7 @@ pub(crate) mod on_cube {
                 .next()
                 .expect("loaded state");
             assert_eq!(
-                offloaded.optimizer().inner().path_for(&state.momentum.moment_1),
+                offloaded.optimizer().path_for(&state.momentum.moment_1),
                 burn_shard_kernels::StepPath::FusedCpu,
                 "the offloaded step runs the fused CPU Adam"
             );
@@ -639,20 +621,14 @@ pub(crate) mod on_cube {
 
     /// Every rank's report after one step of `Wide` in `dtype` at `stage`.
     #[cfg(feature = "wgpu")]
-    fn wide_reports<O: IntoOptimizer + Clone + Send + Sync>(
-        device: &Device,
-        base: &Wide,
-        optim: O,
-        stage: Stage,
-        dtype: DType,
-    ) -> Vec<MemoryReport> {
+    fn wide_reports(device: &Device, base: &Wide, state: Home, stage: Stage, dtype: DType) -> Vec<MemoryReport> {
         run_ranks(InProcessGroup::new(WORLD_SIZE).unwrap(), |comm| {
-            let mut config = ShardConfig::new(stage);
+            let mut config = ShardConfig::new(stage).with_optimizer_state_on(state.clone());
             if dtype == DType::F16 {
                 config = config.with_loss_scaler(burn_shard::LossScaler::fixed(256.0));
             }
             let model = cast(base.clone().fork(device), dtype);
-            let (model, mut optim) = config.init(model, optim.clone(), comm).unwrap();
+            let (model, mut optim) = config.init(model, adamw(), comm).unwrap();
             let x = Tensor::<2>::ones([2, 512], device).cast(dtype);
             let loss = model.b.forward(model.a.forward(x)).powi_scalar(2).mean();
             let grads = GradientsParams::from_grads(optim.scale_loss(loss).backward(), &model);
@@ -682,8 +658,8 @@ pub(crate) mod on_cube {
         }
         for dtype in dtypes {
             for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
-                let resident = wide_reports(&device, &base, adamw(), stage, dtype);
-                let offloaded = wide_reports(&device, &base, Offload(adamw()), stage, dtype);
+                let resident = wide_reports(&device, &base, Home::Device, stage, dtype);
+                let offloaded = wide_reports(&device, &base, Home::Host, stage, dtype);
                 for (r, o) in resident.iter().zip(&offloaded) {
                     println!(
                         "Ψ = {PSI}, {dtype:?}, {WORLD_SIZE} ranks: {r}\n    offloaded: {o}\n    \

@@ -175,7 +175,7 @@ pub(crate) fn check_equivalence_at<O: IntoOptimizer + Clone + Send + Sync>(
         let runs = sharded(&base, optim.clone(), world_size, config.clone());
         let ctx = format!(
             "{name}, stage {}, world_size {world_size}, {} replicas",
-            config.stage, config.replicas
+            config.stage, config.mesh.replicas
         );
         if world_size == 1 {
             assert_eq!(

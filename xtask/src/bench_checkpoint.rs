@@ -12,7 +12,7 @@ use burn::optim::AdamWConfig;
 use burn::tensor::Device;
 use burn_shard::checkpoint::SaveOptions;
 use burn_shard::comm::{InProcessGroup, run_ranks};
-use burn_shard::{NvmeOffload, ShardConfig, Stage};
+use burn_shard::{Home, NvmeOffload, ShardConfig, Stage};
 use burn_shard_examples::char_data::sample_batch;
 use burn_shard_examples::gpt::Gpt;
 use burn_shard_examples::gpu_bench::median;
@@ -91,7 +91,7 @@ pub fn run(args: &Args) -> Result<(), String> {
                 device.seed(1337);
                 let model = Gpt::new(&config, &device);
                 let config = match &args.nvme {
-                    Some(swap) => ShardConfig::new(stage).with_nvme_offload(NvmeOffload::new(swap)),
+                    Some(swap) => ShardConfig::new(stage).with_optimizer_state_on(Home::Disk(NvmeOffload::new(swap))),
                     None => ShardConfig::new(stage),
                 };
                 let (mut model, mut optim) = config.init(model, AdamWConfig::new(), comm)?;

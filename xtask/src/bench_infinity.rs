@@ -1,6 +1,6 @@
 //! `cargo xtask bench infinity`: a GPT whose model state is larger than this machine's memory,
 //! trained at stage 3 with its parameter shards and optimizer state on disk
-//! (`ShardConfig::with_nvme_offload_params` and [`NvmeOffload`], ZeRO-Infinity's NVMe offload),
+//! (`ShardConfig::with_params_on(Home::Disk(..))` and [`NvmeOffload`], ZeRO-Infinity's NVMe offload),
 //! and one table from one run:
 //!
 //! - the model state (`16Ψ` bytes for `f32` AdamW: parameters, gradients, two moments; the
@@ -33,7 +33,7 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::Device;
 use burn_shard::checkpoint::SaveOptions;
 use burn_shard::comm::InProcessGroup;
-use burn_shard::{NvmeOffload, ShardConfig, Stage};
+use burn_shard::{Home, NvmeOffload, ShardConfig, Stage};
 use burn_shard_examples::char_data::{CharCorpus, sample_batch};
 use burn_shard_examples::gpt::{Gpt, GptConfig};
 use burn_shard_examples::gpu_bench::median;
@@ -487,8 +487,8 @@ fn compare_small(corpus: &CharCorpus, swap: &Path) -> Result<(Trained, Trained, 
     let plain = ShardConfig::new(Stage::Three);
     let nvme = plain
         .clone()
-        .with_nvme_offload(NvmeOffload::new(swap))
-        .with_nvme_offload_params(swap);
+        .with_optimizer_state_on(Home::Disk(NvmeOffload::new(swap)))
+        .with_params_on(Home::Disk(swap.into()));
     let (model, device) = seeded_gpt(corpus, block, 256, 4);
     let params = model.num_params();
     let shape = (batch, block, LR_SMALL);
@@ -522,8 +522,8 @@ fn big_run(args: &Args, corpus: &CharCorpus, layers: usize) -> Result<BigRun, St
     let (model, device) = seeded_gpt(corpus, args.block, args.n_embd, layers);
     let params = model.num_params();
     let config = ShardConfig::new(Stage::Three)
-        .with_nvme_offload(NvmeOffload::new(&args.swap_dir))
-        .with_nvme_offload_params(&args.swap_dir);
+        .with_optimizer_state_on(Home::Disk(NvmeOffload::new(&args.swap_dir)))
+        .with_params_on(Home::Disk(&args.swap_dir.into()));
     let (mut init_s, mut init_peak_rss) = (0.0, 0);
     let shape = (args.batch, args.block, lr_wide(layers));
     let checkpoint = args.swap_dir.join("checkpoint");

@@ -55,9 +55,9 @@ struct Estimate {
     /// `--offload` alone means) or on a local disk (`nvme`, ZeRO-Infinity).
     #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "cpu")]
     offload: Option<Target>,
-    /// Stage 3: the parameter shards in host memory too (`cpu`, ShardConfig::with_offload_params;
+    /// Stage 3: the parameter shards in host memory too (`cpu`, ShardConfig::with_params_on(Home::Host);
     /// what `--offload-params` alone means), or the parameter and gradient shards on a local disk
-    /// (`nvme`, ShardConfig::with_nvme_offload_params); both step the shards with the optimizer
+    /// (`nvme`, ShardConfig::with_params_on(Home::Disk)); both step the shards with the optimizer
     /// offloaded, so they need --offload; stages 0-2 are unchanged.
     #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "cpu", requires = "offload")]
     offload_params: Option<Target>,

@@ -115,7 +115,7 @@ pub enum OffloadTarget {
     /// Not offloaded: on the device with the parameters.
     #[default]
     None,
-    /// Host memory ([`Offload`](crate::Offload), ZeRO-Offload).
+    /// Host memory ([`Home::Host`](crate::Home::Host), ZeRO-Offload).
     Cpu,
     /// A local disk ([`NvmeOffload`](crate::NvmeOffload), ZeRO-Infinity).
     Nvme,
@@ -163,7 +163,7 @@ impl ModelStateEstimate {
     }
 
     /// This estimate with stage 3's parameter shards in host memory
-    /// ([`ShardConfig::with_offload_params`](crate::ShardConfig::with_offload_params); ZeRO-Infinity,
+    /// ([`ShardConfig::with_params_on`](crate::ShardConfig::with_params_on); ZeRO-Infinity,
     /// Rajbhandari et al., SC21, §5.1, counts the `2Ψ/N` parameter bytes of mixed precision, `4Ψ/N`
     /// for `f32`, in host memory then): `parameters_bytes` move to `host_bytes`. Stages 0-2 are
     /// returned unchanged: every rank holds whole parameters there, which parameter offload does
@@ -177,7 +177,7 @@ impl ModelStateEstimate {
     }
 
     /// This estimate with stage 3's parameter shards and gradient shards on disk
-    /// ([`ShardConfig::with_nvme_offload_params`](crate::ShardConfig::with_nvme_offload_params);
+    /// ([`ShardConfig::with_params_on`](crate::ShardConfig::with_params_on);
     /// ZeRO-Infinity, Rajbhandari et al., SC21, §5.1, which places all model states, parameters
     /// and gradients included, on NVMe): `parameters_bytes` and `gradients_bytes` (each `2Ψ/N`
     /// in mixed precision, `4Ψ/N` for `f32`) move to `disk_bytes`; the device and host memory

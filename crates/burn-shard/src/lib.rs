@@ -20,9 +20,10 @@
 //! From the second step on, each bucket's reduction starts inside backward as soon as its
 //! gradients are complete, where the collective overlaps with compute: see [`bucket`].
 //! Stage 3: see [`fsdp`].
-//! Optimizer state, `f32` masters and the update in host memory instead of on the device:
-//! [`Offload`] (ZeRO-Offload). Optimizer state and masters on a local disk between steps:
-//! [`NvmeOffload`] (ZeRO-Infinity).
+//! Where the optimizer state and stage-3 shards live: one [`Placement`] policy, [`Home::Device`]
+//! (the default), [`Home::Host`] (ZeRO-Offload; parameter offload to CPU) or [`Home::Disk`]
+//! (ZeRO-Infinity's NVMe offload, settings in [`NvmeOffload`]), set with
+//! [`ShardConfig::with_optimizer_state_on`] and [`ShardConfig::with_params_on`].
 //! Which stage fits: [`estimate`] (the ZeRO paper's per-rank formulas, and the same figures
 //! measured on a built model).
 //!
@@ -68,7 +69,7 @@ mod init;
 pub mod bucket;
 pub mod fsdp;
 
-pub use config::ShardConfig;
+pub use config::{CheckpointConfig, Home, MeshConfig, Placement, ShardConfig, Stage3Config};
 pub use error::ShardError;
 pub use model::layout::{Bucket, FlatLayout, ParamSlot};
 pub use model::memory::MemoryReport;
@@ -76,7 +77,6 @@ pub use model::pretrained::Pretrained;
 pub use optim::into_optimizer::{ElementWise, IntoOptimizer};
 pub use optim::loss_scale::{LossScaler, LossScaling};
 pub use optim::master::MasterWeightStep;
-pub use optim::offload::{Offload, Offloaded};
 pub use run::FrozenEntries;
 pub use sharded_optimizer::optimizer::ShardedOptimizer;
 pub use sharded_optimizer::reports::RankReport;

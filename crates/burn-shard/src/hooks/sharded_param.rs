@@ -44,8 +44,8 @@ pub struct ShardedParam {
 impl ShardedParam {
     /// This rank's shard: `[chunk]` elements, `chunk = ceil(numel / world_size)`, the last
     /// rank's tail zero-padded; the parameter's dtype; not tracked by autodiff; in host memory
-    /// with [`ShardConfig::offload_params`](crate::ShardConfig::offload_params) (read from the
-    /// rank's shard file with [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params)),
+    /// with [`Home::Host`](crate::Home::Host) for the parameters (read from the
+    /// rank's shard file with [`Home::Disk`](crate::Home::Disk) for the parameters),
     /// on the parameter's device otherwise.
     ///
     /// # Errors

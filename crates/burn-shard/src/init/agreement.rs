@@ -7,39 +7,49 @@ use burn_shard_comm::Collective;
 use sha2::{Digest, Sha256};
 
 use crate::config::ShardConfig;
+use crate::config::placement::Home;
 use crate::error::ShardError;
 use crate::model::layout::{FlatLayout, all_gather_u64s, check_same_layout};
 use crate::model::pretrained::plan::PretrainedPlan;
 use crate::step::agreement::flag_device;
 use crate::step::options::StepOptions;
+use crate::swap::config::NvmeOffload;
 
-/// The hash of each field of `config`, by name, in name order: the first 8 bytes of the
-/// SHA-256 of the field's JSON (serde's, the form `config.json` holds). The NVMe offload fields
-/// count as whether they are set: where each node keeps its files and how many threads write
-/// them may differ between ranks, while whether NVMe offload is on changes the collectives (the
-/// ranks agree on each disk outcome). A field added to `ShardConfig` is covered without a change
-/// here.
+/// The nested parts of [`ShardConfig`] whose fields are hashed one by one (their field sets
+/// are fixed, so every rank hashes as many); any other field is hashed whole.
+const PARTS: [&str; 4] = ["placement", "stage3", "mesh", "checkpoint"];
+
+/// The hash of each field of `config`, by path (`stage`, `stage3.units`, ...), in path order:
+/// the first 8 bytes of the SHA-256 of the field's JSON (serde's, the form `config.json`
+/// holds). A [`Home::Disk`] counts as on disk only: where each node keeps its files and how
+/// many threads write them may differ between ranks, while whether a state lives on disk
+/// changes the collectives (the ranks agree on each disk outcome). A field added to
+/// `ShardConfig` is covered without a change here.
 pub(crate) fn field_hashes(config: &ShardConfig) -> Vec<(String, u64)> {
     let mut plain = config.clone();
-    // Taken out before serializing: a directory need not be UTF-8, which JSON cannot hold.
-    let nvme = [
-        ("nvme_offload", plain.nvme_offload.take().is_some()),
-        ("nvme_offload_params", plain.nvme_offload_params.take().is_some()),
-    ];
+    // Replaced before serializing: a directory need not be UTF-8, which JSON cannot hold.
+    for home in [&mut plain.placement.optimizer_state, &mut plain.placement.params] {
+        if let Home::Disk(nvme) = home {
+            *nvme = NvmeOffload::new("");
+        }
+    }
     let serde_json::Value::Object(fields) =
         serde_json::to_value(&plain).expect("without its directories a ShardConfig is numbers, strings and booleans")
     else {
         unreachable!("a struct serializes as a JSON object")
     };
-    let mut hashes: Vec<(String, u64)> = fields
+    let mut leaves = Vec::new();
+    for (name, value) in fields {
+        match value {
+            serde_json::Value::Object(part) if PARTS.contains(&name.as_str()) => {
+                leaves.extend(part.into_iter().map(|(leaf, value)| (format!("{name}.{leaf}"), value)));
+            }
+            value => leaves.push((name, value)),
+        }
+    }
+    let mut hashes: Vec<(String, u64)> = leaves
         .into_iter()
-        .map(|(name, value)| {
-            let value = match nvme.iter().find(|(field, _)| *field == name) {
-                Some((_, set)) => serde_json::Value::Bool(*set),
-                None => value,
-            };
-            (name, sha256_u64(value.to_string().as_bytes()))
-        })
+        .map(|(path, value)| (path, sha256_u64(value.to_string().as_bytes())))
         .collect();
     hashes.sort();
     hashes
@@ -110,17 +120,17 @@ pub(super) fn check_same_models(
 mod tests {
     use super::*;
     use crate::stage::Stage;
-    use crate::swap::config::NvmeOffload;
 
     /// Where a node keeps its NVMe files and how many threads write them leaves the hashes as
-    /// they are; whether NVMe offload is on, and any other field, changes its own hash alone.
+    /// they are; whether a state lives on disk, and any other field, changes its own hash alone,
+    /// named by its path in the tree.
     #[test]
     fn field_hashes_ignore_node_local_settings_alone() {
         let base = ShardConfig::new(Stage::Three);
         let on_disk = |dir: &str, threads: usize| {
             base.clone()
-                .with_nvme_offload(NvmeOffload::new(format!("{dir}/state")).with_io_threads(threads))
-                .with_nvme_offload_params(NvmeOffload::new(format!("{dir}/params")).with_max_in_flight(threads))
+                .with_optimizer_state_on(Home::Disk(NvmeOffload::new(format!("{dir}/state")).with_io_threads(threads)))
+                .with_params_on(Home::Disk(NvmeOffload::new(format!("{dir}/params")).with_max_in_flight(threads)))
         };
         assert_eq!(field_hashes(&on_disk("/a", 1)), field_hashes(&on_disk("/b", 3)));
         let differing = |a: &ShardConfig, b: &ShardConfig| -> Vec<String> {
@@ -133,10 +143,22 @@ mod tests {
         };
         assert_eq!(
             differing(&on_disk("/a", 1), &base),
-            ["nvme_offload", "nvme_offload_params"]
+            ["placement.optimizer_state", "placement.params"]
+        );
+        assert_eq!(
+            differing(&base.clone().with_optimizer_state_on(Home::Host), &on_disk("/a", 1)),
+            ["placement.optimizer_state", "placement.params"]
         );
         assert_eq!(differing(&base, &base.clone().with_bucket_numel(7)), ["bucket_numel"]);
+        assert_eq!(differing(&base, &base.clone().with_units(["layers.*"])), ["stage3.units"]);
+        assert_eq!(differing(&base, &base.clone().with_replicas(2)), ["mesh.replicas"]);
         assert_eq!(differing(&base, &ShardConfig::new(Stage::Two)), ["stage"]);
         assert_eq!(field_hashes(&base), field_hashes(&base.clone()), "deterministic");
+        let with_scaler = base.clone().with_loss_scaler(crate::optim::loss_scale::LossScaler::dynamic());
+        assert_eq!(
+            field_hashes(&with_scaler).len(),
+            field_hashes(&base).len(),
+            "as many hashes whatever the values: every rank all-gathers as many"
+        );
     }
 }

@@ -14,7 +14,7 @@ use crate::stage::Stage;
 /// # Errors
 /// As `with_replicas`.
 pub(super) fn mesh(config: &ShardConfig, world: Arc<dyn Collective>) -> Result<Option<Arc<Mesh>>, ShardError> {
-    let (replicas, world_size) = (config.replicas, world.world_size());
+    let (replicas, world_size) = (config.mesh.replicas, world.world_size());
     if replicas == 0 || world_size % replicas != 0 {
         return Err(ShardError::InvalidConfig(format!(
             "with_replicas({replicas}) does not divide world_size {world_size}: the ranks form replicas × shard_size = world_size, so pass a divisor of {world_size} (1 for no replication)"
@@ -28,5 +28,5 @@ pub(super) fn mesh(config: &ShardConfig, world: Arc<dyn Collective>) -> Result<O
             "with_replicas({replicas}) at stage 0: stage 0 (DDP) shards nothing, so every rank already holds a replica; drop with_replicas, or shard within groups at stage 1, 2 or 3"
         )));
     }
-    Ok(Some(Arc::new(Mesh::new(world, replicas, config.mesh_layout)?)))
+    Ok(Some(Arc::new(Mesh::new(world, replicas, config.mesh.layout)?)))
 }

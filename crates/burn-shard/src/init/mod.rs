@@ -1,15 +1,15 @@
 //! [`ShardConfig::init`] and [`ShardConfig::init_pretrained`]: the pipeline that turns a model
 //! and an optimizer into a sharded pair. In order: the mesh of hybrid sharding (`mesh`), the
-//! refusals of models and options the step would get wrong (`checks`), where stage-3 shards live
-//! (`param_home`), one agreement across ranks on everything that changes the collectives
+//! refusals of models and options the step would get wrong (`checks`), where the optimizer state
+//! and stage-3 shards live (`homes`, the placement policy), one agreement across ranks on everything that changes the collectives
 //! (`agreement`: the layouts, the step's options, the pretrained plan and one hash of the
 //! config), rank 0's values entry by entry, then hooks (stages 0-2) or shards (stage 3,
-//! `stage3`). `config.rs` holds the configuration alone.
+//! `stage3`). `config/` holds the configuration alone.
 
 mod agreement;
 mod checks;
 mod mesh;
-mod param_home;
+mod homes;
 mod stage3;
 
 use std::sync::Arc;
@@ -35,7 +35,6 @@ use crate::sharded_optimizer::optimizer::ShardedOptimizer;
 use crate::stage::Stage;
 use crate::step::options::StepOptions;
 use crate::step::stage_plan::StagePlan;
-use crate::swap::swapper::Swapper;
 
 impl ShardConfig {
     /// Wraps `model` and `optim` for this rank: builds the flat layout, checks that every rank
@@ -131,7 +130,7 @@ impl ShardConfig {
     ) -> Result<(M, ShardedOptimizer<O::Optimizer>), ShardError> {
         let world: Arc<dyn Collective> = Arc::new(comm);
         let base = Base {
-            frozen: self.frozen_entries,
+            frozen: self.checkpoint.frozen_entries,
             origin: pretrained.as_ref().map(|p| p.origin.clone()),
         };
         // The first collective: the same config everywhere, before a mesh is split by it.
@@ -146,7 +145,7 @@ impl ShardConfig {
             let optim = optim.into_optimizer()?;
             let comm = mesh.as_ref().map_or(world, |mesh| mesh.shard().clone());
             init_with(self, model, pretrained, optim, clipping, comm, mesh)
-                .map(|(model, optim)| (model, optim.with_base(base).with_saves_in_flight(self.saves_in_flight)))
+                .map(|(model, optim)| (model, optim.with_base(base).with_saves_in_flight(self.checkpoint.saves_in_flight)))
         });
         if let Err(e) = &result {
             // A rank that fails alone (bad model) must not leave the others waiting.
@@ -168,7 +167,7 @@ fn init_with<M: Module, O: MasterWeightStep>(
     // `comm` is where the state is sharded (the shard group of a mesh); the world agrees on
     // the layout and starts from one rank's values, and names the files of each rank.
     let world = mesh.as_ref().map_or(comm.clone(), |mesh| mesh.world().clone());
-    if config.saves_in_flight == 0 {
+    if config.checkpoint.saves_in_flight == 0 {
         return Err(ShardError::InvalidConfig(
             "saves_in_flight is 0: a background save needs room for itself; pass at least 1 to \
              ShardConfig::with_saves_in_flight"
@@ -197,10 +196,7 @@ fn init_with<M: Module, O: MasterWeightStep>(
     // agree on every float entry (`everything`) and each takes rank 0's values.
     let everything = FlatLayout::with_frozen(&model, comm.world_size(), config.bucket_numel)?;
     let device = checks::compute_device(&model, &everything)?;
-    // Parameter offload first: its refusal of a host model names the fix for the whole
-    // combination (the optimizer's own refusal would only say to drop `Offload`).
-    let param_home = param_home::param_home::<O>(config, &device, world.rank())?;
-    optim.check_device(&device)?;
+    let homes = homes::homes(config, &device, world.rank())?;
     if config.stage == Stage::Three {
         crate::backend::check_stage3_device(&device)?;
     }
@@ -209,14 +205,9 @@ fn init_with<M: Module, O: MasterWeightStep>(
         loss_scaler: config.loss_scaler.clone(),
         clipping,
         device: device.clone(),
-        // Before the collectives that move values: a rank whose directory is unusable aborts the
-        // others (init's error path aborts the world).
-        swap: config
-            .nvme_offload
-            .as_ref()
-            .map(|nvme| Swapper::new(nvme, world.rank(), O::state_device(&device)))
-            .transpose()?,
-        stores_shards: param_home.as_ref().is_some_and(|home| home.store.is_some()),
+        state_home: homes.state,
+        swap: homes.swap,
+        stores_shards: homes.params.as_ref().is_some_and(|home| home.store.is_some()),
     };
     agreement::check_same_models(
         world.as_ref(),
@@ -233,7 +224,7 @@ fn init_with<M: Module, O: MasterWeightStep>(
         Stage::Two => StagePlan::Two,
         // Entry by entry: each is synced and sharded before the next exists.
         Stage::Three => {
-            return stage3::shard_parameters(config, model, optim, options, root, comm, census, buffers, param_home)
+            return stage3::shard_parameters(config, model, optim, options, root, comm, census, buffers, homes.params)
                 .map(|(model, optim)| (model, optim.with_mesh(mesh)));
         }
     };

@@ -34,13 +34,13 @@ pub(super) fn shard_parameters<M: Module, O: MasterWeightStep>(
     buffers: Buffers,
     param_home: Option<ParamHome>,
 ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
-    let ctx = FsdpContext::new(comm.clone(), config.reshard_after_forward, param_home);
+    let ctx = FsdpContext::new(comm.clone(), config.stage3.reshard_after_forward, param_home);
     let mut sharder = Sharder {
         ctx: ctx.clone(),
         census: census.clone(),
         root,
         slots: Vec::new(),
-        units: UnitPolicy::new(&config.units)?,
+        units: UnitPolicy::new(&config.stage3.units)?,
     };
     let model = model.apply_reparameterization(&mut sharder);
     let Sharder { root, slots, units, .. } = sharder;

@@ -25,30 +25,30 @@ pub struct MemoryReport {
     pub stage: u8,
     /// Bytes of every float parameter of the module (trainable and frozen) on its device; at
     /// stage 3 the shards this rank stores there (none with
-    /// [`ShardConfig::offload_params`](crate::ShardConfig::offload_params), which keeps them in
+    /// [`Home::Host`](crate::Home::Host) for the parameters, which keeps them in
     /// [`MemoryReport::host_bytes`]).
     pub parameters_bytes: usize,
     /// Bytes of the reduced gradient buffers held while the last step ran the optimizer
     /// (whole buckets for stages 0-1, this rank's shards for stage 2), plus the peak of the
     /// micro-batch gradient sums held by `ShardedOptimizer::accumulate` before it (unreduced
     /// and whole at stages 0-2, shards at stage 3); 0 with
-    /// [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params), whose
+    /// [`Home::Disk`](crate::Home::Disk) for the parameters, whose
     /// gradient shards go to disk as backward reduces them.
     pub gradients_bytes: usize,
     /// Bytes of the optimizer state this rank holds on the parameters' device (e.g. Adam's two
     /// moments, and the `f32` master weights of `bf16`/`f16` parameters); 0 with
-    /// [`Offload`](crate::Offload), which keeps them in host memory ([`MemoryReport::host_bytes`]).
+    /// [`Home::Host`](crate::Home::Host), which keeps them in host memory ([`MemoryReport::host_bytes`]).
     pub optimizer_state_bytes: usize,
     /// Bytes of model state this rank holds in host memory, off the parameters' device: the
-    /// optimizer state (moments and `f32` master weights) with [`Offload`](crate::Offload)
+    /// optimizer state (moments and `f32` master weights) with [`Home::Host`](crate::Home::Host)
     /// (ZeRO-Offload), and the stage-3 parameter shards with
-    /// [`ShardConfig::offload_params`](crate::ShardConfig::offload_params); 0 otherwise. Measured
+    /// [`Home::Host`](crate::Home::Host) for the parameters; 0 otherwise. Measured
     /// by the device each tensor is on, so a model on the host itself (Burn's `Flex` CPU device)
     /// counts its state as device-resident.
     pub host_bytes: usize,
     /// Bytes of optimizer state (moments and `f32` master weights) this rank keeps on disk
     /// between steps, with [`NvmeOffload`](crate::NvmeOffload) (ZeRO-Infinity), and of stage-3
-    /// parameter shards with [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params)
+    /// parameter shards with [`Home::Disk`](crate::Home::Disk) for the parameters
     /// (their values, not the file's free space); 0 otherwise. Not
     /// in memory, so in neither [`MemoryReport::model_state_bytes`] nor
     /// [`MemoryReport::total_bytes`].

@@ -13,7 +13,6 @@ use burn::optim::{
 use burn::tensor::{DType, Device, Tensor};
 use burn_shard_kernels::FusedAdam;
 
-use crate::error::ShardError;
 use crate::model::flat::tensor_bytes;
 
 /// Whether parameters of `dtype` are trained through an `f32` master copy (`bf16`, `f16`);
@@ -57,34 +56,14 @@ pub trait MasterWeightStep: Optimizer {
         (master, param, state)
     }
 
-    /// Refuses parameters on `device` that this optimizer cannot step as asked; called by
-    /// [`ShardConfig::init`](crate::ShardConfig::init) with the (non-autodiff) device of the
-    /// model's parameters. Every optimizer accepts every device, except
-    /// [`Offloaded`](crate::Offloaded), which refuses parameters that already live in host
-    /// memory.
-    ///
-    /// # Errors
-    /// [`ShardError::InvalidConfig`], naming the fix.
-    fn check_device(&self, device: &Device) -> Result<(), ShardError> {
-        let _ = device;
-        Ok(())
-    }
-
-    /// The device this optimizer keeps the state and the `f32` masters of parameters on
-    /// `param_device` on: `param_device` itself, except for [`Offloaded`](crate::Offloaded)
-    /// (the host). Loading a checkpoint places them there.
-    fn state_device(param_device: &Device) -> Device {
-        param_device.clone()
-    }
-
     /// Bytes of `state`'s tensors as `(on device, elsewhere)`, `device` being the parameters'
     /// device: what [`MemoryReport`](crate::MemoryReport) counts as device-resident optimizer
     /// state and as host bytes.
     ///
     /// The provided method reads the sizes through Burn's `RecordState` (a copy of the state),
-    /// which does not say where a tensor lives, and counts everything on `device`; the Adam
-    /// family (Burn's `Adam`, `AdamW`, [`FusedAdam`], [`Offloaded`](crate::Offloaded)) looks
-    /// at each moment tensor's device.
+    /// which does not say where a tensor lives, and counts everything on `device` (the sharded
+    /// step asks with the device the state lives on); the Adam family (Burn's `Adam`, `AdamW`,
+    /// [`FusedAdam`]) looks at each moment tensor's device.
     fn state_bytes(state: &Self::State<1>, device: &Device) -> (usize, usize) {
         let _ = device;
         let mut sink = StateSink::default();
@@ -152,7 +131,7 @@ provided!(Sgd, AdaGrad, RmsProp, Adan, Lion);
 /// `master` (`f32`, `[n]`) with each element whose parameter (`param`, `bf16`/`f16`, `[n]`) no
 /// longer equals the master rounded to the parameter's dtype replaced by the parameter's value:
 /// an edit made since the last step is taken, while unedited elements keep their sub-ulp
-/// progress. On `master`'s device (the host with `Offloaded`).
+/// progress. On `master`'s device (the host when the state lives there).
 pub(crate) fn follow_edits(master: Tensor<1>, param: &Tensor<1>) -> Tensor<1> {
     let param = param.clone().to_device(&master.device());
     let edited = master.clone().cast(param.dtype()).not_equal(param.clone());

@@ -1,7 +1,7 @@
 //! [`ShardHome`]: where one rank's stage-3 shards live and how they move between there and the
 //! device they are gathered on (FSDP2's `FSDPParam` placement, ZeRO-Infinity's parameter
-//! offload): on the compute device, in host memory ([`crate::ShardConfig::offload_params`]), or
-//! in the rank's shard file ([`crate::ShardConfig::nvme_offload_params`]). The one place that
+//! offload): on the compute device, in host memory (`Home::Host` in [`crate::ShardConfig::placement`]), or
+//! in the rank's shard file (`Home::Disk` in [`crate::ShardConfig::placement`]). The one place that
 //! decides where shards live: the device a shard is gathered on, how a stored shard's read is
 //! waited for, and where a shard replaced on the device goes home (reading one stored shard is
 //! `Shard::read`, wherever it is called).
@@ -14,9 +14,9 @@ use crate::error::ShardError;
 use crate::placement::shard::Shard;
 use crate::swap::shard_store::{ShardRead, ShardStore};
 
-/// Parameter offload ([`crate::ShardConfig::offload_params`]): this rank's shards live in host
+/// Parameter offload (`Home::Host` in [`crate::ShardConfig::placement`]): this rank's shards live in host
 /// memory and are copied to the compute device when they are gathered; with
-/// [`crate::ShardConfig::nvme_offload_params`] they live on disk and are read into host memory
+/// `Home::Disk` in [`crate::ShardConfig::placement`] they live on disk and are read into host memory
 /// first (`host` and `compute` are then the same device for a model on Burn's `Flex`).
 #[derive(Clone, Debug)]
 pub(crate) struct ParamHome {

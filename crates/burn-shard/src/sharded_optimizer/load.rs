@@ -187,13 +187,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 true => self.layout.slots()[index].numel,
                 false => range.len(),
             };
-            let state = read_state::<O>(&mut files, saved, range.clone(), stepped, &O::state_device(&device))?;
+            let state = read_state::<O>(&mut files, saved, range.clone(), stepped, &self.slots.device(&device))?;
             let name = master_name(&entry.path);
             let master = match has_tensor(&mut files, saved, &range, &name)? {
                 true => Some(padded(
                     files.read_range(saved, &name, range)?,
                     stepped,
-                    &O::state_device(&device),
+                    &self.slots.device(&device),
                 )),
                 false => None,
             };

@@ -149,7 +149,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             layout,
             plan,
             census,
-            slots: SlotStates::new(slots, options.swap),
+            slots: SlotStates::new(slots, options.swap, options.state_home),
             buffers,
             max_grad_norm: options.max_grad_norm,
             loss_scaler: options.loss_scaler,
@@ -369,7 +369,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// without applying it: the micro-batch sums `accumulate` kept, at stages 0-2 the
     /// gradients of backwards whose buckets were reduced inside backward, and at stage 3 the
     /// last units' reductions still in flight and, with
-    /// [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params), every
+    /// [`Home::Disk`](crate::Home::Disk) for the parameters, every
     /// gradient shard on disk (there the step applies every gradient shard reduced since the
     /// last `step`, `accumulate` or `discard_gradients`, whatever `grads` holds). Call it after a
     /// backward whose gradients you do not step with (a NaN loss you skip, an auxiliary

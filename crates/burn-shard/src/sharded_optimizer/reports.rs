@@ -36,10 +36,10 @@ impl<'a, O: MasterWeightStep> RankReport<'a, O> {
     ///
     /// Optimizer state (moments, `f32` masters) counts as `optimizer_state_bytes` when its
     /// tensors are on the parameters' device and as `host_bytes` when they are elsewhere (in
-    /// host memory, with [`Offload`](crate::Offload)), tensor by tensor; stage-3 shards count
+    /// host memory, with [`Home::Host`](crate::Home::Host)), tensor by tensor; stage-3 shards count
     /// as `parameters_bytes` on the device, as `host_bytes` in host memory (with
-    /// [`ShardConfig::offload_params`](crate::ShardConfig::offload_params)) and as `disk_bytes`
-    /// in the shard file (with [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params)).
+    /// [`Home::Host`](crate::Home::Host) for the parameters) and as `disk_bytes`
+    /// in the shard file (with [`Home::Disk`](crate::Home::Disk) for the parameters).
     pub fn memory<M: Module>(&self, model: &M) -> MemoryReport {
         let device = flat::plain_device(model).ok();
         let state = self.optim.slots.bytes(device.as_ref());
@@ -88,7 +88,7 @@ impl<'a, O: MasterWeightStep> RankReport<'a, O> {
 
     /// With [`NvmeOffload`](crate::NvmeOffload): the bytes the last step read from and wrote to
     /// this rank's swap file, as `(read, written)` (each the whole state and masters of the
-    /// pieces it stepped, once); with [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params)
+    /// pieces it stepped, once); with [`Home::Disk`](crate::Home::Disk) for the parameters
     /// also those of its parameter shard file since the step before (the shards read by the
     /// gathers of forward and backward and by the update, and the updated shards written);
     /// `(0, 0)` without either and before the first step.
@@ -100,7 +100,7 @@ impl<'a, O: MasterWeightStep> RankReport<'a, O> {
         )
     }
 
-    /// With [`ShardConfig::nvme_offload_params`](crate::ShardConfig::nvme_offload_params): of
+    /// With [`Home::Disk`](crate::Home::Disk) for the parameters: of
     /// the bytes read from this rank's parameter shard file since the step before (counted in
     /// [`RankReport::nvme_io_bytes`]), those whose read was not started ahead of its use,
     /// so that the thread that needed them waited for the disk. In a pass of `U` units learned

@@ -7,6 +7,7 @@ use burn::optim::grad_clipping::GradientClipping;
 use burn::tensor::Device;
 
 use crate::optim::loss_scale::LossScaler;
+use crate::optim::state_home::StateHome;
 use crate::swap::swapper::Swapper;
 
 /// What `ShardConfig` asks of the step beyond the stage (global-norm clipping, loss scaling,
@@ -21,6 +22,8 @@ pub(crate) struct StepOptions {
     pub(crate) clipping: Option<GradientClipping>,
     /// The parameters' plain device.
     pub(crate) device: Device,
+    /// Where the optimizer state lives and the update runs.
+    pub(crate) state_home: StateHome,
     /// NVMe offload: the swap file the optimizer state lives in between steps (the step then
     /// ends with one more all-reduce, of the ranks whose swap failed).
     pub(crate) swap: Option<Swapper>,
@@ -37,6 +40,7 @@ impl StepOptions {
         self.max_grad_norm.map(f32::to_bits).hash(&mut h);
         self.loss_scaler.as_ref().map(LossScaler::fingerprint).hash(&mut h);
         crate::optim::groups::clipping_key(self.clipping.as_ref()).hash(&mut h);
+        self.state_home.hash(&mut h);
         self.swap.is_some().hash(&mut h);
         self.stores_shards.hash(&mut h);
         h.finish()

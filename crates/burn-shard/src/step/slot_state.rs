@@ -8,6 +8,7 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use crate::error::ShardError;
 use crate::model::flat::tensor_bytes;
 use crate::optim::master::{self, MasterWeightStep};
+use crate::optim::state_home::StateHome;
 use crate::swap::slot_bytes::Field;
 use crate::swap::swapper::{IoBytes, SlotReader, Staging, Swapper};
 
@@ -26,6 +27,8 @@ pub(crate) struct SlotStates<O: MasterWeightStep> {
     follow_edits: Vec<bool>,
     /// NVMe offload: where the states and masters are between steps.
     swap: Option<Swapper>,
+    /// Where the states and masters live in memory, and where the update runs.
+    home: StateHome,
 }
 
 /// Every slot's state and master as a checkpoint load reads them ([`SlotStates::loading`]).
@@ -77,21 +80,29 @@ pub(crate) enum SavedTensor {
 pub(crate) struct StateBytes {
     /// On the parameters' device.
     pub(crate) on_device: usize,
-    /// In memory elsewhere (host memory, with `Offload`).
+    /// In memory elsewhere (host memory, with the state on the host).
     pub(crate) elsewhere: usize,
     /// In the swap file (NVMe offload).
     pub(crate) on_disk: usize,
 }
 
 impl<O: MasterWeightStep> SlotStates<O> {
-    /// No state yet for `slots` slots; on disk between steps when `swap` is given.
-    pub(crate) fn new(slots: usize, swap: Option<Swapper>) -> Self {
+    /// No state yet for `slots` slots; living at `home`, and on disk between steps when `swap`
+    /// is given.
+    pub(crate) fn new(slots: usize, swap: Option<Swapper>, home: StateHome) -> Self {
         Self {
             states: vec![None; slots],
             masters: vec![None; slots],
             follow_edits: vec![false; slots],
             swap,
+            home,
         }
+    }
+
+    /// The device the states and masters of parameters on `param_device` live on (where a
+    /// checkpoint load places them).
+    pub(crate) fn device(&self, param_device: &Device) -> Device {
+        self.home.device(param_device)
     }
 
     /// Whether the states live on disk between steps.
@@ -196,8 +207,8 @@ impl<O: MasterWeightStep> SlotStates<O> {
     /// Steps slot `index`'s piece `param` (`[len]`, the bucket's dtype) with `grad` (`[len]`)
     /// and `optim`, updating the slot's state; returns the new piece. A `bf16`/`f16` piece is
     /// stepped through its `f32` master (made from `param` at its first step), and the model
-    /// gets the master rounded. With NVMe offload the state and master are read first and
-    /// written back behind.
+    /// gets the master rounded. The update runs where the state lives ([`StateHome`]); with NVMe
+    /// offload the state and master are read first and written back behind.
     pub(crate) fn step(
         &mut self,
         index: usize,
@@ -220,11 +231,11 @@ impl<O: MasterWeightStep> SlotStates<O> {
                 Some(master) => master,
                 None => param.clone().cast(DType::F32),
             };
-            let (master, param, state) = optim.step_with_master(lr, master, param, grad, state);
+            let (master, param, state) = self.home.step_with_master(optim, lr, master, param, grad, state);
             self.masters[index] = Some(master);
             (param, state)
         } else {
-            optim.step(lr, param, grad, state)
+            self.home.step(optim, lr, param, grad, state)
         };
         self.states[index] = state;
         self.swap_out(index);
@@ -266,9 +277,14 @@ impl<O: MasterWeightStep> SlotStates<O> {
     pub(crate) fn bytes(&self, device: Option<&Device>) -> StateBytes {
         let (mut on_device, mut elsewhere) = (0, 0);
         for state in self.states.iter().flatten() {
-            let (here, there) = device.map_or((0, 0), |device| O::state_bytes(state, device));
-            on_device += here;
-            elsewhere += there;
+            // Asked where the state lives: an optimizer that cannot see a tensor's device counts
+            // everything there.
+            let Some(device) = device else { break };
+            let (home, away) = O::state_bytes(state, &self.home.device(device));
+            match self.home {
+                StateHome::WithParams => (on_device, elsewhere) = (on_device + home, elsewhere + away),
+                StateHome::Host => (on_device, elsewhere) = (on_device + away, elsewhere + home),
+            }
         }
         for master in self.masters.iter().flatten() {
             match device.is_none_or(|d| master.device() == *d) {

@@ -6,11 +6,12 @@ use crate::error::ShardError;
 
 /// Keeps the optimizer state and the `f32` master weights on a local disk between steps
 /// (ZeRO-Infinity's NVMe offload of the optimizer state, Rajbhandari et al., SC21; DeepSpeed's
-/// `offload_optimizer: {device: nvme, nvme_path}`): set it with
-/// [`ShardConfig::with_nvme_offload`](crate::ShardConfig::with_nvme_offload), at any stage and
-/// with any Burn optimizer. [`ShardConfig::with_nvme_offload_params`](crate::ShardConfig::with_nvme_offload_params)
-/// takes the same settings for stage 3's parameter shard file (its own file, in the same or
-/// another directory).
+/// `offload_optimizer: {device: nvme, nvme_path}`): the settings of [`Home::Disk`](crate::Home::Disk),
+/// given to [`ShardConfig::with_optimizer_state_on`](crate::ShardConfig::with_optimizer_state_on)
+/// at any stage and with any Burn optimizer (on an accelerator the state is read into host
+/// memory and stepped there, as DeepSpeed's CPU Adam does).
+/// [`ShardConfig::with_params_on`](crate::ShardConfig::with_params_on) takes the same settings
+/// for stage 3's parameter shard file (its own file, in the same or another directory).
 ///
 /// Each rank keeps one swap file, `burn-shard-rank{rank}.swap` in `path`, holding the state of
 /// the parameter pieces it steps (for Adam with `f32` parameters 8 bytes per element it steps,

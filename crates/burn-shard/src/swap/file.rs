@@ -37,7 +37,7 @@ impl SwapFile {
                 },
                 path: dir,
                 fix: "create it (mkdir -p) on a local disk with room for what is offloaded, or name another \
-                      directory (NvmeOffload::new, with_nvme_offload_params)"
+                      directory (NvmeOffload::new, Home::Disk)"
                     .into(),
             });
         }
@@ -46,7 +46,7 @@ impl SwapFile {
             ShardError::Nvme {
             path: path.clone(),
             reason: format!("the swap file cannot be created and written ({e})"),
-            fix: "name a writable directory on a local disk (NvmeOffload::new, with_nvme_offload_params), not a read-only mount"
+            fix: "name a writable directory on a local disk (NvmeOffload::new, Home::Disk), not a read-only mount"
                 .into(),
         }
         };
@@ -177,7 +177,7 @@ impl SwapFile {
         let fix = match e.kind() {
             io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded | io::ErrorKind::FileTooLarge => format!(
                 "the disk (or this user's quota or file-size limit) is full: free space there or name a larger \
-                 disk (NvmeOffload::new, with_nvme_offload_params), then {then}"
+                 disk (NvmeOffload::new, Home::Disk), then {then}"
             ),
             io::ErrorKind::UnexpectedEof => "the swap file was truncated while the job ran: the optimizer state on \
                                              disk is lost; resume from the last checkpoint, and keep other \

@@ -4,7 +4,7 @@
 //! local disk instead of in memory, and the step brings them in one parameter piece at a time,
 //! read ahead of the piece being stepped and written behind it by a small pool of I/O threads.
 //!
-//! - `config.rs`: [`NvmeOffload`], what the user configures (`ShardConfig::with_nvme_offload`).
+//! - `config.rs`: [`NvmeOffload`], what the user configures (`ShardConfig::with_optimizer_state_on(Home::Disk(..))`).
 //! - `file.rs`: `SwapFile`, one rank's file: created in the named directory, locked against a
 //!   second job, positional reads and writes, checked against deletion, removed at the end.
 //! - `io_pool.rs`: `IoPool`, the threads that read and write off the compute thread.
@@ -12,7 +12,7 @@
 //!   `RecordState`, so any Burn optimizer's state swaps).
 //! - `blocks.rs`: what both files share: space in whole 4 KiB blocks, a CRC-32 per piece.
 //! - `shard_store.rs`: `ShardStore`, one rank's file of stage-3 parameter and gradient shards
-//!   (`ShardConfig::with_nvme_offload_params`), and `StoredShard`, one shard in it.
+//!   (`ShardConfig::with_params_on(Home::Disk(..))`), and `StoredShard`, one shard in it.
 //! - `swapper.rs`: `Swapper`, where each slot's bytes are on disk and the step's read-ahead and
 //!   write-behind, bounded by `max_in_flight`.
 

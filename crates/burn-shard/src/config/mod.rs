@@ -1,12 +1,21 @@
-//! [`ShardConfig`]: how to shard, as data (its fields, their serde defaults, the `with_*`
-//! builders). The call that turns sharding on, [`ShardConfig::init`], is `init/`'s.
+//! [`ShardConfig`]: how to shard, as data: a small tree (the step's options at the top;
+//! [`Placement`], [`Stage3Config`], [`MeshConfig`] and [`CheckpointConfig`] nested, as Burn
+//! nests its optimizer configs) and the `with_*` builders. `saved.rs` reads `config.json` in
+//! this form and in the flat form written before 2026-12-07. The call that turns sharding on,
+//! [`ShardConfig::init`], is `init/`'s.
+
+pub(crate) mod parts;
+pub(crate) mod placement;
+mod saved;
 
 use burn_shard_comm::MeshLayout;
+
+pub use parts::{CheckpointConfig, MeshConfig, Stage3Config};
+pub use placement::{Home, Placement};
 
 use crate::optim::loss_scale::LossScaler;
 use crate::run::FrozenEntries;
 use crate::stage::Stage;
-use crate::swap::config::NvmeOffload;
 
 /// Default bucket size: 256 Ki elements (1 MiB of `f32`, the size of PyTorch DDP's first
 /// bucket). Buckets are what stages 0-2 reduce inside backward: a bucket starts once all its
@@ -30,27 +39,13 @@ pub const DEFAULT_BUCKET_NUMEL: usize = 256 * 1024;
 /// model = optim.step(lr, model, grads)?;
 /// ```
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(from = "saved::SavedShardConfig")]
 pub struct ShardConfig {
     /// ZeRO stage.
     pub stage: Stage,
     /// Maximum elements per bucket (a larger parameter gets its own bucket). Default
     /// `DEFAULT_BUCKET_NUMEL` (256 Ki elements).
-    #[serde(default = "defaults::bucket_numel")]
     pub bucket_numel: usize,
-    /// Stage 3 only: free each gathered parameter after forward and re-gather it in backward
-    /// (default `true`, FSDP's `reshard_after_forward`). `false` keeps gathered parameters
-    /// from forward to backward: more memory, one all-gather per parameter instead of two.
-    #[serde(default = "defaults::yes")]
-    pub reshard_after_forward: bool,
-    /// Clip the averaged gradient to this global L2 norm (over every parameter of every rank)
-    /// before the optimizer step, as PyTorch's `clip_grad_norm_`; `None` (default): no
-    /// global clipping. `f32::INFINITY` measures the norm without clipping. The pre-clip norm
-    /// is [`RankReport::last_grad_norm`](crate::RankReport::last_grad_norm).
-    #[serde(default, with = "defaults::norm")]
-    pub max_grad_norm: Option<f32>,
-    /// Loss scaling, required for `f16` parameters (default `None`).
-    #[serde(default)]
-    pub loss_scaler: Option<LossScaler>,
     /// Stages 0-2: reduce each bucket inside backward, as soon as its gradients are complete,
     /// where the collective overlaps with compute (default `true`; DeepSpeed's
     /// `overlap_comm`, see [`crate::bucket`]'s rules); there, stages 1-2 also start each
@@ -59,118 +54,45 @@ pub struct ShardConfig {
     /// then, and runs every collective to completion before the next. The same results either way,
     /// as long as every backward's gradients reach `step`/`accumulate` or are dropped with
     /// [`ShardedOptimizer::discard_gradients`](crate::ShardedOptimizer::discard_gradients).
-    #[serde(default = "defaults::yes")]
     pub overlap_comm: bool,
-    /// Stage 3: the units of a model whose `forward` has no [`crate::fsdp::unit`] calls, by
-    /// module path (default none): `["layers.*", "head"]` makes each element of the `Vec` field
-    /// `layers`, and `head`, one unit (`*` is any one path segment; see
-    /// [`ShardConfig::with_units`]). Ignored at stages 0-2.
-    #[serde(default)]
-    pub units: Vec<String>,
-    /// Keep the optimizer state and `f32` masters on a local disk between steps (ZeRO-Infinity's
-    /// NVMe offload; default `None`: in memory). See [`NvmeOffload`] for what it costs.
-    #[serde(default)]
-    pub nvme_offload: Option<NvmeOffload>,
-    /// Stage 3 on an accelerator: keep this rank's parameter shards in host memory instead of
-    /// on the device (ZeRO-Infinity's parameter offload to CPU, DeepSpeed's
-    /// `offload_param: {device: cpu}`; default `false`). See [`ShardConfig::with_offload_params`].
-    #[serde(default)]
-    pub offload_params: bool,
-    /// Stage 3: keep this rank's parameter shards in a file in this directory instead of in
-    /// memory (ZeRO-Infinity's parameter offload to NVMe, DeepSpeed's
-    /// `offload_param: {device: nvme, nvme_path}`; default `None`), read and written by
-    /// `io_threads` threads with at most `max_in_flight` writes queued. See
-    /// [`ShardConfig::with_nvme_offload_params`]. Reads a path alone too (configs saved before
-    /// the I/O settings existed).
-    #[serde(default, deserialize_with = "defaults::nvme_params::deserialize")]
-    pub nvme_offload_params: Option<NvmeOffload>,
-    /// What checkpoints hold of the parameters the optimizer does not train (default
-    /// [`FrozenEntries::Saved`]: their values). See [`ShardConfig::with_frozen_entries`].
-    #[serde(default)]
-    pub frozen_entries: FrozenEntries,
-    /// How many checkpoints `save_checkpoint` may write in the background at once
-    /// (default 1: the next save waits for the previous one). See
-    /// [`ShardConfig::with_saves_in_flight`].
-    #[serde(default = "defaults::one")]
-    pub saves_in_flight: usize,
-    /// Hybrid sharding (HSDP): the world's ranks form `replicas` shard groups of
-    /// `world_size / replicas` ranks; the state is sharded within a group and replicated across
-    /// the groups (default 1: one group of every rank). See [`ShardConfig::with_replicas`].
-    #[serde(default = "defaults::one")]
-    pub replicas: usize,
-    /// With `replicas > 1`: which ranks form a shard group (default
-    /// [`MeshLayout::Consecutive`]: consecutive ranks, those of one node).
-    #[serde(default)]
-    pub mesh_layout: MeshLayout,
+    /// Clip the averaged gradient to this global L2 norm (over every parameter of every rank)
+    /// before the optimizer step, as PyTorch's `clip_grad_norm_`; `None` (default): no
+    /// global clipping. `f32::INFINITY` measures the norm without clipping (saved as `"inf"`,
+    /// which JSON has no number for). The pre-clip norm is
+    /// [`RankReport::last_grad_norm`](crate::RankReport::last_grad_norm).
+    #[serde(serialize_with = "saved::norm::serialize")]
+    pub max_grad_norm: Option<f32>,
+    /// Loss scaling, required for `f16` parameters (default `None`).
+    pub loss_scaler: Option<LossScaler>,
+    /// Where the optimizer state and the stage-3 parameter shards live (default: on the
+    /// model's device). See [`Placement`].
+    pub placement: Placement,
+    /// Stage 3's gathering: `reshard_after_forward` and the units by module path.
+    pub stage3: Stage3Config,
+    /// Hybrid sharding's mesh (default: one shard group of every rank).
+    pub mesh: MeshConfig,
+    /// What checkpoints hold of frozen parameters, and how many saves run in the background.
+    pub checkpoint: CheckpointConfig,
 }
 
 impl burn::config::Config for ShardConfig {}
 
-/// What a field left out of a saved [`ShardConfig`] becomes, and `max_grad_norm` in JSON.
-mod defaults {
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-    pub(super) fn bucket_numel() -> usize {
-        crate::config::DEFAULT_BUCKET_NUMEL
-    }
-
-    pub(super) fn yes() -> bool {
-        true
-    }
-
-    pub(super) fn one() -> usize {
-        1
-    }
-
-    /// `nvme_offload_params`: an [`NvmeOffload`](crate::NvmeOffload), or a directory alone.
-    pub(super) mod nvme_params {
-        use super::*;
-        use crate::swap::config::NvmeOffload;
-
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Given {
-            Path(std::path::PathBuf),
-            Full(NvmeOffload),
-        }
-
-        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<NvmeOffload>, D::Error> {
-            Ok(Option::<Given>::deserialize(d)?.map(|given| match given {
-                Given::Path(path) => NvmeOffload::new(path),
-                Given::Full(nvme) => nvme,
-            }))
-        }
-    }
-
-    /// `max_grad_norm`: a number, `null` (no clipping) or `"inf"` (measure without clipping:
-    /// serde_json would write `f32::INFINITY` as `null`, which reads back as no clipping).
-    pub(super) mod norm {
-        use super::*;
-
-        #[derive(Serialize, Deserialize)]
-        #[serde(untagged)]
-        enum Norm {
-            Number(f32),
-            Text(String),
-        }
-
-        pub(crate) fn serialize<S: Serializer>(value: &Option<f32>, s: S) -> Result<S::Ok, S::Error> {
-            match value {
-                Some(v) if v.is_infinite() && *v > 0.0 => Norm::Text("inf".into()).serialize(s),
-                Some(v) => Norm::Number(*v).serialize(s),
-                None => s.serialize_none(),
-            }
-        }
-
-        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f32>, D::Error> {
-            match Option::<Norm>::deserialize(d)? {
-                None => Ok(None),
-                Some(Norm::Number(v)) => Ok(Some(v)),
-                Some(Norm::Text(t)) if t == "inf" => Ok(Some(f32::INFINITY)),
-                Some(Norm::Text(t)) => Err(serde::de::Error::custom(format!(
-                    "max_grad_norm must be a positive number, null or \"inf\", got \"{t}\""
-                ))),
-            }
+/// `config.json` in either form (see `saved.rs`); a field left out takes its default, as
+/// [`ShardConfig::new`] sets it.
+impl From<saved::SavedShardConfig> for ShardConfig {
+    fn from(saved: saved::SavedShardConfig) -> Self {
+        let default = ShardConfig::new(saved.stage);
+        let flat = saved.flat;
+        Self {
+            stage: saved.stage,
+            bucket_numel: saved.bucket_numel.unwrap_or(default.bucket_numel),
+            overlap_comm: saved.overlap_comm.unwrap_or(default.overlap_comm),
+            max_grad_norm: saved.max_grad_norm,
+            loss_scaler: saved.loss_scaler,
+            placement: saved.placement.unwrap_or_else(|| flat.placement()),
+            stage3: saved.stage3.unwrap_or_else(|| flat.stage3(default.stage3)),
+            mesh: saved.mesh.unwrap_or_else(|| flat.mesh(default.mesh)),
+            checkpoint: saved.checkpoint.unwrap_or_else(|| flat.checkpoint(default.checkpoint)),
         }
     }
 }
@@ -181,18 +103,13 @@ impl ShardConfig {
         Self {
             stage,
             bucket_numel: DEFAULT_BUCKET_NUMEL,
-            reshard_after_forward: true,
+            overlap_comm: true,
             max_grad_norm: None,
             loss_scaler: None,
-            overlap_comm: true,
-            units: Vec::new(),
-            nvme_offload: None,
-            offload_params: false,
-            nvme_offload_params: None,
-            frozen_entries: FrozenEntries::Saved,
-            saves_in_flight: 1,
-            replicas: 1,
-            mesh_layout: MeshLayout::Consecutive,
+            placement: Placement::default(),
+            stage3: Stage3Config::default(),
+            mesh: MeshConfig::default(),
+            checkpoint: CheckpointConfig::default(),
         }
     }
 
@@ -217,7 +134,7 @@ impl ShardConfig {
     /// [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) for a pattern with an empty segment, or one that matches
     /// no sharded parameter.
     pub fn with_units<S: Into<String>>(mut self, patterns: impl IntoIterator<Item = S>) -> Self {
-        self.units = patterns.into_iter().map(Into::into).collect();
+        self.stage3.units = patterns.into_iter().map(Into::into).collect();
         self
     }
 
@@ -243,58 +160,67 @@ impl ShardConfig {
 
     /// Stage 3: whether gathered parameters are freed after forward (default `true`).
     pub fn with_reshard_after_forward(mut self, reshard_after_forward: bool) -> Self {
-        self.reshard_after_forward = reshard_after_forward;
+        self.stage3.reshard_after_forward = reshard_after_forward;
         self
     }
 
-    /// Keeps the optimizer state and `f32` masters in swap files in `nvme.path` between steps
-    /// (see [`NvmeOffload`]): `ShardConfig::new(Stage::Three).with_nvme_offload(NvmeOffload::new("/nvme/swap"))`.
-    pub fn with_nvme_offload(mut self, nvme: NvmeOffload) -> Self {
-        self.nvme_offload = Some(nvme);
+    /// Where this rank keeps its optimizer state and the `f32` masters of `bf16`/`f16`
+    /// parameters, and where their update runs (default [`Home::Device`]; see [`Placement`]):
+    ///
+    /// - [`Home::Host`]: ZeRO-Offload (Ren et al., 2021, §4.1): the state, the masters and the
+    ///   update of this rank's shard live in host memory (Burn's `Flex` CPU device; the fused
+    ///   CPU Adam for Burn's Adam/AdamW configs, Burn's own step for any other optimizer); the
+    ///   accelerator keeps the parameters and gradients. Per step and parameter piece the
+    ///   reduced gradient goes device → host in its dtype and the updated piece comes back;
+    ///   [`MemoryReport::host_bytes`](crate::MemoryReport::host_bytes) counts what moved (Adam:
+    ///   8 bytes per element stepped, 12 with AMSGrad, plus 4 per element of a master) and
+    ///   `optimizer_state_bytes` drops to 0.
+    /// - [`Home::Disk`]: ZeRO-Infinity's NVMe offload of the state (Rajbhandari et al., SC21;
+    ///   DeepSpeed's `offload_optimizer: {device: nvme, nvme_path}`), at any stage and with any
+    ///   Burn optimizer: a swap file per rank between steps, stepped in host memory. See
+    ///   [`NvmeOffload`](crate::NvmeOffload) for the files, the I/O and the costs.
+    ///
+    /// `ShardConfig::new(Stage::Two).with_optimizer_state_on(Home::Host)`. Checkpoints are the
+    /// same files wherever the state lived, and load into any placement. Results are bitwise
+    /// those of the state on the device.
+    ///
+    /// # Errors (at `init`, on every rank)
+    /// [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) for [`Home::Host`] with a
+    /// model already in host memory (Burn's `Flex`: nothing would move; [`Home::Disk`] is what
+    /// saves memory there); as [`NvmeOffload`](crate::NvmeOffload) says for [`Home::Disk`].
+    pub fn with_optimizer_state_on(mut self, home: Home) -> Self {
+        self.placement.optimizer_state = home;
         self
     }
 
-    /// Stage 3 on an accelerator (CUDA, wgpu, any CubeCL device): keeps this rank's parameter
-    /// shards in host memory (Burn's `Flex` CPU device) between uses, with the optimizer that
-    /// steps them ([`Offload`](crate::Offload)): ZeRO-Infinity's parameter offload to CPU
-    /// (Rajbhandari et al., SC21, §5.1).
+    /// Stage 3: where this rank keeps its parameter shards between uses (default
+    /// [`Home::Device`]; see [`Placement`]). Both other homes need the optimizer state off the
+    /// device too ([`ShardConfig::with_optimizer_state_on`] with [`Home::Host`] or
+    /// [`Home::Disk`]) on an accelerator: the step updates a shard where its state lives.
     ///
-    /// What the device then holds of the model state: the parameters of the units being
-    /// gathered and used (the unit that computes and the one prefetched), and the gradient
-    /// shards until the step; the shards themselves (`Ψ·b/N` bytes for `Ψ` parameters of `b`
-    /// bytes on `N` ranks) move to [`MemoryReport::host_bytes`](crate::MemoryReport::host_bytes).
-    /// What it costs per step: each gather copies its shards host → device first (a unit's
-    /// shards, once the schedule has learned the unit, concatenated and copied with one call per
-    /// dtype, issued with the unit's all-gather, so the prefetched unit's copy is issued ahead;
-    /// with `reshard_after_forward` the re-gather in backward copies again); the update runs on
-    /// the host, where the shard stays, so only the gradient crosses device → host. The shards'
-    /// compute device is fixed at `init`: moving the model to another device is not supported
-    /// with it. Loading a checkpoint builds each shard in host memory, where the model's shard
-    /// lives, never on the device. Results are bitwise those of the same training with the
-    /// shards on the device.
+    /// **[`Home::Host`]**, on an accelerator (CUDA, wgpu, any CubeCL device): ZeRO-Infinity's
+    /// parameter offload to CPU (Rajbhandari et al., SC21, §5.1; DeepSpeed's
+    /// `offload_param: {device: cpu}`). The device then holds the parameters of the units being
+    /// gathered and used (the unit that computes and the one prefetched) and the gradient shards
+    /// until the step; the shards themselves (`Ψ·b/N` bytes for `Ψ` parameters of `b` bytes on
+    /// `N` ranks) move to [`MemoryReport::host_bytes`](crate::MemoryReport::host_bytes). Each
+    /// gather copies its shards host → device first (a unit's shards, once the schedule has
+    /// learned the unit, concatenated and copied with one call per dtype, issued with the unit's
+    /// all-gather, so the prefetched unit's copy is issued ahead; with `reshard_after_forward`
+    /// the re-gather in backward copies again); the update runs on the host, where the shard
+    /// stays, so only the gradient crosses device → host. The shards' compute device is fixed
+    /// at `init`: moving the model to another device is not supported with it. Loading a
+    /// checkpoint builds each shard in host memory, never on the device.
     ///
-    /// # Errors (at `init`)
-    /// [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) below stage 3 (every rank holds whole parameters there;
-    /// [`Offload`](crate::Offload) moves the optimizer state), for a model on the host already
-    /// (Burn's `Flex`: nothing would move; [`ShardConfig::with_nvme_offload`] is what saves memory
-    /// there), and with an optimizer that is not [`Offload`](crate::Offload)ed (the step updates
-    /// shards where its state lives, which must be where they live).
-    pub fn with_offload_params(mut self, offload_params: bool) -> Self {
-        self.offload_params = offload_params;
-        self
-    }
-
-    /// Stage 3: keeps this rank's parameter shards, and its gradient shards from backward to
-    /// the step, in a file in `nvme.path` instead of in memory (a path alone takes the default
-    /// I/O settings of [`NvmeOffload::new`]): ZeRO-Infinity's offload to NVMe
-    /// (Rajbhandari et al., SC21, §5.1; DeepSpeed's `offload_param: {device: nvme, nvme_path}`).
-    /// With Burn's `Flex` CPU device this is what takes the parameters and gradients out of
-    /// memory (with [`ShardConfig::with_nvme_offload`] for the optimizer state, memory holds the
-    /// units being gathered and used, the activations and one bucket of the step); on an
-    /// accelerator the shards pass through host memory on their way to the device, as with
-    /// [`ShardConfig::with_offload_params`], whose conditions then apply.
+    /// **[`Home::Disk`]**: the shards, and the gradient shards from backward to the step, in a
+    /// file in `nvme.path` (ZeRO-Infinity's offload to NVMe; DeepSpeed's
+    /// `offload_param: {device: nvme, nvme_path}`). On Burn's `Flex` CPU device this is what
+    /// takes the parameters and gradients out of memory (with the optimizer state on
+    /// [`Home::Disk`] too, memory holds the units being gathered and used, the activations and
+    /// one bucket of the step); on an accelerator the shards pass through host memory on their
+    /// way to the device, as with [`Home::Host`].
     ///
-    /// What it costs per step (`Ψ` parameters of `b` bytes on `N` ranks): each pass of the
+    /// What the disk costs per step (`Ψ` parameters of `b` bytes on `N` ranks): each pass of the
     /// gathers reads the shards (`Ψ·b/N` per pass: forward, and backward again with
     /// `reshard_after_forward`); backward writes each reduced gradient shard; the step reads
     /// the gradient shards (once more when clipping or loss scaling measures their norm) and
@@ -322,22 +248,27 @@ impl ShardConfig {
     /// whatever the `grads` passed to it hold for the sharded parameters: call
     /// `discard_gradients` after a backward you do not step with. Checkpoints are the same files
     /// as with the shards in memory and load into either; a load writes each loaded shard to
-    /// the file as it reads it. On `Flex`, results are bitwise those of the same training with
-    /// the shards in memory.
+    /// the file as it reads it.
     ///
     /// The file, `burn-shard-rank{rank}-params.swap.{pid}.{n}`, is unlinked as soon as it is
     /// created: it has no name while the job runs (no other program can delete or overwrite
     /// it, and jobs sharing `nvme.path` do not share it), and its space is freed when the process
     /// ends, also when it is killed.
     ///
+    /// Results are bitwise those of the same training with the shards on the device.
+    ///
     /// # Errors
-    /// At `init`: [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) below stage 3, on an accelerator without
-    /// [`Offload`](crate::Offload), and when `nvme.io_threads` or `nvme.max_in_flight` is 0;
-    /// [`ShardError::Nvme`](crate::ShardError::Nvme) when `nvme.path` is not an existing writable directory. During training: [`ShardError::Nvme`](crate::ShardError::Nvme) from the step (on every rank, the
-    /// others naming the rank whose file failed) when a read or write failed (a full disk) or
-    /// a read came back with other bytes, naming the file and the fix.
-    pub fn with_nvme_offload_params(mut self, nvme: impl Into<NvmeOffload>) -> Self {
-        self.nvme_offload_params = Some(nvme.into());
+    /// At `init`, on every rank: [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig)
+    /// below stage 3 (every rank holds whole parameters there; move the optimizer state
+    /// instead), for [`Home::Host`] with a model already in host memory (Burn's `Flex`: nothing
+    /// would move), on an accelerator with the optimizer state on the device, and when
+    /// `nvme.io_threads` or `nvme.max_in_flight` is 0; [`ShardError::Nvme`](crate::ShardError::Nvme)
+    /// when `nvme.path` is not an existing writable directory. During training:
+    /// [`ShardError::Nvme`](crate::ShardError::Nvme) from the step (on every rank, the others
+    /// naming the rank whose file failed) when a read or write failed (a full disk) or a read
+    /// came back with other bytes, naming the file and the fix.
+    pub fn with_params_on(mut self, home: Home) -> Self {
+        self.placement.params = home;
         self
     }
 
@@ -348,7 +279,7 @@ impl ShardConfig {
     /// `load_checkpoint` checks that it is the same. Every rank passes the same value (checked
     /// at `init`).
     pub fn with_frozen_entries(mut self, frozen_entries: FrozenEntries) -> Self {
-        self.frozen_entries = frozen_entries;
+        self.checkpoint.frozen_entries = frozen_entries;
         self
     }
 
@@ -363,7 +294,7 @@ impl ShardConfig {
     /// # Errors
     /// At `init`: [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) when `saves` is 0.
     pub fn with_saves_in_flight(mut self, saves: usize) -> Self {
-        self.saves_in_flight = saves;
+        self.checkpoint.saves_in_flight = saves;
         self
     }
 
@@ -394,7 +325,7 @@ impl ShardConfig {
     /// the ranks pass different meshes (checked before any split); [`ShardError::Comm`](crate::ShardError::Comm) when the
     /// backend cannot split.
     pub fn with_replicas(mut self, replicas: usize) -> Self {
-        self.replicas = replicas;
+        self.mesh.replicas = replicas;
         self
     }
 
@@ -403,7 +334,7 @@ impl ShardConfig {
     /// launcher places `S` per node). Ranks that pass different layouts fail `init` with
     /// [`ShardError::ConfigMismatch`](crate::ShardError::ConfigMismatch).
     pub fn with_mesh_layout(mut self, layout: MeshLayout) -> Self {
-        self.mesh_layout = layout;
+        self.mesh.layout = layout;
         self
     }
 
