@@ -28,7 +28,9 @@ fn shard_config_nested_in_a_burn_config_round_trips_through_config_json() {
                 .with_overlap_comm(i % 2 == 1)
                 .with_loss_scaler(LossScaler::dynamic())
                 .with_optimizer_state_on([Home::Device, Home::Host][i % 2].clone())
-                .with_params_on(Home::Disk(NvmeOffload::new(format!("/nvme/{i}")).with_io_threads(i + 1)));
+                .with_params_on(Home::Disk(
+                    NvmeOffload::new(format!("/nvme/{i}")).with_io_threads(i + 1),
+                ));
             shard.max_grad_norm = norm;
             let config = TrainingConfig::new(shard.clone()).with_lr(0.5);
             let file = dir.join(format!("stage{stage}-{norm:?}.json"));
@@ -72,8 +74,14 @@ fn configs_saved_before_the_tree_still_load() {
         .with_max_grad_norm(f32::INFINITY)
         .with_overlap_comm(false)
         .with_units(["layers.*", "head"])
-        .with_optimizer_state_on(Home::Disk(NvmeOffload::new("/nvme/state").with_io_threads(3).with_max_in_flight(5)))
-        .with_params_on(Home::Disk(NvmeOffload::new("/nvme/params").with_io_threads(1).with_max_in_flight(7)))
+        .with_optimizer_state_on(Home::Disk(
+            NvmeOffload::new("/nvme/state").with_io_threads(3).with_max_in_flight(5),
+        ))
+        .with_params_on(Home::Disk(
+            NvmeOffload::new("/nvme/params")
+                .with_io_threads(1)
+                .with_max_in_flight(7),
+        ))
         .with_frozen_entries(FrozenEntries::Fingerprinted)
         .with_saves_in_flight(2)
         .with_replicas(2)
@@ -84,9 +92,17 @@ fn configs_saved_before_the_tree_still_load() {
     assert_eq!(again, tree);
 
     let host: ShardConfig = serde_json::from_str("{\"stage\": 3, \"offload_params\": true}").unwrap();
-    assert_eq!(host, ShardConfig::new(Stage::Three).with_optimizer_state_on(Home::Host).with_params_on(Home::Host));
+    assert_eq!(
+        host,
+        ShardConfig::new(Stage::Three)
+            .with_optimizer_state_on(Home::Host)
+            .with_params_on(Home::Host)
+    );
     let path: ShardConfig = serde_json::from_str("{\"stage\": 3, \"nvme_offload_params\": \"/nvme/swap\"}").unwrap();
-    assert_eq!(path, ShardConfig::new(Stage::Three).with_params_on(Home::Disk(NvmeOffload::new("/nvme/swap"))));
+    assert_eq!(
+        path,
+        ShardConfig::new(Stage::Three).with_params_on(Home::Disk(NvmeOffload::new("/nvme/swap")))
+    );
     let none: ShardConfig = serde_json::from_str("{\"stage\": 3, \"nvme_offload_params\": null}").unwrap();
     assert_eq!(none, ShardConfig::new(Stage::Three));
 }
@@ -184,10 +200,13 @@ fn ranks_with_different_configs_fail_init_together_whatever_the_field() {
         let top = serde_json::to_value(c).unwrap().as_object().unwrap().clone();
         top.into_iter()
             .flat_map(|(name, value)| match value {
-                serde_json::Value::Object(part) if ["placement", "stage3", "mesh", "checkpoint"].contains(&name.as_str()) => part
-                    .into_iter()
-                    .map(|(leaf, value)| (format!("{name}.{leaf}"), value))
-                    .collect::<Vec<_>>(),
+                serde_json::Value::Object(part)
+                    if ["placement", "stage3", "mesh", "checkpoint"].contains(&name.as_str()) =>
+                {
+                    part.into_iter()
+                        .map(|(leaf, value)| (format!("{name}.{leaf}"), value))
+                        .collect::<Vec<_>>()
+                }
                 value => vec![(name, value)],
             })
             .collect()
@@ -195,7 +214,10 @@ fn ranks_with_different_configs_fail_init_together_whatever_the_field() {
     let base_leaves = leaves(&base_config());
     for (key, value) in &base_leaves {
         let covered = changes.iter().any(|(name, change)| {
-            name == key && leaves(&change(base_config())).iter().any(|(k, v)| k == key && v != value)
+            name == key
+                && leaves(&change(base_config()))
+                    .iter()
+                    .any(|(k, v)| k == key && v != value)
         });
         assert!(covered, "ShardConfig field `{key}` has no case in this sweep: add one");
     }
@@ -229,8 +251,12 @@ fn ranks_with_different_configs_fail_init_together_whatever_the_field() {
             std::fs::create_dir_all(local.join(sub)).unwrap();
         }
         let config = ShardConfig::new(Stage::Three)
-            .with_optimizer_state_on(Home::Disk(NvmeOffload::new(local.join("state")).with_io_threads(1 + rank)))
-            .with_params_on(Home::Disk(NvmeOffload::new(local.join("params")).with_max_in_flight(2 + rank)));
+            .with_optimizer_state_on(Home::Disk(
+                NvmeOffload::new(local.join("state")).with_io_threads(1 + rank),
+            ))
+            .with_params_on(Home::Disk(
+                NvmeOffload::new(local.join("params")).with_max_in_flight(2 + rank),
+            ));
         config
             .init(model.clone().fork(&Device::flex().autodiff()), AdamWConfig::new(), comm)
             .map(drop)

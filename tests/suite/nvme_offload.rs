@@ -13,8 +13,8 @@ use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::DType;
 use burn_shard::{
-    Home, IntoOptimizer, LossScaler, MasterWeightStep, MemoryReport, NvmeOffload, ShardConfig, ShardError, ShardedOptimizer,
-    Stage,
+    Home, IntoOptimizer, LossScaler, MasterWeightStep, MemoryReport, NvmeOffload, ShardConfig, ShardError,
+    ShardedOptimizer, Stage,
 };
 use burn_shard_comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
 
@@ -270,7 +270,11 @@ fn checkpoints_move_between_nvme_offload_and_memory() {
         std::fs::create_dir_all(&swap).unwrap();
         let first = ShardConfig::new(Stage::Three);
         let second = ShardConfig::new(Stage::One);
-        let on_disk = |config: &ShardConfig| config.clone().with_optimizer_state_on(Home::Disk(NvmeOffload::new(&swap)));
+        let on_disk = |config: &ShardConfig| {
+            config
+                .clone()
+                .with_optimizer_state_on(Home::Disk(NvmeOffload::new(&swap)))
+        };
         // Built once: ranks building it at once would draw from the seeded generator in turn.
         let base = base();
         let run = |world_size: usize, config: ShardConfig, span: Span, steps: std::ops::Range<usize>| {
@@ -349,7 +353,8 @@ fn unusable_nvme_paths_are_refused_at_init_on_every_rank() {
         }
         assert!(started.elapsed().as_secs() < 10, "refused within seconds");
     }
-    let config = ShardConfig::new(Stage::One).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&dir).with_io_threads(0)));
+    let config =
+        ShardConfig::new(Stage::One).with_optimizer_state_on(Home::Disk(NvmeOffload::new(&dir).with_io_threads(0)));
     let err = run(&Device::flex(), 1, &base(), &config, AdamWConfig::new(), DType::F32)
         .pop()
         .unwrap()
@@ -635,7 +640,10 @@ fn the_state_on_disk_steps_on_the_host_on_wgpu() {
             let on_host = run(&wgpu, 2, &base, &host, adamw.clone(), dtype);
             let on_disk = run(&wgpu, 2, &base, &disk, adamw, dtype);
             for (rank, (h, d)) in on_host.into_iter().zip(on_disk).enumerate() {
-                let (h, d) = (h.expect("state in host memory"), d.unwrap_or_else(|e| panic!("{ctx}: {e}")));
+                let (h, d) = (
+                    h.expect("state in host memory"),
+                    d.unwrap_or_else(|e| panic!("{ctx}: {e}")),
+                );
                 assert!(
                     d.params == h.params,
                     "{ctx}, rank {rank}: parameters differ from the state in host memory"

@@ -55,7 +55,9 @@ fn offloading_parameters_of_a_host_model_is_refused() {
             .expect("refused")
             .to_string();
         assert!(
-            err.contains("placement.params") && err.contains("already live in host memory") && err.contains("Home::Disk"),
+            err.contains("placement.params")
+                && err.contains("already live in host memory")
+                && err.contains("Home::Disk"),
             "{err}"
         );
     }

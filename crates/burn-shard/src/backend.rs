@@ -1,6 +1,6 @@
 //! Which Burn backends burn-shard's own autodiff ops exist for: stage 3's all-gather and unit
-//! boundary ([`crate::hooks::gather_op`]) and the stage 0-2 bucket hook
-//! ([`crate::hooks::bucket_hook`]). They are backend extensions, implemented for Burn's CPU
+//! boundary ([`crate::fsdp::gather_op`]) and the stage 0-2 bucket hook
+//! ([`crate::bucket::hook`]). They are backend extensions, implemented for Burn's CPU
 //! `Flex` backend and, with this crate's `cube` feature, for the CubeCL backend (CUDA, wgpu,
 //! CubeCL's CPU runtime) with Burn's `fusion` feature on or off. Burn panics when an extension
 //! runs on a backend it was not implemented for, so [`check_stage3_device`] turns that into an

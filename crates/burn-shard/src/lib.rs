@@ -38,9 +38,10 @@
 //! - empty parameters are left as they are.
 
 // Layers, bottom to top; each imports only the ones above it in this list (checked by the test
-// suite's `architecture` module): error, run, stage, backend < model < optim < swap < placement <
-// overlap < hooks < checkpoint < step < sharded_optimizer < config < init < estimate. `bucket` and `fsdp` are the public pages of the two overlap
-// systems and re-export what users name.
+// suite's `architecture` module): error, run, stage, backend < model < optim < swap < overlap <
+// fsdp < bucket < checkpoint < step < sharded_optimizer < config < init < estimate. `fsdp` (stage 3)
+// and `bucket` (stages 0-2's reductions inside backward) are each one subsystem in one folder,
+// their module docs the public pages that say how they work.
 mod backend;
 mod error;
 mod run;
@@ -51,11 +52,11 @@ mod optim;
 
 mod swap;
 
-mod placement;
-
 mod overlap;
 
-mod hooks;
+pub mod fsdp;
+
+pub mod bucket;
 
 pub mod checkpoint;
 mod step;
@@ -65,9 +66,6 @@ mod sharded_optimizer;
 mod config;
 pub mod estimate;
 mod init;
-
-pub mod bucket;
-pub mod fsdp;
 
 pub use config::{CheckpointConfig, Home, MeshConfig, Placement, ShardConfig, Stage3Config};
 pub use error::ShardError;

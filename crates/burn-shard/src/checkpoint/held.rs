@@ -9,10 +9,10 @@ use burn::tensor::{Tensor, TensorData};
 
 use super::pieces::Holding;
 use crate::error::ShardError;
-use crate::hooks::exchange;
+use crate::fsdp::exchange;
+use crate::fsdp::shard::Shard;
 use crate::model::census::Entry;
 use crate::model::flat;
-use crate::placement::shard::Shard;
 
 /// The values of some entries on this rank, each taken once.
 pub(crate) struct HeldValues {

@@ -97,7 +97,10 @@ impl FlatFields {
             (None, true) => Home::Host,
             (None, false) => Home::Device,
         };
-        Placement { optimizer_state, params }
+        Placement {
+            optimizer_state,
+            params,
+        }
     }
 }
 

@@ -129,8 +129,12 @@ mod tests {
         let base = ShardConfig::new(Stage::Three);
         let on_disk = |dir: &str, threads: usize| {
             base.clone()
-                .with_optimizer_state_on(Home::Disk(NvmeOffload::new(format!("{dir}/state")).with_io_threads(threads)))
-                .with_params_on(Home::Disk(NvmeOffload::new(format!("{dir}/params")).with_max_in_flight(threads)))
+                .with_optimizer_state_on(Home::Disk(
+                    NvmeOffload::new(format!("{dir}/state")).with_io_threads(threads),
+                ))
+                .with_params_on(Home::Disk(
+                    NvmeOffload::new(format!("{dir}/params")).with_max_in_flight(threads),
+                ))
         };
         assert_eq!(field_hashes(&on_disk("/a", 1)), field_hashes(&on_disk("/b", 3)));
         let differing = |a: &ShardConfig, b: &ShardConfig| -> Vec<String> {
@@ -150,11 +154,16 @@ mod tests {
             ["placement.optimizer_state", "placement.params"]
         );
         assert_eq!(differing(&base, &base.clone().with_bucket_numel(7)), ["bucket_numel"]);
-        assert_eq!(differing(&base, &base.clone().with_units(["layers.*"])), ["stage3.units"]);
+        assert_eq!(
+            differing(&base, &base.clone().with_units(["layers.*"])),
+            ["stage3.units"]
+        );
         assert_eq!(differing(&base, &base.clone().with_replicas(2)), ["mesh.replicas"]);
         assert_eq!(differing(&base, &ShardConfig::new(Stage::Two)), ["stage"]);
         assert_eq!(field_hashes(&base), field_hashes(&base.clone()), "deterministic");
-        let with_scaler = base.clone().with_loss_scaler(crate::optim::loss_scale::LossScaler::dynamic());
+        let with_scaler = base
+            .clone()
+            .with_loss_scaler(crate::optim::loss_scale::LossScaler::dynamic());
         assert_eq!(
             field_hashes(&with_scaler).len(),
             field_hashes(&base).len(),

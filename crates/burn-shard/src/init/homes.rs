@@ -7,8 +7,8 @@ use burn::tensor::Device;
 use crate::config::ShardConfig;
 use crate::config::placement::{Home, Placement};
 use crate::error::ShardError;
+use crate::fsdp::home::ParamHome;
 use crate::optim::state_home::StateHome;
-use crate::placement::home::ParamHome;
 use crate::stage::Stage;
 use crate::swap::shard_store::ShardStore;
 use crate::swap::swapper::Swapper;
@@ -31,7 +31,10 @@ pub(super) struct Homes {
 /// # Errors
 /// [`ShardError::InvalidConfig`] naming the fix; [`ShardError::Nvme`] for an unusable directory.
 pub(super) fn homes(config: &ShardConfig, device: &Device, rank: usize) -> Result<Homes, ShardError> {
-    let Placement { optimizer_state, params } = &config.placement;
+    let Placement {
+        optimizer_state,
+        params,
+    } = &config.placement;
     let host = StateHome::host_device();
     let on_host = *device == host;
     let refuse = |what: &str, why: String| Err(ShardError::InvalidConfig(format!("placement.{what}: {why}")));

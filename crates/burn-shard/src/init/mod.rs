@@ -8,8 +8,8 @@
 
 mod agreement;
 mod checks;
-mod mesh;
 mod homes;
+mod mesh;
 mod stage3;
 
 use std::sync::Arc;
@@ -18,9 +18,10 @@ use burn::module::Module;
 use burn::optim::grad_clipping::GradientClipping;
 use burn_shard_comm::{Collective, Mesh};
 
+use crate::bucket::hook::AttachHooks;
+use crate::bucket::reducer::{BucketReducer, reduces_in_backward};
 use crate::config::ShardConfig;
 use crate::error::ShardError;
-use crate::hooks::bucket_hook::AttachHooks;
 use crate::model::buffers::Buffers;
 use crate::model::census::Census;
 use crate::model::layout::FlatLayout;
@@ -29,7 +30,6 @@ use crate::model::pretrained::plan::PretrainedPlan;
 use crate::model::root_values::{RootValues, SyncEntries};
 use crate::optim::into_optimizer::IntoOptimizer;
 use crate::optim::master::MasterWeightStep;
-use crate::overlap::bucket_reducer::{BucketReducer, reduces_in_backward};
 use crate::run::Base;
 use crate::sharded_optimizer::optimizer::ShardedOptimizer;
 use crate::stage::Stage;
@@ -144,8 +144,14 @@ impl ShardConfig {
             let clipping = optim.grad_clipping()?;
             let optim = optim.into_optimizer()?;
             let comm = mesh.as_ref().map_or(world, |mesh| mesh.shard().clone());
-            init_with(self, model, pretrained, optim, clipping, comm, mesh)
-                .map(|(model, optim)| (model, optim.with_base(base).with_saves_in_flight(self.checkpoint.saves_in_flight)))
+            init_with(self, model, pretrained, optim, clipping, comm, mesh).map(|(model, optim)| {
+                (
+                    model,
+                    optim
+                        .with_base(base)
+                        .with_saves_in_flight(self.checkpoint.saves_in_flight),
+                )
+            })
         });
         if let Err(e) = &result {
             // A rank that fails alone (bad model) must not leave the others waiting.
@@ -218,16 +224,12 @@ fn init_with<M: Module, O: MasterWeightStep>(
     )?;
     let buffers = Buffers::of(&census);
     let root = RootValues::new(world.clone(), &model, &census, pretrained)?;
-    let plan = match config.stage {
-        Stage::Zero => StagePlan::Zero,
-        Stage::One => StagePlan::One,
-        Stage::Two => StagePlan::Two,
+    if config.stage == Stage::Three {
         // Entry by entry: each is synced and sharded before the next exists.
-        Stage::Three => {
-            return stage3::shard_parameters(config, model, optim, options, root, comm, census, buffers, homes.params)
-                .map(|(model, optim)| (model, optim.with_mesh(mesh)));
-        }
-    };
+        return stage3::shard_parameters(config, model, optim, options, root, comm, census, buffers, homes.params)
+            .map(|(model, optim)| (model, optim.with_mesh(mesh)));
+    }
+    let plan = StagePlan::whole(config.stage);
     let mut sync = SyncEntries { census: &census, root };
     let model = model.map(&mut sync);
     sync.root.finish()?;

@@ -7,15 +7,15 @@ use burn_shard_comm::Collective;
 
 use crate::config::ShardConfig;
 use crate::error::ShardError;
-use crate::hooks::sharded_param::Sharder;
+use crate::fsdp::context::FsdpContext;
+use crate::fsdp::home::ParamHome;
+use crate::fsdp::sharded_param::Sharder;
 use crate::model::buffers::Buffers;
 use crate::model::census::Census;
 use crate::model::layout::FlatLayout;
 use crate::model::root_values::RootValues;
 use crate::model::units::UnitPolicy;
 use crate::optim::master::MasterWeightStep;
-use crate::overlap::context::FsdpContext;
-use crate::placement::home::ParamHome;
 use crate::sharded_optimizer::optimizer::ShardedOptimizer;
 use crate::step::options::StepOptions;
 use crate::step::stage_plan::StagePlan;
@@ -53,7 +53,7 @@ pub(super) fn shard_parameters<M: Module, O: MasterWeightStep>(
     ctx.home().flush()?;
     units.check_all_used(&census)?;
     let local = Arc::new(FlatLayout::from_slots(slots, 1, config.bucket_numel)?);
-    let plan = StagePlan::Three(ctx);
+    let plan = StagePlan::sharded(ctx);
     let optim = ShardedOptimizer::new(optim, comm, local, plan, census, buffers, options);
     Ok((model, optim))
 }

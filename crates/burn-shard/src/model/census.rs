@@ -99,10 +99,10 @@ impl Census {
 }
 
 /// The `Reparameterization::NAME` of burn-shard's stage 0-2 gradient hook
-/// (`hooks/bucket_hook.rs`): defined here, where the census recognises it, so the hooks import
+/// (`bucket/hook.rs`): defined here, where the census recognises it, so the hooks import
 /// the model layer and not the other way round.
 pub(crate) const BUCKET_HOOK_NAME: &str = "burn_shard_bucket_hook";
-/// The `Reparameterization::NAME` of a stage-3 shard (`hooks/sharded_param.rs`).
+/// The `Reparameterization::NAME` of a stage-3 shard (`fsdp/sharded_param.rs`).
 pub(crate) const SHARD_NAME: &str = "fsdp_shard";
 
 /// The no-op reparameterization the census attaches.

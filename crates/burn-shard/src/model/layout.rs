@@ -348,3 +348,132 @@ pub(crate) fn all_gather_u64s(
         })
         .collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(path: &str, numel: usize, dtype: DType) -> ParamSlot {
+        ParamSlot {
+            path: path.into(),
+            id: ParamId::new(),
+            shape: vec![numel],
+            numel,
+            dtype,
+            bucket: usize::MAX,
+            offset: usize::MAX,
+        }
+    }
+
+    /// Parameters of mixed sizes and dtypes, an empty one among them, in traversal order.
+    fn model_slots() -> Vec<ParamSlot> {
+        let sizes = [
+            (7, DType::F32),
+            (1, DType::BF16),
+            (0, DType::F32),
+            (12, DType::F32),
+            (5, DType::BF16),
+        ];
+        let more = [(3, DType::F32), (40, DType::F32), (2, DType::BF16), (9, DType::F32)];
+        sizes
+            .into_iter()
+            .chain(more)
+            .enumerate()
+            .map(|(i, (numel, dtype))| slot(&format!("p{i}"), numel, dtype))
+            .collect()
+    }
+
+    /// The rule every stage's step, checkpoint and reduction rests on, for world sizes 1-5 and
+    /// several bucket sizes: the ranks' owned ranges of a bucket are disjoint, in rank order,
+    /// and cover its padded length; padding is less than one element per rank; and over all
+    /// ranks every element of every parameter is owned exactly once (`ParamSlot::within`).
+    #[test]
+    fn the_ranks_owned_ranges_partition_every_bucket_and_every_parameter() {
+        for world_size in 1..=5 {
+            for bucket_numel in [1, 8, 13, 20, 1000] {
+                let layout = FlatLayout::from_slots(model_slots(), world_size, bucket_numel).unwrap();
+                for bucket in layout.buckets() {
+                    assert_eq!(bucket.padded_numel % world_size, 0);
+                    assert!(bucket.padded_numel - bucket.numel < world_size);
+                    let ranges: Vec<Range<usize>> = (0..world_size).map(|r| bucket.shard_range(r)).collect();
+                    assert_eq!(ranges[0].start, 0);
+                    assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
+                    assert_eq!(ranges[world_size - 1].end, bucket.padded_numel);
+                    for slot in &layout.slots()[bucket.slots.clone()] {
+                        let owned: usize = ranges.iter().filter_map(|r| slot.within(r)).map(|p| p.len()).sum();
+                        assert_eq!(owned, slot.numel, "{} at world size {world_size}", slot.path);
+                    }
+                }
+                let real: usize = layout.slots().iter().map(|s| s.numel).sum();
+                assert_eq!(real, layout.numel());
+                assert_eq!(layout.numel(), 7 + 1 + 12 + 5 + 3 + 40 + 2 + 9);
+            }
+        }
+    }
+
+    /// How buckets are formed: the slots grouped by dtype in order of first appearance,
+    /// traversal order kept inside a group, empty parameters left out; each bucket one dtype,
+    /// its slots contiguous from offset 0, closed before the next slot would pass
+    /// `bucket_numel` (a larger parameter alone in its bucket).
+    #[test]
+    fn buckets_group_by_dtype_keep_order_and_close_at_bucket_numel() {
+        let layout = FlatLayout::from_slots(model_slots(), 2, 13).unwrap();
+        let paths: Vec<&str> = layout.slots().iter().map(|s| s.path.as_str()).collect();
+        assert_eq!(paths, ["p0", "p3", "p5", "p6", "p8", "p1", "p4", "p7"]);
+        let groups: Vec<(Vec<&str>, DType)> = layout
+            .buckets()
+            .iter()
+            .map(|b| {
+                (
+                    layout.slots()[b.slots.clone()]
+                        .iter()
+                        .map(|s| s.path.as_str())
+                        .collect(),
+                    b.dtype,
+                )
+            })
+            .collect();
+        let want: Vec<(Vec<&str>, DType)> = vec![
+            (vec!["p0"], DType::F32),
+            (vec!["p3"], DType::F32),
+            (vec!["p5"], DType::F32),
+            (vec!["p6"], DType::F32),
+            (vec!["p8"], DType::F32),
+            (vec!["p1", "p4", "p7"], DType::BF16),
+        ];
+        assert_eq!(groups, want);
+        for (index, bucket) in layout.buckets().iter().enumerate() {
+            let mut offset = 0;
+            for slot in &layout.slots()[bucket.slots.clone()] {
+                assert_eq!((slot.bucket, slot.offset, slot.dtype), (index, offset, bucket.dtype));
+                offset += slot.numel;
+            }
+            assert_eq!(offset, bucket.numel);
+            assert!(bucket.numel <= 13 || bucket.slots.len() == 1);
+        }
+        // 7 + 12 > 13 closes p0's bucket; 3 + 40 > 13 closes p5's; 40 alone; 9 alone after it.
+        assert_eq!(layout.buckets()[3].numel, 40);
+    }
+
+    /// Zero ranks or a zero bucket size is refused, and so is one `ParamId` in two fields.
+    #[test]
+    fn a_zero_size_or_a_shared_id_is_refused() {
+        assert!(matches!(
+            FlatLayout::from_slots(model_slots(), 0, 8),
+            Err(ShardError::InvalidConfig(_))
+        ));
+        assert!(matches!(
+            FlatLayout::from_slots(model_slots(), 2, 0),
+            Err(ShardError::InvalidConfig(_))
+        ));
+        let mut twins = model_slots();
+        twins[1].id = twins[0].id;
+        twins[1].dtype = DType::F32;
+        match FlatLayout::from_slots(twins, 2, 8) {
+            Err(ShardError::DuplicateParam { first, second }) => {
+                assert_eq!((first.as_str(), second.as_str()), ("p0", "p1"))
+            }
+            other => panic!("expected DuplicateParam, got {other:?}"),
+        }
+    }
+}

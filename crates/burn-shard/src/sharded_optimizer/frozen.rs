@@ -58,7 +58,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             return Ok(HashMap::new());
         }
         let local = (|| {
-            let mut held = HeldValues::of(model, &entries, self.plan.shards_parameters());
+            let mut held = HeldValues::of(model, &entries, self.plan.params().shards_parameters());
             let mut sums = Vec::with_capacity(entries.len());
             for (id, entry, holding) in &entries {
                 let sum = match piece(stage, *holding, entry.numel(), rank, world_size) {

@@ -18,10 +18,10 @@ use crate::checkpoint::options::Restored;
 use crate::checkpoint::pieces::{Holding, piece, stepped};
 use crate::error::CheckpointError;
 use crate::error::ShardError;
-use crate::hooks::exchange;
+use crate::fsdp::exchange;
+use crate::fsdp::shard::Shard;
 use crate::model::flat;
 use crate::optim::master::MasterWeightStep;
-use crate::placement::shard::Shard;
 use crate::sharded_optimizer::optimizer::ShardedOptimizer;
 use crate::step::slot_state::LoadedSlots;
 
@@ -97,7 +97,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // Micro-batch sums of the model before the load do not belong to the loaded one.
         self.drop_kept_sums();
         let model = flat::replace_values(model, values);
-        let model = match self.plan.shards_parameters() {
+        let model = match self.plan.params().shards_parameters() {
             true => exchange::replace_shards(model, shards),
             false => model,
         };
@@ -134,7 +134,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // memory with parameter offload, so a load never holds the shards on the device; the
         // rank's shard file with NVMe parameter offload, written as each shard is read (beside
         // the live shards, whose space a failed load keeps).
-        let shard_specs = match self.plan.shards_parameters() {
+        let shard_specs = match self.plan.params().shards_parameters() {
             true => exchange::collect_specs(model),
             false => HashMap::new(),
         };
@@ -183,7 +183,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             };
             // The optimizer steps the range, or at stage 3 the whole shard with its padding
             // (zeros: their gradient is zero, so they stay zero).
-            let stepped = match self.plan.shards_parameters() {
+            let stepped = match self.plan.params().shards_parameters() {
                 true => self.layout.slots()[index].numel,
                 false => range.len(),
             };
@@ -201,7 +201,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
         // The loaded shards' writes to the shard file (NVMe parameter offload) are done and
         // succeeded before the ranks agree on the load.
-        self.plan.flush_home()?;
+        self.plan.params().flush_home()?;
         Ok((
             values,
             shards,

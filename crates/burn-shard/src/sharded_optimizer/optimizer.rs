@@ -10,7 +10,9 @@ use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{Device, Tensor};
 use burn_shard_comm::{Collective, Mesh};
 
+use crate::bucket::reducer::{BucketReducer, Early};
 use crate::error::ShardError;
+use crate::fsdp::unit_reducer::add_to_grads;
 use crate::model::buffers::Buffers;
 use crate::model::census::Census;
 use crate::model::flat::{self, tensor_bytes};
@@ -20,7 +22,6 @@ use crate::optim::groups::Groups;
 use crate::optim::into_optimizer::IntoOptimizer;
 use crate::optim::loss_scale::{self, LossScaler, LossScaling};
 use crate::optim::master::MasterWeightStep;
-use crate::overlap::bucket_reducer::{BucketReducer, Early};
 use crate::sharded_optimizer::save_in_flight::SaveQueue;
 use crate::stage::Stage;
 use crate::step::agreement;
@@ -317,7 +318,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         items: Option<u64>,
     ) -> Result<M, ShardError> {
         // The shards are about to change: no gather of this pass is used again.
-        self.plan.end_gather_pass();
+        self.plan.params().end_gather_pass();
         let result = self
             .check_call("step")
             // A background save whose writers are all done completes here (every rank is here).
@@ -383,7 +384,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // The discarded backward's scaled loss does not cover the next one.
         self.loss_scaled.store(0, std::sync::atomic::Ordering::SeqCst);
         // Stage 3: the last units' reductions still in flight belong to the discarded backward.
-        self.plan.discard_in_flight();
+        self.plan.params().discard_in_flight();
         self.drop_kept_sums();
         match &self.bucket_reducer {
             Some(reducer) => reducer.discard(),
@@ -395,14 +396,14 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// reduced inside backward.
     pub(crate) fn drop_kept_sums(&mut self) {
         self.pending.clear();
-        drop(self.plan.take_stored_grads());
+        drop(self.plan.params().take_stored_grads());
     }
 
     /// Stage 3: returns the first error a collective met inside forward or backward (gathers
     /// and reduce-scatters cannot return errors through Burn's autodiff; they record them and
     /// use zeros). `step` checks this itself; call it after an evaluation pass run outside it.
     pub fn check_collectives(&self) -> Result<(), ShardError> {
-        self.plan.take_error().map_or(Ok(()), Err)
+        self.plan.params().take_error().map_or(Ok(()), Err)
     }
 
     /// Adds `grads` (one micro-batch's gradients, `GradientsParams::from_grads(loss.backward(),
@@ -420,7 +421,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// As [`ShardedOptimizer::step`].
     pub fn accumulate<M: Module>(&mut self, model: &M, mut grads: GradientsParams) -> Result<(), ShardError> {
-        self.plan.take_reduced(model, &mut grads);
+        add_to_grads(model, self.plan.params().take_reduced(), &mut grads);
         let result = self
             .check_call("accumulate gradients")
             .and_then(|()| self.take_early(false))
@@ -462,7 +463,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         self.last.applied = false;
         // Stage 3: the gradients were reduce-scattered inside backward (the last units' may
         // still be in flight); a collective that failed there left its error behind.
-        self.plan.take_reduced(&model, &mut grads);
+        add_to_grads(&model, self.plan.params().take_reduced(), &mut grads);
         self.check_gathers()?;
         // Stages 0-2: the buckets reduced inside backward (none without a reducer).
         let early = self.take_early(true)?;
@@ -515,7 +516,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let measured = measure::measure(&cx, &grads, needs_norms, self.loss_scaler.as_mut())?;
         self.last.grad_norm = measured.grad_norm();
         let Measured::Apply(norms) = measured else {
-            self.plan.skip_step();
+            self.plan.params().skip_step();
             return self.buffers.sync(self.world(), model);
         };
 
@@ -532,10 +533,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         };
         let updated = update.run(&model, grads, &mut temp)?;
         self.guard.updating = false;
-        self.last.temporary_peak_bytes = self.plan.temporary_peak(temp.peak());
+        self.last.temporary_peak_bytes = self.plan.params().temporary_peak(temp.peak());
         let keep: Vec<bool> = has_grad.iter().map(|g| !g).collect();
-        let model = self.plan.write_values(model, &self.layout, updated, &keep);
-        if let Some(store) = self.plan.shard_store() {
+        let model = updated.write_into(model, &self.layout, &keep);
+        if let Some(store) = self.plan.params().shard_store() {
             self.last.param_io = store.take_io();
         }
         self.last.applied = true;
@@ -546,11 +547,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// ranks agree (one all-reduce of a flag per rank): a shard file that could not be read in
     /// forward or backward fails this step on every rank, the others naming the rank.
     fn check_gathers(&self) -> Result<(), ShardError> {
-        if self.plan.shard_store().is_none() {
+        if self.plan.params().shard_store().is_none() {
             return self.check_collectives();
         }
         // The gradient shards backward queued for writing are on disk, or their failure known.
-        let own = self.check_collectives().and(self.plan.flush_home());
+        let own = self.check_collectives().and(self.plan.params().flush_home());
         self.agree_on_disk(own, "in forward or backward")
     }
 
@@ -624,7 +625,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// all-gathered when read), so that every rank must run the same forwards in the same
     /// order, in evaluation too; `false` at stages 0-2, where a forward is local.
     pub fn forward_is_collective(&self) -> bool {
-        self.plan.shards_parameters()
+        self.plan.params().shards_parameters()
     }
 
     /// Makes the `f32` masters follow values changed outside the optimizer: when a

@@ -4,7 +4,7 @@
 //!
 //! At stages 0-2 every rank holds whole parameters, and `model.visit` / `model.map` see and
 //! change the real values. At stage 3 a parameter's stored value is a placeholder (see
-//! `hooks/sharded_param.rs`) that Burn hands to visitors and mappers in place of the value, so
+//! `fsdp/sharded_param.rs`) that Burn hands to visitors and mappers in place of the value, so
 //! they read zeros and their edits are lost. These two calls all-gather one sharded parameter at
 //! a time (FSDP's `summon_full_params`, one parameter instead of the whole model in memory), hand
 //! it to the visitor or mapper as a whole parameter, and put this rank's shard of the mapped value
@@ -26,8 +26,8 @@ use burn::module::{Flag, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Bool, DType, Int, Tensor};
 
 use crate::error::ShardError;
-use crate::hooks::exchange;
-use crate::hooks::gather_op::GatherSpec;
+use crate::fsdp::exchange;
+use crate::fsdp::gather_op::GatherSpec;
 use crate::model::census::{Census, EntryKind};
 use crate::optim::master::MasterWeightStep;
 use crate::sharded_optimizer::optimizer::ShardedOptimizer;
@@ -43,7 +43,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// # Errors
     /// [`ShardError::Comm`] when an all-gather failed (stage 3).
     pub fn visit_params<M: Module, V: ModuleVisitor>(&self, model: &M, visitor: &mut V) -> Result<(), ShardError> {
-        if !self.plan.shards_parameters() {
+        if !self.plan.params().shards_parameters() {
             model.visit(visitor);
             return Ok(());
         }
@@ -52,7 +52,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             inner: visitor,
             specs: &specs,
         });
-        self.plan.take_error().map_or(Ok(()), Err)
+        self.plan.params().take_error().map_or(Ok(()), Err)
     }
 
     /// `model.map(mapper)` with every parameter's full value, at every stage, for edits such as
@@ -76,7 +76,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// Every rank returns the error and no shard is replaced.
     pub fn map_params<M: Module, Mp: ModuleMapper>(&mut self, model: M, mapper: &mut Mp) -> Result<M, ShardError> {
         self.refuse_half_applied("map parameters")?;
-        let mapped = match self.plan.shards_parameters() {
+        let mapped = match self.plan.params().shards_parameters() {
             false => {
                 let mapped = model.map(mapper);
                 // Whole parameters on every rank, mapped alike: every rank finds the same change.
@@ -105,7 +105,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 };
                 let mapped = model.clone().map(&mut scattering);
                 // Both taken: an all-gather's error must not surface at the next call instead.
-                let gather_error = self.plan.take_error();
+                let gather_error = self.plan.params().take_error();
                 if let Some(e) = scattering.changed.take().or(gather_error) {
                     return Err(e);
                 }
@@ -113,10 +113,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 // any is replaced: a failed write leaves the model as it was.
                 let shards = shards
                     .into_iter()
-                    .map(|(id, shard)| (id, self.plan.to_home(shard)))
+                    .map(|(id, shard)| (id, self.plan.params().to_home(shard)))
                     .collect();
                 // Every rank replaces its shards, or none does.
-                self.agree_on_disk(self.plan.flush_home(), "in map_params")?;
+                self.agree_on_disk(self.plan.params().flush_home(), "in map_params")?;
                 exchange::replace_shards(mapped, shards)
             }
         };

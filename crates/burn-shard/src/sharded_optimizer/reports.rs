@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use burn::module::Module;
 use burn::tensor::Tensor;
 
-use crate::hooks::exchange;
+use crate::fsdp::exchange;
 use crate::model::flat::{self, tensor_bytes};
 use crate::model::layout::FlatLayout;
 use crate::model::memory::{MemoryReport, module_param_bytes};

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use burn::module::{Module, ParamId};
 use burn::tensor::TensorData;
 
+use crate::bucket::reducer::BucketReducer;
 use crate::checkpoint::files::{RankFile, digest, read_digest};
 use crate::checkpoint::format::Writing;
 use crate::checkpoint::format::{
@@ -23,7 +24,6 @@ use crate::error::ShardError;
 use crate::model::census::{Entry, EntryKind};
 use crate::model::layout::SUPPORTED;
 use crate::optim::master::MasterWeightStep;
-use crate::overlap::bucket_reducer::BucketReducer;
 use crate::sharded_optimizer::optimizer::ShardedOptimizer;
 use crate::sharded_optimizer::save_in_flight::SaveInFlight;
 use crate::stage::Stage;
@@ -200,7 +200,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         //    agree).
         let pending = self.pending.count()
             + self.bucket_reducer.as_ref().map_or(0, BucketReducer::pending_slots)
-            + self.plan.stored_grad_count();
+            + self.plan.params().stored_grad_count();
         let checked = match pending {
             // The sums would not be saved: refuse rather than lose them on resume.
             0 => to_set_aside(&root, &lineage)
@@ -351,7 +351,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .collect();
         let stage = self.stage();
         let mut file = RankFile::default();
-        let mut held = HeldValues::of(model, &entries, self.plan.shards_parameters());
+        let mut held = HeldValues::of(model, &entries, self.plan.params().shards_parameters());
         for (id, entry, holding) in &entries {
             let Some(range) = piece(stage, *holding, entry.numel(), rank, world_size) else {
                 continue;
@@ -417,7 +417,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .entries()
             .filter(|(_, e)| e.numel() > 0 && SUPPORTED.contains(&e.dtype))
             .map(|(id, entry)| {
-                let holding = match (self.plan.shards_parameters(), self.layout.slot_of(&id)) {
+                let holding = match (self.plan.params().shards_parameters(), self.layout.slot_of(&id)) {
                     (true, _) if entry.kind == EntryKind::Param => Holding::Chunks,
                     (true, _) => Holding::Whole,
                     (false, Some(index)) => Holding::Slot(&self.layout, index),

@@ -147,7 +147,7 @@ pub(crate) fn agree_on_disk(
 /// The directory a disk agreement's errors name for this rank: the optimizer-state swap file's
 /// when the state is offloaded to NVMe, else the stage-3 shard file's (empty without either).
 pub(crate) fn disk_dir<O: MasterWeightStep>(slots: &SlotStates<O>, plan: &StagePlan) -> PathBuf {
-    slots.swap_dir().unwrap_or_else(|| plan.shard_dir())
+    slots.swap_dir().unwrap_or_else(|| plan.params().shard_dir())
 }
 
 /// `world_size / Σ items` over every rank of `world` (every rank calls it at the same point): the

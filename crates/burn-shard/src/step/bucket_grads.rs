@@ -4,12 +4,12 @@
 use burn::tensor::{Device, Tensor};
 
 use crate::error::ShardError;
+use crate::fsdp::read_ahead::ReadAhead;
+use crate::fsdp::shard::{PassShards, Shard};
 use crate::model::flat;
 use crate::model::layout::{Bucket, FlatLayout};
-use crate::placement::read_ahead::ReadAhead;
-use crate::placement::shard::Shard;
 use crate::step::context::StepContext;
-use crate::step::pending::{self, PassShards};
+use crate::step::pending;
 use crate::step::stage_plan::StagePlan;
 
 /// The step's gradients, bucket by bucket: in memory, or at stage 3 with NVMe parameter
@@ -80,7 +80,7 @@ impl StoredGrads {
         device: &Device,
         grad_parts: &mut flat::SlotValues,
     ) -> Option<Self> {
-        let mut kept = plan.take_stored_grads()?;
+        let mut kept = plan.params().take_stored_grads()?;
         let mut shards = vec![Vec::new(); layout.slots().len()];
         for (index, slot) in layout.slots().iter().enumerate() {
             let Some(slot_shards) = kept.remove(&slot.id) else {

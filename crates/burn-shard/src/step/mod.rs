@@ -8,7 +8,7 @@
 //! per-slot optimizer state and masters that checkpoints save (`slot_state`), what `init` asks of
 //! the step (`options`), what the last call measured and the reports (`last_step`, `reports`),
 //! and reading or editing the parameters with a user's visitor or mapper (`params`). Imports
-//! `hooks`, `overlap`, `placement`, `swap`, `optim`, `model`, `error` and `stage`.
+//! `bucket`, `fsdp`, `overlap`, `swap`, `optim`, `model`, `error` and `stage`.
 
 pub(crate) mod agreement;
 pub(crate) mod bucket_grads;

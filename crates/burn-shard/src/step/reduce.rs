@@ -4,10 +4,10 @@
 
 use burn::tensor::Tensor;
 
+use crate::bucket::reducer::{BucketReducer, Early};
 use crate::error::ShardError;
 use crate::model::flat::{self, tensor_bytes};
 use crate::model::memory::PeakTracker;
-use crate::overlap::bucket_reducer::{BucketReducer, Early};
 use crate::step::agreement::any_rank;
 use crate::step::context::StepContext;
 

@@ -5,25 +5,26 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{Device, Tensor};
 use burn_shard_comm::Work;
 
 use crate::error::ShardError;
+use crate::fsdp::exchange;
+use crate::fsdp::holding::ParamHolding;
+use crate::fsdp::read_ahead::ReadAhead;
+use crate::fsdp::shard::Shard;
 use crate::model::flat::{self, tensor_bytes};
-use crate::model::layout::Bucket;
+use crate::model::layout::{Bucket, FlatLayout};
 use crate::model::memory::PeakTracker;
 use crate::optim::groups::Groups;
 use crate::optim::master::MasterWeightStep;
-use crate::placement::read_ahead::ReadAhead;
-use crate::placement::shard::Shard;
 use crate::step::agreement::{agree_on_disk, disk_dir};
 use crate::step::bucket_grads::BucketGrads;
 use crate::step::context::StepContext;
 use crate::step::measure::Clip;
 use crate::step::slot_state::SlotStates;
-use crate::step::stage_plan::Updated;
 
 /// The update phase of one step: what it reads (the context, learning rate, clipping, which
 /// slots have a gradient, each slot's optimizer) and the per-slot state it changes.
@@ -70,7 +71,7 @@ impl<O: MasterWeightStep> Update<'_, O> {
         let cx = self.cx;
         let (layout, plan, device) = (cx.layout, cx.plan, &cx.device);
         let keep: Vec<bool> = self.has_grad.iter().map(|g| !g).collect();
-        let values = plan.read_values(model, layout)?;
+        let values = read_values(plan.params(), model, layout)?;
         // From here an error leaves some buckets stepped and others not.
         *self.updating = true;
         self.slots.begin_step(self.stepped_slots());
@@ -100,7 +101,7 @@ impl<O: MasterWeightStep> Update<'_, O> {
             temp.alloc(param_bytes);
             // Stage 3: the new shards go where shards live now (written behind the step with
             // NVMe parameter offload), so the step holds one bucket of them at a time.
-            match plan.home_shards(layout, bucket, &param, &keep) {
+            match plan.params().home_shards(layout, bucket, &param, &keep) {
                 Some(homed) => {
                     temp.free(param_bytes);
                     let held = homed.iter().filter_map(|(_, s)| s.held()).map(|t| bytes_on(t, device));
@@ -115,13 +116,13 @@ impl<O: MasterWeightStep> Update<'_, O> {
         let waited = Work::wait_all(works.into_iter().map(Some));
         // Ended whatever the collectives did, so that no write of this step is left in flight.
         let swapped = self.slots.end_step();
-        let homed = plan.flush_home();
+        let homed = plan.params().flush_home();
         // A failed read or write of the shard file comes first, then the swap file's.
         let own = match failed {
             Some(e) => Err(e),
             None => homed.and(swapped),
         };
-        match self.slots.swaps() || plan.shard_store().is_some() {
+        match self.slots.swaps() || plan.params().shard_store().is_some() {
             true => agree_on_disk(cx.comm, own, device, "in this step", disk_dir(self.slots, plan))?,
             false => own?,
         }
@@ -131,7 +132,10 @@ impl<O: MasterWeightStep> Update<'_, O> {
             temp.free(param_bytes);
             temp.alloc(bytes_on(updated, device));
         }
-        Ok(plan.updated(full, shards))
+        Ok(match plan.params().shards_parameters() {
+            true => Updated::Shards(shards),
+            false => Updated::Buckets(full),
+        })
     }
 
     /// Steps each parameter's piece of `range` of `bucket` with its own optimizer state (so
@@ -203,4 +207,48 @@ fn bytes_on(tensor: &Tensor<1>, device: &Device) -> usize {
         true => tensor_bytes(tensor),
         false => 0,
     }
+}
+
+/// What a step updated: each bucket's published values (whole parameters, stages 0-2), or the
+/// stepped slots' new shards, already where shards live (stage 3).
+pub(crate) enum Updated {
+    Buckets(Vec<Tensor<1>>),
+    Shards(HashMap<ParamId, Shard>),
+}
+
+impl Updated {
+    /// `model` rebuilt from the step's update, slots with `keep` set left as they are.
+    pub(crate) fn write_into<M: Module>(self, model: M, layout: &FlatLayout, keep: &[bool]) -> M {
+        match self {
+            Updated::Shards(shards) => exchange::replace_shards(model, shards),
+            Updated::Buckets(buckets) => flat::scatter_into(model, layout, &buckets, keep),
+        }
+    }
+}
+
+/// The current values of the layout's slots: the parameters when `params` holds them whole, or
+/// this rank's shards (read one by one as the step reaches them, from disk with NVMe parameter
+/// offload).
+///
+/// # Errors
+/// [`ShardError::UnknownParam`] when `model` lacks a parameter of the layout.
+fn read_values<M: Module>(
+    params: &dyn ParamHolding,
+    model: &M,
+    layout: &FlatLayout,
+) -> Result<Vec<Option<Shard>>, ShardError> {
+    if !params.shards_parameters() {
+        let values = flat::param_values(model, layout)?.0;
+        return Ok(values.into_iter().map(|value| value.map(Shard::Held)).collect());
+    }
+    let mut shards = exchange::collect_shards(model);
+    let mut values = Vec::with_capacity(layout.slots().len());
+    for slot in layout.slots() {
+        let shard = shards.remove(&slot.id).ok_or_else(|| ShardError::UnknownParam {
+            path: slot.path.clone(),
+            id: slot.id.to_string(),
+        })?;
+        values.push(Some(shard));
+    }
+    Ok(values)
 }

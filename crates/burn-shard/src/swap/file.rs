@@ -42,13 +42,11 @@ impl SwapFile {
             });
         }
         let path = dir.join(name);
-        let not_writable = |e: io::Error| {
-            ShardError::Nvme {
+        let not_writable = |e: io::Error| ShardError::Nvme {
             path: path.clone(),
             reason: format!("the swap file cannot be created and written ({e})"),
             fix: "name a writable directory on a local disk (NvmeOffload::new, Home::Disk), not a read-only mount"
                 .into(),
-        }
         };
         // A job that ends removes its file after its lock is taken: the file locked must still
         // be the one at the path, else open again.

@@ -1,7 +1,7 @@
 //! Stage-3 parameter shards on disk (ZeRO-Infinity's parameter offload to NVMe, Rajbhandari et
 //! al., SC21, §5.1; DeepSpeed's `offload_param: {device: nvme}`): [`ShardStore`] is the rank's
 //! file of shards and [`StoredShard`] one shard in it (a parameter's
-//! [`Shard`](crate::placement::shard::Shard) holds one when its values are on disk).
+//! [`Shard`](crate::fsdp::shard::Shard) holds one when its values are on disk).
 //!
 //! A stored shard is written once and never overwritten: the optimizer writes each updated
 //! shard to free space and the old one's space is freed when the last clone of its handle is
@@ -35,7 +35,7 @@ use crate::swap::io_pool::{IoPool, Pending};
 ///   memory and a failed write loses nothing; at most `max_in_flight` writes are queued (the
 ///   oldest is waited for first), and [`ShardStore::flush`] waits for all of them and returns
 ///   the first failure;
-/// - a read can be started ahead of its use ([`StoredShard::start_read`], [`ReadAhead`](crate::placement::read_ahead::ReadAhead)): the gather schedule
+/// - a read can be started ahead of its use ([`StoredShard::start_read`], [`ReadAhead`](crate::fsdp::read_ahead::ReadAhead)): the gather schedule
 ///   reads the unit after the one being gathered, and the step the bucket after the one being
 ///   stepped.
 pub(crate) struct ShardStore {

@@ -112,7 +112,7 @@ struct State {
     present: Vec<bool>,
 }
 
-/// Shared by the [`BucketHook`](crate::hooks::bucket_hook::BucketHook)s of one model on one rank and its
+/// Shared by the [`BucketHook`](crate::bucket::hook::BucketHook)s of one model on one rank and its
 /// optimizer. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct BucketReducer(Arc<Inner>);

@@ -88,3 +88,6 @@ impl Shard {
         }
     }
 }
+
+/// A slot's gradient shards on disk, each with the backward pass it came from.
+pub(crate) type PassShards = Vec<(u64, Shard)>;

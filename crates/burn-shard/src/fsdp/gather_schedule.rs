@@ -24,13 +24,13 @@ use std::collections::{HashMap, HashSet};
 use burn::tensor::{DType, Tensor};
 use burn_shard_comm::Work;
 
+use crate::fsdp::collectives::dtype_group;
+use crate::fsdp::comm_context::CommContext;
+use crate::fsdp::home::ShardHome;
+use crate::fsdp::read_ahead::ReadAhead;
+use crate::fsdp::shard::Shard;
+use crate::fsdp::spec::{ParamSpec, Phase};
 use crate::overlap::call_tag::CallTag;
-use crate::overlap::collectives::dtype_group;
-use crate::overlap::comm_context::CommContext;
-use crate::overlap::spec::{ParamSpec, Phase};
-use crate::placement::home::ShardHome;
-use crate::placement::read_ahead::ReadAhead;
-use crate::placement::shard::Shard;
 
 /// A group: the phase and the tag of the group's first parameter.
 type GroupKey = (Phase, u64);

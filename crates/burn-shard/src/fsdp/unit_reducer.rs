@@ -47,11 +47,11 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Shape, Tensor};
 use burn_shard_comm::{ReduceOp, Work};
 
+use crate::fsdp::collectives::{dtype_group, pad_to, reduce_scatter_grad};
+use crate::fsdp::comm_context::CommContext;
+use crate::fsdp::spec::{POLICY_SCOPE, ParamSpec};
 use crate::overlap::backward_log::BackwardLog;
 use crate::overlap::call_tag::CallTag;
-use crate::overlap::collectives::{dtype_group, pad_to, reduce_scatter_grad};
-use crate::overlap::comm_context::CommContext;
-use crate::overlap::spec::{POLICY_SCOPE, ParamSpec};
 
 /// This rank's shard of a parameter's mean gradient, ready to be registered.
 pub(crate) struct Reduced {
@@ -368,7 +368,7 @@ fn start(ctx: &CommContext, grads: Vec<FullGrad>) -> InFlight {
 
 /// Adds the shards `reduced` to `grads` under their parameters' ids, reshaped to the shape of
 /// their gradients at stage 3 (`[1, .., 1, chunk]`); a parameter of `model` that already has a
-/// gradient gets the sum. The optimizer calls this with [`FsdpContext::finish_reduce`](crate::overlap::context::FsdpContext::finish_reduce) for the
+/// gradient gets the sum. The optimizer calls this with [`FsdpContext::finish_reduce`](crate::fsdp::context::FsdpContext::finish_reduce) for the
 /// shards that backward left in flight.
 pub(crate) fn add_to_grads<M: Module>(model: &M, reduced: Vec<Reduced>, grads: &mut GradientsParams) {
     struct Add<'a> {

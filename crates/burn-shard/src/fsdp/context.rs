@@ -13,13 +13,13 @@ use burn::tensor::Tensor;
 use burn_shard_comm::Collective;
 
 use crate::error::ShardError;
-use crate::overlap::collectives::all_gather_full;
-use crate::overlap::comm_context::CommContext;
-use crate::overlap::gather_schedule::Schedule;
-use crate::overlap::spec::{POLICY_SCOPE, ParamSpec};
-use crate::overlap::unit_reducer::{Reduced, Reducer};
-use crate::placement::home::{ParamHome, ShardHome};
-use crate::placement::shard::Shard;
+use crate::fsdp::collectives::all_gather_full;
+use crate::fsdp::comm_context::CommContext;
+use crate::fsdp::gather_schedule::Schedule;
+use crate::fsdp::home::{ParamHome, ShardHome};
+use crate::fsdp::shard::Shard;
+use crate::fsdp::spec::{POLICY_SCOPE, ParamSpec};
+use crate::fsdp::unit_reducer::{Reduced, Reducer};
 
 /// Shared by the sharded parameters of one model on one rank. Cheap to clone. Dereferences to
 /// its [`CommContext`] (the collective, the first error, transient memory), which the schedule
@@ -86,7 +86,7 @@ impl FsdpContext {
     }
 
     /// The full `[numel]` parameter of `spec`: taken from its unit's grouped all-gather when the
-    /// schedule fetched it, else all-gathered alone (see [`crate::overlap::gather_schedule`]).
+    /// schedule fetched it, else all-gathered alone (see [`crate::fsdp::gather_schedule`]).
     pub(crate) fn gather(&self, spec: &ParamSpec) -> Tensor<1> {
         let mut schedule = self.0.schedule.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(full) = schedule.take(&self.0.comm, &self.0.home, spec) {
@@ -120,7 +120,7 @@ impl FsdpContext {
 
     /// Takes the complete full gradient (`[numel]`) of `spec`'s parameter, whose autodiff leaf
     /// is `node`, for its unit's grouped reduce-scatter; returns the shards ready to register
-    /// now (see [`crate::overlap::unit_reducer`]).
+    /// now (see [`crate::fsdp::unit_reducer`]).
     pub(crate) fn reduce(&self, spec: &ParamSpec, node: NodeId, grad: Tensor<1>) -> Vec<Reduced> {
         let mut reducer = self.0.reducer.lock().unwrap_or_else(|p| p.into_inner());
         reducer.add(&self.0.comm, spec, node, grad)

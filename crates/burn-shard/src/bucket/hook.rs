@@ -17,11 +17,11 @@ use burn::module::{
 };
 use burn::tensor::{Device, Tensor};
 
-use crate::hooks::gather_op::FlatPrimitive;
-use crate::hooks::unit::current_unit;
+use crate::bucket::reducer::BucketReducer;
+use crate::fsdp::gather_op::FlatPrimitive;
+use crate::fsdp::unit::current_unit;
 use crate::model::census::{BUCKET_HOOK_NAME, Census, EntryKind};
 use crate::model::layout::FlatLayout;
-use crate::overlap::bucket_reducer::BucketReducer;
 
 /// What one hook needs: the rank's reducer and the parameter's place in the layout.
 #[derive(Clone, Debug)]

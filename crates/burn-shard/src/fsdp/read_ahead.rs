@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::placement::shard::Shard;
+use crate::fsdp::shard::Shard;
 use crate::swap::shard_store::{ShardRead, StoredShard};
 
 /// Reads started ahead, by shard (the address of its handle: the handle kept beside the read

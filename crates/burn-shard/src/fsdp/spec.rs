@@ -1,4 +1,4 @@
-//! What one stage-3 gather or re-gather is of, shared by the ops that issue it (`hooks`, whose
+//! What one stage-3 gather or re-gather is of, shared by the ops that issue it (`gather_op.rs`, whose
 //! `GatherSpec` adds the rank's context) and the schedule and reducer that group it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use burn::module::ParamId;
 use burn::tensor::Shape;
 
-use crate::placement::shard::Shard;
+use crate::fsdp::shard::Shard;
 
 /// Where a gather runs: in forward (`param.val()`), or re-gathered in backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

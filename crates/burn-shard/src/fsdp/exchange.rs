@@ -1,6 +1,6 @@
 //! Reading and replacing the shards a stage-3 model holds.
 //!
-//! A shard lives inside its parameter's [`ShardedParam`](crate::hooks::sharded_param::ShardedParam),
+//! A shard lives inside its parameter's [`ShardedParam`](crate::fsdp::sharded_param::ShardedParam),
 //! which module traversal does not show as a parameter. The sharded optimizer reaches the shards
 //! through Burn's own traversal instead: it visits (or maps) the model with an exchange active
 //! on its thread, and each `ShardedParam`'s hand-written `visit` (or `map`) reports (or replaces)
@@ -13,9 +13,9 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, ParamId};
 use burn::tensor::Tensor;
 
-use crate::hooks::gather_op::GatherSpec;
-use crate::overlap::collectives::pad_to;
-use crate::placement::shard::Shard;
+use crate::fsdp::collectives::pad_to;
+use crate::fsdp::gather_op::GatherSpec;
+use crate::fsdp::shard::Shard;
 
 enum Exchange {
     /// Sharded states reported by `visit`.

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use burn::tensor::{Device, Tensor};
 
 use crate::error::ShardError;
-use crate::placement::shard::Shard;
+use crate::fsdp::shard::Shard;
 use crate::swap::shard_store::{ShardRead, ShardStore};
 
 /// Parameter offload (`Home::Host` in [`crate::ShardConfig::placement`]): this rank's shards live in host

@@ -6,7 +6,7 @@ use std::cell::{Cell, RefCell};
 use burn::backend::{Dispatch, DispatchTensor};
 use burn::tensor::Tensor;
 
-use crate::hooks::gather_op::FsdpOps;
+use crate::fsdp::gather_op::FsdpOps;
 
 thread_local! {
     /// The unit whose forward is running on this thread, if any: its input and its scope number.
@@ -67,7 +67,7 @@ pub fn unit<const D: usize, R: 'static>(input: &Tensor<D>, forward: impl FnOnce(
 /// Why: under Burn's balanced checkpointing a residual stream is a chain of memory-bound adds,
 /// so recomputing one unit's input in backward would recompute every unit before it, and
 /// re-gather their biases and norms out of order (which also leaves their backward groups
-/// ungrouped and unprefetched, see [`crate::overlap::gather_schedule`]). A compute-bound identity at each
+/// ungrouped and unprefetched, see [`crate::fsdp::gather_schedule`]). A compute-bound identity at each
 /// unit's output makes Burn save it instead, so backward recomputes within one unit at a time:
 /// the checkpoint per block of activation checkpointing as FSDP users know it.
 fn checkpoint_boundary<const D: usize, R: 'static>(dims: [usize; D], output: R) -> R {

@@ -1,7 +1,7 @@
 //! What every stage-3 collective of one rank shares, as a leaf (FSDP2's comm context):
 //! communication only, that is the collective, the first error (ops cannot return one through
 //! Burn's autodiff) and the probes of transient memory. Where the shards live and how they reach
-//! the compute device is [`ShardHome`](crate::placement::home::ShardHome)'s. The gather schedule,
+//! the compute device is [`ShardHome`](crate::fsdp::home::ShardHome)'s. The gather schedule,
 //! the unit reducer and the buffer layouts of `collectives` take it;
 //! [`super::context::FsdpContext`] owns it with them, so nothing here calls back into its owner.
 

@@ -12,7 +12,7 @@
 //! The shard itself (`[chunk]` elements, plain, not tracked by autodiff) lives in the attached
 //! [`ShardedParam`]. Its `Module` impl is written by hand: module traversal does not see the
 //! shard as a parameter (it would count twice), and the sharded optimizer reads and replaces
-//! shards through [`crate::hooks::exchange`].
+//! shards through [`crate::fsdp::exchange`].
 
 use burn::backend::Dispatch;
 use burn::module::{
@@ -22,17 +22,17 @@ use burn::module::{
 use burn::tensor::{Device, Shape, Tensor};
 
 use crate::error::ShardError;
-use crate::hooks::exchange;
-use crate::hooks::gather_op::{FsdpOps, GatherSpec};
-use crate::hooks::unit::current_unit;
+use crate::fsdp::context::FsdpContext;
+use crate::fsdp::exchange;
+use crate::fsdp::gather_op::{FsdpOps, GatherSpec};
+use crate::fsdp::shard::Shard;
+use crate::fsdp::spec::{ParamSpec, Phase, next_version};
+use crate::fsdp::unit::current_unit;
 use crate::model::census::{Census, EntryKind, SHARD_NAME};
 use crate::model::layout::ParamSlot;
 use crate::model::root_values::RootValues;
 use crate::model::units::UnitPolicy;
 use crate::overlap::call_tag::CallTag;
-use crate::overlap::context::FsdpContext;
-use crate::overlap::spec::{ParamSpec, Phase, next_version};
-use crate::placement::shard::Shard;
 
 /// The reparameterization of a stage-3 parameter: it holds this rank's shard, and `param.val()`
 /// all-gathers the full value on demand (see the module docs).
@@ -66,7 +66,7 @@ impl Reparameterization for ShardedParam {
     fn apply<const D: usize>(&self, placeholder: Tensor<D>) -> Tensor<D> {
         let out = match current_unit() {
             Some((input, scope)) => {
-                crate::hooks::unit::note_gather();
+                crate::fsdp::unit::note_gather();
                 let mut spec = self.spec.clone();
                 spec.param.unit_scope = Some(scope);
                 <Dispatch as FsdpOps>::fsdp_all_gather_in_unit(placeholder.into_dispatch(), input, spec)

@@ -11,11 +11,11 @@
 //! `world_size` elements, so rank `r`'s shard of it is elements `r * shard_numel ..
 //! (r + 1) * shard_numel`. Buckets are the unit of every gradient reduction and parameter
 //! all-gather of stages 0-2 and of the optimizer step at every stage; stage 3's gather units
-//! are chosen apart from them (`ShardConfig::with_units`, `fsdp.rs`).
+//! are chosen apart from them (`ShardConfig::with_units`, `fsdp/`).
 //!
-//! `ShardConfig::init` attaches a `BucketHook` (`hooks/bucket_hook.rs`) to every trainable parameter: `val()`
+//! `ShardConfig::init` attaches a `BucketHook` (`bucket/hook.rs`) to every trainable parameter: `val()`
 //! passes the parameter through an identity op whose backward hands the parameter's gradient to
-//! the rank's `BucketReducer` (`overlap/bucket_reducer.rs`). Inside a [`unit`](fn@crate::fsdp::unit) scope the unit's
+//! the rank's `BucketReducer` (`bucket/reducer.rs`). Inside a [`unit`](fn@crate::fsdp::unit) scope the unit's
 //! input is a second, gradient-less parent, so Burn's backward (deepest nodes first) runs the
 //! hook right after the unit's backward; without units the hooks run at the end of backward and
 //! nothing overlaps (the results are the same), so the layers after the last block are best a
@@ -59,5 +59,8 @@
 //! with the `cube` feature, Burn's `fusion` on or off), with more than one rank: elsewhere an
 //! early start would only move the wait, and the step reduces as before.
 //!
-//! Where the code is: `hooks/bucket_hook.rs` (the hook), `overlap/bucket_reducer.rs` (the
+//! Where the code is: `bucket/hook.rs` (the hook), `bucket/reducer.rs` (the
 //! reducer), `step/` (the optimizer call that finishes it).
+
+pub(crate) mod hook;
+pub(crate) mod reducer;

@@ -1,7 +1,7 @@
 //! The stage-3 autodiff op: a differentiable all-gather of a parameter shard.
 //!
 //! Forward: all-gather the shard into the full parameter. Backward: the gradient of the full
-//! parameter, once every consumer has added its part, goes to the [`reducer`](crate::overlap::unit_reducer),
+//! parameter, once every consumer has added its part, goes to the [`reducer`](crate::fsdp::unit_reducer),
 //! which reduce-scatters it with the rest of its unit into the shard's gradient (mean over
 //! ranks). The op is registered *memory-bound* with a retro-forward: a
 //! consumer that needs the full weight in its own backward (a matmul) records "recompute"
@@ -46,9 +46,9 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Flex, backend_extension};
 use burn::tensor::{Shape, Tensor};
 
-use crate::overlap::context::FsdpContext;
-use crate::overlap::spec::{ParamSpec, Phase, next_version};
-use crate::placement::shard::Shard;
+use crate::fsdp::context::FsdpContext;
+use crate::fsdp::shard::Shard;
+use crate::fsdp::spec::{ParamSpec, Phase, next_version};
 
 /// What a gather op carries: the rank's shared context and what the gather is of. Reads of the
 /// [`ParamSpec`] fields (shard, shapes, tag, version, phase, unit scope) go through `Deref`;
@@ -274,7 +274,7 @@ impl<B: Backend + FsdpOps + FlatPrimitive> Backward<B, 2> for GatherInUnitBackwa
 
 /// Hands the gather's full gradient to the reducer (when the placeholder, the first parent,
 /// wants one) and registers every shard the reducer has ready on its parameter's placeholder:
-/// this one's, or those of the unit reduced before (see [`crate::overlap::unit_reducer`]).
+/// this one's, or those of the unit reduced before (see [`crate::fsdp::unit_reducer`]).
 fn hand_to_reducer<B: Backend + FlatPrimitive, const N: usize>(grads: &mut Gradients, ops: Ops<GatherSpec, N>) {
     let grad = grads.consume::<B>(&ops.node);
     let Some(placeholder) = ops.parents.first().and_then(|p| p.as_ref()).map(|p| p.id) else {

@@ -3,10 +3,10 @@
 
 use burn::tensor::{DType, Tensor};
 
-use crate::overlap::comm_context::CommContext;
+use crate::fsdp::comm_context::CommContext;
 
 /// This rank's `[chunk]` shard, on the device it is gathered on (see
-/// [`ShardHome::to_compute`](crate::placement::home::ShardHome::to_compute)) -> the full
+/// [`ShardHome::to_compute`](crate::fsdp::home::ShardHome::to_compute)) -> the full
 /// `[numel]` parameter (padding dropped) there.
 /// On a collective error the error is recorded and zeros are returned (the step then fails).
 pub(crate) fn all_gather_full(ctx: &CommContext, shard: Tensor<1>, numel: usize, tag: u64) -> Tensor<1> {
