@@ -53,9 +53,10 @@ fn shard_config_nested_in_a_burn_config_round_trips_through_config_json() {
 
 /// A `config.json` written before the config was a tree (2026-12-07: every field at the top,
 /// three spellings of offload) loads as the tree that says the same: each field where it moved,
-/// `offload_params` as the shards and the state in host memory (it needed `Offload` then),
-/// `nvme_offload_params` with its I/O settings or as a directory alone (the form before those
-/// existed).
+/// `offload_params` alone as the shards and the state in host memory (it needed `Offload`
+/// then), `nvme_offload_params` with its I/O settings or as a directory alone (the form before
+/// those existed), the state's home then only what `nvme_offload` says (the file cannot say
+/// whether the optimizer was wrapped: `Flex` ran shards on disk with a plain one).
 #[test]
 fn configs_saved_before_the_tree_still_load() {
     use burn_shard::{FrozenEntries, MeshLayout};
@@ -101,6 +102,13 @@ fn configs_saved_before_the_tree_still_load() {
     let path: ShardConfig = serde_json::from_str("{\"stage\": 3, \"nvme_offload_params\": \"/nvme/swap\"}").unwrap();
     assert_eq!(
         path,
+        ShardConfig::new(Stage::Three).with_params_on(Home::Disk(NvmeOffload::new("/nvme/swap")))
+    );
+    let both: ShardConfig =
+        serde_json::from_str("{\"stage\": 3, \"offload_params\": true, \"nvme_offload_params\": \"/nvme/swap\"}")
+            .unwrap();
+    assert_eq!(
+        both,
         ShardConfig::new(Stage::Three).with_params_on(Home::Disk(NvmeOffload::new("/nvme/swap")))
     );
     let none: ShardConfig = serde_json::from_str("{\"stage\": 3, \"nvme_offload_params\": null}").unwrap();

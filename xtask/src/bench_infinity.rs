@@ -488,7 +488,7 @@ fn compare_small(corpus: &CharCorpus, swap: &Path) -> Result<(Trained, Trained, 
     let nvme = plain
         .clone()
         .with_optimizer_state_on(Home::Disk(NvmeOffload::new(swap)))
-        .with_params_on(Home::Disk(swap.into()));
+        .with_params_on(Home::Disk(NvmeOffload::new(swap)));
     let (model, device) = seeded_gpt(corpus, block, 256, 4);
     let params = model.num_params();
     let shape = (batch, block, LR_SMALL);
@@ -523,7 +523,7 @@ fn big_run(args: &Args, corpus: &CharCorpus, layers: usize) -> Result<BigRun, St
     let params = model.num_params();
     let config = ShardConfig::new(Stage::Three)
         .with_optimizer_state_on(Home::Disk(NvmeOffload::new(&args.swap_dir)))
-        .with_params_on(Home::Disk(&args.swap_dir.into()));
+        .with_params_on(Home::Disk(NvmeOffload::new(&args.swap_dir)));
     let (mut init_s, mut init_peak_rss) = (0.0, 0);
     let shape = (args.batch, args.block, lr_wide(layers));
     let checkpoint = args.swap_dir.join("checkpoint");

@@ -59,7 +59,8 @@ pub enum ShardError {
         rank: usize,
         /// The rank whose config differs.
         peer: usize,
-        /// The fields that differ (their serde names).
+        /// The fields that differ, as paths in the config's tree (`stage`, `stage3.units`,
+        /// `placement.params`).
         fields: Vec<String>,
     },
     /// The module given to `step`, `save_checkpoint` or `load_checkpoint` is not the one the

@@ -181,8 +181,10 @@ impl ShardConfig {
     ///   [`NvmeOffload`](crate::NvmeOffload) for the files, the I/O and the costs.
     ///
     /// `ShardConfig::new(Stage::Two).with_optimizer_state_on(Home::Host)`. Checkpoints are the
-    /// same files wherever the state lived, and load into any placement. Results are bitwise
-    /// those of the state on the device.
+    /// same files wherever the state lived, and load into any placement. With the fused Adam
+    /// (`AdamConfig`/`AdamWConfig`) results are bitwise those of the state on the device (its
+    /// CPU and device kernels compute one expression in one order, tested on wgpu); another
+    /// optimizer steps with Burn's own kernels of the host device, which may round otherwise.
     ///
     /// # Errors (at `init`, on every rank)
     /// [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) for [`Home::Host`] with a
@@ -255,7 +257,9 @@ impl ShardConfig {
     /// it, and jobs sharing `nvme.path` do not share it), and its space is freed when the process
     /// ends, also when it is killed.
     ///
-    /// Results are bitwise those of the same training with the shards on the device.
+    /// On `Flex`, results are bitwise those of the same training with the shards in memory
+    /// (tested); on an accelerator the update runs where the state is (see
+    /// [`ShardConfig::with_optimizer_state_on`]).
     ///
     /// # Errors
     /// At `init`, on every rank: [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig)

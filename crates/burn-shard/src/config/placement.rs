@@ -55,8 +55,8 @@ impl Home {
 ///
 /// Where the state is off the device, the update of a shard runs in host memory, where its
 /// state is; parameters in host memory or on disk need that (the step updates a shard where its
-/// state lives, which must be where the shard lives). Results are bitwise those of the same
-/// training with everything on the device.
+/// state lives, which must be where the shard lives). With the fused Adam, results are bitwise
+/// those of the same training with everything on the device.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Placement {
     /// The optimizer state and the `f32` master weights of `bf16`/`f16` parameters (default

@@ -83,8 +83,13 @@ impl FlatFields {
         }
     }
 
-    /// The placement the flat fields said. `offload_params` needed the optimizer wrapped in
-    /// `Offload` then, which kept its state in host memory: it says that state's home too.
+    /// The placement the flat fields said. `offload_params` alone (shards in host memory)
+    /// was accepted only on an accelerator with the optimizer wrapped in `Offload`, which kept
+    /// its state in host memory: it says that state's home too. With `nvme_offload_params`
+    /// (shards on disk, also accepted on `Flex` with a plain optimizer) the file does not say
+    /// whether the optimizer was wrapped: the state stays where `nvme_offload` says (on the
+    /// device without it), and an accelerator run that had the wrapper adds
+    /// `with_optimizer_state_on(Home::Host)` (`init` refuses it otherwise, naming that).
     pub(super) fn placement(&self) -> Placement {
         let params = match (&self.nvme_offload_params, self.offload_params) {
             (Some(PathOrNvme::Path(path)), _) => Home::Disk(NvmeOffload::new(path)),
@@ -92,10 +97,10 @@ impl FlatFields {
             (None, true) => Home::Host,
             (None, false) => Home::Device,
         };
-        let optimizer_state = match (&self.nvme_offload, self.offload_params) {
+        let optimizer_state = match (&self.nvme_offload, &params) {
             (Some(nvme), _) => Home::Disk(nvme.clone()),
-            (None, true) => Home::Host,
-            (None, false) => Home::Device,
+            (None, Home::Host) => Home::Host,
+            (None, _) => Home::Device,
         };
         Placement {
             optimizer_state,

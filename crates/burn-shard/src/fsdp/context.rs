@@ -191,7 +191,7 @@ impl FsdpContext {
     }
 
     /// The unit scope of a forward gather of a parameter of policy unit `unit` (see
-    /// [`crate::ShardConfig::units`]): the scope of the unit running, or a new one when the
+    /// [`crate::Stage3Config::units`]): the scope of the unit running, or a new one when the
     /// gathers move to another unit. That is what an `fsdp::unit` call around the unit's
     /// forward would give, read from the order of the gathers instead of from the model code.
     pub(crate) fn policy_scope(&self, unit: u32) -> u64 {

@@ -1,9 +1,9 @@
 //! Stage 3 (FSDP): parameters sharded too, all-gathered per use and freed after it.
 //!
-//! Everything stage 3 adds lives in this folder; the rest of the crate reaches it through one
-//! trait, `ParamHolding` (`holding.rs`: how this rank holds the
-//! parameters, whole at stages 0-2 or sharded here), which the step asks through `StagePlan`,
-//! and through the init that shards a model (`init/stage3.rs`). The decomposition follows
+//! Everything stage 3 adds lives in this folder. The step asks it through one trait,
+//! `ParamHolding` (`holding.rs`: how this rank holds the parameters, whole at stages 0-2 or
+//! sharded here), held by `StagePlan`; the optimizer's face and checkpoints read and replace
+//! shards through `exchange.rs`; `init/stage3.rs` shards a model. The decomposition follows
 //! PyTorch FSDP2's (paths under `crates/burn-shard/src/fsdp/`):
 //! - `sharded_param.rs`: one parameter's sharded state (its shard, full shape, how to unshard
 //!   it), attached to Burn's `Param` as a `Reparameterization` over a full-shape placeholder,

@@ -73,8 +73,8 @@ impl Reparameterization for ShardedParam {
             }
             None => {
                 let mut spec = self.spec.clone();
-                // A unit named by `ShardConfig::units`: gathered and reduced with its unit, as
-                // inside an `fsdp::unit` scope (without the unit input: see `ShardConfig::units`).
+                // A unit named by `Stage3Config::units`: gathered and reduced with its unit, as
+                // inside an `fsdp::unit` scope (without the unit input: see `Stage3Config::units`).
                 spec.param.unit_scope = spec.policy_unit.map(|unit| spec.ctx.policy_scope(unit));
                 <Dispatch as FsdpOps>::fsdp_all_gather(placeholder.into_dispatch(), spec)
             }
@@ -160,7 +160,7 @@ pub(crate) struct Sharder {
     pub(crate) root: RootValues,
     /// `[chunk]` slots of the trainable shards, for `FlatLayout::from_slots`.
     pub(crate) slots: Vec<ParamSlot>,
-    /// The units of `ShardConfig::units`, numbered as parameters are met.
+    /// The units of `Stage3Config::units`, numbered as parameters are met.
     pub(crate) units: UnitPolicy,
 }
 

@@ -46,12 +46,12 @@ pub struct ParamSpec {
     pub(crate) phase: Phase,
     /// The [`unit`](crate::fsdp::unit) scope the forward gather runs in, if any.
     pub(crate) unit_scope: Option<u64>,
-    /// The unit [`crate::ShardConfig::units`] puts the parameter in, if any: outside an
+    /// The unit [`crate::Stage3Config::units`] puts the parameter in, if any: outside an
     /// `fsdp::unit` scope, its forward gather runs in that unit's scope.
     pub(crate) policy_unit: Option<u32>,
 }
 
-/// Scope numbers of the units that `ShardConfig::units` names have this bit set, so they never
+/// Scope numbers of the units that `Stage3Config::units` names have this bit set, so they never
 /// equal the scope numbers of `fsdp::unit` calls (counted from 0 per thread).
 pub(crate) const POLICY_SCOPE: u64 = 1 << 63;
 

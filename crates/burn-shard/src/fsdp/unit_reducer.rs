@@ -10,7 +10,7 @@
 //! as many gradients as the same unit had in the previous pass, or, for an `fsdp::unit` scope,
 //! when a gradient of another such unit arrives (its backward is contiguous). Units are told
 //! apart by their scope, not by the order of arrival: the gradients of units named by
-//! `ShardConfig::units` all arrive at the end of backward, interleaved in Burn's traversal
+//! `Stage3Config::units` all arrive at the end of backward, interleaved in Burn's traversal
 //! order, so such a unit starts when its learned count is complete. At most one reduce-scatter
 //! is in flight: starting the next one waits for it, and its shards are returned for
 //! registration on the parameters' autodiff leaves.
@@ -26,7 +26,7 @@
 //! ([`Reducer::finish`], called by `step` and `accumulate`), and the reducer learns again.
 //!
 //! Memory: one unit's full gradients plus one unit's in flight, as FSDP2, for `fsdp::unit`
-//! scopes; units named by `ShardConfig::units` keep every full gradient until the end of
+//! scopes; units named by `Stage3Config::units` keep every full gradient until the end of
 //! backward (Burn runs their gathers' backwards last). The gradient of a parameter gathered
 //! outside any unit (a tied head, an embedding) is a group of its own, started as soon as it is
 //! complete.

@@ -226,8 +226,18 @@ fn init_with<M: Module, O: MasterWeightStep>(
     let root = RootValues::new(world.clone(), &model, &census, pretrained)?;
     if config.stage == Stage::Three {
         // Entry by entry: each is synced and sharded before the next exists.
-        return stage3::shard_parameters(config, model, optim, options, root, comm, census, buffers, homes.params)
-            .map(|(model, optim)| (model, optim.with_mesh(mesh)));
+        return stage3::shard_parameters(
+            config,
+            model,
+            optim,
+            options,
+            root,
+            [comm, world],
+            census,
+            buffers,
+            homes.params,
+        )
+        .map(|(model, optim)| (model, optim.with_mesh(mesh)));
     }
     let plan = StagePlan::whole(config.stage);
     let mut sync = SyncEntries { census: &census, root };

@@ -17,11 +17,14 @@ use crate::model::root_values::RootValues;
 use crate::model::units::UnitPolicy;
 use crate::optim::master::MasterWeightStep;
 use crate::sharded_optimizer::optimizer::ShardedOptimizer;
+use crate::step::agreement::{agree_on_disk, flag_device};
 use crate::step::options::StepOptions;
 use crate::step::stage_plan::StagePlan;
 
 /// Stage 3: keeps only this rank's shard of every parameter; `val()` gathers on demand. The
-/// optimizer then works on the local shards alone (their gradients arrive reduced).
+/// optimizer then works on the local shards alone (their gradients arrive reduced). `comm` is
+/// the shard group, `world` every rank (the same group without hybrid sharding): rank 0's
+/// values come over the world, so the world agrees on the shard file's writes.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn shard_parameters<M: Module, O: MasterWeightStep>(
     config: &ShardConfig,
@@ -29,7 +32,7 @@ pub(super) fn shard_parameters<M: Module, O: MasterWeightStep>(
     optim: O,
     options: StepOptions,
     root: RootValues,
-    comm: Arc<dyn Collective>,
+    [comm, world]: [Arc<dyn Collective>; 2],
     census: Census,
     buffers: Buffers,
     param_home: Option<ParamHome>,
@@ -47,13 +50,27 @@ pub(super) fn shard_parameters<M: Module, O: MasterWeightStep>(
     root.finish()?;
     // A shard that could not be written to the shard file (NVMe parameter offload): the
     // writes were queued behind the sharding; all are done before `init` returns.
-    if let Some(e) = ctx.take_error() {
-        return Err(e);
+    let plan = StagePlan::sharded(ctx);
+    let params = plan.params();
+    let written = match params.take_error() {
+        Some(e) => Err(e),
+        None => params.flush_home(),
+    };
+    match params.shard_store() {
+        // Every rank agrees on the writes before any of them returns (rank 0 may be a
+        // broadcast ahead of the others, and its error aborts the world): each rank whose own
+        // file failed names it, the others name those ranks.
+        Some(_) => agree_on_disk(
+            world.as_ref(),
+            written,
+            &flag_device(world.as_ref()),
+            "in ShardConfig::init",
+            params.shard_dir(),
+        )?,
+        None => written?,
     }
-    ctx.home().flush()?;
     units.check_all_used(&census)?;
     let local = Arc::new(FlatLayout::from_slots(slots, 1, config.bucket_numel)?);
-    let plan = StagePlan::sharded(ctx);
     let optim = ShardedOptimizer::new(optim, comm, local, plan, census, buffers, options);
     Ok((model, optim))
 }

@@ -1,11 +1,11 @@
-//! Units by module path: which parameters [`crate::ShardConfig::units`] puts in one stage-3 unit,
+//! Units by module path: which parameters [`crate::Stage3Config::units`] puts in one stage-3 unit,
 //! for models whose `forward` has no [`crate::fsdp::unit`] calls (FSDP2's
 //! `fully_shard(submodule)` from outside the model).
 
 use crate::error::ShardError;
 use crate::model::census::Census;
 
-/// The units of a model, named by the module-path patterns of [`crate::ShardConfig::units`].
+/// The units of a model, named by the module-path patterns of [`crate::Stage3Config::units`].
 ///
 /// A pattern is a module path whose segments are names or `*` (any one segment), e.g.
 /// `layers.*` (each element of a `Vec` field `layers`), `encoder.layers.*`, `head`. A parameter

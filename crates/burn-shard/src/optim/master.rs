@@ -41,6 +41,11 @@ pub trait MasterWeightStep: Optimizer {
     /// One step on this rank's `f32` `master` (`[len]`) from `grad` (`[len]`, the parameters'
     /// dtype); returns `(master, param, state)` with `param` the new master rounded to
     /// `param`'s dtype (`bf16` or `f16`).
+    ///
+    /// Only `param`'s dtype, shape and device may be used, never its values: the new values
+    /// come from the master alone, and with the state in host memory
+    /// (`with_optimizer_state_on(Home::Host)`) `param` is an uninitialised host buffer of that
+    /// dtype and shape, so that only the gradient crosses to the host.
     fn step_with_master(
         &self,
         lr: LearningRate,

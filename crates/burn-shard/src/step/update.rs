@@ -212,7 +212,9 @@ fn bytes_on(tensor: &Tensor<1>, device: &Device) -> usize {
 /// What a step updated: each bucket's published values (whole parameters, stages 0-2), or the
 /// stepped slots' new shards, already where shards live (stage 3).
 pub(crate) enum Updated {
+    /// Per bucket, its `[padded_numel]` values as every rank now holds them.
     Buckets(Vec<Tensor<1>>),
+    /// Per stepped parameter, this rank's new `[chunk]` shard.
     Shards(HashMap<ParamId, Shard>),
 }
 
