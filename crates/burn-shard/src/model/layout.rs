@@ -455,6 +455,37 @@ mod tests {
         assert_eq!(layout.buckets()[3].numel, 40);
     }
 
+    /// The layout fingerprint the ranks compare at `init`: equal for the same model built twice
+    /// (other `ParamId`s), different when any rank's layout differs in a way that would
+    /// misalign the collectives: a path, a shape of the same size, a dtype, the world size, or
+    /// where the buckets close.
+    #[test]
+    fn the_fingerprint_tells_every_layout_difference_and_ignores_ids() {
+        let of = |slots: Vec<ParamSlot>, world_size: usize, bucket_numel: usize| {
+            FlatLayout::from_slots(slots, world_size, bucket_numel)
+                .unwrap()
+                .fingerprint()
+        };
+        let base = of(model_slots(), 2, 13);
+        assert_eq!(base, of(model_slots(), 2, 13), "fresh ParamIds");
+        let mut renamed = model_slots();
+        renamed[3].path = "q3".into();
+        let mut reshaped = model_slots();
+        reshaped[3].shape = vec![3, 4];
+        let mut retyped = model_slots();
+        retyped[3].dtype = DType::F64;
+        let changed = [
+            ("a path", of(renamed, 2, 13)),
+            ("a shape of the same size", of(reshaped, 2, 13)),
+            ("a dtype", of(retyped, 2, 13)),
+            ("the world size", of(model_slots(), 3, 13)),
+            ("where buckets close", of(model_slots(), 2, 20)),
+        ];
+        for (what, fingerprint) in changed {
+            assert_ne!(fingerprint, base, "{what} changed but the fingerprint did not");
+        }
+    }
+
     /// Zero ranks or a zero bucket size is refused, and so is one `ParamId` in two fields.
     #[test]
     fn a_zero_size_or_a_shared_id_is_refused() {
