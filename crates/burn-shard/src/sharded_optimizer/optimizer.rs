@@ -221,9 +221,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// `ParamId` or module path, e.g. `ParamGroup::from_regex(r"(bias|gamma|beta)$")` for the
     /// recipe "no weight decay on biases and norm weights"), and `grad_clipping` `None` means no
     /// per-parameter clipping for the group. The parameters it matches keep their optimizer state
-    /// (step count, moments, `f32` masters), as with Burn: a run resumed with
-    /// [`ShardedOptimizer::load_checkpoint`] continues the same whether its groups are added
-    /// before or after the load. A collective: every rank calls it with the same groups (checked).
+    /// (step count, moments, `f32` masters), unlike Burn's `with_group`, which resets it: a run
+    /// resumed with [`ShardedOptimizer::load_checkpoint`] continues the same whether its groups
+    /// are added before or after the load (groups added before the first step, as usual, give
+    /// Burn's numbers either way). A collective: every rank calls it with the same groups
+    /// (checked).
     ///
     /// # Errors
     /// [`ShardError::InvalidConfig`] when `optim` is a Burn config that carries its own
@@ -247,8 +249,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         }
         check_one_norm_clipping(self.max_grad_norm, grad_clipping.as_ref())?;
         let optim = optim.into_optimizer()?;
-        // The matched slots keep their optimizer state (step count, moments, masters), as with
-        // Burn's `ModuleOptimizer::with_group`: a group added after `load_checkpoint` resumes.
+        // The matched slots keep their optimizer state (step count, moments, masters), where
+        // Burn's `ModuleOptimizer::with_group` drops it: a group added after `load_checkpoint`
+        // resumes.
         self.groups.add(group, optim, grad_clipping, &self.layout);
         crate::model::layout::check_same_layout(self.world(), self.groups.fingerprint(), &self.device)?;
         Ok(self)
