@@ -6,6 +6,7 @@ mod async_save;
 mod checkpoint;
 mod checkpoint_dirs;
 mod clipping;
+mod cluster;
 mod comm;
 mod common;
 mod config;

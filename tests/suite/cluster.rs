@@ -1,0 +1,194 @@
+//! The cluster of network namespaces that multi-node tests run on (`burn-shard-cluster`, and
+//! `cargo xtask cluster`): nodes reach each other only across their links, at the rate the
+//! links are shaped to, a cut link stops traffic until it is restored, and nothing the cluster
+//! made is left once it is dropped. Needs root and iproute2: elsewhere each test says why it
+//! skips.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use burn_shard_cluster::{Capabilities, Cluster, ClusterError, ClusterSpec};
+
+/// The namespaces of the cluster named `cluster` that exist now.
+fn namespaces_of(cluster: &str) -> Vec<String> {
+    let list = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .unwrap();
+    let prefix = format!("{cluster}-");
+    String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .filter_map(|line| line.split_whitespace().next())
+        .filter(|name| name.starts_with(&prefix))
+        .map(str::to_string)
+        .collect()
+}
+
+/// This host's capabilities, or `None` (with the reason printed) when it cannot make a cluster.
+fn capabilities_or_skip(test: &str) -> Option<Capabilities> {
+    let caps = Capabilities::probe();
+    match &caps.unsupported {
+        Some(why) => {
+            println!("{test}: skipped: {why}");
+            None
+        }
+        None => Some(caps),
+    }
+}
+
+/// Sends `bytes` from node 1 to node 0 and returns the rate in Mbit/s (the time from the first
+/// byte sent to node 0's acknowledgement of the last). Every wait is bounded (a stalled link
+/// fails the test within seconds).
+fn transfer_mbit(cluster: &Cluster, port: u16, bytes: usize) -> f64 {
+    let server: SocketAddr = (cluster.address(0), port).into();
+    let limit = Duration::from_secs(30);
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        let receiver = scope.spawn(move || {
+            cluster.enter(0).unwrap();
+            let listener = TcpListener::bind(server).unwrap();
+            listener.set_nonblocking(true).unwrap();
+            ready_tx.send(()).unwrap();
+            let started = Instant::now();
+            let mut conn = loop {
+                match listener.accept() {
+                    Ok((conn, _)) => break conn,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        assert!(started.elapsed() < limit, "no sender connected within {limit:?}");
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Err(e) => panic!("accept: {e}"),
+                }
+            };
+            conn.set_nonblocking(false).unwrap();
+            conn.set_read_timeout(Some(limit)).unwrap();
+            let mut buf = vec![0u8; 1 << 16];
+            let mut received = 0;
+            while received < bytes {
+                let n = conn.read(&mut buf).unwrap();
+                assert!(n > 0, "the sender closed after {received} of {bytes} bytes");
+                received += n;
+            }
+            conn.write_all(&[1]).unwrap();
+        });
+        ready_rx.recv().unwrap();
+        let sender = scope.spawn(move || {
+            cluster.enter(1).unwrap();
+            let mut conn = TcpStream::connect_timeout(&server, Duration::from_secs(5)).unwrap();
+            conn.set_write_timeout(Some(limit)).unwrap();
+            conn.set_read_timeout(Some(limit)).unwrap();
+            let started = Instant::now();
+            let chunk = vec![7u8; 1 << 16];
+            let mut sent = 0;
+            while sent < bytes {
+                let n = chunk.len().min(bytes - sent);
+                conn.write_all(&chunk[..n]).unwrap();
+                sent += n;
+            }
+            let mut ack = [0u8];
+            conn.read_exact(&mut ack).unwrap();
+            started.elapsed()
+        });
+        let elapsed = sender.join().unwrap();
+        receiver.join().unwrap();
+        bytes as f64 * 8.0 / elapsed.as_secs_f64() / 1e6
+    })
+}
+
+/// How a connection from a thread in node `from` to `to` ends within `timeout`: `Ok` when it
+/// opened or was refused (no listener: the node answered), the error kind otherwise
+/// (`TimedOut` when nothing answered). Only from inside a node: the host's own namespace might
+/// route `10.77.0.0/24` off the host.
+fn connect(cluster: &Cluster, from: usize, to: SocketAddr, timeout: Duration) -> Result<(), std::io::ErrorKind> {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                cluster.enter(from).unwrap();
+                match TcpStream::connect_timeout(&to, timeout) {
+                    Ok(_) => Ok(()),
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(()),
+                    Err(e) => Err(e.kind()),
+                }
+            })
+            .join()
+            .unwrap()
+    })
+}
+
+/// Two nodes on links limited to 100 Mbit/s: 8 MB crosses at that rate (an unshaped pair of
+/// namespaces moves gigabits, so the upper bound shows the limit; the lower one allows for a
+/// loaded host); node 1's link cut at the bridge makes node 0 silent to it (a connection times
+/// out, as across a broken cable), and the restored link answers again; dropping the cluster
+/// leaves none of its namespaces.
+#[test]
+fn two_nodes_talk_across_a_shaped_link_and_nothing_is_left() {
+    let test = "two_nodes_talk_across_a_shaped_link_and_nothing_is_left";
+    let Some(caps) = capabilities_or_skip(test) else { return };
+    if !caps.tbf {
+        println!("{test}: skipped: `tc` cannot add the tbf qdisc (rate limits) on this kernel");
+        return;
+    }
+    let name = {
+        let cluster = Cluster::create(&ClusterSpec::new(2).with_rate_mbit(100.0)).unwrap();
+        let made = namespaces_of(cluster.name());
+        assert_eq!(made.len(), 3, "a switch and two nodes: {made:?}");
+        let rate = transfer_mbit(&cluster, 5001, 8_000_000);
+        println!("{test}: 8 MB at {rate:.1} Mbit/s on a 100 Mbit/s link");
+        assert!((10.0..110.0).contains(&rate), "{rate:.1} Mbit/s on a 100 Mbit/s link");
+
+        let node0: SocketAddr = (cluster.address(0), 5002).into();
+        let short = Duration::from_millis(300);
+        assert_eq!(connect(&cluster, 1, node0, short), Ok(()), "node 1 reaches node 0");
+        cluster.set_link(1, false).unwrap();
+        let cut = connect(&cluster, 1, node0, short);
+        assert_eq!(
+            cut,
+            Err(std::io::ErrorKind::TimedOut),
+            "node 1 to node 0 with its link cut"
+        );
+        cluster.set_link(1, true).unwrap();
+        // The bridge forwards again within a moment of the port coming back.
+        let back = Instant::now();
+        while connect(&cluster, 1, node0, short).is_err() {
+            assert!(
+                back.elapsed() < Duration::from_secs(5),
+                "node 1's restored link stays silent"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        cluster.name().to_string()
+    };
+    assert_eq!(
+        namespaces_of(&name),
+        Vec::<String>::new(),
+        "namespaces left after the drop"
+    );
+}
+
+/// Delay, jitter and loss need the kernel's `netem`: without it the cluster is refused (before
+/// anything is made), naming what is missing and the fix; with it, a 20 ms delay on what each
+/// node sends makes a connection (a round trip) take 40 ms or more.
+#[test]
+fn delay_needs_netem_and_is_refused_without_it() {
+    let test = "delay_needs_netem_and_is_refused_without_it";
+    let Some(caps) = capabilities_or_skip(test) else { return };
+    let spec = ClusterSpec::new(2).with_delay_ms(20.0, 0.0);
+    if !caps.netem {
+        let err = Cluster::create(&spec).unwrap_err();
+        assert!(matches!(err, ClusterError::NoQdisc { qdisc: "netem", .. }), "{err:?}");
+        assert!(err.to_string().contains("drop the delay"), "{err}");
+        return;
+    }
+    let cluster = Cluster::create(&spec).unwrap();
+    let node0: SocketAddr = (cluster.address(0), 5003).into();
+    // The first connection also resolves the neighbour's address (ARP, delayed too).
+    assert_eq!(connect(&cluster, 1, node0, Duration::from_secs(2)), Ok(()));
+    let started = Instant::now();
+    assert_eq!(connect(&cluster, 1, node0, Duration::from_secs(2)), Ok(()));
+    let rtt = started.elapsed();
+    assert!(
+        (Duration::from_millis(40)..Duration::from_millis(400)).contains(&rtt),
+        "{rtt:?} for a round trip"
+    );
+}
