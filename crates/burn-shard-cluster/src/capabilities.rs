@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::command::{run, run_in};
+use crate::command::{add_netns, run, run_in};
 
 /// What this host offers a cluster. Probed, not assumed: kernels differ in the qdiscs they
 /// were built with (`netem` is often missing, `tbf` rarely).
@@ -47,7 +47,7 @@ impl Capabilities {
             std::process::id(),
             PROBES.fetch_add(1, Ordering::Relaxed)
         );
-        if let Err(e) = crate::cluster::add_netns(&name) {
+        if let Err(e) = add_netns(&name) {
             return none(format!("a network namespace could not be made: {e}"));
         }
         let qdisc = |kind: &[&str]| {

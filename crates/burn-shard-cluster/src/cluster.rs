@@ -10,12 +10,11 @@
 
 use std::net::Ipv4Addr;
 use std::process::Command;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::capabilities::Capabilities;
-use crate::command::run;
+use crate::command::{add_netns, run};
 use crate::error::ClusterError;
 use crate::spec::{ClusterSpec, LinkShape};
 
@@ -216,16 +215,6 @@ impl Drop for Cluster {
             }
         }
     }
-}
-
-/// Serialises `ip netns add`: iproute2 before 5.5 could stack `/run/netns` mounts when several
-/// ran at once (tests make clusters concurrently).
-static ADDING: Mutex<()> = Mutex::new(());
-
-/// Makes network namespace `netns`.
-pub(crate) fn add_netns(netns: &str) -> Result<(), ClusterError> {
-    let _one_at_a_time = ADDING.lock().unwrap_or_else(|p| p.into_inner());
-    ip(&["netns", "add", netns])
 }
 
 /// Kills the processes in `netns`, again until none is left (a process may fork while the

@@ -2,6 +2,7 @@
 
 use std::os::unix::process::CommandExt;
 use std::process::Command;
+use std::sync::Mutex;
 
 use crate::error::ClusterError;
 
@@ -41,4 +42,14 @@ pub(crate) fn run_in(netns: &str, program: &str, args: &[&str]) -> Result<String
     let mut all = vec!["netns", "exec", netns, program];
     all.extend_from_slice(args);
     run("ip", &all)
+}
+
+/// Serialises `ip netns add`: iproute2 before 5.5 could stack `/run/netns` mounts when several
+/// ran at once (tests make clusters concurrently).
+static ADDING: Mutex<()> = Mutex::new(());
+
+/// Makes network namespace `netns`.
+pub(crate) fn add_netns(netns: &str) -> Result<(), ClusterError> {
+    let _one_at_a_time = ADDING.lock().unwrap_or_else(|p| p.into_inner());
+    run("ip", &["netns", "add", netns]).map(drop)
 }
