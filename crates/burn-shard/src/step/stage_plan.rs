@@ -9,7 +9,6 @@
 //! this file never asks which stage runs (the suite's `architecture` test checks that no other
 //! file names a stage where the step runs).
 
-use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -25,19 +24,10 @@ use crate::overlap::call_tag::CallTag;
 use crate::stage::Stage;
 
 /// The stage, with how this rank holds the parameters; the only record of which stage runs.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub(crate) struct StagePlan {
     stage: Stage,
     params: Arc<dyn ParamHolding>,
-}
-
-impl fmt::Debug for StagePlan {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StagePlan")
-            .field("stage", &self.stage)
-            .field("params", &self.params)
-            .finish()
-    }
 }
 
 impl StagePlan {
