@@ -53,3 +53,4 @@ mod stage3;
 mod stage3_schedule;
 mod store_auth;
 mod unequal_shares;
+mod whole_params;

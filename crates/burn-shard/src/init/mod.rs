@@ -24,11 +24,12 @@ use crate::config::ShardConfig;
 use crate::error::ShardError;
 use crate::model::buffers::Buffers;
 use crate::model::census::Census;
-use crate::model::layout::FlatLayout;
+use crate::model::layout::{FlatLayout, ParamSlot};
 use crate::model::pretrained::Pretrained;
 use crate::model::pretrained::plan::PretrainedPlan;
 use crate::model::root_values::{RootValues, SyncEntries};
 use crate::optim::into_optimizer::IntoOptimizer;
+use crate::optim::into_optimizer::OptimizerGroup;
 use crate::optim::master::MasterWeightStep;
 use crate::run::Base;
 use crate::sharded_optimizer::optimizer::ShardedOptimizer;
@@ -142,9 +143,14 @@ impl ShardConfig {
         };
         let result = mesh.and_then(|mesh| {
             let clipping = optim.grad_clipping()?;
-            let optim = optim.into_optimizer()?;
+            let (optim, groups) = optim.into_parts()?;
             let comm = mesh.as_ref().map_or(world, |mesh| mesh.shard().clone());
-            init_with(self, model, pretrained, optim, clipping, comm, mesh).map(|(model, optim)| {
+            let optim = Optimizers {
+                base: optim,
+                clipping,
+                groups,
+            };
+            init_with(self, model, pretrained, optim, comm, mesh).map(|(model, optim)| {
                 (
                     model,
                     optim
@@ -161,15 +167,61 @@ impl ShardConfig {
     }
 }
 
+/// The optimizer `init` was given: the base, its per-parameter clipping, and the groups.
+struct Optimizers<O> {
+    base: O,
+    clipping: Option<GradientClipping>,
+    groups: Vec<OptimizerGroup<O>>,
+}
+
+impl<O: MasterWeightStep> Optimizers<O> {
+    /// Whether the optimizer that steps `slot` (the last group that matches it, or the base)
+    /// reads whole parameters.
+    fn wants_whole(&self, slot: &ParamSlot) -> bool {
+        let group = self
+            .groups
+            .iter()
+            .rev()
+            .find(|(g, _, _)| g.matches(&slot.id, Some(&slot.path)));
+        group.map_or(&self.base, |(_, optim, _)| optim).needs_whole_params()
+    }
+
+    /// Refusals that come before any work: whole parameters at stage 3,
+    /// and an [`AnyOptimizer`](crate::AnyOptimizer)'s state on disk.
+    ///
+    /// # Errors
+    /// [`ShardError::InvalidConfig`] naming the fix.
+    fn check(&self, config: &ShardConfig, layout: &FlatLayout, swaps: bool) -> Result<(), ShardError> {
+        let whole = layout.slots().iter().find(|slot| self.wants_whole(slot));
+        if let (Some(slot), Stage::Three) = (whole, config.stage) {
+            return Err(ShardError::InvalidConfig(format!(
+                "`{}` (shape {:?}) is stepped by an optimizer that reads whole parameters (Muon, LAMB, Adafactor), \
+                 which stage 3 does not support yet: use stage 2 (or 1), which shards the state and gradients and \
+                 gives each such parameter whole to one rank",
+                slot.path, slot.shape
+            )));
+        }
+        let erased = !self.base.state_swaps() || self.groups.iter().any(|(_, o, _)| !o.state_swaps());
+        if swaps && erased {
+            return Err(ShardError::InvalidConfig(
+                "the optimizer state on disk (Home::Disk) is not supported yet with OptimizerGroups, Muon, LAMB or \
+                 Adafactor: keep it in host memory with with_optimizer_state_on(Home::Host)"
+                    .to_string(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn init_with<M: Module, O: MasterWeightStep>(
     config: &ShardConfig,
     model: M,
     pretrained: Option<Pretrained>,
-    optim: O,
-    clipping: Option<GradientClipping>,
+    optims: Optimizers<O>,
     comm: Arc<dyn Collective>,
     mesh: Option<Arc<Mesh>>,
 ) -> Result<(M, ShardedOptimizer<O>), ShardError> {
+    let clipping = optims.clipping.clone();
     // `comm` is where the state is sharded (the shard group of a mesh); the world agrees on
     // the layout and starts from one rank's values, and names the files of each rank.
     let world = mesh.as_ref().map_or(comm.clone(), |mesh| mesh.world().clone());
@@ -190,7 +242,12 @@ fn init_with<M: Module, O: MasterWeightStep>(
     if config.stage == Stage::Three {
         checks::refuse_stage3_misfits(&census)?;
     }
-    let layout = FlatLayout::from_module(&model, comm.world_size(), config.bucket_numel)?;
+    let layout = match StagePlan::owns_whole_params(config.stage, comm.world_size()) {
+        true => FlatLayout::from_module_owning(&model, comm.world_size(), config.bucket_numel, |slot| {
+            optims.wants_whole(slot)
+        })?,
+        false => FlatLayout::from_module(&model, comm.world_size(), config.bucket_numel)?,
+    };
     if layout.slots().is_empty() {
         tracing::info!(
             rank = comm.rank(),
@@ -203,6 +260,7 @@ fn init_with<M: Module, O: MasterWeightStep>(
     let everything = FlatLayout::with_frozen(&model, comm.world_size(), config.bucket_numel)?;
     let device = checks::compute_device(&model, &everything)?;
     let homes = homes::homes(config, &device, world.rank())?;
+    optims.check(config, &layout, homes.swap.is_some())?;
     if config.stage == Stage::Three {
         crate::backend::check_stage3_device(&device)?;
     }
@@ -226,18 +284,18 @@ fn init_with<M: Module, O: MasterWeightStep>(
     let root = RootValues::new(world.clone(), &model, &census, pretrained)?;
     if config.stage == Stage::Three {
         // Entry by entry: each is synced and sharded before the next exists.
-        return stage3::shard_parameters(
+        let (model, optim) = stage3::shard_parameters(
             config,
             model,
-            optim,
+            optims.base,
             options,
             root,
             [comm, world],
             census,
             buffers,
             homes.params,
-        )
-        .map(|(model, optim)| (model, optim.with_mesh(mesh)));
+        )?;
+        return Ok((model, optim.with_mesh(mesh).add_groups(optims.groups)?));
     }
     let plan = StagePlan::whole(config.stage);
     let mut sync = SyncEntries { census: &census, root };
@@ -257,8 +315,9 @@ fn init_with<M: Module, O: MasterWeightStep>(
         }
         _ => (model, None),
     };
-    let optim = ShardedOptimizer::new(optim, comm, layout, plan, census, buffers, options)
+    let optim = ShardedOptimizer::new(optims.base, comm, layout, plan, census, buffers, options)
         .with_bucket_reducer(reducer)
-        .with_mesh(mesh);
+        .with_mesh(mesh)
+        .add_groups(optims.groups)?;
     Ok((model, optim))
 }

@@ -53,7 +53,8 @@ pub(crate) fn assemble(
     let mut pieces = Vec::new();
     for (index, slot) in bucket.slots.clone().zip(&layout.slots()[bucket.slots.clone()]) {
         if let Some(part) = slot.within(&range) {
-            pieces.push(slot_piece(&values[index], slot, part, bucket.dtype, device));
+            let at = slot.offset + part.start;
+            pieces.push((at, slot_piece(&values[index], slot, part, bucket.dtype, device)));
         }
     }
     join_range(pieces, bucket, range, device)
@@ -75,23 +76,33 @@ pub(crate) fn slot_piece(
     }
 }
 
-/// `range` of `bucket` from the pieces of its parameters that lie in it, in order: the padding
-/// tail beyond `bucket.numel` (zeros) is appended, and the pieces become one `[range.len()]`
-/// tensor of the bucket's dtype.
+/// `range` of `bucket` from the pieces of its parameters that lie in it, each with the bucket
+/// offset of its first element, in bucket order: the padding (zeros) between them and after the
+/// last is filled in (a bucket of whole-owned parameters pads each rank's segment), and the
+/// pieces become one `[range.len()]` tensor of the bucket's dtype.
 pub(crate) fn join_range(
-    mut pieces: Vec<Tensor<1>>,
+    pieces: Vec<(usize, Tensor<1>)>,
     bucket: &Bucket,
     range: Range<usize>,
     device: &Device,
 ) -> Tensor<1> {
-    let pad_start = range.start.max(bucket.numel);
-    if range.end > pad_start {
-        pieces.push(Tensor::zeros([range.end - pad_start], (device, bucket.dtype)));
+    let zeros = |len: usize| Tensor::<1>::zeros([len], (device, bucket.dtype));
+    let mut parts = Vec::with_capacity(pieces.len() + 1);
+    let mut at = range.start;
+    for (start, piece) in pieces {
+        if start > at {
+            parts.push(zeros(start - at));
+        }
+        at = start + piece.dims()[0];
+        parts.push(piece);
     }
-    match pieces.len() {
-        0 => Tensor::zeros([0], (device, bucket.dtype)),
-        1 => pieces.pop().expect("one piece"),
-        _ => Tensor::cat(pieces, 0),
+    if range.end > at {
+        parts.push(zeros(range.end - at));
+    }
+    match parts.len() {
+        0 => zeros(0),
+        1 => parts.pop().expect("one piece"),
+        _ => Tensor::cat(parts, 0),
     }
 }
 

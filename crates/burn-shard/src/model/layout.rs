@@ -61,6 +61,34 @@ impl Bucket {
     pub fn shard_range(&self, rank: usize) -> Range<usize> {
         rank * self.shard_numel..(rank + 1) * self.shard_numel
     }
+
+    /// Elements of real data (padding excluded) in `rank`'s range, given the layout's slots:
+    /// equal to within one element over the ranks for a flat bucket; for a bucket of
+    /// whole-owned parameters, what the balance gave each rank.
+    pub fn owned_numel(&self, slots: &[ParamSlot], rank: usize) -> usize {
+        let range = self.shard_range(rank);
+        slots[self.slots.clone()]
+            .iter()
+            .filter_map(|slot| slot.within(&range))
+            .map(|part| part.len())
+            .sum()
+    }
+}
+
+/// Greedy LPT: each slot (largest first, ties in order) to the rank with the fewest elements
+/// so far (the lowest such rank); returns the largest rank's elements (at least 1) and each
+/// slot's rank.
+fn balance(slots: &[ParamSlot], world_size: usize) -> (usize, Vec<usize>) {
+    let mut by_size: Vec<usize> = (0..slots.len()).collect();
+    by_size.sort_by_key(|&i| (std::cmp::Reverse(slots[i].numel), i));
+    let mut load = vec![0usize; world_size];
+    let mut ranks = vec![0; slots.len()];
+    for i in by_size {
+        let rank = (0..world_size).min_by_key(|&r| (load[r], r)).expect("world_size >= 1");
+        ranks[i] = rank;
+        load[rank] += slots[i].numel;
+    }
+    (load.into_iter().max().unwrap_or(0).max(1), ranks)
 }
 
 /// The flat-parameter layout shared by all ranks.
@@ -96,6 +124,86 @@ impl FlatLayout {
             .map(|s| s.slot)
             .collect();
         Self::from_slots(slots, world_size, bucket_numel)
+    }
+
+    /// [`FlatLayout::from_module`], with each parameter for which `whole` is true owned whole
+    /// by one rank: the parameters an optimizer steps whole (Muon, LAMB, Adafactor; see
+    /// [`AnyOptimizer`](crate::AnyOptimizer)) at stages 1-2.
+    ///
+    /// They get buckets of their own (by dtype, in traversal order, closed at `bucket_numel`
+    /// elements as the others). Inside such a bucket each parameter goes to the rank with the
+    /// fewest elements so far, largest first (greedy LPT scheduling, Graham 1969: the largest
+    /// rank holds at most 4/3 of the optimum); each rank's segment holds its parameters in
+    /// traversal order and is padded with zeros to the largest segment, so the reduce-scatter
+    /// that gives each rank its segment delivers whole parameters (Megatron-LM's layout for
+    /// Muon, NVIDIA/Megatron-LM#4509). A parameter larger than the others' total leaves the other
+    /// ranks padding: [`Bucket::owned_numel`] reports each rank's real elements.
+    ///
+    /// # Errors
+    /// As [`FlatLayout::from_module`].
+    pub fn from_module_owning<M: Module>(
+        module: &M,
+        world_size: usize,
+        bucket_numel: usize,
+        whole: impl Fn(&ParamSlot) -> bool,
+    ) -> Result<Self, ShardError> {
+        let slots = collect(module).into_iter().filter(|s| s.require_grad).map(|s| s.slot);
+        Self::from_slots_owning(slots.collect(), world_size, bucket_numel, whole)
+    }
+
+    /// [`FlatLayout::from_slots`] with the slots for which `whole` is true owned whole (see
+    /// [`FlatLayout::from_module_owning`]).
+    pub(crate) fn from_slots_owning(
+        slots: Vec<ParamSlot>,
+        world_size: usize,
+        bucket_numel: usize,
+        whole: impl Fn(&ParamSlot) -> bool,
+    ) -> Result<Self, ShardError> {
+        let (whole_slots, flat_slots): (Vec<ParamSlot>, Vec<ParamSlot>) = slots.into_iter().partition(|s| whole(s));
+        let mut layout = Self::from_slots(flat_slots, world_size, bucket_numel)?;
+        let owned = Self::from_slots(whole_slots, world_size, bucket_numel)?;
+        for bucket in owned.buckets {
+            let mut slots: Vec<ParamSlot> = owned.slots[bucket.slots.clone()].to_vec();
+            let (segment, ranks) = balance(&slots, world_size);
+            // Each rank's parameters in traversal order, ranks in order: slot order is offset
+            // order, which `pieces` and `join_range` rely on.
+            let mut order: Vec<usize> = (0..slots.len()).collect();
+            order.sort_by_key(|&i| (ranks[i], i));
+            let mut filled = vec![0; world_size];
+            let start = layout.slots.len();
+            for i in order {
+                let slot = &mut slots[i];
+                slot.bucket = layout.buckets.len();
+                slot.offset = ranks[i] * segment + filled[ranks[i]];
+                filled[ranks[i]] += slot.numel;
+                layout.slots.push(slot.clone());
+            }
+            layout.buckets.push(Bucket {
+                slots: start..layout.slots.len(),
+                numel: bucket.numel,
+                padded_numel: segment * world_size,
+                shard_numel: segment,
+                dtype: bucket.dtype,
+            });
+        }
+        layout.index.clear();
+        for (i, slot) in layout.slots.iter().enumerate() {
+            if let Some(first) = layout.index.insert(slot.id, i) {
+                return Err(ShardError::DuplicateParam {
+                    first: layout.slots[first].path.clone(),
+                    second: slot.path.clone(),
+                });
+            }
+        }
+        Ok(layout)
+    }
+
+    /// Whether slot `index` lies in one rank's range of its bucket (always true of a bucket
+    /// built by [`FlatLayout::from_module_owning`] for whole parameters).
+    pub fn owned_whole(&self, index: usize) -> bool {
+        let slot = &self.slots[index];
+        let shard = self.buckets[slot.bucket].shard_numel.max(1);
+        slot.offset / shard == (slot.offset + slot.numel - 1) / shard
     }
 
     /// Every float entry of `module` with at least one element and a float dtype the
@@ -197,7 +305,8 @@ impl FlatLayout {
         self.buckets.iter().map(|b| b.numel).sum()
     }
 
-    /// Elements of padding added over all buckets (less than `world_size` per bucket).
+    /// Elements of padding added over all buckets (less than `world_size` per flat bucket; the
+    /// segments' padding in a bucket of whole-owned parameters).
     pub fn padding(&self) -> usize {
         self.buckets.iter().map(|b| b.padded_numel - b.numel).sum()
     }
@@ -236,6 +345,7 @@ impl FlatLayout {
             s.shape.hash(&mut h);
             format!("{:?}", s.dtype).hash(&mut h);
             s.bucket.hash(&mut h);
+            s.offset.hash(&mut h);
         }
         h.finish()
     }
@@ -381,6 +491,68 @@ mod tests {
             .enumerate()
             .map(|(i, (numel, dtype))| slot(&format!("p{i}"), numel, dtype))
             .collect()
+    }
+
+    /// Whole ownership (`from_slots_owning`): every whole parameter lies in one rank's range
+    /// (world sizes 1-5, several bucket sizes), the ranks' ranges still partition each bucket,
+    /// flat parameters keep the flat rule, and the greedy balance gives the largest rank at
+    /// most the largest of (total / world size + largest parameter) — LPT's bound; a
+    /// parameter larger than the others' total gets a rank alone, the others share the rest.
+    #[test]
+    fn whole_parameters_lie_in_one_rank_and_the_ranks_are_balanced() {
+        let is_whole = |s: &ParamSlot| s.path != "p3" && s.path != "p6";
+        for world_size in 1..=5 {
+            for bucket_numel in [1, 13, 20, 1000] {
+                let layout = FlatLayout::from_slots_owning(model_slots(), world_size, bucket_numel, is_whole).unwrap();
+                let real: usize = model_slots().iter().map(|s| s.numel).sum();
+                assert_eq!(layout.numel(), real);
+                let mut owned = vec![0usize; real];
+                let mut seen = 0;
+                for (index, slot) in layout.slots().iter().enumerate() {
+                    let bucket = &layout.buckets()[slot.bucket];
+                    assert!(bucket.slots.contains(&index));
+                    assert!(slot.offset + slot.numel <= bucket.padded_numel);
+                    if is_whole(slot) {
+                        assert!(
+                            layout.owned_whole(index),
+                            "{} cut at world size {world_size}",
+                            slot.path
+                        );
+                    }
+                    for rank in 0..world_size {
+                        if let Some(part) = slot.within(&bucket.shard_range(rank)) {
+                            owned[seen..seen + part.len()].iter_mut().for_each(|o| *o += 1);
+                            seen += part.len();
+                        }
+                    }
+                }
+                assert_eq!(seen, real, "every element owned once");
+                for bucket in layout.buckets() {
+                    assert_eq!(bucket.padded_numel, bucket.shard_numel * world_size);
+                    let total: usize = (0..world_size).map(|r| bucket.owned_numel(layout.slots(), r)).sum();
+                    assert_eq!(total, bucket.numel);
+                    let largest = layout.slots()[bucket.slots.clone()]
+                        .iter()
+                        .map(|s| s.numel)
+                        .max()
+                        .unwrap();
+                    assert!(bucket.shard_numel <= bucket.numel.div_ceil(world_size) + largest);
+                }
+            }
+        }
+        // One parameter larger than the others' total: alone on rank 0, the rest on rank 1.
+        let slots = [40, 7, 9, 3]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| slot(&format!("q{i}"), n, DType::F32));
+        let layout = FlatLayout::from_slots_owning(slots.collect(), 2, 1000, |_| true).unwrap();
+        let bucket = &layout.buckets()[0];
+        assert_eq!((bucket.shard_numel, bucket.padded_numel), (40, 80));
+        assert_eq!(bucket.owned_numel(layout.slots(), 0), 40);
+        assert_eq!(bucket.owned_numel(layout.slots(), 1), 19);
+        let offsets: Vec<(String, usize)> = layout.slots().iter().map(|s| (s.path.clone(), s.offset)).collect();
+        let want = [("q0", 0), ("q1", 40), ("q2", 47), ("q3", 56)];
+        assert_eq!(offsets, want.map(|(p, o)| (p.to_string(), o)));
     }
 
     /// The rule every stage's step, checkpoint and reduction rests on, for world sizes 1-5 and

@@ -1,6 +1,7 @@
 //! [`IntoOptimizer`]: what [`ShardConfig::init`](crate::ShardConfig::init) accepts as the
 //! optimizer, and which implementation it steps the flat shards with.
 
+use burn::module::ParamGroup;
 use burn::optim::grad_clipping::{GradientClipping, GradientClippingConfig};
 use burn::optim::{AdaGrad, Adam, AdamConfig, AdamW, AdamWConfig, Adan, LearningRate, Lion, Optimizer, RmsProp, Sgd};
 use burn::tensor::{Device, Tensor};
@@ -8,6 +9,11 @@ use burn_shard_kernels::{FusedAdam, FusedAdamConfig};
 
 use crate::error::ShardError;
 use crate::optim::master::MasterWeightStep;
+
+/// A parameter group: which parameters (Burn's `ParamGroup`: ids or a module-path regex), the
+/// optimizer that steps them, and its per-parameter clipping (`None`: none), as Burn's
+/// `ModuleOptimizer::with_group` takes them.
+pub type OptimizerGroup<O> = (ParamGroup, O, Option<GradientClipping>);
 
 /// An optimizer for the flat shards of a [`ShardedOptimizer`](crate::ShardedOptimizer).
 ///
@@ -20,10 +26,15 @@ use crate::optim::master::MasterWeightStep;
 /// - Any other optimizer goes through [`ElementWise`], which states the contract the flat step
 ///   relies on: the update of each element depends on that element alone.
 ///
-/// Optimizers that mix the elements of a tensor (LAMB's trust ratio, Muon, Adafactor's
-/// factored moments) would see buckets of many parameters instead of one parameter, so none of
-/// them implements this trait. Burn's gradient clipping (`grad_clipping` of a Burn config) is
-/// applied by the sharded step itself, per parameter, with norms summed over the ranks.
+/// - Burn's optimizers that read a whole parameter (`MuonConfig`/`Muon`, `LambConfig`/`Lamb`,
+///   `AdafactorConfig`/`Adafactor`) give an [`AnyOptimizer`](crate::AnyOptimizer) that steps
+///   each parameter whole, with its shape; [`AnyOptimizer::whole_params`](crate::AnyOptimizer::whole_params)
+///   does so for any other.
+/// - [`OptimizerGroups`](crate::OptimizerGroups): a base optimizer and groups of other
+///   optimizers, as Burn's `ModuleOptimizer::with_group` builds them.
+///
+/// Burn's gradient clipping (`grad_clipping` of a Burn config) is applied by the sharded step
+/// itself, per parameter, with norms summed over the ranks.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot step flat shards",
     note = "pass Burn's optimizer config itself (`AdamWConfig::new()`), a built element-wise optimizer (`SgdConfig::new().build()`), or wrap your own in `burn_shard::ElementWise`; `config.init()` returns a whole-module optimizer, which is not one"
@@ -46,6 +57,29 @@ pub trait IntoOptimizer {
     /// [`ShardError::InvalidConfig`] when the config's clipping cannot be read.
     fn grad_clipping(&self) -> Result<Option<GradientClipping>, ShardError> {
         Ok(None)
+    }
+
+    /// The base optimizer and the groups added to it, each `(selector, optimizer, clipping)`
+    /// in the order added (the last group that matches a parameter steps it): what `init`
+    /// builds the layout from, since a group that needs whole parameters decides where they
+    /// live. The provided method gives [`IntoOptimizer::into_optimizer`] and no group.
+    ///
+    /// # Errors
+    /// What [`IntoOptimizer::into_optimizer`] returns, for the base or a group.
+    #[allow(clippy::type_complexity)]
+    fn into_parts(
+        self,
+    ) -> Result<
+        (
+            Self::Optimizer,
+            Vec<(ParamGroup, Self::Optimizer, Option<GradientClipping>)>,
+        ),
+        ShardError,
+    >
+    where
+        Self: Sized,
+    {
+        Ok((self.into_optimizer()?, Vec::new()))
     }
 }
 
@@ -117,8 +151,8 @@ fn refuse_burn_non_element_wise<O: Optimizer>() -> Result<(), ShardError> {
     match what.iter().find(|(id, _)| *id == TypeId::of::<O>()) {
         Some((_, why)) => Err(ShardError::InvalidConfig(format!(
             "ElementWise({}) is refused: {why}, so on flat shards (pieces of buckets of many \
-             parameters) it would train silently wrong; use AdamW/Adam/SGD or another element-wise \
-             optimizer (sharding optimizers that need whole parameters is not supported yet)",
+             parameters) it would train silently wrong; pass it without ElementWise (its config or \
+             the built optimizer), which steps each parameter whole",
             std::any::type_name::<O>()
         ))),
         None => Ok(()),
@@ -176,7 +210,10 @@ fn probe_element_wise<O: Optimizer>(optim: &O) -> Result<(), ShardError> {
 
 /// The `grad_clipping` field of a Burn config (private in Burn; read through its serde form,
 /// which Burn's `Config` derive provides).
-fn config_clipping(config: &impl serde::Serialize, name: &str) -> Result<Option<GradientClipping>, ShardError> {
+pub(crate) fn config_clipping(
+    config: &impl serde::Serialize,
+    name: &str,
+) -> Result<Option<GradientClipping>, ShardError> {
     let unreadable = |e: String| ShardError::InvalidConfig(format!("{name}: cannot read grad_clipping: {e}"));
     let value = serde_json::to_value(config).map_err(|e| unreadable(e.to_string()))?;
     match value.get("grad_clipping") {

@@ -8,11 +8,12 @@
 
 use burn::optim::{
     AdaGrad, Adam, AdamState, AdamW, AdamWState, Adan, AdaptiveMomentumState, LearningRate, Lion, Optimizer,
-    RecordState, RmsProp, Sgd, StateSink,
+    RecordState, RmsProp, Sgd, StateSink, StateSource,
 };
 use burn::tensor::{DType, Device, Tensor};
 use burn_shard_kernels::FusedAdam;
 
+use crate::error::ShardError;
 use crate::model::flat::tensor_bytes;
 
 /// Whether parameters of `dtype` are trained through an `f32` master copy (`bf16`, `f16`);
@@ -79,6 +80,79 @@ pub trait MasterWeightStep: Optimizer {
             .map(|(_, d)| d.num_elements() * d.dtype().size())
             .sum();
         (bytes, 0)
+    }
+
+    /// Whether each parameter must be stepped whole, with its shape ([`MasterWeightStep::step_whole`]),
+    /// because the update of an element reads other elements of its parameter: `true` for
+    /// [`AnyOptimizer`](crate::AnyOptimizer)s of Burn's Muon, LAMB and Adafactor and of
+    /// [`AnyOptimizer::whole_params`](crate::AnyOptimizer::whole_params); `false` (flat pieces)
+    /// for every element-wise optimizer.
+    fn needs_whole_params(&self) -> bool {
+        false
+    }
+
+    /// Checks that this optimizer can step the parameter at module path `path` of shape
+    /// `shape`; run at `init` (and `with_group`) for every parameter it is given.
+    ///
+    /// # Errors
+    /// [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) naming the parameter,
+    /// its shape and the fix (Muon given a parameter that is not 2-D).
+    fn check_param(&self, path: &str, shape: &[usize]) -> Result<(), ShardError> {
+        let _ = (path, shape);
+        Ok(())
+    }
+
+    /// One step of a whole parameter of shape `shape`, `param` and `grad` flattened (`[numel]`,
+    /// `param` the `f32` master for a `bf16`/`f16` parameter); returns the new flattened values.
+    /// The provided method steps them flat, as an element-wise optimizer may.
+    fn step_whole(
+        &self,
+        lr: LearningRate,
+        shape: &[usize],
+        param: Tensor<1>,
+        grad: Tensor<1>,
+        state: Option<Self::State<1>>,
+    ) -> (Tensor<1>, Option<Self::State<1>>) {
+        let _ = shape;
+        self.step(lr, param, grad, state)
+    }
+
+    /// Rebuilds a state from a checkpoint's named tensors and scalars (`rank` is the rank of
+    /// the tensors the state was made for: 1 for a flat piece, the parameter's for a whole
+    /// one); `None` when they are not this optimizer's. The provided method is Burn's
+    /// `RecordState::state_unflatten`.
+    fn rebuild_state(&self, rank: usize, source: &mut StateSource, device: &Device) -> Option<Self::State<1>> {
+        let _ = rank;
+        <Self::State<1> as RecordState>::state_unflatten("", source, device)
+    }
+
+    /// Whether the state can live on disk between steps (NVMe offload rebuilds it with
+    /// `RecordState::state_unflatten`, which an [`AnyOptimizer`](crate::AnyOptimizer)'s state
+    /// cannot do alone).
+    fn state_swaps(&self) -> bool {
+        true
+    }
+
+    /// `optim`, given to a parameter group, as this type: itself when it is of this type; an
+    /// [`AnyOptimizer`](crate::AnyOptimizer) takes any optimizer.
+    ///
+    /// # Errors
+    /// [`ShardError::InvalidConfig`](crate::ShardError::InvalidConfig) when `optim` is of
+    /// another type, naming the fix ([`OptimizerGroups`](crate::OptimizerGroups)).
+    fn from_group<P: MasterWeightStep>(optim: P) -> Result<Self, ShardError>
+    where
+        Self: Sized,
+    {
+        let boxed: Box<dyn std::any::Any> = Box::new(optim);
+        boxed.downcast::<Self>().map(|optim| *optim).map_err(|_| {
+            ShardError::InvalidConfig(format!(
+                "a group's optimizer ({}) is not of the base optimizer's type ({}); to use different optimizers per \
+                 group, give ShardConfig::init an OptimizerGroups (OptimizerGroups::new(base).with_group(group, \
+                 optimizer, clipping)), as Burn's ModuleOptimizer::with_group takes them",
+                std::any::type_name::<P>(),
+                std::any::type_name::<Self>()
+            ))
+        })
     }
 }
 

@@ -12,8 +12,8 @@
 //! parameter has no master: its piece also goes device → host to be updated. With stage-3
 //! parameter offload the shard itself lives on the host: only the gradient piece crosses.
 
-use burn::optim::{LearningRate, Optimizer};
-use burn::tensor::{Device, Tensor};
+use burn::optim::LearningRate;
+use burn::tensor::{DType, Device, Tensor};
 
 use crate::optim::master::MasterWeightStep;
 
@@ -45,20 +45,28 @@ impl StateHome {
     /// One step of `optim` on `param` (`[len]`) with `grad` (`[len]`) where the state lives;
     /// the new piece comes back on `param`'s device, the state stays home (a state given
     /// elsewhere, from a record of another run, is moved home first).
-    pub(crate) fn step<O: Optimizer>(
+    ///
+    /// With `shape`, `param` is a whole parameter of that shape, stepped with it
+    /// ([`MasterWeightStep::step_whole`]); without, a flat piece.
+    pub(crate) fn step<O: MasterWeightStep>(
         self,
         optim: &O,
         lr: LearningRate,
+        shape: Option<&[usize]>,
         param: Tensor<1>,
         grad: Tensor<1>,
         state: Option<O::State<1>>,
     ) -> (Tensor<1>, Option<O::State<1>>) {
+        let step = |param, grad, state| match shape {
+            Some(shape) => optim.step_whole(lr, shape, param, grad, state),
+            None => optim.step(lr, param, grad, state),
+        };
         match self {
-            Self::WithParams => optim.step(lr, param, grad, state),
+            Self::WithParams => step(param, grad, state),
             Self::Host => {
                 let (device, host) = (param.device(), Self::host_device());
                 let state = state.map(|s| O::to_device(s, &host));
-                let (param, state) = optim.step(lr, to(param, &host), to(grad, &host), state);
+                let (param, state) = step(to(param, &host), to(grad, &host), state);
                 (param.to_device(&device), state)
             }
         }
@@ -68,25 +76,39 @@ impl StateHome {
     /// moved there when it is not (its first step, or after a load elsewhere) and stays; the
     /// parameter's values are not read (the step writes the rounded master into a host buffer
     /// of its dtype and shape), so only the gradient crosses to the host.
+    ///
+    /// With `shape`, the master is a whole parameter's, stepped with that shape
+    /// ([`MasterWeightStep::step_whole`] on the `f32` master, then rounded).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn step_with_master<O: MasterWeightStep>(
         self,
         optim: &O,
         lr: LearningRate,
+        shape: Option<&[usize]>,
         master: Tensor<1>,
         param: Tensor<1>,
         grad: Tensor<1>,
         state: Option<O::State<1>>,
     ) -> (Tensor<1>, Tensor<1>, Option<O::State<1>>) {
+        let step = |master, param: Tensor<1>, grad: Tensor<1>, state| match shape {
+            Some(shape) => {
+                let dtype = param.dtype();
+                drop(param);
+                let (master, state) = optim.step_whole(lr, shape, master, grad.cast(DType::F32), state);
+                let param = master.clone().cast(dtype);
+                (master, param, state)
+            }
+            None => optim.step_with_master(lr, master, param, grad, state),
+        };
         match self {
-            Self::WithParams => optim.step_with_master(lr, master, param, grad, state),
+            Self::WithParams => step(master, param, grad, state),
             Self::Host => {
                 let host = Self::host_device();
                 let (device, dtype, shape) = (param.device(), param.dtype(), param.shape());
                 drop(param);
                 let param = Tensor::<1>::empty(shape, (&host, dtype));
                 let state = state.map(|s| O::to_device(s, &host));
-                let (master, param, state) =
-                    optim.step_with_master(lr, to(master, &host), param, to(grad, &host), state);
+                let (master, param, state) = step(to(master, &host), param, to(grad, &host), state);
                 (master, param.to_device(&device), state)
             }
         }

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::Module;
-use burn::optim::{RecordState, StateSource};
+use burn::optim::StateSource;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::checkpoint::files::{RankFiles, digest};
@@ -187,7 +187,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 true => self.layout.slots()[index].numel,
                 false => range.len(),
             };
-            let state = read_state::<O>(&mut files, saved, range.clone(), stepped, &self.slots.device(&device))?;
+            // An optimizer that reads whole parameters rebuilds a state of the parameter's shape.
+            let (slot, optim) = (&self.layout.slots()[index], self.groups.optim(index));
+            let shape = optim.needs_whole_params().then_some(&slot.shape[..]);
+            let state_device = self.slots.device(&device);
+            let state = read_state(&mut files, saved, range.clone(), stepped, optim, shape, &state_device)?;
             let name = master_name(&entry.path);
             let master = match has_tensor(&mut files, saved, &range, &name)? {
                 true => Some(padded(
@@ -308,12 +312,15 @@ fn holder(entry: &EntryMeta, range: &Range<usize>) -> Option<usize> {
 }
 
 /// Burn's optimizer state of elements `range` of `entry`, padded to `stepped` elements, or
-/// `None` when the checkpoint has none (the parameter had not received a gradient yet).
+/// `None` when the checkpoint has none (the parameter had not received a gradient yet),
+/// rebuilt by `optim`: flat, or with `shape` the whole parameter's state of that shape.
 fn read_state<O: MasterWeightStep>(
     files: &mut RankFiles,
     entry: &EntryMeta,
     range: Range<usize>,
     stepped: usize,
+    optim: &O,
+    shape: Option<&[usize]>,
     device: &Device,
 ) -> Result<Option<O::State<1>>, CheckpointError> {
     let prefix = state_prefix(&entry.path);
@@ -328,9 +335,17 @@ fn read_state<O: MasterWeightStep>(
     let mut source = StateSource::new(scalars);
     for field in fields {
         let data = files.read_range(entry, &state_name(&entry.path, &field), range.clone())?;
-        source.insert_tensor(field, padded(data, stepped, device).into_data());
+        let data = padded(data, stepped, device).into_data();
+        let data = match shape {
+            Some(shape) if data.num_elements() == shape.iter().product::<usize>() => {
+                let dtype = data.dtype();
+                TensorData::from_bytes_vec(data.into_bytes().to_vec(), shape.to_vec(), dtype)
+            }
+            _ => data,
+        };
+        source.insert_tensor(field, data);
     }
-    let state = O::State::<1>::state_unflatten("", &mut source, device);
+    let state = optim.rebuild_state(shape.map_or(1, |s| s.len()), &mut source, device);
     match state {
         Some(state) => Ok(Some(state)),
         None => Err(CheckpointError::ModelMismatch(format!(

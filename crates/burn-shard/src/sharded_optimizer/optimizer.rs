@@ -20,6 +20,7 @@ use crate::model::layout::FlatLayout;
 use crate::model::memory::PeakTracker;
 use crate::optim::groups::Groups;
 use crate::optim::into_optimizer::IntoOptimizer;
+use crate::optim::into_optimizer::OptimizerGroup;
 use crate::optim::loss_scale::{self, LossScaler, LossScaling};
 use crate::optim::master::MasterWeightStep;
 use crate::sharded_optimizer::save_in_flight::SaveQueue;
@@ -70,7 +71,7 @@ use crate::step::update::Update;
 /// `ModuleLearningRate` passed to `step` its learning rate, as in Burn.
 pub struct ShardedOptimizer<O: MasterWeightStep> {
     /// The optimizer (and per-parameter clipping) of each parameter.
-    groups: Groups<O>,
+    pub(crate) groups: Groups<O>,
     /// The parameters' (plain) device, where small agreement collectives place their tensors.
     pub(crate) device: Device,
     /// Where the state is sharded: every rank, or this rank's shard group of `mesh`.
@@ -233,8 +234,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// when the group clips by norm and the configuration clips by global norm too, or when
     /// `optim` cannot step flat shards; [`ShardError::LayoutMismatch`] when ranks added
     /// different groups; [`ShardError::Comm`].
-    pub fn with_group<C: IntoOptimizer<Optimizer = O>>(
-        mut self,
+    ///
+    /// `optim` may be of another type than the base optimizer when the base is an
+    /// [`AnyOptimizer`](crate::AnyOptimizer) (from [`OptimizerGroups`](crate::OptimizerGroups),
+    /// `MuonConfig`, `LambConfig` or `AdafactorConfig`); a group whose optimizer needs whole
+    /// parameters must be given to `init` in [`OptimizerGroups`](crate::OptimizerGroups) at
+    /// stages 1-2 (the layout decides where parameters live), unless each parameter it
+    /// matches already lies in one rank's range.
+    pub fn with_group<C: IntoOptimizer>(
+        self,
         group: ParamGroup,
         optim: C,
         grad_clipping: Option<GradientClipping>,
@@ -247,14 +255,72 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                     .to_string(),
             ));
         }
-        check_one_norm_clipping(self.max_grad_norm, grad_clipping.as_ref())?;
-        let optim = optim.into_optimizer()?;
-        // The matched slots keep their optimizer state (step count, moments, masters), where
-        // Burn's `ModuleOptimizer::with_group` drops it: a group added after `load_checkpoint`
-        // resumes.
-        self.groups.add(group, optim, grad_clipping, &self.layout);
-        crate::model::layout::check_same_layout(self.world(), self.groups.fingerprint(), &self.device)?;
+        let optim = O::from_group(optim.into_optimizer()?)?;
+        self.add_groups(vec![(group, optim, grad_clipping)])
+    }
+
+    /// Adds `groups` (each `(selector, optimizer, clipping)`, later ones taking precedence),
+    /// checks that every rank added the same groups (a collective, when there are any: `init`
+    /// without groups adds none, so that a rank that failed before it is not waited for) and
+    /// that each parameter's optimizer can step it where it lives (the same answer on every
+    /// rank then).
+    ///
+    /// # Errors
+    /// As [`ShardedOptimizer::with_group`].
+    pub(crate) fn add_groups(mut self, groups: Vec<OptimizerGroup<O>>) -> Result<Self, ShardError> {
+        let added = !groups.is_empty();
+        for (group, optim, grad_clipping) in groups {
+            check_one_norm_clipping(self.max_grad_norm, grad_clipping.as_ref())?;
+            // The matched slots keep their optimizer state (step count, moments, masters), where
+            // Burn's `ModuleOptimizer::with_group` drops it: a group added after
+            // `load_checkpoint` resumes (a state made by another optimizer type is not reused).
+            self.groups.add(group, optim, grad_clipping, &self.layout);
+        }
+        if added {
+            crate::model::layout::check_same_layout(self.world(), self.groups.fingerprint(), &self.device)?;
+        }
+        self.check_params()?;
         Ok(self)
+    }
+
+    /// Checks that each slot's optimizer can step it ([`MasterWeightStep::check_param`]) and,
+    /// when it needs whole parameters, that this stage gives them whole: every parameter at
+    /// stage 0, those the layout put in one rank's range at stages 1-2; stage 3 shards each
+    /// parameter over the ranks.
+    ///
+    /// # Errors
+    /// [`ShardError::InvalidConfig`] naming the first parameter that fails and the fix.
+    pub(crate) fn check_params(&self) -> Result<(), ShardError> {
+        for (index, slot) in self.layout.slots().iter().enumerate() {
+            let optim = self.groups.optim(index);
+            optim.check_param(&slot.path, &slot.shape)?;
+            if !optim.needs_whole_params() {
+                continue;
+            }
+            let world_size = self.comm.world_size();
+            if self.plan.holds_whole(&self.layout, index) {
+                continue;
+            }
+            let fix = match self.plan.params().shards_parameters() {
+                true => {
+                    "stage 3 with an optimizer that reads whole parameters is not supported yet: use stage 2 \
+                         (or 1), which shards the state and gradients and gives each parameter whole to one rank"
+                }
+                false => {
+                    "give the group to ShardConfig::init in OptimizerGroups (OptimizerGroups::new(base)\
+                          .with_group(group, optimizer, clipping)), so that the layout gives each of its parameters \
+                          whole to one rank, instead of adding it with with_group after init"
+                }
+            };
+            return Err(ShardError::InvalidConfig(format!(
+                "`{}` (shape {:?}) is stepped by an optimizer that reads whole parameters, but at {:?} over {world_size} \
+                 ranks this rank holds a piece of it: {fix}",
+                slot.path,
+                slot.shape,
+                self.plan.stage(),
+            )));
+        }
+        Ok(())
     }
 
     /// Averages `grads` over the ranks, updates this rank's shard with Burn's optimizer and

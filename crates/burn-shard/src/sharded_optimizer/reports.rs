@@ -81,7 +81,12 @@ impl<'a, O: MasterWeightStep> RankReport<'a, O> {
             .iter()
             .map(|bucket| {
                 let range = self.optim.plan.owned_range(bucket, self.optim.comm.rank());
-                range.end.min(bucket.numel).saturating_sub(range.start)
+                let slots = &self.optim.layout.slots()[bucket.slots.clone()];
+                slots
+                    .iter()
+                    .filter_map(|slot| slot.within(&range))
+                    .map(|part| part.len())
+                    .sum::<usize>()
             })
             .sum()
     }

@@ -443,6 +443,20 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         staged: bool,
     ) -> Result<(), ShardError> {
         let saved = self.slots.saved(index);
+        // A checkpoint keeps one value per parameter element of each state tensor (pieces of
+        // it resume at any world size); factored statistics (Adafactor's rows and columns) have
+        // fewer.
+        let short = saved.state.iter().find_map(|(field, t)| match t {
+            SavedTensor::InMemory(data) if data.num_elements() < len => Some((field, data.num_elements())),
+            _ => None,
+        });
+        if let Some((field, numel)) = short {
+            return Err(ShardError::InvalidConfig(format!(
+                "the optimizer state `{field}` of `{path}` has {numel} elements for a piece of {len}: state that is \
+                 not one value per parameter element (Adafactor's factored row and column statistics) cannot be \
+                 saved in a sharded checkpoint yet; use LAMB, Muon or an element-wise optimizer to checkpoint"
+            )));
+        }
         let names = saved.state.into_iter().map(|(field, t)| (state_name(path, &field), t));
         for (name, tensor) in names.chain(saved.master.map(|t| (master_name(path), t))) {
             match tensor {

@@ -209,11 +209,15 @@ impl<O: MasterWeightStep> SlotStates<O> {
     /// stepped through its `f32` master (made from `param` at its first step), and the model
     /// gets the master rounded. The update runs where the state lives ([`StateHome`]); with NVMe
     /// offload the state and master are read first and written back behind.
+    ///
+    /// With `shape`, the piece is the whole parameter, stepped with that shape
+    /// ([`MasterWeightStep::step_whole`]).
     pub(crate) fn step(
         &mut self,
         index: usize,
         optim: &O,
         lr: LearningRate,
+        shape: Option<&[usize]>,
         param: Tensor<1>,
         grad: Tensor<1>,
     ) -> Tensor<1> {
@@ -231,11 +235,11 @@ impl<O: MasterWeightStep> SlotStates<O> {
                 Some(master) => master,
                 None => param.clone().cast(DType::F32),
             };
-            let (master, param, state) = self.home.step_with_master(optim, lr, master, param, grad, state);
+            let (master, param, state) = self.home.step_with_master(optim, lr, shape, master, param, grad, state);
             self.masters[index] = Some(master);
             (param, state)
         } else {
-            self.home.step(optim, lr, param, grad, state)
+            self.home.step(optim, lr, shape, param, grad, state)
         };
         self.states[index] = state;
         self.swap_out(index);

@@ -19,7 +19,7 @@ use crate::bucket::reducer::BucketReduction;
 use crate::error::ShardError;
 use crate::fsdp::context::FsdpContext;
 use crate::fsdp::holding::{ParamHolding, Sharded, Whole};
-use crate::model::layout::Bucket;
+use crate::model::layout::{Bucket, FlatLayout};
 use crate::overlap::call_tag::CallTag;
 use crate::stage::Stage;
 
@@ -57,6 +57,24 @@ impl StagePlan {
 
     pub(crate) fn stage(&self) -> Stage {
         self.stage
+    }
+
+    /// Whether each rank holds slot `index` of `layout` whole or not at all, over `world_size`
+    /// ranks: at stage 0 (every rank steps every parameter), at stages 1-2 when the layout put
+    /// it in one rank's range ([`FlatLayout::owned_whole`]); never at stage 3, whose step sees
+    /// each parameter as a flat shard (`[chunk]`, even alone).
+    pub(crate) fn holds_whole(&self, layout: &FlatLayout, index: usize) -> bool {
+        match self.stage {
+            Stage::Zero => true,
+            Stage::One | Stage::Two => layout.owned_whole(index),
+            Stage::Three => false,
+        }
+    }
+
+    /// Whether parameters an optimizer reads whole get a layout that owns them whole
+    /// ([`FlatLayout::from_module_owning`]): at stages 1-2 over several ranks.
+    pub(crate) fn owns_whole_params(stage: Stage, world_size: usize) -> bool {
+        matches!(stage, Stage::One | Stage::Two) && world_size > 1
     }
 
     /// How this rank holds the parameters: whole (stages 0-2) or sharded (stage 3).

@@ -162,15 +162,25 @@ impl<O: MasterWeightStep> Update<'_, O> {
             let len = part.len();
             let value = values[index].as_ref().map(|v| reads.take(v).wait()).transpose()?;
             let param = flat::slot_piece(&value, slot, part.clone(), bucket.dtype, device);
+            let at = slot.offset + part.start;
             if !self.has_grad[index] {
-                pieces.push(param);
+                pieces.push((at, param));
                 continue;
             }
-            let grad = grad.clone().narrow(0, slot.offset + part.start - range.start, len);
+            let grad = grad.clone().narrow(0, at - range.start, len);
             let grad = self.clip.piece(self.groups, index, grad);
             let lr = self.lr.lr_from_param(slot.id, Some(&slot.path));
-            let param = self.slots.step(index, self.groups.optim(index), lr, param, grad);
-            pieces.push(param);
+            let optim = self.groups.optim(index);
+            // An optimizer that reads whole parameters is given them whole (the layout puts
+            // each of them in one rank's range; `init` checked it).
+            let shape = optim.needs_whole_params().then_some(&slot.shape[..]);
+            debug_assert!(
+                shape.is_none() || len == slot.numel,
+                "`{}` is not whole here",
+                slot.path
+            );
+            let param = self.slots.step(index, optim, lr, shape, param, grad);
+            pieces.push((at, param));
         }
         Ok(flat::join_range(pieces, bucket, range, device))
     }

@@ -1,0 +1,341 @@
+//! Optimizers that read whole parameters (Burn's Muon, LAMB and Adafactor, and any optimizer
+//! through `AnyOptimizer::whole_params`), and groups of different optimizers
+//! (`OptimizerGroups`), train as Burn's `ModuleOptimizer` with the same groups on one device:
+//! at stages 0-2 and world sizes 1-4, bitwise at world size 1, with HSDP, after
+//! a resume at another world size, and with refusals that name the parameter and the fix.
+
+use burn::module::{Module, ParamGroup};
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdafactorConfig, AdamWConfig, LambConfig, ModuleOptimizer, MuonConfig, SgdConfig};
+use burn::prelude::*;
+use burn_shard::{AnyOptimizer, FlatLayout, Home, IntoOptimizer, OptimizerGroups, ShardConfig, Stage};
+use burn_shard_comm::{Collective, InProcessComm, InProcessGroup, run_ranks};
+
+use crate::common::*;
+use crate::equivalence::{GLOBAL_BATCH, STEPS};
+
+const LR: f64 = 1e-2;
+
+/// The hidden matrices of `TinyMlp` (`l1.weight` `[5, 7]`, `l2.weight` `[7, 3]`): Muon's group,
+/// as the Muon recipes route them; biases and `scale` stay with AdamW.
+fn matrices() -> ParamGroup {
+    ParamGroup::from_regex(r"^l[12]\.weight$").expect("a valid regex")
+}
+
+/// One optimizer setup, built alike for Burn and for burn-shard.
+#[derive(Clone, Copy, Debug)]
+enum Case {
+    /// AdamW for everything, Muon for the matrices.
+    MuonWithAdamW,
+    Lamb,
+    Adafactor,
+    /// Burn's AdamW, stepped on whole parameters.
+    WholeAdamW,
+}
+
+const CASES: [Case; 4] = [Case::MuonWithAdamW, Case::Lamb, Case::Adafactor, Case::WholeAdamW];
+
+impl Case {
+    fn burn(self) -> ModuleOptimizer {
+        match self {
+            Case::MuonWithAdamW => AdamWConfig::new()
+                .init()
+                .with_group(matrices(), MuonConfig::new().build(), None),
+            Case::Lamb => LambConfig::new().init(),
+            Case::Adafactor => AdafactorConfig::new().init(),
+            Case::WholeAdamW => AdamWConfig::new().init(),
+        }
+    }
+
+    fn sharded(self) -> OptimizerGroups {
+        match self {
+            Case::MuonWithAdamW => {
+                OptimizerGroups::new(AdamWConfig::new()).with_group(matrices(), MuonConfig::new(), None)
+            }
+            Case::Lamb => OptimizerGroups::new(LambConfig::new()),
+            Case::Adafactor => OptimizerGroups::new(AdafactorConfig::new()),
+            Case::WholeAdamW => OptimizerGroups::new(AnyOptimizer::whole_params(AdamWConfig::new().build())),
+        }
+    }
+}
+
+fn reference(base: &TinyMlp, mut optim: ModuleOptimizer) -> (Vec<f32>, Vec<f32>) {
+    reference_loop(base, STEPS, GLOBAL_BATCH, |_, model, grads| {
+        optim.step(LR, model, grads)
+    })
+}
+
+/// `steps` sharded steps from step `first` on this rank's rows; returns the global losses and
+/// the final parameters.
+fn train<O: burn_shard::MasterWeightStep>(
+    comm_rank: (usize, usize),
+    mut model: TinyMlp,
+    optim: &mut burn_shard::ShardedOptimizer<O>,
+    first: usize,
+    steps: usize,
+) -> (TinyMlp, Vec<f32>) {
+    let device = Device::flex().autodiff();
+    let (lo, hi) = rank_rows(comm_rank.0, comm_rank.1, GLOBAL_BATCH);
+    let mut losses = Vec::new();
+    for step in first..first + steps {
+        let (x, y) = batch(step, GLOBAL_BATCH);
+        let loss = mse(&model, rows(&x, IN, lo, hi, &device), rows(&y, OUT, lo, hi, &device));
+        let (next, global) = sharded_step(optim, model, loss, LR);
+        model = next;
+        losses.push(global);
+    }
+    (model, losses)
+}
+
+fn run(comm: InProcessComm, config: ShardConfig, base: &TinyMlp, case: Case) -> (Vec<f32>, Vec<f32>) {
+    let device = Device::flex().autodiff();
+    let rank = (comm.rank(), comm.world_size());
+    let (model, mut optim) = config
+        .init(base.clone().fork(&device), case.sharded(), comm)
+        .expect("init");
+    let (model, losses) = train(rank, model, &mut optim, 0, STEPS);
+    (losses, params_of(&model))
+}
+
+/// Runs `case` on `world_size` rank threads; checks that every rank holds the same parameters
+/// and returns rank 0's losses and parameters.
+fn on_ranks(world_size: usize, config: &ShardConfig, base: &TinyMlp, case: Case) -> (Vec<f32>, Vec<f32>) {
+    let group = InProcessGroup::new(world_size).unwrap();
+    let results = run_ranks(group, |comm| run(comm, config.clone(), base, case)).expect("no rank panics");
+    for (rank, (_, params)) in results.iter().enumerate().skip(1) {
+        assert_eq!(
+            params, &results[0].1,
+            "{case:?}: rank {rank} holds other parameters than rank 0"
+        );
+    }
+    results.into_iter().next().unwrap()
+}
+
+fn assert_close(ctx: &str, got: &(Vec<f32>, Vec<f32>), want: &(Vec<f32>, Vec<f32>), tolerance: f32) {
+    for (step, (a, b)) in got.0.iter().zip(&want.0).enumerate() {
+        let rel = (a - b).abs() / b.abs().max(1e-12);
+        assert!(
+            rel <= tolerance,
+            "{ctx}: step {step}: loss {a} vs Burn's {b} (rel {rel:e})"
+        );
+    }
+    let diff = max_abs_diff(&got.1, &want.1);
+    assert!(diff <= tolerance, "{ctx}: max |param - Burn's| = {diff:e}");
+}
+
+fn base() -> TinyMlp {
+    let device = Device::flex().autodiff();
+    device.seed(11);
+    TinyMlp::new(&device)
+}
+
+/// The class: every optimizer that reads whole parameters, alone or as a group beside AdamW,
+/// at stages 0-2 x world sizes 1-4, against Burn's `ModuleOptimizer`
+/// with the same groups: 20 steps within 1e-4, bitwise on one rank. World sizes 2-4 hold
+/// `TinyMlp`'s matrices whole although the flat layout would cut them (checked).
+#[test]
+fn every_whole_parameter_optimizer_matches_burn_at_stages_0_to_2() {
+    let base = base();
+    let adamw = reference(&base, AdamWConfig::new().init());
+    // The flat layout cuts `l1.weight` (elements 0..35 of a 35 + 7 + 21 + 3 + 1 bucket) across
+    // ranks 0 and 1 at world size 2: the whole-parameter layout must not.
+    let flat = FlatLayout::from_module(&base, 2, 1 << 20).unwrap();
+    let l1 = flat.slots().iter().position(|s| s.path == "l1.weight").unwrap();
+    assert!(!flat.owned_whole(l1), "the flat layout was expected to cut l1.weight");
+    for case in CASES {
+        let want = reference(&base, case.burn());
+        if !matches!(case, Case::WholeAdamW) {
+            let diff = max_abs_diff(&want.1, &adamw.1);
+            assert!(
+                diff > 1e-3,
+                "{case:?} must train differently from AdamW (max diff {diff:e})"
+            );
+        }
+        for world_size in 1..=4 {
+            for stage in [Stage::Zero, Stage::One, Stage::Two] {
+                let got = on_ranks(world_size, &ShardConfig::new(stage), &base, case);
+                let ctx = format!("{case:?}, world size {world_size}, {stage:?}");
+                match world_size {
+                    1 => assert_eq!(got, want, "{ctx}: one rank must be bitwise Burn's"),
+                    _ => assert_close(&ctx, &got, &want, 1e-4),
+                }
+            }
+        }
+    }
+}
+
+/// Muon really orthogonalises (DeepSpeed#8441 trained plain SGD with momentum under the name):
+/// Burn's Muon and SGD with Muon's momentum differ, and the sharded Muon (stage 2 over 2 ranks)
+/// is Burn's Muon.
+#[test]
+fn sharded_muon_is_not_sgd_with_momentum() {
+    let base = base();
+    let muon = reference(&base, Case::MuonWithAdamW.burn());
+    let momentum = MomentumConfig {
+        momentum: 0.95,
+        dampening: 0.0,
+        nesterov: true,
+    };
+    let sgd =
+        AdamWConfig::new()
+            .init()
+            .with_group(matrices(), SgdConfig::new().with_momentum(Some(momentum)).build(), None);
+    let sgd = reference(&base, sgd);
+    let diff = max_abs_diff(&muon.1, &sgd.1);
+    assert!(
+        diff > 1e-3,
+        "Muon and SGD with momentum must differ (max diff {diff:e})"
+    );
+    let got = on_ranks(2, &ShardConfig::new(Stage::Two), &base, Case::MuonWithAdamW);
+    assert_close("Muon at stage 2 over 2 ranks", &got, &muon, 1e-4);
+}
+
+/// Hybrid sharding (2 replicas of 2-rank shard groups) with Muon and AdamW: Burn's numbers.
+#[test]
+fn muon_with_hsdp_2x2_matches_burn() {
+    let base = base();
+    let want = reference(&base, Case::MuonWithAdamW.burn());
+    for stage in [Stage::One, Stage::Two] {
+        let config = ShardConfig::new(stage).with_replicas(2);
+        let got = on_ranks(4, &config, &base, Case::MuonWithAdamW);
+        assert_close(&format!("HSDP 2x2, {stage:?}"), &got, &want, 1e-4);
+    }
+}
+
+/// Muon and LAMB state saved at stage 2 over 2 ranks resumes at stage 1 over 3 ranks (another
+/// owner for each matrix): the 20 steps equal Burn's uninterrupted run within 1e-4.
+/// Adafactor's factored state cannot be saved yet: refused on every rank, naming it.
+#[test]
+fn whole_parameter_state_resumes_at_another_world_size() {
+    let base = base();
+    for case in [Case::MuonWithAdamW, Case::Lamb] {
+        let want = reference(&base, case.burn());
+        let dir = scratch("whole_params", &format!("{case:?}")).join("step-10");
+        let half = STEPS / 2;
+        let group = InProcessGroup::new(2).unwrap();
+        let first = run_ranks(group, |comm| {
+            let device = Device::flex().autodiff();
+            let rank = (comm.rank(), comm.world_size());
+            let (model, mut optim) = ShardConfig::new(Stage::Two)
+                .init(base.clone().fork(&device), case.sharded(), comm)
+                .expect("init");
+            let (model, losses) = train(rank, model, &mut optim, 0, half);
+            optim
+                .save_checkpoint(&model, &dir, serde_json::Value::Null)
+                .expect("save");
+            losses
+        })
+        .expect("no rank panics");
+        let group = InProcessGroup::new(3).unwrap();
+        let second = run_ranks(group, |comm| {
+            let device = Device::flex().autodiff();
+            let rank = (comm.rank(), comm.world_size());
+            let (model, mut optim) = ShardConfig::new(Stage::One)
+                .init(base.clone().fork(&device), case.sharded(), comm)
+                .expect("init");
+            let (model, _) = optim.load_checkpoint(model, &dir).expect("load");
+            let (model, losses) = train(rank, model, &mut optim, half, STEPS - half);
+            (losses, params_of(&model))
+        })
+        .expect("no rank panics");
+        let losses = first[0].iter().chain(&second[0].0).copied().collect();
+        assert_close(
+            &format!("{case:?} resumed"),
+            &(losses, second[0].1.clone()),
+            &want,
+            1e-4,
+        );
+    }
+    let dir = scratch("whole_params", "adafactor").join("step-2");
+    let group = InProcessGroup::new(2).unwrap();
+    let errors = run_ranks(group, |comm| {
+        let device = Device::flex().autodiff();
+        let rank = (comm.rank(), comm.world_size());
+        let (model, mut optim) = ShardConfig::new(Stage::Two)
+            .init(base.clone().fork(&device), Case::Adafactor.sharded(), comm)
+            .expect("init");
+        let (model, _) = train(rank, model, &mut optim, 0, 2);
+        optim
+            .save_checkpoint(&model, &dir, serde_json::Value::Null)
+            .expect_err("refused")
+            .to_string()
+    })
+    .expect("no rank panics");
+    for e in errors {
+        assert!(e.contains("Adafactor") && e.contains("cannot be saved"), "{e}");
+    }
+}
+
+/// Every rank fails `init` (or `with_group`) with the parameter, its shape and the fix: Muon
+/// given 1-D parameters (Burn's Muon would panic), stage 3 over several ranks, the state on
+/// disk, a Muon group added after `init` at stage 2, and a group of another type on a base
+/// that is not type-erased.
+#[test]
+fn what_cannot_be_stepped_whole_is_refused_on_every_rank_with_the_fix() {
+    let base = base();
+    // Muon alone: the biases and `scale` are 1-D.
+    for e in init_errors(2, ShardConfig::new(Stage::Two), || {
+        OptimizerGroups::new(MuonConfig::new())
+    }) {
+        assert!(e.contains("l1.bias") && e.contains("[7]") && e.contains("2-D"), "{e}");
+    }
+    // Stage 3 over several ranks.
+    let muon = || OptimizerGroups::new(AdamWConfig::new()).with_group(matrices(), MuonConfig::new(), None);
+    for e in init_errors(2, ShardConfig::new(Stage::Three), muon) {
+        assert!(e.contains("l1.weight") && e.contains("stage 2"), "{e}");
+    }
+    // The state on disk.
+    let dir = scratch("whole_params", "nvme");
+    let disk = ShardConfig::new(Stage::Two).with_optimizer_state_on(Home::Disk(burn_shard::NvmeOffload::new(&dir)));
+    for e in init_errors(2, disk, muon) {
+        assert!(e.contains("Home::Host"), "{e}");
+    }
+    // After init: a Muon group at stage 2 (the layout cut the matrices), and a group of another
+    // type on a base that is not type-erased.
+    let late = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (_, optim) = ShardConfig::new(Stage::Two)
+            .init(
+                base.clone().fork(&device),
+                OptimizerGroups::new(AdamWConfig::new()),
+                comm,
+            )
+            .expect("init");
+        optim
+            .with_group(matrices(), MuonConfig::new(), None)
+            .err()
+            .expect("refused")
+            .to_string()
+    })
+    .expect("no rank panics");
+    let other = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (_, optim) = ShardConfig::new(Stage::Two)
+            .init(base.clone().fork(&device), AdamWConfig::new(), comm)
+            .expect("init");
+        let refused = optim.with_group(matrices(), SgdConfig::new().build(), None);
+        refused.err().expect("refused").to_string()
+    })
+    .expect("no rank panics");
+    let refused = late.into_iter().zip(other);
+    for (late, other) in refused {
+        assert!(late.contains("l1.weight") && late.contains("OptimizerGroups"), "{late}");
+        assert!(other.contains("OptimizerGroups"), "{other}");
+    }
+}
+
+/// `init`'s error on every rank of `world_size`, each rank building its optimizer with `optim`.
+fn init_errors<C: IntoOptimizer>(world_size: usize, config: ShardConfig, optim: impl Fn() -> C + Sync) -> Vec<String> {
+    let base = base();
+    let group = InProcessGroup::new(world_size).unwrap();
+    let errors = run_ranks(group, |comm| {
+        let device = Device::flex().autodiff();
+        match config.clone().init(base.clone().fork(&device), optim(), comm) {
+            Ok(_) => "init succeeded".to_string(),
+            Err(e) => e.to_string(),
+        }
+    })
+    .expect("no rank panics");
+    assert_eq!(errors.len(), world_size);
+    errors
+}
