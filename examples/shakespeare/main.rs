@@ -12,14 +12,16 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::AdamWConfig;
+use burn::module::ParamGroup;
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::{AdamWConfig, AdjustLrFn, MuonConfig};
 use burn::prelude::*;
 #[cfg(not(feature = "mpi"))]
 use burn_shard::comm::InProcessComm;
 use burn_shard::comm::{Collective, InProcessGroup, run_ranks};
 #[cfg(feature = "mpi")]
 use burn_shard::comm::{MpiComm, launched_by_mpirun};
-use burn_shard::{MemoryReport, ShardError, Stage};
+use burn_shard::{MemoryReport, OptimizerGroups, ShardError, Stage};
 use burn_shard_examples::char_data::{CharCorpus, sample_batch};
 use burn_shard_examples::cli::{ShardArgs, at_least, positive_f64};
 use burn_shard_examples::gpt::{Gpt, GptConfig};
@@ -57,8 +59,14 @@ struct Args {
     /// Transformer blocks, 1-1024.
     #[arg(long, default_value_t = 4, value_parser = at_least(1, 1024))]
     n_layer: usize,
+    /// The optimizer: `adamw` for every parameter, or `muon`: Burn's Muon for the blocks'
+    /// matrices (attention projections, MLP) and AdamW for embeddings, LayerNorms, biases and the
+    /// head, each matrix owned whole by one rank at stages 1-2.
+    #[arg(long, value_enum, default_value_t = OptimizerChoice::Adamw)]
+    optimizer: OptimizerChoice,
     /// Peak learning rate, a finite number above 0 (linear warm-up over 5% of the steps, cosine
-    /// decay to 10%).
+    /// decay to 10%); Muon's matrices take the same rate, scaled to AdamW's update size by
+    /// Burn's `AdjustLrFn::MatchRmsAdamW` (Liu et al. 2025, "Muon is Scalable for LLM Training").
     #[arg(long, default_value_t = 3e-3, value_parser = positive_f64)]
     lr: f64,
     /// Steps between validation estimates (at least 1).
@@ -84,6 +92,32 @@ struct Args {
     /// Folder for metrics.csv and losses.png.
     #[arg(long, default_value = "runs/shakespeare")]
     out: PathBuf,
+}
+
+/// `--optimizer`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum OptimizerChoice {
+    Adamw,
+    Muon,
+}
+
+/// The optimizer `init` is given: AdamW everywhere, or Muon for the blocks' matrices with AdamW
+/// (the fallback) for the rest, with the same weight decay. Burn's configs (not `.build()`):
+/// AdamW then runs the fused step.
+fn optimizer(choice: OptimizerChoice) -> OptimizerGroups {
+    let adamw = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1);
+    match choice {
+        OptimizerChoice::Adamw => OptimizerGroups::new(adamw),
+        OptimizerChoice::Muon => {
+            let matrices =
+                ParamGroup::from_regex(r"^blocks\.[0-9]+\.(attn\.(query|key|value|output)|fc|proj)\.weight$")
+                    .expect("a valid regex");
+            let muon = MuonConfig::new()
+                .with_adjust_lr_fn(AdjustLrFn::MatchRmsAdamW)
+                .with_weight_decay(Some(WeightDecayConfig::new(0.1)));
+            OptimizerGroups::new(adamw).with_group(matrices, muon, None)
+        }
+    }
 }
 
 struct RankOutcome {
@@ -257,8 +291,7 @@ fn train_rank(
     let rank = comm.rank();
     let device = training_device(stage);
     let local_batch = args.batch_size / args.shard.world_size;
-    // Burn's config (not `.build()`): the sharded optimizer then runs the fused AdamW step.
-    let optimizer = AdamWConfig::new().with_beta_2(0.99).with_weight_decay(0.1);
+    let optimizer = optimizer(args.optimizer);
 
     // The one call: shard the optimizer state (stage 1), gradients (stage 2) and parameters
     // (stage 3) over the ranks.

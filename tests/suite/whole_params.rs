@@ -6,7 +6,7 @@
 
 use burn::module::{Module, ParamGroup};
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdafactorConfig, AdamWConfig, LambConfig, ModuleOptimizer, MuonConfig, SgdConfig};
+use burn::optim::{AdafactorConfig, AdamWConfig, GradientsParams, LambConfig, ModuleOptimizer, MuonConfig, SgdConfig};
 use burn::prelude::*;
 use burn_shard::{AnyOptimizer, FlatLayout, Home, IntoOptimizer, OptimizerGroups, ShardConfig, Stage};
 use burn_shard_comm::{Collective, InProcessComm, InProcessGroup, run_ranks};
@@ -203,7 +203,8 @@ fn muon_with_hsdp_2x2_matches_burn() {
 }
 
 /// Muon and LAMB state saved at stage 2 over 2 ranks resumes at stage 1 over 3 ranks (another
-/// owner for each matrix): the 20 steps equal Burn's uninterrupted run within 1e-4.
+/// layout: LAMB's biases and `scale` change owners, the matrices keep theirs): the 20 steps
+/// equal Burn's uninterrupted run within 1e-4.
 /// Adafactor's factored state cannot be saved yet: refused on every rank, naming it.
 #[test]
 fn whole_parameter_state_resumes_at_another_world_size() {
@@ -322,6 +323,48 @@ fn what_cannot_be_stepped_whole_is_refused_on_every_rank_with_the_fix() {
         assert!(late.contains("l1.weight") && late.contains("OptimizerGroups"), "{late}");
         assert!(other.contains("OptimizerGroups"), "{other}");
     }
+    // Burn's Muon through `whole_params` is checked as Muon is.
+    let whole_muon = || AnyOptimizer::whole_params(MuonConfig::new().build());
+    for e in init_errors(2, ShardConfig::new(Stage::Two), whole_muon) {
+        assert!(e.contains("l1.bias") && e.contains("2-D"), "{e}");
+    }
+    // An OptimizerGroups with groups given to with_group: its groups would be dropped.
+    let dropped = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let (_, optim) = ShardConfig::new(Stage::Zero)
+            .init(
+                base.clone().fork(&device),
+                OptimizerGroups::new(AdamWConfig::new()),
+                comm,
+            )
+            .expect("init");
+        let groups = OptimizerGroups::new(AdamWConfig::new()).with_group(matrices(), LambConfig::new(), None);
+        optim
+            .with_group(matrices(), groups, None)
+            .err()
+            .expect("refused")
+            .to_string()
+    })
+    .expect("no rank panics");
+    for e in dropped {
+        assert!(e.contains("would drop"), "{e}");
+    }
+    // Ranks given different groups fail together at `init`, none waits for another.
+    let started = std::time::Instant::now();
+    let differ = run_ranks(InProcessGroup::new(2).unwrap(), |comm| {
+        let device = Device::flex().autodiff();
+        let groups = match comm.rank() {
+            0 => muon(),
+            _ => OptimizerGroups::new(AdamWConfig::new()).with_group(matrices(), LambConfig::new(), None),
+        };
+        let result = ShardConfig::new(Stage::Zero).init(base.clone().fork(&device), groups, comm);
+        result.err().expect("refused").to_string()
+    })
+    .expect("no rank panics");
+    assert!(started.elapsed().as_secs() < 10, "within seconds");
+    for e in differ {
+        assert!(e.to_lowercase().contains("rank"), "{e}");
+    }
 }
 
 /// `init`'s error on every rank of `world_size`, each rank building its optimizer with `optim`.
@@ -338,4 +381,158 @@ fn init_errors<C: IntoOptimizer>(world_size: usize, config: ShardConfig, optim: 
     .expect("no rank panics");
     assert_eq!(errors.len(), world_size);
     errors
+}
+
+/// Muon and AdamW on bf16 parameters with `f32` masters (Newton-Schulz on the master) against
+/// Burn's `ModuleOptimizer` with the same groups on an `f32` master model fed the `f32`-cast
+/// gradients of its bf16 copy: every final weight within one bf16 ulp of the reference's, at
+/// stages 0-2 over 1, 2 and 4 ranks, and weights whose updates round away in plain bf16 move.
+#[test]
+fn muon_on_bf16_parameters_steps_the_f32_master() {
+    use burn::tensor::DType;
+    const LR16: f64 = 2e-4;
+    let ulp = |x: f32| 2f32.powi(x.abs().max(2f32.powi(-100)).log2().floor() as i32 - 7);
+    let base = base();
+    let device = Device::flex().autodiff();
+    let bf16_rows = |data: &[f32], width, lo, hi, device: &Device| rows(data, width, lo, hi, device).cast(DType::BF16);
+    // The reference: the f32 master stepped by Burn with the f32-cast gradients of its bf16 copy.
+    let mut master = base.clone().fork(&device);
+    let mut optim = Case::MuonWithAdamW.burn();
+    for step in 0..STEPS {
+        let model = cast(master.clone(), DType::BF16);
+        let (x, y) = batch(step, GLOBAL_BATCH);
+        let loss = mse(
+            &model,
+            bf16_rows(&x, IN, 0, GLOBAL_BATCH, &device),
+            bf16_rows(&y, OUT, 0, GLOBAL_BATCH, &device),
+        );
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = cast_grads(&model, grads);
+        master = optim.step(LR16, master, grads);
+    }
+    let want = params_of(&cast(master, DType::BF16));
+    let start = params_of(&cast(base.clone(), DType::BF16));
+    let stuck: Vec<usize> = (0..start.len())
+        .filter(|&i| ulp(start[i]) / 2.0 > 1.5 * LR16 as f32 && (want[i] - start[i]).abs() >= 2.0 * ulp(start[i]))
+        .collect();
+    assert!(
+        stuck.len() >= 5,
+        "the reference must move bf16-stuck weights ({})",
+        stuck.len()
+    );
+    let base16 = cast(base, DType::BF16);
+    for world_size in [1, 2, 4] {
+        for stage in [Stage::Zero, Stage::One, Stage::Two] {
+            let ctx = format!("bf16, world size {world_size}, {stage:?}");
+            let runs = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                let device = Device::flex().autodiff();
+                let (lo, hi) = rank_rows(comm.rank(), world_size, GLOBAL_BATCH);
+                let (mut model, mut optim) = ShardConfig::new(stage)
+                    .init(base16.clone().fork(&device), Case::MuonWithAdamW.sharded(), comm)
+                    .expect("init");
+                for step in 0..STEPS {
+                    let (x, y) = batch(step, GLOBAL_BATCH);
+                    let loss = mse(
+                        &model,
+                        bf16_rows(&x, IN, lo, hi, &device),
+                        bf16_rows(&y, OUT, lo, hi, &device),
+                    );
+                    model = sharded_step(&mut optim, model, loss, LR16).0;
+                }
+                params_of(&model)
+            })
+            .expect("no rank panics");
+            for (rank, got) in runs.iter().enumerate() {
+                for i in 0..got.len() {
+                    let diff = (got[i] - want[i]).abs();
+                    assert!(
+                        diff <= ulp(want[i]),
+                        "{ctx} rank {rank} param {i}: {} vs {}",
+                        got[i],
+                        want[i]
+                    );
+                }
+                let unmoved = stuck.iter().filter(|&&i| got[i] == start[i]).count();
+                assert_eq!(unmoved, 0, "{ctx} rank {rank}: updates below bf16 resolution were lost");
+            }
+        }
+    }
+}
+
+/// `grads` of `module`'s parameters cast to `f32`.
+fn cast_grads<M: Module>(module: &M, mut grads: GradientsParams) -> GradientsParams {
+    struct Collect<'a>(&'a mut GradientsParams, GradientsParams);
+    impl burn::module::ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            if let Some(g) = self.0.remove::<D>(param.id) {
+                self.1.register::<D>(param.id, g.cast(burn::tensor::DType::F32));
+            }
+        }
+    }
+    let mut c = Collect(&mut grads, GradientsParams::new());
+    module.visit(&mut c);
+    c.1
+}
+
+/// Gradient accumulation (two micro-batches a step, the loss halved) with per-parameter
+/// clipping on the Muon group (`Norm(0.05)`, which the first steps' gradients exceed): Burn's
+/// full-batch run with the same clipping, at stages 0-2 over 2 and 3 ranks, within 1e-4.
+#[test]
+fn muon_with_accumulation_and_group_clipping_matches_burn() {
+    use burn::optim::grad_clipping::GradientClipping;
+    let base = base();
+    let clip = || Some(GradientClipping::Norm(0.05));
+    let burn = AdamWConfig::new()
+        .init()
+        .with_group(matrices(), MuonConfig::new().build(), clip());
+    let want = reference(&base, burn);
+    let unclipped = reference(&base, Case::MuonWithAdamW.burn());
+    assert!(max_abs_diff(&want.1, &unclipped.1) > 1e-4, "the clipping must bite");
+    for world_size in [2, 3] {
+        for stage in [Stage::Zero, Stage::One, Stage::Two] {
+            let runs = run_ranks(InProcessGroup::new(world_size).unwrap(), |comm| {
+                let device = Device::flex().autodiff();
+                let (lo, hi) = rank_rows(comm.rank(), world_size, GLOBAL_BATCH);
+                let groups = OptimizerGroups::new(AdamWConfig::new()).with_group(matrices(), MuonConfig::new(), clip());
+                let (mut model, mut optim) = ShardConfig::new(stage)
+                    .init(base.clone().fork(&device), groups, comm)
+                    .expect("init");
+                let mid = lo + (hi - lo) / 2;
+                let mut losses = Vec::new();
+                for step in 0..STEPS {
+                    let (x, y) = batch(step, GLOBAL_BATCH);
+                    let half = |a, b| {
+                        let loss = mse(&model, rows(&x, IN, a, b, &device), rows(&y, OUT, a, b, &device));
+                        loss.mul_scalar((b - a) as f32 / (hi - lo) as f32)
+                    };
+                    let first = half(lo, mid);
+                    let first_value = first.clone().into_scalar::<f32>();
+                    optim
+                        .accumulate(&model, GradientsParams::from_grads(first.backward(), &model))
+                        .expect("accumulate");
+                    let second = half(mid, hi);
+                    let (next, global) = sharded_step(&mut optim, model, second, LR);
+                    model = next;
+                    // The step's global loss is the mean of the second halves; add the first's.
+                    let first_global = optim
+                        .comm()
+                        .all_reduce(
+                            Tensor::<1>::from_floats([first_value], &Device::flex()),
+                            burn_shard_comm::ReduceOp::Avg,
+                        )
+                        .expect("all_reduce")
+                        .into_scalar::<f32>();
+                    losses.push(first_global + global);
+                }
+                (losses, params_of(&model))
+            })
+            .expect("no rank panics");
+            assert_close(
+                &format!("accumulation + clipping, {world_size} ranks, {stage:?}"),
+                &runs[0],
+                &want,
+                1e-4,
+            );
+        }
+    }
 }

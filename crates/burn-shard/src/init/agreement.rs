@@ -103,6 +103,7 @@ pub(super) fn check_same_models(
     world: &dyn Collective,
     layouts: [&FlatLayout; 2],
     options: &StepOptions,
+    optimizers: u64,
     pretrained: Option<&PretrainedPlan>,
     device: &Device,
 ) -> Result<(), ShardError> {
@@ -110,6 +111,7 @@ pub(super) fn check_same_models(
         layouts[0].fingerprint(),
         layouts[1].fingerprint(),
         options.fingerprint(),
+        optimizers,
         pretrained.map_or(0, PretrainedPlan::fingerprint),
     ];
     let fingerprint = sha256_u64(&parts.map(u64::to_le_bytes).concat());

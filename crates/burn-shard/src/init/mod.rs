@@ -12,6 +12,7 @@ mod homes;
 mod mesh;
 mod stage3;
 
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -28,6 +29,7 @@ use crate::model::layout::{FlatLayout, ParamSlot};
 use crate::model::pretrained::Pretrained;
 use crate::model::pretrained::plan::PretrainedPlan;
 use crate::model::root_values::{RootValues, SyncEntries};
+use crate::optim::groups::clipping_key;
 use crate::optim::into_optimizer::IntoOptimizer;
 use crate::optim::into_optimizer::OptimizerGroup;
 use crate::optim::master::MasterWeightStep;
@@ -175,23 +177,45 @@ struct Optimizers<O> {
 }
 
 impl<O: MasterWeightStep> Optimizers<O> {
-    /// Whether the optimizer that steps `slot` (the last group that matches it, or the base)
-    /// reads whole parameters.
-    fn wants_whole(&self, slot: &ParamSlot) -> bool {
-        let group = self
-            .groups
+    /// The index of the last group that matches `slot`, `None` for the base (Burn's rule).
+    fn group_of(&self, slot: &ParamSlot) -> Option<usize> {
+        self.groups
             .iter()
-            .rev()
-            .find(|(g, _, _)| g.matches(&slot.id, Some(&slot.path)));
-        group.map_or(&self.base, |(_, optim, _)| optim).needs_whole_params()
+            .rposition(|(g, _, _)| g.matches(&slot.id, Some(&slot.path)))
     }
 
-    /// Refusals that come before any work: whole parameters at stage 3,
+    /// The optimizer that steps `slot`.
+    fn optim_of(&self, slot: &ParamSlot) -> &O {
+        self.group_of(slot).map_or(&self.base, |i| &self.groups[i].1)
+    }
+
+    /// Whether the optimizer that steps `slot` reads whole parameters.
+    fn wants_whole(&self, slot: &ParamSlot) -> bool {
+        self.optim_of(slot).needs_whole_params()
+    }
+
+    /// A hash of which group steps each slot of `layout`, each optimizer's type and each
+    /// clipping: what the ranks agree on at `init`.
+    fn fingerprint(&self, layout: &FlatLayout) -> u64 {
+        let mut h = DefaultHasher::new();
+        layout.slots().iter().for_each(|slot| self.group_of(slot).hash(&mut h));
+        (self.base.fingerprint(), clipping_key(self.clipping.as_ref())).hash(&mut h);
+        for (_, optim, clipping) in &self.groups {
+            (optim.fingerprint(), clipping_key(clipping.as_ref())).hash(&mut h);
+        }
+        h.finish()
+    }
+
+    /// Refusals that come before any work: a parameter its optimizer cannot step (Muon given
+    /// one that is not 2-D), whole parameters at stage 3,
     /// and an [`AnyOptimizer`](crate::AnyOptimizer)'s state on disk.
     ///
     /// # Errors
     /// [`ShardError::InvalidConfig`] naming the fix.
     fn check(&self, config: &ShardConfig, layout: &FlatLayout, swaps: bool) -> Result<(), ShardError> {
+        for slot in layout.slots() {
+            self.optim_of(slot).check_param(&slot.path, &slot.shape)?;
+        }
         let whole = layout.slots().iter().find(|slot| self.wants_whole(slot));
         if let (Some(slot), Stage::Three) = (whole, config.stage) {
             return Err(ShardError::InvalidConfig(format!(
@@ -277,6 +301,7 @@ fn init_with<M: Module, O: MasterWeightStep>(
         world.as_ref(),
         [&layout, &everything],
         &options,
+        optims.fingerprint(&layout),
         pretrained.as_ref(),
         &device,
     )?;
@@ -295,6 +320,7 @@ fn init_with<M: Module, O: MasterWeightStep>(
             buffers,
             homes.params,
         )?;
+        // The ranks agreed on the groups with the models above.
         return Ok((model, optim.with_mesh(mesh).add_groups(optims.groups)?));
     }
     let plan = StagePlan::whole(config.stage);

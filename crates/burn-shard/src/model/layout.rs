@@ -47,7 +47,9 @@ pub struct Bucket {
     pub slots: Range<usize>,
     /// Elements of real data.
     pub numel: usize,
-    /// `numel` rounded up to a multiple of `world_size`; the tail is zero padding.
+    /// `numel` rounded up to a multiple of `world_size`, the tail zero padding; in a bucket of
+    /// whole-owned parameters ([`FlatLayout::from_module_owning`]) `world_size` segments of
+    /// `shard_numel`, each padded at its end.
     pub padded_numel: usize,
     /// `padded_numel / world_size`: the elements each rank owns.
     pub shard_numel: usize,
@@ -75,18 +77,25 @@ impl Bucket {
     }
 }
 
-/// Greedy LPT: each slot (largest first, ties in order) to the rank with the fewest elements
-/// so far (the lowest such rank); returns the largest rank's elements (at least 1) and each
-/// slot's rank.
-fn balance(slots: &[ParamSlot], world_size: usize) -> (usize, Vec<usize>) {
+/// Greedy LPT over one bucket: each slot (largest first, ties in order) to the rank with the
+/// fewest elements in this bucket so far, ties to the rank with the fewest in the earlier
+/// buckets (`owned_so_far`, updated), then the lowest; returns the largest rank's elements
+/// (the segment length, at least 1) and each slot's rank. The tie-break spreads buckets that
+/// hold fewer parameters than ranks (one large matrix) over the ranks instead of rank 0.
+fn balance(slots: &[ParamSlot], owned_so_far: &mut [usize]) -> (usize, Vec<usize>) {
     let mut by_size: Vec<usize> = (0..slots.len()).collect();
     by_size.sort_by_key(|&i| (std::cmp::Reverse(slots[i].numel), i));
-    let mut load = vec![0usize; world_size];
+    let mut load = vec![0usize; owned_so_far.len()];
     let mut ranks = vec![0; slots.len()];
     for i in by_size {
-        let rank = (0..world_size).min_by_key(|&r| (load[r], r)).expect("world_size >= 1");
+        let rank = (0..load.len())
+            .min_by_key(|&r| (load[r], owned_so_far[r], r))
+            .expect("world_size >= 1");
         ranks[i] = rank;
         load[rank] += slots[i].numel;
+    }
+    for (total, bucket) in owned_so_far.iter_mut().zip(&load) {
+        *total += bucket;
     }
     (load.into_iter().max().unwrap_or(0).max(1), ranks)
 }
@@ -131,9 +140,10 @@ impl FlatLayout {
     /// [`AnyOptimizer`](crate::AnyOptimizer)) at stages 1-2.
     ///
     /// They get buckets of their own (by dtype, in traversal order, closed at `bucket_numel`
-    /// elements as the others). Inside such a bucket each parameter goes to the rank with the
-    /// fewest elements so far, largest first (greedy LPT scheduling, Graham 1969: the largest
-    /// rank holds at most 4/3 of the optimum); each rank's segment holds its parameters in
+    /// elements per rank: `world_size · bucket_numel` in all). Inside such a bucket each
+    /// parameter goes to the rank with the fewest elements so far, largest first (greedy LPT
+    /// scheduling, Graham 1969: the largest rank holds at most 4/3 of the optimum), ties to the
+    /// rank that owns the fewest in the earlier buckets; each rank's segment holds its parameters in
     /// traversal order and is padded with zeros to the largest segment, so the reduce-scatter
     /// that gives each rank its segment delivers whole parameters (Megatron-LM's layout for
     /// Muon, NVIDIA/Megatron-LM#4509). A parameter larger than the others' total leaves the other
@@ -161,10 +171,14 @@ impl FlatLayout {
     ) -> Result<Self, ShardError> {
         let (whole_slots, flat_slots): (Vec<ParamSlot>, Vec<ParamSlot>) = slots.into_iter().partition(|s| whole(s));
         let mut layout = Self::from_slots(flat_slots, world_size, bucket_numel)?;
-        let owned = Self::from_slots(whole_slots, world_size, bucket_numel)?;
+        // A bucket of whole parameters holds about `bucket_numel` per rank, so that the
+        // matrices of one layer share a bucket instead of each padding the others' segments.
+        let owned = Self::from_slots(whole_slots, world_size, bucket_numel.saturating_mul(world_size))?;
+        // Real elements each rank owns in the buckets so far: ties go to the least loaded.
+        let mut owned_so_far = vec![0usize; world_size];
         for bucket in owned.buckets {
             let mut slots: Vec<ParamSlot> = owned.slots[bucket.slots.clone()].to_vec();
-            let (segment, ranks) = balance(&slots, world_size);
+            let (segment, ranks) = balance(&slots, &mut owned_so_far);
             // Each rank's parameters in traversal order, ranks in order: slot order is offset
             // order, which `pieces` and `join_range` rely on.
             let mut order: Vec<usize> = (0..slots.len()).collect();
@@ -494,10 +508,10 @@ mod tests {
     }
 
     /// Whole ownership (`from_slots_owning`): every whole parameter lies in one rank's range
-    /// (world sizes 1-5, several bucket sizes), the ranks' ranges still partition each bucket,
-    /// flat parameters keep the flat rule, and the greedy balance gives the largest rank at
-    /// most the largest of (total / world size + largest parameter) — LPT's bound; a
-    /// parameter larger than the others' total gets a rank alone, the others share the rest.
+    /// (world sizes 1-5, several bucket sizes); each element of each bucket belongs to at most
+    /// one parameter and each parameter element to exactly one rank; flat parameters keep
+    /// their buckets; and the largest rank of a bucket holds at most total / world size + the
+    /// largest parameter (Graham's list-scheduling bound).
     #[test]
     fn whole_parameters_lie_in_one_rank_and_the_ranks_are_balanced() {
         let is_whole = |s: &ParamSlot| s.path != "p3" && s.path != "p6";
@@ -506,12 +520,13 @@ mod tests {
                 let layout = FlatLayout::from_slots_owning(model_slots(), world_size, bucket_numel, is_whole).unwrap();
                 let real: usize = model_slots().iter().map(|s| s.numel).sum();
                 assert_eq!(layout.numel(), real);
-                let mut owned = vec![0usize; real];
-                let mut seen = 0;
+                let mut covered: Vec<Vec<u8>> = layout.buckets().iter().map(|b| vec![0; b.padded_numel]).collect();
                 for (index, slot) in layout.slots().iter().enumerate() {
                     let bucket = &layout.buckets()[slot.bucket];
                     assert!(bucket.slots.contains(&index));
-                    assert!(slot.offset + slot.numel <= bucket.padded_numel);
+                    covered[slot.bucket][slot.offset..slot.offset + slot.numel]
+                        .iter_mut()
+                        .for_each(|c| *c += 1);
                     if is_whole(slot) {
                         assert!(
                             layout.owned_whole(index),
@@ -519,15 +534,15 @@ mod tests {
                             slot.path
                         );
                     }
-                    for rank in 0..world_size {
-                        if let Some(part) = slot.within(&bucket.shard_range(rank)) {
-                            owned[seen..seen + part.len()].iter_mut().for_each(|o| *o += 1);
-                            seen += part.len();
-                        }
-                    }
+                    let owned: usize = (0..world_size)
+                        .filter_map(|rank| slot.within(&bucket.shard_range(rank)))
+                        .map(|part| part.len())
+                        .sum();
+                    assert_eq!(owned, slot.numel, "{}: every element owned by one rank", slot.path);
                 }
-                assert_eq!(seen, real, "every element owned once");
-                for bucket in layout.buckets() {
+                for (bucket, covered) in layout.buckets().iter().zip(&covered) {
+                    assert!(covered.iter().all(|&c| c <= 1), "parameters overlap in a bucket");
+                    assert_eq!(covered.iter().filter(|&&c| c == 1).count(), bucket.numel);
                     assert_eq!(bucket.padded_numel, bucket.shard_numel * world_size);
                     let total: usize = (0..world_size).map(|r| bucket.owned_numel(layout.slots(), r)).sum();
                     assert_eq!(total, bucket.numel);
@@ -553,6 +568,28 @@ mod tests {
         let offsets: Vec<(String, usize)> = layout.slots().iter().map(|s| (s.path.clone(), s.offset)).collect();
         let want = [("q0", 0), ("q1", 40), ("q2", 47), ("q3", 56)];
         assert_eq!(offsets, want.map(|(p, o)| (p.to_string(), o)));
+        // Eight equal matrices over 4 ranks, `bucket_numel` one matrix: buckets of 4 (one per
+        // rank, no padding), and each rank owns two, not rank 0 all.
+        let slots = (0..8).map(|i| slot(&format!("m{i}"), 64, DType::F32));
+        let layout = FlatLayout::from_slots_owning(slots.collect(), 4, 64, |_| true).unwrap();
+        assert_eq!(layout.buckets().len(), 2);
+        assert_eq!(layout.padding(), 0);
+        let mut per_rank = [0; 4];
+        for bucket in layout.buckets() {
+            for (rank, owned) in per_rank.iter_mut().enumerate() {
+                *owned += bucket.owned_numel(layout.slots(), rank);
+            }
+        }
+        assert_eq!(per_rank, [128; 4]);
+        // One matrix per bucket: the buckets go to ranks in turn.
+        let slots = (0..4).map(|i| slot(&format!("b{i}"), 100, DType::F32));
+        let layout = FlatLayout::from_slots_owning(slots.collect(), 2, 50, |_| true).unwrap();
+        let owners: Vec<usize> = layout
+            .slots()
+            .iter()
+            .map(|s| s.offset / layout.buckets()[s.bucket].shard_numel)
+            .collect();
+        assert_eq!(owners, [0, 1, 0, 1]);
     }
 
     /// The rule every stage's step, checkpoint and reduction rests on, for world sizes 1-5 and

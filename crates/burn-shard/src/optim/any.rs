@@ -19,9 +19,9 @@ use crate::error::ShardError;
 use crate::optim::into_optimizer::IntoOptimizer;
 use crate::optim::master::MasterWeightStep;
 
-/// Parameter ranks a whole-parameter step dispatches (Burn's own dispatch goes to 8; a
-/// parameter of higher rank is refused at `init` by [`AnyOptimizer`]'s parameter check).
-const MAX_RANK: usize = 6;
+/// Parameter ranks a whole-parameter step dispatches, as Burn's `DynOptimizer` (a parameter
+/// of another rank is refused at `init` by [`AnyOptimizer`]'s parameter check).
+const MAX_RANK: usize = 8;
 
 /// Runs `$body` with a `const $d: usize` equal to `$rank` (1 to [`MAX_RANK`]).
 macro_rules! with_rank {
@@ -51,7 +51,15 @@ macro_rules! with_rank {
                 const $d: usize = 6;
                 $body
             }
-            other => unreachable!("rank {other} is refused by AnyOptimizer::check_param"),
+            7 => {
+                const $d: usize = 7;
+                $body
+            }
+            8 => {
+                const $d: usize = 8;
+                $body
+            }
+            other => panic!("a tensor of rank {other}: whole parameters of ranks 1 to {MAX_RANK} are stepped"),
         }
     };
 }
@@ -94,6 +102,10 @@ trait Erased: Send + Sync {
     fn move_state(&self, state: DynState, device: &Device) -> DynState;
     fn flatten_state(&self, state: &DynState, out: &mut StateSink);
     fn rebuild_state(&self, rank: usize, source: &mut StateSource, device: &Device) -> Option<DynState>;
+    /// [`MasterWeightStep::check_param`] of the concrete optimizer.
+    fn own_check(&self, path: &str, shape: &[usize]) -> Result<(), ShardError>;
+    /// [`MasterWeightStep::fingerprint`] of the concrete optimizer.
+    fn own_fingerprint(&self) -> u64;
     /// Bytes of `state`'s tensors as `(on device, elsewhere)`.
     fn bytes_of(&self, state: &DynState, device: &Device) -> (usize, usize);
 }
@@ -140,6 +152,13 @@ impl<P: MasterWeightStep> Erased for P {
         grad: Tensor<1>,
         state: Option<DynState>,
     ) -> (Tensor<1>, Option<DynState>) {
+        // An optimizer that says it needs whole parameters itself steps them with its own
+        // `step_whole` (and `State<1>`); Burn's, wrapped in `Shaped`, with their shape.
+        if self.needs_whole_params() {
+            let state = state.map(|s| s.downcast::<P::State<1>>());
+            let (param, state) = MasterWeightStep::step_whole(self, lr, shape, param, grad, state);
+            return (param, state.map(|s| DynState::create(s, 1)));
+        }
         let numel = param.dims()[0];
         with_rank!(shape.len(), D => {
             let dims: [usize; D] = shape.try_into().expect("shape of rank D");
@@ -158,7 +177,18 @@ impl<P: MasterWeightStep> Erased for P {
     }
 
     fn rebuild_state(&self, rank: usize, source: &mut StateSource, device: &Device) -> Option<DynState> {
-        DynOptimizer::state_unflatten(self, rank, "", source, device)
+        match self.needs_whole_params() {
+            true => MasterWeightStep::rebuild_state(self, rank, source, device).map(|s| DynState::create(s, 1)),
+            false => DynOptimizer::state_unflatten(self, rank, "", source, device),
+        }
+    }
+
+    fn own_check(&self, path: &str, shape: &[usize]) -> Result<(), ShardError> {
+        self.check_param(path, shape)
+    }
+
+    fn own_fingerprint(&self) -> u64 {
+        MasterWeightStep::fingerprint(self)
     }
 
     fn bytes_of(&self, state: &DynState, device: &Device) -> (usize, usize) {
@@ -203,7 +233,10 @@ pub(crate) struct Needs {
 ///
 /// States are Burn's own (`DynState` of the concrete `State<D>`); a state made by one optimizer
 /// type is never handed to another (a parameter moved to a group of another type starts
-/// afresh, as Burn's `with_group` resets it).
+/// afresh, as Burn's `with_group` resets it). It is an `Optimizer` for burn-shard's sharded
+/// step: its [`AnyState`] cannot be rebuilt from a record without it
+/// ([`MasterWeightStep::rebuild_state`]), so Burn's own `ModuleOptimizer` would load none;
+/// give Burn the concrete optimizers instead.
 #[derive(Clone)]
 pub struct AnyOptimizer {
     inner: Arc<dyn Erased>,
@@ -233,13 +266,9 @@ impl AnyOptimizer {
     /// their shapes, whatever its update reads: for an optimizer that is not element-wise and
     /// that Burn does not ship, or to step an element-wise one on whole parameters.
     pub fn whole_params<P: Optimizer>(optim: P) -> Self {
-        Self::erase(
-            Shaped(optim),
-            Needs {
-                whole: true,
-                matrices: false,
-            },
-        )
+        // Burn's Muon asserts 2-D tensors: its parameters are checked at `init` instead.
+        let matrices = TypeId::of::<P>() == TypeId::of::<Muon>();
+        Self::erase(Shaped(optim), Needs { whole: true, matrices })
     }
 
     /// `optim` type-erased with what it needs.
@@ -250,15 +279,17 @@ impl AnyOptimizer {
         }
     }
 
-    /// `optim` type-erased: returned as it is when it is an `AnyOptimizer`, stepping flat
-    /// pieces otherwise (every [`MasterWeightStep`] but this one is element-wise).
+    /// `optim` type-erased: returned as it is when it is an `AnyOptimizer`; otherwise stepping
+    /// flat pieces, or whole parameters with its own [`MasterWeightStep::step_whole`] when it
+    /// says it needs them.
     pub(crate) fn adopt<P: MasterWeightStep>(optim: P) -> Self {
         let boxed: Box<dyn Any> = Box::new(optim);
         match boxed.downcast::<AnyOptimizer>() {
             Ok(any) => *any,
             Err(boxed) => {
                 let optim = *boxed.downcast::<P>().expect("the type it was boxed as");
-                Self::erase(optim, Needs::default())
+                let whole = optim.needs_whole_params();
+                Self::erase(optim, Needs { whole, matrices: false })
             }
         }
     }
@@ -375,7 +406,13 @@ impl MasterWeightStep for AnyOptimizer {
                  to {MAX_RANK} are supported: route it to an element-wise optimizer with a group"
             )));
         }
-        Ok(())
+        self.inner.own_check(path, shape)
+    }
+
+    fn fingerprint(&self) -> u64 {
+        let mut h = std::hash::DefaultHasher::new();
+        std::hash::Hash::hash(&(self.inner.own_fingerprint(), self.needs), &mut h);
+        std::hash::Hasher::finish(&h)
     }
 
     fn step_whole(

@@ -11,6 +11,7 @@ use burn::module::ParamGroup;
 use burn::optim::grad_clipping::GradientClipping;
 
 use crate::model::layout::FlatLayout;
+use crate::optim::master::MasterWeightStep;
 
 /// One optimizer and its clipping (the base group's matches every parameter).
 struct Group<O> {
@@ -25,7 +26,7 @@ pub(crate) struct Groups<O> {
     of_slot: Vec<usize>,
 }
 
-impl<O> Groups<O> {
+impl<O: MasterWeightStep> Groups<O> {
     /// One group, `optim` with `clipping`, for every slot of `layout`.
     pub(crate) fn new(optim: O, clipping: Option<GradientClipping>, layout: &FlatLayout) -> Self {
         Self {
@@ -70,12 +71,14 @@ impl<O> Groups<O> {
         self.groups[self.of_slot[slot]].clipping.as_ref()
     }
 
-    /// A hash of which group steps each slot and how each group clips, equal on ranks that
-    /// added the same groups (the optimizers' hyper-parameters are not read).
+    /// A hash of which group steps each slot, which optimizer type each group has and how it
+    /// clips, equal on ranks that added the same groups (the optimizers' hyper-parameters are
+    /// not read).
     pub(crate) fn fingerprint(&self) -> u64 {
         let mut h = DefaultHasher::new();
         self.of_slot.hash(&mut h);
         for group in &self.groups {
+            group.optim.fingerprint().hash(&mut h);
             clipping_key(group.clipping.as_ref()).hash(&mut h);
         }
         h.finish()

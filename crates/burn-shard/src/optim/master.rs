@@ -133,6 +133,15 @@ pub trait MasterWeightStep: Optimizer {
         true
     }
 
+    /// Which optimizer this is, for the ranks' agreement that they step each parameter with
+    /// the same one: a hash of its type (an [`AnyOptimizer`](crate::AnyOptimizer)'s, of the
+    /// type it erases and what it needs). Hyper-parameters are not read.
+    fn fingerprint(&self) -> u64 {
+        let mut h = std::hash::DefaultHasher::new();
+        std::hash::Hash::hash(std::any::type_name::<Self>(), &mut h);
+        std::hash::Hasher::finish(&h)
+    }
+
     /// `optim`, given to a parameter group, as this type: itself when it is of this type; an
     /// [`AnyOptimizer`](crate::AnyOptimizer) takes any optimizer.
     ///

@@ -132,6 +132,33 @@ pub(crate) struct RunRecord {
     pub(crate) base: crate::run::Base,
 }
 
+/// `optim`, given to [`ShardedOptimizer::with_group`], as the base optimizer's type `O`.
+///
+/// # Errors
+/// [`ShardError::InvalidConfig`] for a config that carries its own clipping, an
+/// [`OptimizerGroups`](crate::OptimizerGroups) with groups (whose groups `with_group` would
+/// drop), or an optimizer of another type on a base that is not an
+/// [`AnyOptimizer`](crate::AnyOptimizer); what `into_parts` returns.
+fn group_optimizer<O: MasterWeightStep, C: IntoOptimizer>(optim: C) -> Result<O, ShardError> {
+    if optim.grad_clipping()?.is_some() {
+        return Err(ShardError::InvalidConfig(
+            "the optimizer config given to with_group carries its own grad_clipping; pass the clipping as \
+             with_group's grad_clipping argument (as ModuleOptimizer::with_group takes it) and remove it from the \
+             config"
+                .to_string(),
+        ));
+    }
+    let (optim, groups) = optim.into_parts()?;
+    if !groups.is_empty() {
+        return Err(ShardError::InvalidConfig(format!(
+            "with_group was given an OptimizerGroups with {} groups, which it would drop: give it to \
+             ShardConfig::init, or add its groups with with_group one by one",
+            groups.len()
+        )));
+    }
+    O::from_group(optim)
+}
+
 impl<O: MasterWeightStep> ShardedOptimizer<O> {
     pub(crate) fn new(
         optim: O,
@@ -225,8 +252,11 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// (step count, moments, `f32` masters), unlike Burn's `with_group`, which resets it: a run
     /// resumed with [`ShardedOptimizer::load_checkpoint`] continues the same whether its groups
     /// are added before or after the load (groups added before the first step, as usual, give
-    /// Burn's numbers either way). A collective: every rank calls it with the same groups
-    /// (checked).
+    /// Burn's numbers either way). That holds for groups whose optimizer has the base's type:
+    /// the load rebuilds each state with the optimizer that steps it then, so a group of
+    /// another type (Lion beside AdamW, Muon) must be in place before the load, best given to
+    /// `init` in [`OptimizerGroups`](crate::OptimizerGroups). A collective: every rank calls it
+    /// with the same groups (checked; a rank whose group is refused fails the others too).
     ///
     /// # Errors
     /// [`ShardError::InvalidConfig`] when `optim` is a Burn config that carries its own
@@ -242,42 +272,44 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     /// stages 1-2 (the layout decides where parameters live), unless each parameter it
     /// matches already lies in one rank's range.
     pub fn with_group<C: IntoOptimizer>(
-        self,
+        mut self,
         group: ParamGroup,
         optim: C,
         grad_clipping: Option<GradientClipping>,
     ) -> Result<Self, ShardError> {
-        if optim.grad_clipping()?.is_some() {
-            return Err(ShardError::InvalidConfig(
-                "the optimizer config given to with_group carries its own grad_clipping; pass the clipping as \
-                 with_group's grad_clipping argument (as ModuleOptimizer::with_group takes it) and remove it from \
-                 the config"
-                    .to_string(),
-            ));
-        }
-        let optim = O::from_group(optim.into_optimizer()?)?;
-        self.add_groups(vec![(group, optim, grad_clipping)])
+        let built = group_optimizer::<O, C>(optim)
+            .and_then(|optim| check_one_norm_clipping(self.max_grad_norm, grad_clipping.as_ref()).map(|()| optim));
+        // Every rank takes part in the agreement, also one whose group was refused here (its
+        // fingerprint then matches no other), so that none waits for it.
+        let ours = match built {
+            Ok(optim) => {
+                // The matched slots keep their optimizer state (step count, moments, masters),
+                // where Burn's `ModuleOptimizer::with_group` drops it: a group added after
+                // `load_checkpoint` resumes (a state made by another optimizer type is not reused).
+                self.groups.add(group, optim, grad_clipping, &self.layout);
+                Ok(self.groups.fingerprint())
+            }
+            Err(e) => Err(e),
+        };
+        let fingerprint = *ours.as_ref().unwrap_or(&0);
+        let agreed = crate::model::layout::check_same_layout(self.world(), fingerprint, &self.device);
+        ours?;
+        agreed?;
+        // The same answer on every rank: they agreed on the groups and the optimizers' types.
+        self.check_params()?;
+        Ok(self)
     }
 
-    /// Adds `groups` (each `(selector, optimizer, clipping)`, later ones taking precedence),
-    /// checks that every rank added the same groups (a collective, when there are any: `init`
-    /// without groups adds none, so that a rank that failed before it is not waited for) and
-    /// that each parameter's optimizer can step it where it lives (the same answer on every
-    /// rank then).
+    /// Adds the groups `init` was given (each `(selector, optimizer, clipping)`, later ones
+    /// taking precedence; the ranks agreed on them with the models) and checks that each
+    /// parameter's optimizer can step it where it lives.
     ///
     /// # Errors
     /// As [`ShardedOptimizer::with_group`].
     pub(crate) fn add_groups(mut self, groups: Vec<OptimizerGroup<O>>) -> Result<Self, ShardError> {
-        let added = !groups.is_empty();
         for (group, optim, grad_clipping) in groups {
             check_one_norm_clipping(self.max_grad_norm, grad_clipping.as_ref())?;
-            // The matched slots keep their optimizer state (step count, moments, masters), where
-            // Burn's `ModuleOptimizer::with_group` drops it: a group added after
-            // `load_checkpoint` resumes (a state made by another optimizer type is not reused).
             self.groups.add(group, optim, grad_clipping, &self.layout);
-        }
-        if added {
-            crate::model::layout::check_same_layout(self.world(), self.groups.fingerprint(), &self.device)?;
         }
         self.check_params()?;
         Ok(self)
