@@ -12,7 +12,6 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::module::ParamGroup;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::{AdamWConfig, AdjustLrFn, MuonConfig};
 use burn::prelude::*;
@@ -24,7 +23,7 @@ use burn_shard::comm::{MpiComm, launched_by_mpirun};
 use burn_shard::{MemoryReport, OptimizerGroups, ShardError, Stage};
 use burn_shard_examples::char_data::{CharCorpus, sample_batch};
 use burn_shard_examples::cli::{ShardArgs, at_least, positive_f64};
-use burn_shard_examples::gpt::{Gpt, GptConfig};
+use burn_shard_examples::gpt::{Gpt, GptConfig, hidden_matrices};
 use burn_shard_examples::metrics::Metrics;
 use burn_shard_examples::training::{
     Progress, StepEnd, end_step, lr_at, print_estimate, resume, train_step, training_device, window_loss,
@@ -109,9 +108,7 @@ fn optimizer(choice: OptimizerChoice) -> OptimizerGroups {
     match choice {
         OptimizerChoice::Adamw => OptimizerGroups::new(adamw),
         OptimizerChoice::Muon => {
-            let matrices =
-                ParamGroup::from_regex(r"^blocks\.[0-9]+\.(attn\.(query|key|value|output)|fc|proj)\.weight$")
-                    .expect("a valid regex");
+            let matrices = hidden_matrices();
             let muon = MuonConfig::new()
                 .with_adjust_lr_fn(AdjustLrFn::MatchRmsAdamW)
                 .with_weight_decay(Some(WeightDecayConfig::new(0.1)));

@@ -60,6 +60,13 @@ impl Block {
     }
 }
 
+/// The blocks' matrices (attention projections, MLP weights) by module path: Muon's group in
+/// the Muon recipes; embeddings, LayerNorms, biases and the head stay with AdamW.
+pub fn hidden_matrices() -> burn::module::ParamGroup {
+    burn::module::ParamGroup::from_regex(r"^blocks\.[0-9]+\.(attn\.(query|key|value|output)|fc|proj)\.weight$")
+        .expect("a valid regex")
+}
+
 /// The decoder.
 #[derive(Module, Debug)]
 pub struct Gpt {

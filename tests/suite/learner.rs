@@ -274,6 +274,16 @@ pub(crate) fn train_with(
     strategy: Option<ShardedStrategy<AdamConfig>>,
     run: &Run,
 ) -> LearningResult<Classifier> {
+    train_with_optimizers(dir, strategy, run, AdamConfig::new().init())
+}
+
+/// [`train_with`] with any sharded optimizer, `burn` the single-device Learner's.
+pub(crate) fn train_with_optimizers<O: burn_shard::IntoOptimizer + Clone + Send + Sync + 'static>(
+    dir: &Path,
+    strategy: Option<ShardedStrategy<O>>,
+    run: &Run,
+    burn: burn::optim::ModuleOptimizer,
+) -> LearningResult<Classifier> {
     let device = Device::flex();
     let world_size = strategy.as_ref().map_or(1, |s| s.world_size());
     let base_train = items(TRAIN_ITEMS, 1);
@@ -289,7 +299,6 @@ pub(crate) fn train_with(
         ItemBatcher::plain().of(run.dtype),
     );
     let model = cast(seeded(Classifier::new(&device.clone().autodiff())), run.dtype);
-    let optim = AdamConfig::new();
     let renderer = match &run.lines {
         Some(lines) => LineRenderer::to(GLOBAL_BATCH, lines.clone()),
         None => LineRenderer::to(GLOBAL_BATCH, std::io::sink()),
@@ -315,7 +324,7 @@ pub(crate) fn train_with(
         let strategy = strategy.with_checkpoints(checkpoints, KeepLastNCheckpoints::new(2));
         training = training.with_training_strategy(strategy.into());
     }
-    training.launch(Learner::new(model, optim.init(), scheduler()))
+    training.launch(Learner::new(model, burn, scheduler()))
 }
 
 /// A scheduler that changes every step: the strategy must step it once per global step.
@@ -396,6 +405,44 @@ fn sharded_strategy_trains_as_burns_single_device_learner_at_every_stage_and_wor
                     }
                 }
             }
+        }
+    }
+}
+
+/// burn-train's Learner with Muon for the two matrices and Adam for the biases, through
+/// `OptimizerGroups` in the sharded strategy: Burn's single-device Learner with the same
+/// groups, at stages 0-2 over 2 and 3 ranks (each matrix owned whole by one rank).
+#[test]
+fn sharded_strategy_trains_muon_groups_as_burns_learner() {
+    use burn::module::ParamGroup;
+    use burn::optim::MuonConfig;
+    let matrices = || ParamGroup::from_regex(r"^l[12]\.weight$").expect("a valid regex");
+    let burn = || {
+        AdamConfig::new()
+            .init()
+            .with_group(matrices(), MuonConfig::new().build(), None)
+    };
+    let run = Run::epochs(2);
+    let ref_dir = scratch("learner", "muon-reference");
+    let strategy: Option<ShardedStrategy<burn_shard::OptimizerGroups>> = None;
+    let reference = finished(&train_with_optimizers(&ref_dir, strategy, &run, burn()), "reference");
+    let adam = finished(&train(&scratch("learner", "adam-reference"), None, &run), "adam");
+    assert!(
+        max_abs_diff(&reference, &adam) > 1e-3,
+        "Muon must train differently from Adam"
+    );
+    for world_size in [2, 3] {
+        for stage in [Stage::Zero, Stage::One, Stage::Two] {
+            let ctx = format!("Muon, stage {stage}, world size {world_size}");
+            let dir = scratch("learner", &format!("muon-s{stage}-w{world_size}"));
+            let groups =
+                burn_shard::OptimizerGroups::new(AdamConfig::new()).with_group(matrices(), MuonConfig::new(), None);
+            let strategy = ShardedStrategy::threads(ShardConfig::new(stage), groups, vec![Device::flex(); world_size]);
+            let params = finished(&train_with_optimizers(&dir, Some(strategy), &run, burn()), &ctx);
+            let diff = max_abs_diff(&params, &reference);
+            assert!(diff < 1e-4, "{ctx}: parameters differ from Burn's Learner by {diff}");
+            let (got, want) = (logged_loss(&dir, "train", 2), logged_loss(&ref_dir, "train", 2));
+            assert!((got - want).abs() < 1e-4, "{ctx}: train loss {got}, Burn's {want}");
         }
     }
 }

@@ -12,6 +12,8 @@
 //!   `bench_infinity.rs`).
 //! - `cargo xtask bench hsdp`: flat sharding against hybrid sharding on 4 ranks as 2 "nodes":
 //!   bytes across and within nodes per step against the theory (`bench_hsdp.rs`).
+//! - `cargo xtask bench optimizers`: Muon+AdamW against AdamW at 1, 2 and 4 ranks: state bytes per
+//!   rank, step time, each rank's optimizer time against single-device Muon's (`bench_optimizers.rs`).
 //! - `cargo xtask setup`: lavapipe and CubeCL's LLVM bundle on Debian/Ubuntu (`setup.rs`).
 //! - `cargo xtask multi-gpu-test`: the GPU suite on every GPU (`multi_gpu_test.rs`).
 //! - `cargo xtask gpu-bundle`: the GPU suite and the GPU benchmark as stripped binaries with a
@@ -26,6 +28,7 @@ mod bench_checkpoint;
 mod bench_hsdp;
 mod bench_infinity;
 mod bench_init;
+mod bench_optimizers;
 mod bench_sharding;
 mod cluster;
 mod gpu_bundle;
@@ -96,6 +99,10 @@ enum Bench {
     /// Flat sharding against hybrid sharding (2 shard groups of 2) on 4 ranks seen as 2 nodes:
     /// bytes per rank and step across and within nodes, against the theory, and step time.
     Hsdp(bench_hsdp::Args),
+    /// Muon for the GPT's hidden matrices with AdamW for the rest, against AdamW, on 1, 2 and 4
+    /// ranks at stages 1-2: state bytes per rank, step time, and each rank's optimizer time
+    /// (Newton-Schulz) against single-device Muon's.
+    Optimizers(bench_optimizers::Args),
 }
 
 fn main() {
@@ -119,6 +126,9 @@ fn main() {
         Task::Bench {
             which: Bench::Hsdp(args),
         } => bench_hsdp::run(&args),
+        Task::Bench {
+            which: Bench::Optimizers(args),
+        } => bench_optimizers::run(&args),
         Task::Setup(args) => setup::run(&args),
         Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
         Task::GpuBundle(args) => gpu_bundle::run(&args),

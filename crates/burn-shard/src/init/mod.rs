@@ -207,12 +207,11 @@ impl<O: MasterWeightStep> Optimizers<O> {
     }
 
     /// Refusals that come before any work: a parameter its optimizer cannot step (Muon given
-    /// one that is not 2-D), whole parameters at stage 3,
-    /// and an [`AnyOptimizer`](crate::AnyOptimizer)'s state on disk.
+    /// one that is not 2-D) and whole parameters at stage 3.
     ///
     /// # Errors
     /// [`ShardError::InvalidConfig`] naming the fix.
-    fn check(&self, config: &ShardConfig, layout: &FlatLayout, swaps: bool) -> Result<(), ShardError> {
+    fn check(&self, config: &ShardConfig, layout: &FlatLayout) -> Result<(), ShardError> {
         for slot in layout.slots() {
             self.optim_of(slot).check_param(&slot.path, &slot.shape)?;
         }
@@ -224,14 +223,6 @@ impl<O: MasterWeightStep> Optimizers<O> {
                  gives each such parameter whole to one rank",
                 slot.path, slot.shape
             )));
-        }
-        let erased = !self.base.state_swaps() || self.groups.iter().any(|(_, o, _)| !o.state_swaps());
-        if swaps && erased {
-            return Err(ShardError::InvalidConfig(
-                "the optimizer state on disk (Home::Disk) is not supported yet with OptimizerGroups, Muon, LAMB or \
-                 Adafactor: keep it in host memory with with_optimizer_state_on(Home::Host)"
-                    .to_string(),
-            ));
         }
         Ok(())
     }
@@ -284,7 +275,7 @@ fn init_with<M: Module, O: MasterWeightStep>(
     let everything = FlatLayout::with_frozen(&model, comm.world_size(), config.bucket_numel)?;
     let device = checks::compute_device(&model, &everything)?;
     let homes = homes::homes(config, &device, world.rank())?;
-    optims.check(config, &layout, homes.swap.is_some())?;
+    optims.check(config, &layout)?;
     if config.stage == Stage::Three {
         crate::backend::check_stage3_device(&device)?;
     }

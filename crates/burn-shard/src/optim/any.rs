@@ -329,7 +329,8 @@ impl RecordState for AnyState {
     }
 
     /// Always `None`: which optimizer and rank a state belongs to is not in the record; the
-    /// sharded optimizer rebuilds states through [`MasterWeightStep::rebuild_state`] instead.
+    /// sharded optimizer (checkpoint loads, NVMe offload) rebuilds states through
+    /// [`MasterWeightStep::rebuild_state`] instead.
     fn state_unflatten(_prefix: &str, _src: &mut StateSource, _device: &Device) -> Option<Self> {
         None
     }
@@ -430,10 +431,6 @@ impl MasterWeightStep for AnyOptimizer {
     fn rebuild_state(&self, rank: usize, source: &mut StateSource, device: &Device) -> Option<AnyState> {
         let state = self.inner.rebuild_state(rank, source, device);
         self.wrap(state)
-    }
-
-    fn state_swaps(&self) -> bool {
-        false
     }
 
     fn from_group<P: MasterWeightStep>(optim: P) -> Result<Self, ShardError> {

@@ -126,13 +126,6 @@ pub trait MasterWeightStep: Optimizer {
         <Self::State<1> as RecordState>::state_unflatten("", source, device)
     }
 
-    /// Whether the state can live on disk between steps (NVMe offload rebuilds it with
-    /// `RecordState::state_unflatten`, which an [`AnyOptimizer`](crate::AnyOptimizer)'s state
-    /// cannot do alone).
-    fn state_swaps(&self) -> bool {
-        true
-    }
-
     /// Which optimizer this is, for the ranks' agreement that they step each parameter with
     /// the same one: a hash of its type (an [`AnyOptimizer`](crate::AnyOptimizer)'s, of the
     /// type it erases and what it needs). Hyper-parameters are not read.

@@ -613,6 +613,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         };
 
         // Phase 2: norms and the loss scaler's verdict.
+        self.last.optimizer_time = std::time::Duration::ZERO;
         let needs_norms = self.max_grad_norm.is_some() || self.loss_scaler.is_some() || self.groups.clips_by_norm();
         let measured = measure::measure(&cx, &grads, needs_norms, self.loss_scaler.as_mut())?;
         self.last.grad_norm = measured.grad_norm();
@@ -630,6 +631,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             groups: &self.groups,
             slots: &mut self.slots,
             overlap: self.bucket_reducer.is_some(),
+            optimizer_time: &mut self.last.optimizer_time,
             updating: &mut self.guard.updating,
         };
         let updated = update.run(&model, grads, &mut temp)?;

@@ -146,6 +146,16 @@ impl<'a, O: MasterWeightStep> RankReport<'a, O> {
         self.optim.last.grad_norm
     }
 
+    /// Wall time (seconds) of the optimizer's own steps in the last `step` on this rank: the
+    /// update math of the pieces and whole parameters it owns (Newton-Schulz for Muon's),
+    /// without the reduction, the norms and the all-gather. On a backend that runs operations
+    /// as they are called (Burn's CPU `Flex`) this is their compute; an asynchronous GPU
+    /// backend returns before its kernels finish, so there it counts launches. 0 before the
+    /// first step and after a skipped one.
+    pub fn last_optimizer_seconds(&self) -> f64 {
+        self.optim.last.optimizer_time.as_secs_f64()
+    }
+
     /// Whether the last [`ShardedOptimizer::step`] updated the parameters: `false` when the
     /// [`LossScaler`](crate::LossScaler) skipped it because the gradient overflowed on some rank (the same answer
     /// on every rank), and before the first step. PyTorch's `GradScaler` users compare the scale

@@ -446,9 +446,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // A checkpoint keeps one value per parameter element of each state tensor (pieces of
         // it resume at any world size); factored statistics (Adafactor's rows and columns) have
         // fewer.
-        let short = saved.state.iter().find_map(|(field, t)| match t {
-            SavedTensor::InMemory(data) if data.num_elements() < len => Some((field, data.num_elements())),
-            _ => None,
+        let short = saved.state.iter().find_map(|(field, t)| {
+            let numel = match t {
+                SavedTensor::InMemory(data) => data.num_elements(),
+                SavedTensor::OnDisk(on_disk) => on_disk.1.shape.num_elements(),
+            };
+            (numel < len).then_some((field, numel))
         });
         if let Some((field, numel)) = short {
             return Err(ShardError::InvalidConfig(format!(

@@ -19,6 +19,9 @@ pub(crate) struct LastStep {
     pub(crate) gradients_bytes: usize,
     /// Peak bytes of transient buffers during the last step.
     pub(crate) temporary_peak_bytes: usize,
+    /// Wall time of the optimizer's own steps in the last `step` (see
+    /// [`Update::optimizer_time`](crate::step::update::Update)).
+    pub(crate) optimizer_time: std::time::Duration,
     /// Bytes (read, written) of the rank's parameter shard file from the end of the step
     /// before to the end of the last one (its forward, backward and update), with NVMe
     /// parameter offload.

@@ -221,7 +221,7 @@ impl<O: MasterWeightStep> SlotStates<O> {
         param: Tensor<1>,
         grad: Tensor<1>,
     ) -> Tensor<1> {
-        if !self.swap_in(index) {
+        if !self.swap_in(index, optim, shape.map_or(1, <[usize]>::len)) {
             // Recorded: the step ends with the error on every rank; the piece keeps its value.
             return param;
         }
@@ -246,13 +246,14 @@ impl<O: MasterWeightStep> SlotStates<O> {
         param
     }
 
-    /// NVMe offload: brings slot `index`'s state and master into memory; `false` when they
-    /// could not be read (the error is kept for [`SlotStates::end_step`]). `true` without it.
-    fn swap_in(&mut self, index: usize) -> bool {
+    /// NVMe offload: brings slot `index`'s state and master into memory, the state rebuilt by
+    /// `optim` for tensors of rank `rank` (1 for a flat piece); `false` when they could not be
+    /// read (the error is kept for [`SlotStates::end_step`]). `true` without it.
+    fn swap_in(&mut self, index: usize, optim: &O, rank: usize) -> bool {
         let Some(swap) = &mut self.swap else {
             return true;
         };
-        match swap.take(index) {
+        match swap.take(index, |source, device| optim.rebuild_state(rank, source, device)) {
             Ok((state, master)) => {
                 (self.states[index], self.masters[index]) = (state, master);
                 true

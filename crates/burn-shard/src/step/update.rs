@@ -45,6 +45,9 @@ pub(crate) struct Update<'a, O: MasterWeightStep> {
     /// Whether each bucket's all-gather starts as soon as the bucket is stepped and runs while
     /// the next one is (where backward reduces buckets, the collectives overlap compute).
     pub(crate) overlap: bool,
+    /// Wall time spent in the optimizer's own steps ([`SlotStates::step`]), added to: on a
+    /// backend that runs operations as they are called (Burn's CPU `Flex`), their compute.
+    pub(crate) optimizer_time: &'a mut std::time::Duration,
     /// Set once the phase starts changing the parameters and the optimizer state: an error
     /// after that leaves some buckets stepped and others not (`ShardedOptimizer`'s
     /// `half_applied`).
@@ -179,7 +182,9 @@ impl<O: MasterWeightStep> Update<'_, O> {
                 "`{}` is not whole here",
                 slot.path
             );
+            let started = std::time::Instant::now();
             let param = self.slots.step(index, optim, lr, shape, param, grad);
+            *self.optimizer_time += started.elapsed();
             pieces.push((at, param));
         }
         Ok(flat::join_range(pieces, bucket, range, device))

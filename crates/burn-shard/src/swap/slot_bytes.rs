@@ -95,12 +95,15 @@ pub(crate) fn encode<S: RecordState>(state: Option<&S>, master: Option<&Tensor<1
     (bytes, layout)
 }
 
-/// The state and master `encode` made `bytes` from, as tensors on `device`; `None` when Burn
-/// cannot rebuild the state from its leaves (not expected: they were flattened from one).
-pub(crate) fn decode<S: RecordState>(
+/// The state and master `encode` made `bytes` from, as tensors on `device`, the state rebuilt
+/// from its leaves (each with its shape) by `rebuild` (the optimizer's
+/// `MasterWeightStep::rebuild_state`); `None` when it cannot (not expected: they were
+/// flattened from one).
+pub(crate) fn decode<S>(
     bytes: Vec<u8>,
     layout: &SlotLayout,
     device: &Device,
+    rebuild: impl FnOnce(&mut StateSource, &Device) -> Option<S>,
 ) -> Option<StateAndMaster<S>> {
     let take = |field: &Field| {
         TensorData::from_bytes_vec(
@@ -115,7 +118,7 @@ pub(crate) fn decode<S: RecordState>(
             for field in fields {
                 source.insert_tensor(field.name.clone(), take(field));
             }
-            Some(S::state_unflatten("", &mut source, device)?)
+            Some(rebuild(&mut source, device)?)
         }
         None => None,
     };
@@ -158,7 +161,10 @@ mod tests {
         let master = tensor(&[1.0, 2.5, -3.75, 1e-7], DType::F32);
         let (bytes, layout) = encode(Some(&state), Some(&master));
         assert!(layout.matches(&bytes));
-        let (back, back_master) = decode::<AdamState<1>>(bytes.clone(), &layout, &Device::flex()).expect("decodes");
+        let (back, back_master) = decode(bytes.clone(), &layout, &Device::flex(), |source, device| {
+            AdamState::<1>::state_unflatten("", source, device)
+        })
+        .expect("decodes");
         let back = back.expect("a state");
         assert_eq!(back.momentum.time, 7);
         assert_eq!(bits(&back.momentum.moment_1), bits(&state.momentum.moment_1));

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use burn::optim::RecordState;
+use burn::optim::{RecordState, StateSource};
 use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::error::ShardError;
@@ -113,12 +113,17 @@ impl Swapper {
         }
     }
 
-    /// Slot `index`'s state and master, read back (`(None, None)` when none was written).
+    /// Slot `index`'s state and master, read back (`(None, None)` when none was written), the
+    /// state rebuilt by `rebuild` (see [`slot_bytes::decode`]).
     ///
     /// # Errors
     /// [`ShardError::Nvme`] when the read fails or returns other bytes than were written (the
     /// file was truncated or overwritten); also recorded for `finish`.
-    pub(crate) fn take<S: RecordState>(&mut self, index: usize) -> Result<StateAndMaster<S>, ShardError> {
+    pub(crate) fn take<S>(
+        &mut self,
+        index: usize,
+        rebuild: impl FnOnce(&mut StateSource, &Device) -> Option<S>,
+    ) -> Result<StateAndMaster<S>, ShardError> {
         let read = match self.reads.remove(&index) {
             Some(read) => Some(read),
             None => {
@@ -131,17 +136,18 @@ impl Swapper {
         let Some(read) = read else {
             return Ok((None, None));
         };
-        let result = self.decode(index, read.wait());
+        let result = self.decode(index, read.wait(), rebuild);
         if result.is_ok() {
             self.this_step.read += self.extent(index).map_or(0, |e| e.layout.len as u64);
         }
         result.inspect_err(|e| self.fail(e.clone()))
     }
 
-    fn decode<S: RecordState>(
+    fn decode<S>(
         &self,
         index: usize,
         bytes: std::io::Result<Vec<u8>>,
+        rebuild: impl FnOnce(&mut StateSource, &Device) -> Option<S>,
     ) -> Result<StateAndMaster<S>, ShardError> {
         let extent = self.extent(index).expect("read slots are on disk");
         let bytes = bytes.map_err(|e| {
@@ -152,7 +158,7 @@ impl Swapper {
         if !extent.layout.matches(&bytes) {
             return Err(corrupt("are not the ones written (CRC-32 mismatch)"));
         }
-        slot_bytes::decode(bytes, &extent.layout, &self.device)
+        slot_bytes::decode(bytes, &extent.layout, &self.device, rebuild)
             .ok_or_else(|| corrupt("do not rebuild this optimizer's state"))
     }
 
