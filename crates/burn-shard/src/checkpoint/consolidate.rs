@@ -261,12 +261,13 @@ fn optimizer_record(dir: &Path, out: &Path) -> Result<ConsolidateReport, Checkpo
         }
         let id = entry.id;
         for field in fields {
-            let data = files.read_range(entry, &state_name(&entry.path, &field), 0..entry.numel())?;
-            let (bytes, _, dtype) = data.into_parts();
+            // Shaped as Burn's own state of the whole parameter holds it.
+            let data = files.read_state_field(entry, &state_name(&entry.path, &field))?;
+            let (bytes, shape, dtype) = data.into_parts();
             tensors.push(burn_pack::Tensor::new(
                 format!("{id}.{field}"),
                 dtype,
-                entry.shape.clone(),
+                shape,
                 Some(id),
                 bytes,
             ));

@@ -34,18 +34,19 @@ impl RankFile {
             .push(burn_pack::Tensor::new(name, dtype, shape, None, data.into_bytes()));
     }
 
-    /// A `[numel]` tensor of `dtype` whose data `provide` makes when the writer reaches it, so
-    /// that a rank file is written with one such tensor in memory at a time (burnpack's
-    /// deferred tensors). `provide` must return `numel` elements of `dtype`.
+    /// A tensor of `shape` and `dtype` whose data `provide` makes when the writer reaches it,
+    /// so that a rank file is written with one such tensor in memory at a time (burnpack's
+    /// deferred tensors). `provide` must return that many elements of `dtype`.
     pub(crate) fn push_deferred(
         &mut self,
         name: String,
         dtype: DType,
-        numel: usize,
+        shape: Vec<usize>,
         provide: impl Fn() -> Result<TensorData, ShardError> + Send + Sync + 'static,
     ) {
         let failed = self.deferred_error.clone();
-        let tensor = burn_pack::Tensor::deferred(name, dtype, [numel], None, numel * dtype.size(), move || {
+        let numel: usize = shape.iter().product();
+        let tensor = burn_pack::Tensor::deferred(name, dtype, shape, None, numel * dtype.size(), move || {
             provide().map(TensorData::into_bytes).map_err(|e| {
                 let message = e.to_string();
                 failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
@@ -244,6 +245,44 @@ impl<'a> RankFiles<'a> {
             .iter()
             .filter_map(|(n, v)| n.strip_prefix(prefix).map(|n| (n.to_string(), *v)))
             .collect())
+    }
+
+    /// Optimizer-state field `name` (`state/PATH/FIELD`) of the whole of `entry`, with its
+    /// shape: one value per parameter element (Adam's moments, Muon's momentum) gathered from
+    /// the pieces and shaped as the parameter; or, saved whole by the one rank that owned the
+    /// parameter with another number of elements (Adafactor's row and column statistics), that
+    /// rank's tensor as it was saved.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Corrupt`] when the field is missing or its pieces do not fit.
+    pub(crate) fn read_state_field(&mut self, entry: &EntryMeta, name: &str) -> Result<TensorData, CheckpointError> {
+        if self.is_factored(entry, name)? {
+            let rank = entry.pieces[0].rank;
+            let shape = self.opened(rank)?.tensors[name].shape.clone();
+            let (dtype, bytes) = self.tensor(rank, name)?.expect("is_factored found it");
+            return Ok(TensorData::from_bytes_vec(bytes, shape, dtype));
+        }
+        let data = self.read_range(entry, name, 0..entry.numel())?;
+        let dtype = data.dtype();
+        Ok(TensorData::from_bytes_vec(
+            data.into_bytes().to_vec(),
+            entry.shape.clone(),
+            dtype,
+        ))
+    }
+
+    /// Whether tensor `name` of `entry` was saved whole with another number of elements than
+    /// the parameter (a factored optimizer state, see [`RankFiles::read_state_field`]).
+    pub(crate) fn is_factored(&mut self, entry: &EntryMeta, name: &str) -> Result<bool, CheckpointError> {
+        let [piece] = entry.pieces.as_slice() else {
+            return Ok(false);
+        };
+        let numel = entry.numel();
+        Ok(self
+            .opened(piece.rank)?
+            .tensors
+            .get(name)
+            .is_some_and(|t| t.shape.num_elements() != numel))
     }
 
     /// Elements `range` of tensor `name` of `entry` (`param/PATH`, `state/PATH/FIELD` or

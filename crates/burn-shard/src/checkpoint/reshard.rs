@@ -135,6 +135,13 @@ pub fn reshard(
                     names.push(master_name(path));
                 }
                 for name in names {
+                    if files.is_factored(old, &name)? {
+                        return Err(CheckpointError::InvalidArgument(format!(
+                            "`{name}` is an optimizer state saved whole with another shape than `{path}` \
+                             (Adafactor's factored statistics), which cannot be cut into pieces offline; load the \
+                             checkpoint at the new world size instead (load_checkpoint reshards it)"
+                        )));
+                    }
                     let data = files.read_range(old, &name, range.clone())?;
                     file.push(name, data);
                 }

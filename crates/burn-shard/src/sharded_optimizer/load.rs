@@ -334,14 +334,11 @@ fn read_state<O: MasterWeightStep>(
     }
     let mut source = StateSource::new(scalars);
     for field in fields {
-        let data = files.read_range(entry, &state_name(&entry.path, &field), range.clone())?;
-        let data = padded(data, stepped, device).into_data();
+        let name = state_name(&entry.path, &field);
         let data = match shape {
-            Some(shape) if data.num_elements() == shape.iter().product::<usize>() => {
-                let dtype = data.dtype();
-                TensorData::from_bytes_vec(data.into_bytes().to_vec(), shape.to_vec(), dtype)
-            }
-            _ => data,
+            // A whole parameter's state, shaped as its optimizer keeps it.
+            Some(_) => files.read_state_field(entry, &name)?,
+            None => padded(files.read_range(entry, &name, range.clone())?, stepped, device).into_data(),
         };
         source.insert_tensor(field, data);
     }

@@ -364,7 +364,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 // offload): not a second copy of every parameter. In the background too for a
                 // shard on disk: the steps never write a stored shard in place, and the reader
                 // keeps its bytes until it is done.
-                false => file.push_deferred(name, value.dtype(), range.len(), move || value.read()),
+                false => file.push_deferred(name, value.dtype(), vec![range.len()], move || value.read()),
             }
             if let Some(index) = self.layout.slot_of(id) {
                 self.push_optimizer_piece(&mut file, index, &entry.path, range.len(), staged)?;
@@ -443,23 +443,6 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         staged: bool,
     ) -> Result<(), ShardError> {
         let saved = self.slots.saved(index);
-        // A checkpoint keeps one value per parameter element of each state tensor (pieces of
-        // it resume at any world size); factored statistics (Adafactor's rows and columns) have
-        // fewer.
-        let short = saved.state.iter().find_map(|(field, t)| {
-            let numel = match t {
-                SavedTensor::InMemory(data) => data.num_elements(),
-                SavedTensor::OnDisk(on_disk) => on_disk.1.shape.num_elements(),
-            };
-            (numel < len).then_some((field, numel))
-        });
-        if let Some((field, numel)) = short {
-            return Err(ShardError::InvalidConfig(format!(
-                "the optimizer state `{field}` of `{path}` has {numel} elements for a piece of {len}: state that is \
-                 not one value per parameter element (Adafactor's factored row and column statistics) cannot be \
-                 saved in a sharded checkpoint yet; use LAMB, Muon or an element-wise optimizer to checkpoint"
-            )));
-        }
         let names = saved.state.into_iter().map(|(field, t)| (state_name(path, &field), t));
         for (name, tensor) in names.chain(saved.master.map(|t| (master_name(path), t))) {
             match tensor {
@@ -470,7 +453,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 // write the slot elsewhere in the file (`Swapper::slot_reader`).
                 SavedTensor::OnDisk(on_disk) => {
                     let (reader, field) = *on_disk;
-                    file.push_deferred(name, field.dtype, len, move || Ok(trim(reader.read(&field)?, len)))
+                    // A whole parameter's state of fewer elements (factored) keeps its shape.
+                    let shape = match field.shape.num_elements() <= len {
+                        true => field.shape.iter().copied().collect(),
+                        false => vec![len],
+                    };
+                    file.push_deferred(name, field.dtype, shape, move || Ok(trim(reader.read(&field)?, len)))
                 }
             }
         }
@@ -507,9 +495,11 @@ fn with_files(mut meta: CheckpointMeta, partial: &Path, world_size: usize) -> Re
     Ok(meta)
 }
 
-/// The first `len` elements of a 1-D `data`.
+/// The first `len` elements of a 1-D `data` (a stage-3 shard's state without its padding).
 fn trim(data: TensorData, len: usize) -> TensorData {
-    if data.num_elements() == len {
+    // A whole parameter's state of fewer elements (Adafactor's factored statistics) is kept
+    // as it is, with its shape.
+    if data.num_elements() <= len {
         return data;
     }
     let size = data.dtype().size();
