@@ -415,7 +415,7 @@ fn init_errors<C: IntoOptimizer>(world_size: usize, config: ShardConfig, optim: 
 
 /// Muon and AdamW on bf16 parameters with `f32` masters (Newton-Schulz on the master) against
 /// Burn's `ModuleOptimizer` with the same groups on an `f32` master model fed the `f32`-cast
-/// gradients of its bf16 copy: every final weight within one bf16 ulp of the reference's, at
+/// gradients of its bf16 copy: every final weight within two bf16 ulps of the reference's, at
 /// stages 0-2 over 1, 2 and 4 ranks, and weights whose updates round away in plain bf16 move.
 #[test]
 fn muon_on_bf16_parameters_steps_the_f32_master() {
@@ -474,9 +474,12 @@ fn muon_on_bf16_parameters_steps_the_f32_master() {
             .expect("no rank panics");
             for (rank, got) in runs.iter().enumerate() {
                 for i in 0..got.len() {
+                    // Within two bf16 ulps: the f32 masters differ by rounding (the fused AdamW
+                    // step against Burn's, gradient sums split by rank), which a bf16 rounding
+                    // can turn into one ulp and 20 steps into two, for some initial weights.
                     let diff = (got[i] - want[i]).abs();
                     assert!(
-                        diff <= ulp(want[i]),
+                        diff <= 2.0 * ulp(want[i]),
                         "{ctx} rank {rank} param {i}: {} vs {}",
                         got[i],
                         want[i]
