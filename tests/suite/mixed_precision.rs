@@ -19,12 +19,12 @@ const GLOBAL_BATCH: usize = 12;
 const LR: f64 = 2e-4;
 
 /// The distance between `x` and the next bf16 (8 significant bits).
-fn ulp(x: f32) -> f32 {
+pub(crate) fn ulp(x: f32) -> f32 {
     2f32.powi(x.abs().max(2f32.powi(-100)).log2().floor() as i32 - 7)
 }
 
 /// `grads` (of `module`'s parameters) cast to `f32`.
-fn grads_to_f32<M: Module>(module: &M, mut grads: GradientsParams) -> GradientsParams {
+pub(crate) fn grads_to_f32<M: Module>(module: &M, mut grads: GradientsParams) -> GradientsParams {
     struct Collect<'a>(&'a mut GradientsParams, GradientsParams);
     impl ModuleVisitor for Collect<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -36,6 +36,15 @@ fn grads_to_f32<M: Module>(module: &M, mut grads: GradientsParams) -> GradientsP
     let mut c = Collect(&mut grads, GradientsParams::new());
     module.visit(&mut c);
     c.1
+}
+
+/// The weights whose every update (at most about `lr` a step) rounds away in plain bf16 but
+/// that the reference moves from `start` to `moved` by two or more ulps: a run without master
+/// weights would leave them unchanged.
+pub(crate) fn bf16_stuck(start: &[f32], moved: &[f32], lr: f64) -> Vec<usize> {
+    (0..start.len())
+        .filter(|&i| ulp(start[i]) / 2.0 > 1.5 * lr as f32 && (moved[i] - start[i]).abs() >= 2.0 * ulp(start[i]))
+        .collect()
 }
 
 fn adamw() -> AdamWConfig {
@@ -75,11 +84,7 @@ fn bf16_training_with_master_weights_matches_the_f32_master_reference() {
     let base = TinyMlp::new(&device);
     let (ref_losses, ref_params) = reference(&base);
     let start = params_of(&cast(base.clone(), DType::BF16));
-    // Weights whose every update rounds away in plain bf16 but that the reference moves by
-    // two or more ulps: a run without master weights would leave them unchanged.
-    let stuck: Vec<usize> = (0..start.len())
-        .filter(|&i| ulp(start[i]) / 2.0 > 1.5 * LR as f32 && (ref_params[i] - start[i]).abs() >= 2.0 * ulp(start[i]))
-        .collect();
+    let stuck = bf16_stuck(&start, &ref_params, LR);
     assert!(
         stuck.len() >= 10,
         "the reference must move bf16-stuck weights ({})",

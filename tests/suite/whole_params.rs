@@ -13,6 +13,7 @@ use burn_shard_comm::{Collective, InProcessComm, InProcessGroup, run_ranks};
 
 use crate::common::*;
 use crate::equivalence::{GLOBAL_BATCH, STEPS};
+use crate::mixed_precision::{bf16_stuck, grads_to_f32, ulp};
 
 const LR: f64 = 1e-2;
 
@@ -421,7 +422,6 @@ fn init_errors<C: IntoOptimizer>(world_size: usize, config: ShardConfig, optim: 
 fn muon_on_bf16_parameters_steps_the_f32_master() {
     use burn::tensor::DType;
     const LR16: f64 = 2e-4;
-    let ulp = |x: f32| 2f32.powi(x.abs().max(2f32.powi(-100)).log2().floor() as i32 - 7);
     let base = base();
     let device = Device::flex().autodiff();
     let bf16_rows = |data: &[f32], width, lo, hi, device: &Device| rows(data, width, lo, hi, device).cast(DType::BF16);
@@ -437,14 +437,12 @@ fn muon_on_bf16_parameters_steps_the_f32_master() {
             bf16_rows(&y, OUT, 0, GLOBAL_BATCH, &device),
         );
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let grads = cast_grads(&model, grads);
+        let grads = grads_to_f32(&model, grads);
         master = optim.step(LR16, master, grads);
     }
     let want = params_of(&cast(master, DType::BF16));
     let start = params_of(&cast(base.clone(), DType::BF16));
-    let stuck: Vec<usize> = (0..start.len())
-        .filter(|&i| ulp(start[i]) / 2.0 > 1.5 * LR16 as f32 && (want[i] - start[i]).abs() >= 2.0 * ulp(start[i]))
-        .collect();
+    let stuck = bf16_stuck(&start, &want, LR16);
     assert!(
         stuck.len() >= 5,
         "the reference must move bf16-stuck weights ({})",
@@ -490,21 +488,6 @@ fn muon_on_bf16_parameters_steps_the_f32_master() {
             }
         }
     }
-}
-
-/// `grads` of `module`'s parameters cast to `f32`.
-fn cast_grads<M: Module>(module: &M, mut grads: GradientsParams) -> GradientsParams {
-    struct Collect<'a>(&'a mut GradientsParams, GradientsParams);
-    impl burn::module::ModuleVisitor for Collect<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
-            if let Some(g) = self.0.remove::<D>(param.id) {
-                self.1.register::<D>(param.id, g.cast(burn::tensor::DType::F32));
-            }
-        }
-    }
-    let mut c = Collect(&mut grads, GradientsParams::new());
-    module.visit(&mut c);
-    c.1
 }
 
 /// Gradient accumulation (two micro-batches a step, the loss halved) with per-parameter
