@@ -60,7 +60,8 @@ struct Args {
     n_layer: usize,
     /// The optimizer: `adamw` for every parameter, or `muon`: Burn's Muon for the blocks'
     /// matrices (attention projections, MLP) and AdamW for embeddings, LayerNorms, biases and the
-    /// head, each matrix owned whole by one rank at stages 1-2.
+    /// head, each matrix owned whole by one rank at stages 1-2 (stage 3 refuses Muon for now;
+    /// `--estimate` counts AdamW's state).
     #[arg(long, value_enum, default_value_t = OptimizerChoice::Adamw)]
     optimizer: OptimizerChoice,
     /// Peak learning rate, a finite number above 0 (linear warm-up over 5% of the steps, cosine

@@ -262,7 +262,7 @@ fn optimizer_record(dir: &Path, out: &Path) -> Result<ConsolidateReport, Checkpo
         let id = entry.id;
         for field in fields {
             // Shaped as Burn's own state of the whole parameter holds it.
-            let data = files.read_state_field(entry, &state_name(&entry.path, &field))?;
+            let data = files.read_state_field(entry, &state_name(&entry.path, &field), entry.shape.len())?;
             let (bytes, shape, dtype) = data.into_parts();
             tensors.push(burn_pack::Tensor::new(
                 format!("{id}.{field}"),

@@ -247,15 +247,20 @@ impl<'a> RankFiles<'a> {
             .collect())
     }
 
-    /// Optimizer-state field `name` (`state/PATH/FIELD`) of the whole of `entry`, with its
-    /// shape: one value per parameter element (Adam's moments, Muon's momentum) gathered from
-    /// the pieces and shaped as the parameter; or, saved whole by the one rank that owned the
-    /// parameter with another number of elements (Adafactor's row and column statistics), that
-    /// rank's tensor as it was saved.
+    /// Optimizer-state field `name` (`state/PATH/FIELD`) of the whole of `entry`, for an
+    /// optimizer that keeps state tensors of rank `state_rank`: one value per parameter element
+    /// (Adam's moments, Muon's momentum) gathered from the pieces, shaped as the parameter for
+    /// `state_rank` above 1 (`[numel]` otherwise); or, saved whole by the one rank that owned the
+    /// parameter with a shape of its own ([`RankFiles::is_factored`]), that tensor as saved.
     ///
     /// # Errors
     /// [`CheckpointError::Corrupt`] when the field is missing or its pieces do not fit.
-    pub(crate) fn read_state_field(&mut self, entry: &EntryMeta, name: &str) -> Result<TensorData, CheckpointError> {
+    pub(crate) fn read_state_field(
+        &mut self,
+        entry: &EntryMeta,
+        name: &str,
+        state_rank: usize,
+    ) -> Result<TensorData, CheckpointError> {
         if self.is_factored(entry, name)? {
             let rank = entry.pieces[0].rank;
             let shape = self.opened(rank)?.tensors[name].shape.clone();
@@ -263,26 +268,26 @@ impl<'a> RankFiles<'a> {
             return Ok(TensorData::from_bytes_vec(bytes, shape, dtype));
         }
         let data = self.read_range(entry, name, 0..entry.numel())?;
+        let shape = match state_rank > 1 {
+            true => entry.shape.clone(),
+            false => vec![entry.numel()],
+        };
         let dtype = data.dtype();
-        Ok(TensorData::from_bytes_vec(
-            data.into_bytes().to_vec(),
-            entry.shape.clone(),
-            dtype,
-        ))
+        Ok(TensorData::from_bytes_vec(data.into_bytes().to_vec(), shape, dtype))
     }
 
-    /// Whether tensor `name` of `entry` was saved whole with another number of elements than
-    /// the parameter (a factored optimizer state, see [`RankFiles::read_state_field`]).
+    /// Whether tensor `name` of `entry` was saved whole, by the one rank holding the entry,
+    /// with a shape of its own: neither `[numel]` nor the parameter's shape (a factored
+    /// optimizer state such as Adafactor's row and column statistics, or a larger one).
     pub(crate) fn is_factored(&mut self, entry: &EntryMeta, name: &str) -> Result<bool, CheckpointError> {
         let [piece] = entry.pieces.as_slice() else {
             return Ok(false);
         };
         let numel = entry.numel();
-        Ok(self
-            .opened(piece.rank)?
-            .tensors
-            .get(name)
-            .is_some_and(|t| t.shape.num_elements() != numel))
+        Ok(self.opened(piece.rank)?.tensors.get(name).is_some_and(|t| {
+            let dims: Vec<usize> = t.shape.iter().copied().collect();
+            dims != [numel] && dims != entry.shape
+        }))
     }
 
     /// Elements `range` of tensor `name` of `entry` (`param/PATH`, `state/PATH/FIELD` or

@@ -43,7 +43,9 @@ pub const DEFAULT_BUCKET_NUMEL: usize = 256 * 1024;
 pub struct ShardConfig {
     /// ZeRO stage.
     pub stage: Stage,
-    /// Maximum elements per bucket (a larger parameter gets its own bucket). Default
+    /// Maximum elements per bucket (a larger parameter gets its own bucket); per rank for the
+    /// buckets of parameters an optimizer reads whole (`world_size · bucket_numel` in all, see
+    /// [`FlatLayout::from_module_owning`](crate::FlatLayout::from_module_owning)). Default
     /// `DEFAULT_BUCKET_NUMEL` (256 Ki elements).
     pub bucket_numel: usize,
     /// Stages 0-2: reduce each bucket inside backward, as soon as its gradients are complete,

@@ -275,7 +275,6 @@ fn init_with<M: Module, O: MasterWeightStep>(
     let everything = FlatLayout::with_frozen(&model, comm.world_size(), config.bucket_numel)?;
     let device = checks::compute_device(&model, &everything)?;
     let homes = homes::homes(config, &device, world.rank())?;
-    optims.check(config, &layout)?;
     if config.stage == Stage::Three {
         crate::backend::check_stage3_device(&device)?;
     }
@@ -296,6 +295,8 @@ fn init_with<M: Module, O: MasterWeightStep>(
         pretrained.as_ref(),
         &device,
     )?;
+    // After the agreement, so that every rank refuses alike.
+    optims.check(config, &layout)?;
     let buffers = Buffers::of(&census);
     let root = RootValues::new(world.clone(), &model, &census, pretrained)?;
     if config.stage == Stage::Three {

@@ -211,6 +211,9 @@ pub(crate) struct Needs {
     pub(crate) whole: bool,
     /// Only 2-D parameters (Muon's Newton-Schulz iteration; Burn's `Muon` panics on others).
     pub(crate) matrices: bool,
+    /// Whole parameters are stepped with their shape and Burn's `State<D>` (an optimizer
+    /// wrapped in `Shaped`); `false` for a `MasterWeightStep` that steps them itself.
+    pub(crate) shaped: bool,
 }
 
 /// Any of Burn's optimizers, type-erased, as Burn's `ModuleOptimizer` holds each group's: what
@@ -268,7 +271,14 @@ impl AnyOptimizer {
     pub fn whole_params<P: Optimizer>(optim: P) -> Self {
         // Burn's Muon asserts 2-D tensors: its parameters are checked at `init` instead.
         let matrices = TypeId::of::<P>() == TypeId::of::<Muon>();
-        Self::erase(Shaped(optim), Needs { whole: true, matrices })
+        Self::erase(
+            Shaped(optim),
+            Needs {
+                whole: true,
+                matrices,
+                shaped: true,
+            },
+        )
     }
 
     /// `optim` type-erased with what it needs.
@@ -289,7 +299,14 @@ impl AnyOptimizer {
             Err(boxed) => {
                 let optim = *boxed.downcast::<P>().expect("the type it was boxed as");
                 let whole = optim.needs_whole_params();
-                Self::erase(optim, Needs { whole, matrices: false })
+                Self::erase(
+                    optim,
+                    Needs {
+                        whole,
+                        matrices: false,
+                        shaped: false,
+                    },
+                )
             }
         }
     }
@@ -410,6 +427,13 @@ impl MasterWeightStep for AnyOptimizer {
         self.inner.own_check(path, shape)
     }
 
+    fn state_rank(&self, shape: &[usize]) -> usize {
+        match self.needs.whole && self.needs.shaped {
+            true => shape.len(),
+            false => 1,
+        }
+    }
+
     fn fingerprint(&self) -> u64 {
         let mut h = std::hash::DefaultHasher::new();
         std::hash::Hash::hash(&(self.inner.own_fingerprint(), self.needs), &mut h);
@@ -469,7 +493,7 @@ macro_rules! whole {
             type Optimizer = AnyOptimizer;
 
             fn into_optimizer(self) -> Result<AnyOptimizer, ShardError> {
-                Ok(AnyOptimizer::erase(Shaped(self), Needs { whole: true, matrices: $matrices }))
+                Ok(AnyOptimizer::erase(Shaped(self), Needs { whole: true, matrices: $matrices, shaped: true }))
             }
         }
 

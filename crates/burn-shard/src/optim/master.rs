@@ -117,6 +117,17 @@ pub trait MasterWeightStep: Optimizer {
         self.step(lr, param, grad, state)
     }
 
+    /// The rank of the state tensors kept for a parameter of shape `shape` stepped whole: what
+    /// [`MasterWeightStep::rebuild_state`] is asked for, and the shape a checkpoint's
+    /// one-value-per-element state is given back in (`shape` itself for a rank above 1). The
+    /// provided method says 1 (`State<1>`, as [`MasterWeightStep::step_whole`] keeps it); an
+    /// [`AnyOptimizer`](crate::AnyOptimizer) of Burn's Muon, LAMB or Adafactor keeps Burn's
+    /// `State<D>`, `D = shape.len()`.
+    fn state_rank(&self, shape: &[usize]) -> usize {
+        let _ = shape;
+        1
+    }
+
     /// Rebuilds a state from a checkpoint's named tensors and scalars (`rank` is the rank of
     /// the tensors the state was made for: 1 for a flat piece, the parameter's for a whole
     /// one); `None` when they are not this optimizer's. The provided method is Burn's

@@ -333,16 +333,17 @@ fn read_state<O: MasterWeightStep>(
         return Ok(None);
     }
     let mut source = StateSource::new(scalars);
+    let state_rank = shape.map_or(1, |shape| optim.state_rank(shape));
     for field in fields {
         let name = state_name(&entry.path, &field);
         let data = match shape {
             // A whole parameter's state, shaped as its optimizer keeps it.
-            Some(_) => files.read_state_field(entry, &name)?,
+            Some(_) => files.read_state_field(entry, &name, state_rank)?,
             None => padded(files.read_range(entry, &name, range.clone())?, stepped, device).into_data(),
         };
         source.insert_tensor(field, data);
     }
-    let state = optim.rebuild_state(shape.map_or(1, |s| s.len()), &mut source, device);
+    let state = optim.rebuild_state(state_rank, &mut source, device);
     match state {
         Some(state) => Ok(Some(state)),
         None => Err(CheckpointError::ModelMismatch(format!(

@@ -278,7 +278,8 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         grad_clipping: Option<GradientClipping>,
     ) -> Result<Self, ShardError> {
         let built = group_optimizer::<O, C>(optim)
-            .and_then(|optim| check_one_norm_clipping(self.max_grad_norm, grad_clipping.as_ref()).map(|()| optim));
+            .and_then(|optim| check_one_norm_clipping(self.max_grad_norm, grad_clipping.as_ref()).map(|()| optim))
+            .and_then(|optim| self.check_state_on_disk(&group, &optim).map(|()| optim));
         // Every rank takes part in the agreement, also one whose group was refused here (its
         // fingerprint then matches no other), so that none waits for it.
         let ours = match built {
@@ -298,6 +299,28 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         // The same answer on every rank: they agreed on the groups and the optimizers' types.
         self.check_params()?;
         Ok(self)
+    }
+
+    /// With the state on disk, refuses a group that gives a parameter an optimizer of another
+    /// type: its state on disk is the old optimizer's, which the new one cannot read back (in
+    /// memory it is dropped at the next step instead).
+    ///
+    /// # Errors
+    /// [`ShardError::InvalidConfig`] naming the parameter and the fix.
+    fn check_state_on_disk(&self, group: &ParamGroup, optim: &O) -> Result<(), ShardError> {
+        if !self.slots.swaps() {
+            return Ok(());
+        }
+        let slots = self.layout.slots().iter().enumerate();
+        let mut changed = slots.filter(|(_, slot)| group.matches(&slot.id, Some(&slot.path)));
+        match changed.find(|(index, _)| self.groups.optim(*index).fingerprint() != optim.fingerprint()) {
+            Some((_, slot)) => Err(ShardError::InvalidConfig(format!(
+                "with the optimizer state on disk (Home::Disk), with_group cannot give `{}` an optimizer of another \
+                 type than the one whose state is on disk: give the group to ShardConfig::init in OptimizerGroups",
+                slot.path
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Adds the groups `init` was given (each `(selector, optimizer, clipping)`, later ones
@@ -562,6 +585,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
     ) -> Result<M, ShardError> {
         let mut temp = PeakTracker::default();
         self.last.applied = false;
+        self.last.optimizer_time = std::time::Duration::ZERO;
         // Stage 3: the gradients were reduce-scattered inside backward (the last units' may
         // still be in flight); a collective that failed there left its error behind.
         add_to_grads(&model, self.plan.params().take_reduced(), &mut grads);
@@ -613,7 +637,6 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         };
 
         // Phase 2: norms and the loss scaler's verdict.
-        self.last.optimizer_time = std::time::Duration::ZERO;
         let needs_norms = self.max_grad_norm.is_some() || self.loss_scaler.is_some() || self.groups.clips_by_norm();
         let measured = measure::measure(&cx, &grads, needs_norms, self.loss_scaler.as_mut())?;
         self.last.grad_norm = measured.grad_norm();

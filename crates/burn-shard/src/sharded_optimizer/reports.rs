@@ -147,8 +147,9 @@ impl<'a, O: MasterWeightStep> RankReport<'a, O> {
     }
 
     /// Wall time (seconds) of the optimizer's own steps in the last `step` on this rank: the
-    /// update math of the pieces and whole parameters it owns (Newton-Schulz for Muon's),
-    /// without the reduction, the norms and the all-gather. On a backend that runs operations
+    /// update of the pieces and whole parameters it owns (Newton-Schulz for Muon's), without
+    /// the reduction, the norms and the all-gather; with the state offloaded it includes the
+    /// state's reads and copies to and from the host. On a backend that runs operations
     /// as they are called (Burn's CPU `Flex`) this is their compute; an asynchronous GPU
     /// backend returns before its kernels finish, so there it counts launches. 0 before the
     /// first step and after a skipped one.

@@ -428,12 +428,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .collect()
     }
 
-    /// This rank's optimizer state and master of slot `index`, trimmed to `len` elements (a
-    /// stage-3 shard's padding is not saved).
-    /// (`staged`: copied into host memory now, see [`ShardedOptimizer::rank_file`].)
+    /// This rank's optimizer state and master of slot `index`: a flat piece's trimmed to `len`
+    /// elements (a stage-3 shard's padding is not saved), a whole parameter's as its optimizer
+    /// keeps it. (`staged`: copied into host memory now, see [`ShardedOptimizer::rank_file`].)
     ///
     /// # Errors
-    /// [`ShardError::Nvme`] when `staged` and the swap file cannot be read.
+    /// [`ShardError::Nvme`] when `staged` and the swap file cannot be read;
+    /// [`ShardError::InvalidConfig`] for a flat piece's state of fewer elements than the piece.
     fn push_optimizer_piece(
         &self,
         file: &mut RankFile,
@@ -443,22 +444,41 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         staged: bool,
     ) -> Result<(), ShardError> {
         let saved = self.slots.saved(index);
+        // A parameter stepped whole keeps its state as its optimizer made it (any shape: a
+        // factored one of fewer elements, a preconditioner of more); a flat piece's state is
+        // one value per element, trimmed to the piece (a stage-3 shard's padding is not saved).
+        let whole = self.groups.optim(index).needs_whole_params();
+        if !whole
+            && let Some((field, numel)) = saved.state.iter().find_map(|(field, t)| {
+                let numel = match t {
+                    SavedTensor::InMemory(data) => data.num_elements(),
+                    SavedTensor::OnDisk(on_disk) => on_disk.1.shape.num_elements(),
+                };
+                (numel < len).then_some((field, numel))
+            })
+        {
+            return Err(ShardError::InvalidConfig(format!(
+                "the optimizer state `{field}` of `{path}` has {numel} elements for a piece of {len}: an optimizer \
+                 stepping flat pieces must keep one value per element (ElementWise's contract); step it on whole \
+                 parameters (AnyOptimizer::whole_params) to checkpoint another state"
+            )));
+        }
+        let cut = move |data: TensorData| if whole { data } else { trim(data, len) };
         let names = saved.state.into_iter().map(|(field, t)| (state_name(path, &field), t));
         for (name, tensor) in names.chain(saved.master.map(|t| (master_name(path), t))) {
             match tensor {
-                SavedTensor::InMemory(data) if staged => file.push(name, owned(trim(data, len))),
-                SavedTensor::InMemory(data) => file.push(name, trim(data, len)),
+                SavedTensor::InMemory(data) if staged => file.push(name, owned(cut(data))),
+                SavedTensor::InMemory(data) => file.push(name, cut(data)),
                 // NVMe offload: read from the swap file when written, one tensor at a time, in
                 // the background too: the reader pins the slot's bytes, so the steps meanwhile
                 // write the slot elsewhere in the file (`Swapper::slot_reader`).
                 SavedTensor::OnDisk(on_disk) => {
                     let (reader, field) = *on_disk;
-                    // A whole parameter's state of fewer elements (factored) keeps its shape.
-                    let shape = match field.shape.num_elements() <= len {
+                    let shape = match whole {
                         true => field.shape.iter().copied().collect(),
                         false => vec![len],
                     };
-                    file.push_deferred(name, field.dtype, shape, move || Ok(trim(reader.read(&field)?, len)))
+                    file.push_deferred(name, field.dtype, shape, move || Ok(cut(reader.read(&field)?)))
                 }
             }
         }
@@ -497,9 +517,7 @@ fn with_files(mut meta: CheckpointMeta, partial: &Path, world_size: usize) -> Re
 
 /// The first `len` elements of a 1-D `data` (a stage-3 shard's state without its padding).
 fn trim(data: TensorData, len: usize) -> TensorData {
-    // A whole parameter's state of fewer elements (Adafactor's factored statistics) is kept
-    // as it is, with its shape.
-    if data.num_elements() <= len {
+    if data.num_elements() == len {
         return data;
     }
     let size = data.dtype().size();

@@ -221,7 +221,7 @@ impl<O: MasterWeightStep> SlotStates<O> {
         param: Tensor<1>,
         grad: Tensor<1>,
     ) -> Tensor<1> {
-        if !self.swap_in(index, optim, shape.map_or(1, <[usize]>::len)) {
+        if !self.swap_in(index, optim, shape.map_or(1, |shape| optim.state_rank(shape))) {
             // Recorded: the step ends with the error on every rank; the piece keeps its value.
             return param;
         }
