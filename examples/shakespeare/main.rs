@@ -60,7 +60,7 @@ struct Args {
     n_layer: usize,
     /// The optimizer: `adamw` for every parameter, or `muon`: Burn's Muon for the blocks'
     /// matrices (attention projections, MLP) and AdamW for embeddings, LayerNorms, biases and the
-    /// head, each matrix owned whole by one rank at stages 1-2 (stage 3 refuses Muon for now;
+    /// head, each matrix stepped whole by one rank (at stage 3 gathered to it for the step;
     /// `--estimate` counts AdamW's state).
     #[arg(long, value_enum, default_value_t = OptimizerChoice::Adamw)]
     optimizer: OptimizerChoice,

@@ -411,7 +411,7 @@ fn sharded_strategy_trains_as_burns_single_device_learner_at_every_stage_and_wor
 
 /// burn-train's Learner with Muon for the two matrices and Adam for the biases, through
 /// `OptimizerGroups` in the sharded strategy: Burn's single-device Learner with the same
-/// groups, at stages 0-2 over 2 and 3 ranks (each matrix owned whole by one rank).
+/// groups, at stages 0-3 over 2 and 3 ranks (each matrix stepped whole by one rank).
 #[test]
 fn sharded_strategy_trains_muon_groups_as_burns_learner() {
     use burn::module::ParamGroup;
@@ -432,7 +432,7 @@ fn sharded_strategy_trains_muon_groups_as_burns_learner() {
         "Muon must train differently from Adam"
     );
     for world_size in [2, 3] {
-        for stage in [Stage::Zero, Stage::One, Stage::Two] {
+        for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
             let ctx = format!("Muon, stage {stage}, world size {world_size}");
             let dir = scratch("learner", &format!("muon-s{stage}-w{world_size}"));
             let groups =

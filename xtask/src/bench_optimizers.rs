@@ -1,6 +1,6 @@
 //! `cargo xtask bench optimizers`: Muon for the GPT's hidden matrices with AdamW for the rest
 //! (`OptimizerGroups`), against AdamW alone, on one rank and on 2 and 4 ranks as threads at
-//! stages 1-2, in one run: optimizer-state bytes per rank (largest and mean, against the
+//! stages 1-3, in one run: optimizer-state bytes per rank (largest and mean, against the
 //! total over the world size), the median step time, and the time each rank spends in the
 //! optimizer's own steps (Newton-Schulz included) against single-device Muon's.
 //!
@@ -121,25 +121,12 @@ fn measure(args: &Args, setup: Setup, world_size: usize, stage: Stage) -> Result
         }
         let report = optim.report();
         let state_bytes = report.memory(&model).optimizer_state_bytes;
-        // The Muon matrices this rank steps: those of Muon's group in its owned ranges (whole).
-        let (layout, matrices) = (report.layout(), hidden_matrices());
-        let ns_flops = match setup {
-            Setup::AdamW => 0.0,
-            Setup::MuonAdamW => layout
-                .slots()
-                .iter()
-                .filter(|slot| matrices.matches(&slot.id, Some(&slot.path)))
-                .filter(|slot| {
-                    let bucket = &layout.buckets()[slot.bucket];
-                    let owned = match stage {
-                        Stage::Zero => 0..bucket.padded_numel,
-                        _ => bucket.shard_range(rank),
-                    };
-                    slot.within(&owned).is_some()
-                })
-                .map(|slot| ns_flops(slot.shape[0], slot.shape[1]))
-                .sum(),
-        };
+        // The Muon matrices this rank steps whole (AdamW steps the rest as flat pieces).
+        let ns_flops = report
+            .stepped_whole()
+            .iter()
+            .map(|(_, shape)| ns_flops(shape[0], shape[1]))
+            .sum();
         Ok::<_, burn_shard::ShardError>(Rank {
             state_bytes,
             peak_bytes,
@@ -159,7 +146,11 @@ pub fn run(args: &Args) -> Result<(), String> {
     let corpus = corpus()?;
     let params = Gpt::new(&gpt_config(&corpus, 64, args.n_embd, args.layers), &Device::flex()).num_params();
     let configs: Vec<(usize, Stage)> = std::iter::once((1, Stage::Zero))
-        .chain([2, 4].into_iter().flat_map(|w| [(w, Stage::One), (w, Stage::Two)]))
+        .chain(
+            [2, 4]
+                .into_iter()
+                .flat_map(|w| [(w, Stage::One), (w, Stage::Two), (w, Stage::Three)]),
+        )
         .collect();
     let mut rows = Vec::new();
     for setup in [Setup::AdamW, Setup::MuonAdamW] {

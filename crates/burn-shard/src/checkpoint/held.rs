@@ -28,7 +28,7 @@ impl HeldValues {
     pub(crate) fn of<M: Module>(model: &M, entries: &[(ParamId, &Entry, Holding)], shards_parameters: bool) -> Self {
         let whole: HashSet<ParamId> = entries
             .iter()
-            .filter(|(_, _, h)| !matches!(h, Holding::Chunks))
+            .filter(|(_, _, h)| !h.is_sharded())
             .map(|(id, _, _)| *id)
             .collect();
         Self {
@@ -55,18 +55,18 @@ impl HeldValues {
         holding: Holding,
         range: Range<usize>,
     ) -> Result<PieceReader, ShardError> {
-        let value = match holding {
-            Holding::Chunks => self.shards.remove(id),
-            _ => self.values.remove(id).map(Shard::Held),
+        let value = match holding.is_sharded() {
+            true => self.shards.remove(id),
+            false => self.values.remove(id).map(Shard::Held),
         }
         .ok_or_else(|| ShardError::UnknownParam {
             path: entry.path.clone(),
             id: id.to_string(),
         })?;
         // A shard starts at its own range; a whole value at element 0.
-        let start = match holding {
-            Holding::Chunks => 0,
-            _ => range.start,
+        let start = match holding.is_sharded() {
+            true => 0,
+            false => range.start,
         };
         Ok(PieceReader {
             value,
@@ -77,6 +77,7 @@ impl HeldValues {
 }
 
 /// One piece of an entry, read on demand.
+#[derive(Debug)]
 pub(crate) struct PieceReader {
     value: Shard,
     start: usize,
@@ -84,6 +85,24 @@ pub(crate) struct PieceReader {
 }
 
 impl PieceReader {
+    /// A whole `[numel]` value already in memory (a stage-3 parameter its owner gathered).
+    pub(crate) fn whole(value: Tensor<1>) -> Self {
+        let len = value.dims()[0];
+        Self {
+            value: Shard::Held(value),
+            start: 0,
+            len,
+        }
+    }
+
+    /// The whole shard this piece reads from, as it is held (stage 3: `[chunk]`, padded).
+    ///
+    /// # Errors
+    /// [`ShardError::Nvme`] when the shard file cannot be read.
+    pub(crate) fn shard(&self) -> Result<Tensor<1>, ShardError> {
+        self.value.read_for_checkpoint()
+    }
+
     /// The piece's dtype.
     pub(crate) fn dtype(&self) -> burn::tensor::DType {
         self.value.dtype()

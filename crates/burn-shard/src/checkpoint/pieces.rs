@@ -14,9 +14,20 @@ pub(crate) enum Holding<'a> {
     Slot(&'a FlatLayout, usize),
     /// A parameter sharded by stage 3 (trainable or frozen): chunks of `ceil(numel / N)`.
     Chunks,
+    /// A stage-3 parameter that an optimizer reads whole, stepped by its owner, this rank of
+    /// the shard group ([`crate::step::whole_owner`]): held as `Chunks`, saved whole by the
+    /// owner with its state and master (the owner gathers it to save it).
+    Owned(usize),
     /// Kept whole on every rank (buffers, frozen parameters at stages 0-2, reparameterized
     /// parameters): rank 0 saves it.
     Whole,
+}
+
+impl Holding<'_> {
+    /// Whether the rank holds the entry as a stage-3 shard (`Chunks`, `Owned`).
+    pub(crate) fn is_sharded(&self) -> bool {
+        matches!(self, Holding::Chunks | Holding::Owned(_))
+    }
 }
 
 /// The element range of an entry of `numel` elements that `rank` of `world_size` holds (and
@@ -44,6 +55,10 @@ pub(crate) fn piece(
             let chunk = numel.div_ceil(world_size);
             (rank * chunk).min(numel)..((rank + 1) * chunk).min(numel)
         }
+        Holding::Owned(owner) => match rank == owner {
+            true => 0..numel,
+            false => 0..0,
+        },
         Holding::Whole => whole_on_rank_0(numel, rank),
     };
     (!range.is_empty()).then_some(range)

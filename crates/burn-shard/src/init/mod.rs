@@ -207,22 +207,13 @@ impl<O: MasterWeightStep> Optimizers<O> {
     }
 
     /// Refusals that come before any work: a parameter its optimizer cannot step (Muon given
-    /// one that is not 2-D) and whole parameters at stage 3.
+    /// one that is not 2-D).
     ///
     /// # Errors
     /// [`ShardError::InvalidConfig`] naming the fix.
-    fn check(&self, config: &ShardConfig, layout: &FlatLayout) -> Result<(), ShardError> {
+    fn check(&self, layout: &FlatLayout) -> Result<(), ShardError> {
         for slot in layout.slots() {
             self.optim_of(slot).check_param(&slot.path, &slot.shape)?;
-        }
-        let whole = layout.slots().iter().find(|slot| self.wants_whole(slot));
-        if let (Some(slot), Stage::Three) = (whole, config.stage) {
-            return Err(ShardError::InvalidConfig(format!(
-                "`{}` (shape {:?}) is stepped by an optimizer that reads whole parameters (Muon, LAMB, Adafactor), \
-                 which stage 3 does not support yet: use stage 2 (or 1), which shards the state and gradients and \
-                 gives each such parameter whole to one rank",
-                slot.path, slot.shape
-            )));
         }
         Ok(())
     }
@@ -296,7 +287,7 @@ fn init_with<M: Module, O: MasterWeightStep>(
         &device,
     )?;
     // After the agreement, so that every rank refuses alike.
-    optims.check(config, &layout)?;
+    optims.check(&layout)?;
     let buffers = Buffers::of(&census);
     let root = RootValues::new(world.clone(), &model, &census, pretrained)?;
     if config.stage == Stage::Three {

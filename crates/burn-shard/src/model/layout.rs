@@ -82,17 +82,17 @@ impl Bucket {
 /// buckets (`owned_so_far`, updated), then the lowest; returns the largest rank's elements
 /// (the segment length, at least 1) and each slot's rank. The tie-break spreads buckets that
 /// hold fewer parameters than ranks (one large matrix) over the ranks instead of rank 0.
-fn balance(slots: &[ParamSlot], owned_so_far: &mut [usize]) -> (usize, Vec<usize>) {
-    let mut by_size: Vec<usize> = (0..slots.len()).collect();
-    by_size.sort_by_key(|&i| (std::cmp::Reverse(slots[i].numel), i));
+pub(crate) fn balance(numels: &[usize], owned_so_far: &mut [usize]) -> (usize, Vec<usize>) {
+    let mut by_size: Vec<usize> = (0..numels.len()).collect();
+    by_size.sort_by_key(|&i| (std::cmp::Reverse(numels[i]), i));
     let mut load = vec![0usize; owned_so_far.len()];
-    let mut ranks = vec![0; slots.len()];
+    let mut ranks = vec![0; numels.len()];
     for i in by_size {
         let rank = (0..load.len())
             .min_by_key(|&r| (load[r], owned_so_far[r], r))
             .expect("world_size >= 1");
         ranks[i] = rank;
-        load[rank] += slots[i].numel;
+        load[rank] += numels[i];
     }
     for (total, bucket) in owned_so_far.iter_mut().zip(&load) {
         *total += bucket;
@@ -178,7 +178,8 @@ impl FlatLayout {
         let mut owned_so_far = vec![0usize; world_size];
         for bucket in owned.buckets {
             let mut slots: Vec<ParamSlot> = owned.slots[bucket.slots.clone()].to_vec();
-            let (segment, ranks) = balance(&slots, &mut owned_so_far);
+            let numels: Vec<usize> = slots.iter().map(|s| s.numel).collect();
+            let (segment, ranks) = balance(&numels, &mut owned_so_far);
             // Each rank's parameters in traversal order, ranks in order: slot order is offset
             // order, which `pieces` and `join_range` rely on.
             let mut order: Vec<usize> = (0..slots.len()).collect();

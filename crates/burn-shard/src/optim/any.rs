@@ -228,8 +228,9 @@ pub(crate) struct Needs {
 ///   Muon orthogonalises each 2-D update by Newton-Schulz, LAMB scales by a per-parameter
 ///   trust ratio `‖p‖/‖update‖`, Adafactor keeps row and column statistics of each matrix. At
 ///   stages 1-2 each parameter they step is owned whole by one rank (see
-///   [`FlatLayout::from_module_owning`](crate::FlatLayout::from_module_owning)), which runs
-///   Burn's own `step` on it with its shape and Burn's own `State<D>`. Muon takes 2-D
+///   [`FlatLayout::from_module_owning`](crate::FlatLayout::from_module_owning)), at stage 3
+///   gathered to its owner for the step, and that rank runs Burn's own `step` on it with its
+///   shape and Burn's own `State<D>`. Muon takes 2-D
 ///   parameters only: a group that gives it another is refused at `init`, naming the
 ///   parameter and its shape.
 /// - [`AnyOptimizer::whole_params`] steps any other optimizer whole.

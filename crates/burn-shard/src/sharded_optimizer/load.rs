@@ -139,9 +139,9 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             false => HashMap::new(),
         };
         for (id, entry, holding) in &entries {
-            let found = match holding {
-                Holding::Chunks => shard_specs.contains_key(id),
-                _ => present.contains(id),
+            let found = match holding.is_sharded() {
+                true => shard_specs.contains_key(id),
+                false => present.contains(id),
             };
             if !found {
                 return Err(ShardError::UnknownParam {
@@ -159,9 +159,10 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             }
             let name = param_name(&entry.path);
             let numel = entry.numel();
-            let own = piece(stage, *holding, numel, rank, world_size);
-            match holding {
-                Holding::Chunks => {
+            match holding.is_sharded() {
+                // A parameter stepped whole by its owner is held as chunks all the same.
+                true => {
+                    let own = piece(stage, Holding::Chunks, numel, rank, world_size);
                     let chunk = numel.div_ceil(world_size);
                     let data = match &own {
                         Some(range) => files.read_range(saved, &name, range.clone())?,
@@ -171,7 +172,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                     let shard = padded(data, chunk, &spec.shard.device());
                     shards.insert(*id, spec.ctx.home().to_home(shard));
                 }
-                _ => {
+                false => {
                     let data = files.read_range(saved, &name, 0..numel)?;
                     let dtype = data.dtype();
                     values.insert(*id, Tensor::from_data(data, (&device, dtype)));
@@ -182,14 +183,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
                 continue;
             };
             // The optimizer steps the range, or at stage 3 the whole shard with its padding
-            // (zeros: their gradient is zero, so they stay zero).
-            let stepped = match self.plan.params().shards_parameters() {
-                true => self.layout.slots()[index].numel,
-                false => range.len(),
+            // (zeros: their gradient is zero, so they stay zero), or the whole parameter its
+            // owner steps.
+            let stepped = match (holding, self.plan.params().shards_parameters()) {
+                (Holding::Owned(_), _) | (_, false) => range.len(),
+                (_, true) => self.layout.slots()[index].numel,
             };
             // An optimizer that reads whole parameters rebuilds a state of the parameter's shape.
-            let (slot, optim) = (&self.layout.slots()[index], self.groups.optim(index));
-            let shape = optim.needs_whole_params().then_some(&slot.shape[..]);
+            let optim = self.groups.optim(index);
+            let shape = optim.needs_whole_params().then_some(&entry.shape[..]);
             let state_device = self.slots.device(&device);
             let state = read_state(&mut files, saved, range.clone(), stepped, optim, shape, &state_device)?;
             let name = master_name(&entry.path);

@@ -36,6 +36,7 @@ use crate::step::reduce;
 use crate::step::slot_state::SlotStates;
 use crate::step::stage_plan::StagePlan;
 use crate::step::update::Update;
+use crate::step::whole_owner::WholeOwners;
 
 /// A Burn optimizer whose state (stages 1-3), gradients (stages 2-3) and parameters (stage 3)
 /// are partitioned over the ranks of a [`Collective`]. Built by
@@ -85,6 +86,8 @@ pub struct ShardedOptimizer<O: MasterWeightStep> {
     pub(crate) census: Census,
     /// Per layout slot: the optimizer state and `f32` master of this rank's piece.
     pub(crate) slots: SlotStates<O>,
+    /// Stage 3: the rank that steps each parameter an optimizer reads whole (none below).
+    pub(crate) owners: WholeOwners,
     /// Running-state buffers, averaged over the ranks at every step.
     buffers: Buffers,
     /// Clip by global norm to this (`ShardConfig::with_max_grad_norm`).
@@ -179,6 +182,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             plan,
             census,
             slots: SlotStates::new(slots, options.swap, options.state_home),
+            owners: WholeOwners::default(),
             buffers,
             max_grad_norm: options.max_grad_norm,
             loss_scaler: options.loss_scaler,
@@ -297,6 +301,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         ours?;
         agreed?;
         // The same answer on every rank: they agreed on the groups and the optimizers' types.
+        self.assign_owners();
         self.check_params()?;
         Ok(self)
     }
@@ -334,42 +339,66 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             check_one_norm_clipping(self.max_grad_norm, grad_clipping.as_ref())?;
             self.groups.add(group, optim, grad_clipping, &self.layout);
         }
+        self.assign_owners();
         self.check_params()?;
         Ok(self)
     }
 
-    /// Checks that each slot's optimizer can step it ([`MasterWeightStep::check_param`]) and,
-    /// when it needs whole parameters, that this stage gives them whole: every parameter at
-    /// stage 0, those the layout put in one rank's range at stages 1-2; stage 3 shards each
-    /// parameter over the ranks.
+    /// Stage 3: gives each parameter whose optimizer reads it whole an owner, which steps it
+    /// ([`WholeOwners::assign`]); called whenever the groups change. A parameter keeps its
+    /// owner while its optimizer reads it whole, so a group added after steps or a load moves
+    /// no other parameter's state; one that changes between whole and flat starts a new state
+    /// and master (the old one has another shape), as Burn's `with_group` does for every
+    /// parameter it matches.
+    fn assign_owners(&mut self) {
+        if !self.plan.gathers_whole_to_owner() {
+            return;
+        }
+        let groups = &self.groups;
+        let owners = WholeOwners::assign(
+            &self.layout,
+            &self.census,
+            self.comm.world_size(),
+            &self.owners,
+            |index| groups.optim(index).needs_whole_params(),
+        );
+        for index in 0..self.layout.slots().len() {
+            if owners.of(index) != self.owners.of(index) {
+                self.slots.forget(index);
+            }
+        }
+        self.owners = owners;
+    }
+
+    /// The full shape of slot `index`'s parameter (stage 3's slots are its `[chunk]`).
+    pub(crate) fn full_shape(&self, index: usize) -> &[usize] {
+        let slot = &self.layout.slots()[index];
+        self.census.get(&slot.id).map_or(&slot.shape, |entry| &entry.shape)
+    }
+
+    /// Checks that each slot's optimizer can step it ([`MasterWeightStep::check_param`], with
+    /// the parameter's full shape) and, when it needs whole parameters, that this stage gives
+    /// them whole: every parameter at stage 0, those the layout put in one rank's range at
+    /// stages 1-2, and at stage 3 to their owner.
     ///
     /// # Errors
     /// [`ShardError::InvalidConfig`] naming the first parameter that fails and the fix.
     pub(crate) fn check_params(&self) -> Result<(), ShardError> {
         for (index, slot) in self.layout.slots().iter().enumerate() {
             let optim = self.groups.optim(index);
-            optim.check_param(&slot.path, &slot.shape)?;
+            optim.check_param(&slot.path, self.full_shape(index))?;
             if !optim.needs_whole_params() {
                 continue;
             }
             let world_size = self.comm.world_size();
-            if self.plan.holds_whole(&self.layout, index) {
+            if self.plan.holds_whole(&self.layout, index) || self.owners.of(index).is_some() {
                 continue;
             }
-            let fix = match self.plan.params().shards_parameters() {
-                true => {
-                    "stage 3 with an optimizer that reads whole parameters is not supported yet: use stage 2 \
-                         (or 1), which shards the state and gradients and gives each parameter whole to one rank"
-                }
-                false => {
-                    "give the group to ShardConfig::init in OptimizerGroups (OptimizerGroups::new(base)\
-                          .with_group(group, optimizer, clipping)), so that the layout gives each of its parameters \
-                          whole to one rank, instead of adding it with with_group after init"
-                }
-            };
             return Err(ShardError::InvalidConfig(format!(
                 "`{}` (shape {:?}) is stepped by an optimizer that reads whole parameters, but at {:?} over {world_size} \
-                 ranks this rank holds a piece of it: {fix}",
+                 ranks this rank holds a piece of it: give the group to ShardConfig::init in OptimizerGroups \
+                 (OptimizerGroups::new(base).with_group(group, optimizer, clipping)), so that the layout gives each of \
+                 its parameters whole to one rank, instead of adding it with with_group after init",
                 slot.path,
                 slot.shape,
                 self.plan.stage(),
@@ -621,8 +650,13 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         };
 
         // Phase 1: which slots have a gradient, and the reduced gradients.
-        let (has_grad, reduce_in_step) =
-            reduce::presence(&cx, &grad_parts, early.as_ref(), self.bucket_reducer.as_ref())?;
+        let (has_grad, reduce_in_step) = reduce::presence(
+            &cx,
+            &grad_parts,
+            early.as_ref(),
+            self.bucket_reducer.as_ref(),
+            self.owners.any(),
+        )?;
         let early_reduced = early.map(|e| e.reduced).unwrap_or_default();
         let grads = match stored {
             Some(stored) => {
@@ -656,6 +690,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             overlap: self.bucket_reducer.is_some(),
             optimizer_time: &mut self.last.optimizer_time,
             updating: &mut self.guard.updating,
+            owners: &self.owners,
         };
         let updated = update.run(&model, grads, &mut temp)?;
         self.guard.updating = false;

@@ -73,22 +73,50 @@ impl<'a, O: MasterWeightStep> RankReport<'a, O> {
 
     /// Elements of the parameters this rank steps (and keeps optimizer state for): every
     /// trainable element at stage 0, this rank's range of each bucket without its padding at
-    /// stages 1-2, its shards at stage 3.
+    /// stages 1-2, its shards at stage 3 and the whole parameters it owns there (those an
+    /// optimizer reads whole, see [`RankReport::stepped_whole`]).
     pub fn stepped_numel(&self) -> usize {
-        self.optim
+        let (optim, rank) = (self.optim, self.optim.comm.rank());
+        let flat: usize = optim
             .layout
             .buckets()
             .iter()
             .map(|bucket| {
-                let range = self.optim.plan.owned_range(bucket, self.optim.comm.rank());
-                let slots = &self.optim.layout.slots()[bucket.slots.clone()];
-                slots
-                    .iter()
-                    .filter_map(|slot| slot.within(&range))
+                let range = optim.plan.owned_range(bucket, rank);
+                bucket
+                    .slots
+                    .clone()
+                    .filter(|&index| optim.owners.of(index).is_none())
+                    .filter_map(|index| optim.layout.slots()[index].within(&range))
                     .map(|part| part.len())
                     .sum::<usize>()
             })
-            .sum()
+            .sum();
+        let owned = (0..optim.layout.slots().len()).filter_map(|index| optim.owners.of(index));
+        flat + owned
+            .filter(|owner| owner.rank == rank)
+            .map(|owner| owner.numel())
+            .sum::<usize>()
+    }
+
+    /// The parameters this rank steps whole, those whose optimizer reads them whole (Muon,
+    /// LAMB, Adafactor), as `(module path, full shape)` in layout order: each on one rank of the
+    /// shard group at stages 1-3 (balanced by elements), every one of them at stage 0. Where
+    /// their optimizer's work (Muon's Newton-Schulz) and state live.
+    pub fn stepped_whole(&self) -> Vec<(String, Vec<usize>)> {
+        let (optim, rank) = (self.optim, self.optim.comm.rank());
+        let slots = optim.layout.slots().iter().enumerate();
+        slots
+            .filter(|(index, _)| optim.groups.optim(*index).needs_whole_params())
+            .filter(|(index, slot)| match optim.owners.of(*index) {
+                Some(owner) => owner.rank == rank,
+                None => {
+                    let bucket = &optim.layout.buckets()[slot.bucket];
+                    slot.within(&optim.plan.owned_range(bucket, rank)).is_some()
+                }
+            })
+            .map(|(index, slot)| (slot.path.clone(), optim.full_shape(index).to_vec()))
+            .collect()
     }
 
     /// With [`NvmeOffload`](crate::NvmeOffload): the bytes the last step read from and wrote to
@@ -178,7 +206,8 @@ impl<'a, O: MasterWeightStep> RankReport<'a, O> {
     }
 
     /// The `f32` master weights of this rank's piece of each `bf16`/`f16` parameter of the
-    /// layout (same shapes as [`RankReport::slot_states`]' tensors); `None` for `f32`
+    /// layout (same pieces as [`RankReport::slot_states`], flat: `[numel]` for a parameter
+    /// stepped whole); `None` for `f32`
     /// parameters and before a parameter's first gradient. They are initialised from the
     /// parameters then; after loading new parameter values later, call
     /// [`ShardedOptimizer::reset_master_weights`]. Empty (every entry `None`) with
@@ -190,9 +219,12 @@ impl<'a, O: MasterWeightStep> RankReport<'a, O> {
     /// Burn's optimizer state of each parameter of the layout ([`FlatLayout::slots`] order), for
     /// the piece of it this rank steps: the whole parameter (stage 0), its part of this rank's
     /// range of the bucket (stages 1-2; `None` when the range holds none of it) or this rank's
-    /// shard (stage 3). `None` before the parameter's first gradient, and for every parameter
-    /// with [`NvmeOffload`](crate::NvmeOffload), which keeps the states on disk between steps.
-    /// Tensors are 1-D.
+    /// shard (stage 3), except that a parameter an optimizer reads whole (Muon, LAMB,
+    /// Adafactor; [`RankReport::stepped_whole`]) has its whole state on the rank that steps it
+    /// and `None` elsewhere. `None` before the parameter's first gradient, and for every
+    /// parameter with [`NvmeOffload`](crate::NvmeOffload), which keeps the states on disk
+    /// between steps. Tensors are 1-D, the whole-parameter states' excepted (their optimizer's
+    /// shapes behind the type-erased `State<1>`).
     pub fn slot_states(&self) -> &'a [Option<O::State<1>>] {
         &self.optim.slots.states
     }

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ParamId};
-use burn::tensor::TensorData;
+use burn::tensor::{Tensor, TensorData};
 
 use crate::bucket::reducer::BucketReducer;
 use crate::checkpoint::files::{RankFile, digest, read_digest};
@@ -14,7 +14,7 @@ use crate::checkpoint::format::{
     version_for, write_atomically,
 };
 use crate::checkpoint::frozen::{base_fingerprint, to_hex};
-use crate::checkpoint::held::HeldValues;
+use crate::checkpoint::held::{HeldValues, PieceReader};
 use crate::checkpoint::lineage::{abandoned_dir, name_of, set_aside, to_set_aside};
 use crate::checkpoint::meta::{BaseMeta, CheckpointMeta, EntryMeta, FileMeta, Lineage, dtype_name};
 use crate::checkpoint::options::SaveOptions;
@@ -352,11 +352,15 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let stage = self.stage();
         let mut file = RankFile::default();
         let mut held = HeldValues::of(model, &entries, self.plan.params().shards_parameters());
+        let mut gathered = self.gather_owned(&entries, &mut held)?;
         for (id, entry, holding) in &entries {
             let Some(range) = piece(stage, *holding, entry.numel(), rank, world_size) else {
                 continue;
             };
-            let value = held.take(id, entry, *holding, range.clone())?;
+            let value = match gathered.remove(id) {
+                Some(whole) => PieceReader::whole(whole),
+                None => held.take(id, entry, *holding, range.clone())?,
+            };
             let name = param_name(&entry.path);
             match staged && !value.is_on_disk() {
                 true => file.push(name, owned(value.read()?)),
@@ -371,6 +375,43 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             }
         }
         Ok(file)
+    }
+
+    /// Stage 3: the whole values of the parameters this rank steps whole (`Holding::Owned`),
+    /// which it saves whole beside their whole state: every rank of the shard group sends its
+    /// shard of each such parameter, in entry order (one all-gather each), also a rank that
+    /// could not read its own (it sends zeros and returns its error after the last one, so that
+    /// no rank waits). Empty below stage 3. The owner keeps them until they are written: about
+    /// its share of those parameters, once more, for the time of the save.
+    ///
+    /// # Errors
+    /// [`ShardError::Comm`] when an all-gather fails; [`ShardError::Nvme`] when a shard cannot
+    /// be read from the shard file; [`ShardError::UnknownParam`] for a parameter the model lacks.
+    fn gather_owned(
+        &self,
+        entries: &[(ParamId, &Entry, Holding)],
+        held: &mut HeldValues,
+    ) -> Result<HashMap<ParamId, Tensor<1>>, ShardError> {
+        let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
+        let (mut owned, mut failed) = (HashMap::new(), None);
+        for (id, entry, holding) in entries {
+            let Holding::Owned(owner) = holding else {
+                continue;
+            };
+            let chunk = entry.numel().div_ceil(world_size);
+            // On the compute device: with parameter offload the shards live in host memory.
+            let shard = held.take(id, entry, *holding, 0..chunk).and_then(|value| value.shard());
+            let shard = shard.map(|shard| shard.to_device(&self.device));
+            let shard = shard.unwrap_or_else(|e| {
+                failed.get_or_insert(e);
+                Tensor::zeros([chunk], (&self.device, entry.dtype))
+            });
+            let whole = self.comm.all_gather(shard)?.narrow(0, 0, entry.numel());
+            if rank == *owner {
+                owned.insert(*id, whole);
+            }
+        }
+        failed.map_or(Ok(owned), Err)
     }
 
     /// Rank 0: the checkpoint's metadata as of now, without the files (see [`with_files`]).
@@ -418,6 +459,7 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
             .filter(|(_, e)| e.numel() > 0 && SUPPORTED.contains(&e.dtype))
             .map(|(id, entry)| {
                 let holding = match (self.plan.params().shards_parameters(), self.layout.slot_of(&id)) {
+                    (true, Some(index)) if let Some(owner) = self.owners.of(index) => Holding::Owned(owner.rank),
                     (true, _) if entry.kind == EntryKind::Param => Holding::Chunks,
                     (true, _) => Holding::Whole,
                     (false, Some(index)) => Holding::Slot(&self.layout, index),

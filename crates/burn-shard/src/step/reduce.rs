@@ -17,7 +17,9 @@ use crate::step::context::StepContext;
 /// per-slot flags (`grads` present, or reduced in `early`) are agreed by one all-reduce, with
 /// one flag per bucket when buckets were reduced inside backward (whether some rank has
 /// unreduced gradients of it): one small collective of `slots` (+ `buckets`) elements. At
-/// stage 3 a gradient exists on every rank or on none. Without `early` every bucket is
+/// stage 3 a gradient exists on every rank or on none, unless a caller's `GradientsParams`
+/// left one out: with `exchanges_whole` (stage 3 with owners of whole parameters, whose
+/// exchanges every rank must enter alike) the flags are agreed there too. Without `early` every bucket is
 /// reduced. The same all-reduce carries whether some rank's backwards differed from the ones
 /// the bucket reducer learned ([`Early::differs`]); if so, every rank's `reducer` forgets them
 /// here, and the next step learns again.
@@ -29,13 +31,15 @@ pub(crate) fn presence(
     grads: &flat::SlotValues,
     early: Option<&Early>,
     reducer: Option<&BucketReducer>,
+    exchanges_whole: bool,
 ) -> Result<(Vec<bool>, Vec<bool>), ShardError> {
     let buckets = cx.layout.buckets();
     let mut local: Vec<bool> = grads.iter().map(Option::is_some).collect();
     let Some(early) = early else {
         let every_bucket = vec![true; buckets.len()];
         // With replicas, a slot may have a gradient in one shard group and not in another.
-        if (cx.plan.gradient_presence_is_local() && cx.replicate.is_none()) || cx.world.world_size() == 1 {
+        let local_is_global = cx.plan.gradient_presence_is_local() && cx.replicate.is_none() && !exchanges_whole;
+        if local_is_global || cx.world.world_size() == 1 {
             return Ok((local, every_bucket));
         }
         return Ok((any_rank(cx.world, &local, &cx.device)?, every_bucket));

@@ -105,6 +105,15 @@ impl<O: MasterWeightStep> SlotStates<O> {
         self.home.device(param_device)
     }
 
+    /// Drops slot `index`'s state and master in memory (stage 3: a parameter that changed
+    /// between whole and flat keeps neither; with the state on disk `with_group` refuses such
+    /// a change).
+    pub(crate) fn forget(&mut self, index: usize) {
+        self.states[index] = None;
+        self.masters[index] = None;
+        self.follow_edits[index] = false;
+    }
+
     /// Whether the states live on disk between steps.
     pub(crate) fn swaps(&self) -> bool {
         self.swap.is_some()

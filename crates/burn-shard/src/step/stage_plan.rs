@@ -62,7 +62,8 @@ impl StagePlan {
     /// Whether each rank holds slot `index` of `layout` whole or not at all, over `world_size`
     /// ranks: at stage 0 (every rank steps every parameter), at stages 1-2 when the layout put
     /// it in one rank's range ([`FlatLayout::owned_whole`]); never at stage 3, whose step sees
-    /// each parameter as a flat shard (`[chunk]`, even alone).
+    /// each parameter as a flat shard (`[chunk]`, even alone), and gathers a parameter read
+    /// whole to its owner ([`StagePlan::gathers_whole_to_owner`]).
     pub(crate) fn holds_whole(&self, layout: &FlatLayout, index: usize) -> bool {
         match self.stage {
             Stage::Zero => true,
@@ -75,6 +76,13 @@ impl StagePlan {
     /// ([`FlatLayout::from_module_owning`]): at stages 1-2 over several ranks.
     pub(crate) fn owns_whole_params(stage: Stage, world_size: usize) -> bool {
         matches!(stage, Stage::One | Stage::Two) && world_size > 1
+    }
+
+    /// Whether a parameter an optimizer reads whole is gathered to an owner, which steps it
+    /// whole and sends the new values back ([`crate::step::whole_owner`]): at stage 3, whose
+    /// ranks hold `[chunk]` shards (stages 0-2 hold it whole where they step it: `holds_whole`).
+    pub(crate) fn gathers_whole_to_owner(&self) -> bool {
+        self.stage == Stage::Three
     }
 
     /// How this rank holds the parameters: whole (stages 0-2) or sharded (stage 3).

@@ -25,6 +25,7 @@ use crate::step::bucket_grads::BucketGrads;
 use crate::step::context::StepContext;
 use crate::step::measure::Clip;
 use crate::step::slot_state::SlotStates;
+use crate::step::whole_owner::{WholeOwner, WholeOwners, exchange_bytes, gather_whole, scatter_from_owner};
 
 /// The update phase of one step: what it reads (the context, learning rate, clipping, which
 /// slots have a gradient, each slot's optimizer) and the per-slot state it changes.
@@ -52,6 +53,8 @@ pub(crate) struct Update<'a, O: MasterWeightStep> {
     /// after that leaves some buckets stepped and others not (`ShardedOptimizer`'s
     /// `half_applied`).
     pub(crate) updating: &'a mut bool,
+    /// Stage 3: the rank that steps each parameter an optimizer reads whole.
+    pub(crate) owners: &'a WholeOwners,
 }
 
 impl<O: MasterWeightStep> Update<'_, O> {
@@ -84,6 +87,8 @@ impl<O: MasterWeightStep> Update<'_, O> {
         // With NVMe parameter offload: the next bucket's parameter shards are read while this
         // one is stepped (this bucket's first, for the first bucket).
         let mut param_reads = ReadAhead::default();
+        // Stage 3: the exchanges with owners of whole parameters begun so far (see `drain`).
+        let mut exchanged = 0;
         for (index, bucket) in layout.buckets().iter().enumerate() {
             // Queued in the order they are waited for: this bucket's parameters and gradients,
             // then the next bucket's gradients and parameters.
@@ -93,9 +98,17 @@ impl<O: MasterWeightStep> Update<'_, O> {
             if let Some(next) = layout.buckets().get(index + 1) {
                 param_reads.start(&self.piece_shards(&values, next), true);
             }
-            let param = match grad.and_then(|grad| self.range(bucket, range, &values, &mut param_reads, grad)) {
+            let stepped = grad.and_then(|grad| {
+                let values = (&values[..], &mut param_reads);
+                self.range(bucket, range, values, grad, (&mut *temp, &mut exchanged))
+            });
+            let param = match stepped {
                 Ok(param) => param,
                 Err(e) => {
+                    // The other ranks still exchange whole parameters with their owners.
+                    if !matches!(e, ShardError::Comm(_)) {
+                        self.drain(exchanged);
+                    }
                     failed = Some(e);
                     break;
                 }
@@ -154,9 +167,9 @@ impl<O: MasterWeightStep> Update<'_, O> {
         &mut self,
         bucket: &Bucket,
         range: Range<usize>,
-        values: &[Option<Shard>],
-        reads: &mut ReadAhead,
+        (values, reads): (&[Option<Shard>], &mut ReadAhead),
         grad: Tensor<1>,
+        (temp, exchanged): (&mut PeakTracker, &mut usize),
     ) -> Result<Tensor<1>, ShardError> {
         let (layout, device) = (self.cx.layout, &self.cx.device);
         let mut pieces = Vec::new();
@@ -173,6 +186,12 @@ impl<O: MasterWeightStep> Update<'_, O> {
             let grad = grad.clone().narrow(0, at - range.start, len);
             let grad = self.clip.piece(self.groups, index, grad);
             let lr = self.lr.lr_from_param(slot.id, Some(&slot.path));
+            // Stage 3: a parameter read whole is stepped by its owner (every rank takes part).
+            if let Some(owner) = self.owners.of(index) {
+                *exchanged += 1;
+                pieces.push((at, self.step_on_owner(index, owner, lr, [param, grad], temp)?));
+                continue;
+            }
             let optim = self.groups.optim(index);
             // An optimizer that reads whole parameters is given them whole (the layout puts
             // each of them in one rank's range; `init` checked it).
@@ -190,6 +209,71 @@ impl<O: MasterWeightStep> Update<'_, O> {
         Ok(flat::join_range(pieces, bucket, range, device))
     }
 
+    /// Stage 3: slot `index`'s parameter stepped whole by its `owner`
+    /// ([`crate::step::whole_owner`]): `param` and `grad` are this rank's `[chunk]` shards, as
+    /// is the result (where `param` was: in host memory with parameter offload). A collective
+    /// of the shard group, run on the compute device; the whole tensors count in `temp`.
+    ///
+    /// # Errors
+    /// [`ShardError::Comm`] when a collective fails.
+    fn step_on_owner(
+        &mut self,
+        index: usize,
+        owner: &WholeOwner,
+        lr: burn::optim::LearningRate,
+        [param, grad]: [Tensor<1>; 2],
+        temp: &mut PeakTracker,
+    ) -> Result<Tensor<1>, ShardError> {
+        let (comm, device) = (self.cx.comm, &self.cx.device);
+        let (chunk, dtype, home) = (param.dims()[0], param.dtype(), param.device());
+        let numel = owner.numel();
+        let bytes = exchange_bytes(numel, chunk, comm.world_size(), [dtype, grad.dtype()]);
+        temp.alloc(bytes);
+        let shard = (|| {
+            let chunks = vec![param.to_device(device), grad.to_device(device)];
+            let mut whole = gather_whole(comm, chunks, numel)?.into_iter();
+            let (param, grad) = (whole.next().expect("gathered"), whole.next().expect("gathered"));
+            let updated = match comm.rank() == owner.rank {
+                true => {
+                    let started = std::time::Instant::now();
+                    let optim = self.groups.optim(index);
+                    let param = self.slots.step(index, optim, lr, Some(&owner.shape), param, grad);
+                    *self.optimizer_time += started.elapsed();
+                    Some(param.to_device(device))
+                }
+                false => None,
+            };
+            scatter_from_owner(comm, updated, chunk, (device, dtype))
+        })();
+        temp.free(bytes);
+        Ok(shard?.to_device(&home))
+    }
+
+    /// After this rank failed (a shard or gradient it could not read), the exchanges with
+    /// owners of whole parameters that the other ranks still run this step, from the
+    /// `exchanged + 1`-th on, with zeros: so that no rank waits for this one (the step then
+    /// fails on every rank, their disk outcome agreed).
+    fn drain(&self, exchanged: usize) {
+        let (layout, comm, device) = (self.cx.layout, self.cx.comm, &self.cx.device);
+        let mut order = Vec::new();
+        for bucket in layout.buckets() {
+            let range = self.cx.owned_range(bucket);
+            order.extend(layout.pieces(bucket, &range).map(|(index, _)| (index, bucket.dtype)));
+        }
+        let exchanges = order
+            .into_iter()
+            .filter(|&(index, _)| self.has_grad[index])
+            .filter_map(|(index, dtype)| Some((index, self.owners.of(index)?, dtype)))
+            .skip(exchanged);
+        for (index, owner, dtype) in exchanges {
+            let chunk = layout.slots()[index].numel;
+            let zeros = || Tensor::<1>::zeros([chunk], (device, dtype));
+            // Errors are this rank's to ignore: it fails already, and so does the step.
+            let _ = gather_whole(comm, vec![zeros(), zeros()], owner.numel())
+                .and_then(|_| scatter_from_owner(comm, None, chunk, (device, dtype)));
+        }
+    }
+
     /// The values of the pieces of `bucket` this rank steps (stage 3: their shards).
     fn piece_shards(&self, values: &[Option<Shard>], bucket: &Bucket) -> Vec<Shard> {
         let range = self.cx.owned_range(bucket);
@@ -198,7 +282,8 @@ impl<O: MasterWeightStep> Update<'_, O> {
     }
 
     /// The slots this step updates on this rank, in the order `range` takes them: those with a
-    /// gradient and a piece in this rank's range, bucket by bucket.
+    /// gradient and a piece in this rank's range, bucket by bucket (at stage 3 not those of
+    /// parameters another rank owns whole).
     fn stepped_slots(&self) -> Vec<usize> {
         let layout = self.cx.layout;
         let mut order = Vec::new();
@@ -208,7 +293,8 @@ impl<O: MasterWeightStep> Update<'_, O> {
                 layout
                     .pieces(bucket, &range)
                     .map(|(i, _)| i)
-                    .filter(|&i| self.has_grad[i]),
+                    .filter(|&i| self.has_grad[i])
+                    .filter(|&i| self.owners.of(i).is_none_or(|o| o.rank == self.cx.comm.rank())),
             );
         }
         order

@@ -1,0 +1,148 @@
+//! Stage 3 with an optimizer that reads whole parameters (Muon, LAMB, Adafactor): stage 3 keeps
+//! every parameter as `[chunk]` shards, one per rank, so each such parameter gets an owner among
+//! the shard group's ranks, which steps it whole. In the step the ranks all-gather the
+//! parameter's gradient and values (their `[chunk]` shards), the owner runs the optimizer on
+//! the shaped tensor with its own state and `f32` master, and the new values come back by a
+//! reduce-scatter to which the owner alone sends non-zeros (a scatter from the owner:
+//! `x + 0 = x` exactly), so each rank receives its `[chunk]` in a buffer of its own. The owners
+//! are balanced by elements (greedy, largest first, as the whole buckets of stages 1-2:
+//! [`balance`]), so the state and the optimizer's work (Newton-Schulz) are divided over the
+//! ranks, not repeated on each.
+//!
+//! Cost: per such parameter of `numel` elements, each rank receives about `3 · numel` elements
+//! more per step than stage 3's `3 · numel` of gathers and reduce-scatters (two all-gathers and
+//! a reduce-scatter: the collectives have no gather to one rank), and holds the parameter and
+//! its gradient whole for the time of its update, one parameter at a time, as a gather does
+//! (counted in the step's temporary peak). (Sharding each such parameter whole in forward and
+//! backward instead, Megatron's layout, would remove the exchange but breaks the grouped
+//! per-unit collectives of `fsdp/`.)
+
+use burn::tensor::{DType, Device, Tensor};
+use burn_shard_comm::{Collective, ReduceOp};
+
+use crate::error::ShardError;
+use crate::fsdp::collectives::pad_to;
+use crate::model::census::Census;
+use crate::model::layout::{FlatLayout, balance};
+
+/// The owner of a parameter stepped whole at stage 3, and its full shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct WholeOwner {
+    /// The rank of the shard group that steps it and keeps its state.
+    pub(crate) rank: usize,
+    /// The parameter's full shape (the local layout's slot is its `[chunk]`).
+    pub(crate) shape: Vec<usize>,
+}
+
+impl WholeOwner {
+    /// Elements of the whole parameter.
+    pub(crate) fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Per slot of stage 3's local layout: the owner of a parameter an optimizer reads whole,
+/// `None` for the others (and at stages 0-2, where the layout gives such parameters whole).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct WholeOwners {
+    owners: Vec<Option<WholeOwner>>,
+}
+
+impl WholeOwners {
+    /// Owners for the slots of `layout` (stage 3's local one) for which `wants_whole` holds,
+    /// over `world_size` ranks. A slot `previous` gave an owner keeps it (a group added after
+    /// `init` moves no state); the others go largest first, each to the rank owning fewest new
+    /// elements so far, ties to the one owning fewest before, then the lowest rank: at `init`
+    /// (no previous owners) the busiest rank owns at most `4/3` of the optimum (Graham's bound
+    /// for this greedy rule). Full shapes come from `census`. The same on every rank: slots in
+    /// layout order, sizes alone.
+    pub(crate) fn assign(
+        layout: &FlatLayout,
+        census: &Census,
+        world_size: usize,
+        previous: &WholeOwners,
+        wants_whole: impl Fn(usize) -> bool,
+    ) -> Self {
+        let mut owners = vec![None; layout.slots().len()];
+        let mut load = vec![0; world_size.max(1)];
+        let mut new = Vec::new();
+        for (index, slot) in layout.slots().iter().enumerate() {
+            if !wants_whole(index) {
+                continue;
+            }
+            match previous.of(index) {
+                Some(owner) => {
+                    load[owner.rank] += owner.numel();
+                    owners[index] = Some(owner.clone());
+                }
+                None => {
+                    let shape = census
+                        .get(&slot.id)
+                        .map_or_else(|| slot.shape.clone(), |e| e.shape.clone());
+                    new.push((index, shape));
+                }
+            }
+        }
+        let numels: Vec<usize> = new.iter().map(|(_, shape)| shape.iter().product()).collect();
+        let (_, ranks) = balance(&numels, &mut load);
+        for ((index, shape), rank) in new.into_iter().zip(ranks) {
+            owners[index] = Some(WholeOwner { rank, shape });
+        }
+        Self { owners }
+    }
+
+    /// Whether some slot has an owner (stage 3 with an optimizer that reads whole parameters).
+    pub(crate) fn any(&self) -> bool {
+        self.owners.iter().any(Option::is_some)
+    }
+
+    /// The owner of slot `index`, `None` when the slot is stepped as a flat shard.
+    pub(crate) fn of(&self, index: usize) -> Option<&WholeOwner> {
+        self.owners.get(index).and_then(Option::as_ref)
+    }
+}
+
+/// Every rank's `[chunk]` shards of a parameter of `numel` elements, all-gathered: the whole
+/// `[numel]` values of each of `chunks` (the parameter and its gradient), padding dropped.
+///
+/// # Errors
+/// [`ShardError::Comm`] when the all-gather fails.
+pub(crate) fn gather_whole(
+    comm: &dyn Collective,
+    chunks: Vec<Tensor<1>>,
+    numel: usize,
+) -> Result<Vec<Tensor<1>>, ShardError> {
+    // One call each: a fused grouped all-gather moves one dtype, and the gradient's may differ.
+    chunks
+        .into_iter()
+        .map(|chunk| Ok(comm.all_gather(chunk)?.narrow(0, 0, numel)))
+        .collect()
+}
+
+/// The owner's new `[numel]` values (`updated`, `Some` on the owner alone) -> this rank's
+/// `[chunk]` shard of them, zero-padded past `numel` (a stage-3 shard's padding stays zero):
+/// a sum-reduce-scatter to which the other ranks send zeros, so the shard is exactly the
+/// owner's values (`x + 0 = x`) in a buffer of its own, not a view that would keep the whole
+/// parameter alive.
+///
+/// # Errors
+/// [`ShardError::Comm`] when the reduce-scatter fails.
+pub(crate) fn scatter_from_owner(
+    comm: &dyn Collective,
+    updated: Option<Tensor<1>>,
+    chunk: usize,
+    (device, dtype): (&Device, DType),
+) -> Result<Tensor<1>, ShardError> {
+    let padded = chunk * comm.world_size();
+    let sent = match updated {
+        Some(values) => pad_to(values, padded),
+        None => Tensor::zeros([padded], (device, dtype)),
+    };
+    Ok(comm.reduce_scatter(sent, ReduceOp::Sum)?)
+}
+
+/// Bytes a rank holds while a parameter of `numel` elements is exchanged with its owner: the
+/// whole parameter and gradient gathered, and the `[chunk · world_size]` buffer sent back.
+pub(crate) fn exchange_bytes(numel: usize, chunk: usize, world_size: usize, [param, grad]: [DType; 2]) -> usize {
+    numel * (param.size() + grad.size()) + chunk * world_size * param.size()
+}
