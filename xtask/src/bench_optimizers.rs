@@ -112,7 +112,8 @@ fn measure(args: &Args, setup: Setup, world_size: usize, stage: Stage) -> Result
             let wall = began.elapsed().as_secs_f64();
             let report = optim.report();
             let memory = report.memory(&model);
-            peak_bytes = peak_bytes.max(memory.total_bytes());
+            // Held model state plus the step's tracked temporaries (gathers, exchanges).
+            peak_bytes = peak_bytes.max(memory.total_bytes() + memory.temporary_peak_bytes);
             if step == 0 {
                 continue; // warm-up
             }
