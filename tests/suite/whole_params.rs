@@ -709,3 +709,30 @@ fn a_whole_parameter_group_added_after_init_at_stage_3_matches_burn() {
         );
     }
 }
+
+/// Tied (`embed`: the input projection and the head), frozen and unused parameters
+/// (stage3.rs's `Net3`, three `unit`s): Muon for the 2-D ones (the tied embedding and the
+/// blocks' weights) beside AdamW, and LAMB for all, at stages 0-3 x world sizes 1-4 against
+/// Burn's `ModuleOptimizer`: within 1e-4, bitwise on one rank, the frozen and unused
+/// parameters never moved (`check_equivalence`).
+#[test]
+fn tied_frozen_and_unused_parameters_with_whole_parameter_optimizers_match_burn() {
+    use crate::stage3::check_equivalence;
+    let two_d = || ParamGroup::from_regex(r"^(embed|blocks\.\d+\.weight)$").expect("a valid regex");
+    for stage in [Stage::Zero, Stage::One, Stage::Two, Stage::Three] {
+        check_equivalence(
+            "Muon+AdamW",
+            AdamWConfig::new()
+                .init()
+                .with_group(two_d(), MuonConfig::new().build(), None),
+            OptimizerGroups::new(AdamWConfig::new()).with_group(two_d(), MuonConfig::new(), None),
+            ShardConfig::new(stage),
+        );
+        check_equivalence(
+            "LAMB",
+            LambConfig::new().init(),
+            OptimizerGroups::new(LambConfig::new()),
+            ShardConfig::new(stage),
+        );
+    }
+}
