@@ -5,9 +5,9 @@
 
 use burn::grad_clipping::{GradientClipping, GradientClippingConfig};
 use burn::module::{Module, Param, ParamGroup};
-use burn::optim::{AdamWConfig, GradientsParams, SgdConfig};
+use burn::optim::{AdamWConfig, GradientsParams, MuonConfig, SgdConfig};
 use burn::prelude::*;
-use burn_shard::{IntoOptimizer, ShardConfig, Stage};
+use burn_shard::{IntoOptimizer, OptimizerGroups, ShardConfig, Stage};
 use burn_shard_comm::{Collective, InProcessGroup};
 
 use crate::common::*;
@@ -133,6 +133,31 @@ fn clipping_by_global_norm_matches_clip_grad_norm_and_reports_the_pre_clip_norm(
             ShardConfig::new(stage).with_max_grad_norm(MAX_NORM),
             AdamWConfig::new(),
         )
+    });
+}
+
+/// Clipping by global norm with Muon for the matrices beside AdamW (`OptimizerGroups`; each
+/// matrix stepped whole by one rank, at stage 3 gathered to it): the global norm is taken over
+/// every parameter before Muon's whole-matrix step, as `clip_grad_norm_` then Burn's
+/// `ModuleOptimizer` with the same groups, at every stage and world size.
+#[test]
+fn clipping_by_global_norm_with_muon_groups_matches_clip_grad_norm() {
+    let matrices = || ParamGroup::from_regex(r"^l[12]\.weight$").expect("a valid regex");
+    let burn = || {
+        AdamWConfig::new()
+            .init()
+            .with_group(matrices(), MuonConfig::new().build(), None)
+    };
+    let unclipped = reference(burn(), |_, g| (g, None));
+    let clipped = reference(burn(), |model, g| {
+        let (g, norm) = clip_global(model, g, MAX_NORM);
+        (g, Some(norm))
+    });
+    let diff = max_abs_diff(&clipped.1, &unclipped.1);
+    assert!(diff > 1e-3, "clipping must change Muon's training (max diff {diff:e})");
+    sweep("global-norm clipping, Muon groups", &clipped, 1e-4, |comm, stage| {
+        let groups = OptimizerGroups::new(AdamWConfig::new()).with_group(matrices(), MuonConfig::new(), None);
+        rank_run(comm, ShardConfig::new(stage).with_max_grad_norm(MAX_NORM), groups)
     });
 }
 

@@ -208,29 +208,39 @@ fn muon_with_hsdp_2x2_matches_burn() {
 /// owner, with their shapes) saved at one stage and world size resumes at another: stage 2
 /// over 2 ranks -> stage 1 over 3 (another layout: LAMB's and Adafactor's biases and `scale`
 /// change owners, the matrices keep theirs), stage 3 over 3 -> stage 3 over 2 (other owners),
-/// stage 1 over 2 -> stage 3 over 4: the 20 steps equal Burn's uninterrupted run within 1e-4.
+/// stage 1 over 2 -> stage 3 over 4, stage 3 over 2 with the parameter shards on disk -> stage 2
+/// over 3: the 20 steps equal Burn's uninterrupted run within 1e-4.
 /// `ckpt consolidate`'s optimizer record loads into Burn's own `ModuleOptimizer`, which then
 /// continues as the uninterrupted run; the offline reshard refuses Adafactor's factored state,
 /// naming the fix.
 #[test]
 fn whole_parameter_state_resumes_at_another_world_size() {
     let base = base();
+    // (stage, ranks, the parameter shards on disk) saving, then (stage, ranks) loading.
     let legs = [
-        ((Stage::Two, 2), (Stage::One, 3)),
-        ((Stage::Three, 3), (Stage::Three, 2)),
-        ((Stage::One, 2), (Stage::Three, 4)),
+        ((Stage::Two, 2, false), (Stage::One, 3)),
+        ((Stage::Three, 3, false), (Stage::Three, 2)),
+        ((Stage::One, 2, false), (Stage::Three, 4)),
+        ((Stage::Three, 2, true), (Stage::Two, 3)),
     ];
     for case in [Case::MuonWithAdamW, Case::Lamb, Case::Adafactor] {
-        for ((save_stage, save_ranks), (load_stage, load_ranks)) in legs {
+        for ((save_stage, save_ranks, on_disk), (load_stage, load_ranks)) in legs {
             let want = reference(&base, case.burn());
-            let root = scratch("whole_params", &format!("{case:?}-{save_stage:?}{save_ranks}"));
+            let root = scratch("whole_params", &format!("{case:?}-{save_stage:?}{save_ranks}{on_disk}"));
+            let shards = root.join("shards");
+            std::fs::create_dir_all(&shards).unwrap();
+            let save_config = match on_disk {
+                true => ShardConfig::new(save_stage).with_params_on(Home::Disk(shards.as_path().into())),
+                false => ShardConfig::new(save_stage),
+            };
             let dir = root.join("step-10");
             let half = STEPS / 2;
             let group = InProcessGroup::new(save_ranks).unwrap();
             let first = run_ranks(group, |comm| {
                 let device = Device::flex().autodiff();
                 let rank = (comm.rank(), comm.world_size());
-                let (model, mut optim) = ShardConfig::new(save_stage)
+                let (model, mut optim) = save_config
+                    .clone()
                     .init(base.clone().fork(&device), case.sharded(), comm)
                     .expect("init");
                 let (model, losses) = train(rank, model, &mut optim, 0, half);

@@ -85,16 +85,6 @@ pub(crate) struct PieceReader {
 }
 
 impl PieceReader {
-    /// A whole `[numel]` value already in memory (a stage-3 parameter its owner gathered).
-    pub(crate) fn whole(value: Tensor<1>) -> Self {
-        let len = value.dims()[0];
-        Self {
-            value: Shard::Held(value),
-            start: 0,
-            len,
-        }
-    }
-
     /// The whole shard this piece reads from, as it is held (stage 3: `[chunk]`, padded).
     ///
     /// # Errors

@@ -16,6 +16,9 @@ pub(crate) enum CallTag<'a> {
     Param(&'a str),
     /// Stage 3: a grouped collective, by its members' [`CallTag::Param`] values in order.
     Group(&'a [u64]),
+    /// Stage 3: the step's exchange of a parameter stepped whole with its owner, by its module
+    /// path (`crate::step::whole_owner`).
+    WholeExchange(&'a str),
 }
 
 impl CallTag<'_> {
@@ -26,6 +29,7 @@ impl CallTag<'_> {
             CallTag::BucketPublish(index) => (*index as u64 + 1) << 1,
             CallTag::Param(path) => hashed(path),
             CallTag::Group(tags) => hashed(tags),
+            CallTag::WholeExchange(path) => hashed(&("whole", path)),
         }
     }
 }

@@ -354,13 +354,12 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         if !self.plan.gathers_whole_to_owner() {
             return;
         }
-        let groups = &self.groups;
         let owners = WholeOwners::assign(
             &self.layout,
-            &self.census,
+            |index| self.full_shape(index).to_vec(),
             self.comm.world_size(),
             &self.owners,
-            |index| groups.optim(index).needs_whole_params(),
+            |index| self.groups.optim(index).needs_whole_params(),
         );
         for index in 0..self.layout.slots().len() {
             if owners.of(index) != self.owners.of(index) {

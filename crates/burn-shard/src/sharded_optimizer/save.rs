@@ -14,7 +14,7 @@ use crate::checkpoint::format::{
     version_for, write_atomically,
 };
 use crate::checkpoint::frozen::{base_fingerprint, to_hex};
-use crate::checkpoint::held::{HeldValues, PieceReader};
+use crate::checkpoint::held::HeldValues;
 use crate::checkpoint::lineage::{abandoned_dir, name_of, set_aside, to_set_aside};
 use crate::checkpoint::meta::{BaseMeta, CheckpointMeta, EntryMeta, FileMeta, Lineage, dtype_name};
 use crate::checkpoint::options::SaveOptions;
@@ -352,66 +352,83 @@ impl<O: MasterWeightStep> ShardedOptimizer<O> {
         let stage = self.stage();
         let mut file = RankFile::default();
         let mut held = HeldValues::of(model, &entries, self.plan.params().shards_parameters());
-        let mut gathered = self.gather_owned(&entries, &mut held)?;
+        // The first failure of this rank: with stage 3's whole parameters it still sends its
+        // shard of every later one (zeros), so that no rank of the group waits, then returns it.
+        let mut failed = None;
         for (id, entry, holding) in &entries {
+            let gathered = match holding {
+                Holding::Owned(owner) => self.gather_owned(*id, entry, *owner, &mut held, &mut failed)?,
+                _ => None,
+            };
+            if failed.is_some() {
+                continue;
+            }
             let Some(range) = piece(stage, *holding, entry.numel(), rank, world_size) else {
                 continue;
             };
-            let value = match gathered.remove(id) {
-                Some(whole) => PieceReader::whole(whole),
-                None => held.take(id, entry, *holding, range.clone())?,
-            };
-            let name = param_name(&entry.path);
-            match staged && !value.is_on_disk() {
-                true => file.push(name, owned(value.read()?)),
-                // Read when the writer reaches it (from the shard file with NVMe parameter
-                // offload): not a second copy of every parameter. In the background too for a
-                // shard on disk: the steps never write a stored shard in place, and the reader
-                // keeps its bytes until it is done.
-                false => file.push_deferred(name, value.dtype(), vec![range.len()], move || value.read()),
-            }
-            if let Some(index) = self.layout.slot_of(id) {
-                self.push_optimizer_piece(&mut file, index, &entry.path, range.len(), staged)?;
+            let written = (|| {
+                let name = param_name(&entry.path);
+                match gathered {
+                    // In host memory now: the gathered parameter leaves the device at once.
+                    Some(whole) => file.push(name, whole),
+                    None => {
+                        let value = held.take(id, entry, *holding, range.clone())?;
+                        match staged && !value.is_on_disk() {
+                            true => file.push(name, owned(value.read()?)),
+                            // Read when the writer reaches it (from the shard file with NVMe
+                            // parameter offload): not a second copy of every parameter. In the
+                            // background too for a shard on disk: the steps never write a stored
+                            // shard in place, and the reader keeps its bytes until it is done.
+                            false => file.push_deferred(name, value.dtype(), vec![range.len()], move || value.read()),
+                        }
+                    }
+                }
+                match self.layout.slot_of(id) {
+                    Some(index) => self.push_optimizer_piece(&mut file, index, &entry.path, range.len(), staged),
+                    None => Ok(()),
+                }
+            })();
+            if let Err(e) = written {
+                failed = Some(e);
             }
         }
-        Ok(file)
+        failed.map_or(Ok(file), Err)
     }
 
-    /// Stage 3: the whole values of the parameters this rank steps whole (`Holding::Owned`),
-    /// which it saves whole beside their whole state: every rank of the shard group sends its
-    /// shard of each such parameter, in entry order (one all-gather each), also a rank that
-    /// could not read its own (it sends zeros and returns its error after the last one, so that
-    /// no rank waits). Empty below stage 3. The owner keeps them until they are written: about
-    /// its share of those parameters, once more, for the time of the save.
+    /// Stage 3: the whole value of a parameter stepped whole by `owner` (`Holding::Owned`), which
+    /// saves it whole beside its whole state: every rank of the shard group sends its shard (one
+    /// all-gather), zeros when it could not read it or `failed` holds an earlier failure of this
+    /// rank (a read failure is kept there). `Some` on the owner, in host memory; `None` elsewhere.
     ///
     /// # Errors
-    /// [`ShardError::Comm`] when an all-gather fails; [`ShardError::Nvme`] when a shard cannot
-    /// be read from the shard file; [`ShardError::UnknownParam`] for a parameter the model lacks.
+    /// [`ShardError::Comm`] when the all-gather fails.
     fn gather_owned(
         &self,
-        entries: &[(ParamId, &Entry, Holding)],
+        id: ParamId,
+        entry: &Entry,
+        owner: usize,
         held: &mut HeldValues,
-    ) -> Result<HashMap<ParamId, Tensor<1>>, ShardError> {
+        failed: &mut Option<ShardError>,
+    ) -> Result<Option<TensorData>, ShardError> {
         let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
-        let (mut owned, mut failed) = (HashMap::new(), None);
-        for (id, entry, holding) in entries {
-            let Holding::Owned(owner) = holding else {
-                continue;
-            };
-            let chunk = entry.numel().div_ceil(world_size);
+        let chunk = entry.numel().div_ceil(world_size);
+        let shard = match failed {
+            Some(_) => None,
             // On the compute device: with parameter offload the shards live in host memory.
-            let shard = held.take(id, entry, *holding, 0..chunk).and_then(|value| value.shard());
-            let shard = shard.map(|shard| shard.to_device(&self.device));
-            let shard = shard.unwrap_or_else(|e| {
-                failed.get_or_insert(e);
-                Tensor::zeros([chunk], (&self.device, entry.dtype))
-            });
-            let whole = self.comm.all_gather(shard)?.narrow(0, 0, entry.numel());
-            if rank == *owner {
-                owned.insert(*id, whole);
-            }
-        }
-        failed.map_or(Ok(owned), Err)
+            None => match held
+                .take(&id, entry, Holding::Owned(owner), 0..chunk)
+                .and_then(|v| v.shard())
+            {
+                Ok(shard) => Some(shard.to_device(&self.device)),
+                Err(e) => {
+                    *failed = Some(e);
+                    None
+                }
+            },
+        };
+        let shard = shard.unwrap_or_else(|| Tensor::zeros([chunk], (&self.device, entry.dtype)));
+        let whole = self.comm.all_gather(shard)?.narrow(0, 0, entry.numel());
+        Ok((rank == owner && failed.is_none()).then(|| whole.into_data()))
     }
 
     /// Rank 0: the checkpoint's metadata as of now, without the files (see [`with_files`]).

@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use burn_shard_comm::{Collective, ReduceOp};
 
 use crate::error::ShardError;
@@ -63,12 +63,27 @@ impl StepContext<'_> {
     /// `f32` for `bf16`/`f16` gradients (so they lose nothing to it; `f32` and `f64` keep their
     /// dtype); the gradient itself without either.
     pub(crate) fn unscale(&self, grad: Tensor<1>) -> Tensor<1> {
-        let factor = match (self.loss_scale, self.item_scale) {
-            (None, None) => return grad,
-            (Some(scale), None) => 1.0 / scale,
-            (None, Some(items)) => items,
-            (Some(scale), Some(items)) => ((items as f64) / (scale as f64)) as f32,
-        };
-        crate::optim::master::widen_half(grad).mul_scalar(factor)
+        match self.unscale_factor() {
+            Some(factor) => crate::optim::master::widen_half(grad).mul_scalar(factor),
+            None => grad,
+        }
+    }
+
+    /// The dtype [`StepContext::unscale`] gives a gradient of `dtype`.
+    pub(crate) fn unscaled_dtype(&self, dtype: DType) -> DType {
+        match self.unscale_factor().is_some() && crate::optim::master::needs_master(dtype) {
+            true => DType::F32,
+            false => dtype,
+        }
+    }
+
+    /// What [`StepContext::unscale`] multiplies by, `None` without a loss or item scale.
+    fn unscale_factor(&self) -> Option<f32> {
+        match (self.loss_scale, self.item_scale) {
+            (None, None) => None,
+            (Some(scale), None) => Some(1.0 / scale),
+            (None, Some(items)) => Some(items),
+            (Some(scale), Some(items)) => Some(((items as f64) / (scale as f64)) as f32),
+        }
     }
 }

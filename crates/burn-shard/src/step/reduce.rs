@@ -17,10 +17,10 @@ use crate::step::context::StepContext;
 /// per-slot flags (`grads` present, or reduced in `early`) are agreed by one all-reduce, with
 /// one flag per bucket when buckets were reduced inside backward (whether some rank has
 /// unreduced gradients of it): one small collective of `slots` (+ `buckets`) elements. At
-/// stage 3 a gradient exists on every rank or on none, unless a caller's `GradientsParams`
-/// left one out: with `exchanges_whole` (stage 3 with owners of whole parameters, whose
-/// exchanges every rank must enter alike) the flags are agreed there too. Without `early` every bucket is
-/// reduced. The same all-reduce carries whether some rank's backwards differed from the ones
+/// stage 3 backward registers a gradient on every rank or on none; a `GradientsParams` edited
+/// on some ranks only would break that, so with `exchanges_whole` (owners of whole parameters,
+/// whose exchanges every rank must enter alike, or wait) the flags are agreed at stage 3 too.
+/// Without `early` every bucket is reduced. The same all-reduce carries whether some rank's backwards differed from the ones
 /// the bucket reducer learned ([`Early::differs`]); if so, every rank's `reducer` forgets them
 /// here, and the next step learns again.
 ///

@@ -20,6 +20,7 @@ use crate::model::layout::{Bucket, FlatLayout};
 use crate::model::memory::PeakTracker;
 use crate::optim::groups::Groups;
 use crate::optim::master::MasterWeightStep;
+use crate::overlap::call_tag::CallTag;
 use crate::step::agreement::{agree_on_disk, disk_dir};
 use crate::step::bucket_grads::BucketGrads;
 use crate::step::context::StepContext;
@@ -162,7 +163,8 @@ impl<O: MasterWeightStep> Update<'_, O> {
     /// the shard file with NVMe parameter offload, its read started in `reads`).
     ///
     /// # Errors
-    /// [`ShardError::Nvme`] when a shard cannot be read.
+    /// [`ShardError::Nvme`] when a shard cannot be read; [`ShardError::Comm`] when an exchange
+    /// with an owner fails (stage 3).
     fn range(
         &mut self,
         bucket: &Bucket,
@@ -226,12 +228,12 @@ impl<O: MasterWeightStep> Update<'_, O> {
     ) -> Result<Tensor<1>, ShardError> {
         let (comm, device) = (self.cx.comm, &self.cx.device);
         let (chunk, dtype, home) = (param.dims()[0], param.dtype(), param.device());
-        let numel = owner.numel();
-        let bytes = exchange_bytes(numel, chunk, comm.world_size(), [dtype, grad.dtype()]);
+        let (numel, tag) = (owner.numel(), self.exchange_tag(index));
+        let bytes = exchange_bytes(chunk, comm.world_size(), [dtype, grad.dtype()]);
         temp.alloc(bytes);
         let shard = (|| {
             let chunks = vec![param.to_device(device), grad.to_device(device)];
-            let mut whole = gather_whole(comm, chunks, numel)?.into_iter();
+            let mut whole = gather_whole(comm, chunks, numel, tag)?.into_iter();
             let (param, grad) = (whole.next().expect("gathered"), whole.next().expect("gathered"));
             let updated = match comm.rank() == owner.rank {
                 true => {
@@ -243,16 +245,26 @@ impl<O: MasterWeightStep> Update<'_, O> {
                 }
                 false => None,
             };
-            scatter_from_owner(comm, updated, chunk, (device, dtype))
+            scatter_from_owner(comm, updated, chunk, (device, dtype), tag)
         })();
         temp.free(bytes);
         Ok(shard?.to_device(&home))
     }
 
+    /// The tag of slot `index`'s exchange with its owner ([`CallTag::WholeExchange`]).
+    fn exchange_tag(&self, index: usize) -> u64 {
+        CallTag::WholeExchange(&self.cx.layout.slots()[index].path).value()
+    }
+
     /// After this rank failed (a shard or gradient it could not read), the exchanges with
     /// owners of whole parameters that the other ranks still run this step, from the
-    /// `exchanged + 1`-th on, with zeros: so that no rank waits for this one (the step then
-    /// fails on every rank, their disk outcome agreed).
+    /// `exchanged + 1`-th on, with zeros of the dtypes they send (the gradient's as
+    /// [`StepContext::unscaled_dtype`] gives it), until one fails: so that no rank of the shard
+    /// group waits for this one. The step then fails on every rank (their disk outcome agreed)
+    /// and later steps and saves are refused: a parameter this rank owns got zeros, one it
+    /// does not was stepped with zeros for this rank's shard. (With hybrid sharding and the
+    /// gradient shards on disk, a replica that waits in a later bucket's all-reduce is not
+    /// covered.)
     fn drain(&self, exchanged: usize) {
         let (layout, comm, device) = (self.cx.layout, self.cx.comm, &self.cx.device);
         let mut order = Vec::new();
@@ -266,11 +278,14 @@ impl<O: MasterWeightStep> Update<'_, O> {
             .filter_map(|(index, dtype)| Some((index, self.owners.of(index)?, dtype)))
             .skip(exchanged);
         for (index, owner, dtype) in exchanges {
-            let chunk = layout.slots()[index].numel;
-            let zeros = || Tensor::<1>::zeros([chunk], (device, dtype));
-            // Errors are this rank's to ignore: it fails already, and so does the step.
-            let _ = gather_whole(comm, vec![zeros(), zeros()], owner.numel())
-                .and_then(|_| scatter_from_owner(comm, None, chunk, (device, dtype)));
+            let (chunk, tag) = (layout.slots()[index].numel, self.exchange_tag(index));
+            let zeros = |dtype| Tensor::<1>::zeros([chunk], (device, dtype));
+            let sent = vec![zeros(dtype), zeros(self.cx.unscaled_dtype(dtype))];
+            let exchanged = gather_whole(comm, sent, owner.numel(), tag)
+                .and_then(|_| scatter_from_owner(comm, None, chunk, (device, dtype), tag));
+            if exchanged.is_err() {
+                break; // this rank's calls no longer match the others'
+            }
         }
     }
 

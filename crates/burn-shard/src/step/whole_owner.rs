@@ -22,8 +22,9 @@ use burn_shard_comm::{Collective, ReduceOp};
 
 use crate::error::ShardError;
 use crate::fsdp::collectives::pad_to;
-use crate::model::census::Census;
 use crate::model::layout::{FlatLayout, balance};
+#[cfg(doc)]
+use crate::overlap::call_tag::CallTag;
 
 /// The owner of a parameter stepped whole at stage 3, and its full shape.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,11 +55,11 @@ impl WholeOwners {
     /// `init` moves no state); the others go largest first, each to the rank owning fewest new
     /// elements so far, ties to the one owning fewest before, then the lowest rank: at `init`
     /// (no previous owners) the busiest rank owns at most `4/3` of the optimum (Graham's bound
-    /// for this greedy rule). Full shapes come from `census`. The same on every rank: slots in
-    /// layout order, sizes alone.
+    /// for this greedy rule). `shape_of` gives a slot's full shape. The same on every rank:
+    /// slots in layout order, sizes alone.
     pub(crate) fn assign(
         layout: &FlatLayout,
-        census: &Census,
+        shape_of: impl Fn(usize) -> Vec<usize>,
         world_size: usize,
         previous: &WholeOwners,
         wants_whole: impl Fn(usize) -> bool,
@@ -66,7 +67,7 @@ impl WholeOwners {
         let mut owners = vec![None; layout.slots().len()];
         let mut load = vec![0; world_size.max(1)];
         let mut new = Vec::new();
-        for (index, slot) in layout.slots().iter().enumerate() {
+        for index in 0..layout.slots().len() {
             if !wants_whole(index) {
                 continue;
             }
@@ -75,12 +76,7 @@ impl WholeOwners {
                     load[owner.rank] += owner.numel();
                     owners[index] = Some(owner.clone());
                 }
-                None => {
-                    let shape = census
-                        .get(&slot.id)
-                        .map_or_else(|| slot.shape.clone(), |e| e.shape.clone());
-                    new.push((index, shape));
-                }
+                None => new.push((index, shape_of(index))),
             }
         }
         let numels: Vec<usize> = new.iter().map(|(_, shape)| shape.iter().product()).collect();
@@ -104,6 +100,7 @@ impl WholeOwners {
 
 /// Every rank's `[chunk]` shards of a parameter of `numel` elements, all-gathered: the whole
 /// `[numel]` values of each of `chunks` (the parameter and its gradient), padding dropped.
+/// `tag` names the calls ([`CallTag::WholeExchange`]).
 ///
 /// # Errors
 /// [`ShardError::Comm`] when the all-gather fails.
@@ -111,11 +108,12 @@ pub(crate) fn gather_whole(
     comm: &dyn Collective,
     chunks: Vec<Tensor<1>>,
     numel: usize,
+    tag: u64,
 ) -> Result<Vec<Tensor<1>>, ShardError> {
     // One call each: a fused grouped all-gather moves one dtype, and the gradient's may differ.
     chunks
         .into_iter()
-        .map(|chunk| Ok(comm.all_gather(chunk)?.narrow(0, 0, numel)))
+        .map(|chunk| Ok(comm.all_gather_tagged(chunk, tag)?.narrow(0, 0, numel)))
         .collect()
 }
 
@@ -132,17 +130,19 @@ pub(crate) fn scatter_from_owner(
     updated: Option<Tensor<1>>,
     chunk: usize,
     (device, dtype): (&Device, DType),
+    tag: u64,
 ) -> Result<Tensor<1>, ShardError> {
     let padded = chunk * comm.world_size();
     let sent = match updated {
         Some(values) => pad_to(values, padded),
         None => Tensor::zeros([padded], (device, dtype)),
     };
-    Ok(comm.reduce_scatter(sent, ReduceOp::Sum)?)
+    Ok(comm.reduce_scatter_tagged(sent, ReduceOp::Sum, tag)?)
 }
 
-/// Bytes a rank holds while a parameter of `numel` elements is exchanged with its owner: the
-/// whole parameter and gradient gathered, and the `[chunk · world_size]` buffer sent back.
-pub(crate) fn exchange_bytes(numel: usize, chunk: usize, world_size: usize, [param, grad]: [DType; 2]) -> usize {
-    numel * (param.size() + grad.size()) + chunk * world_size * param.size()
+/// Bytes a rank holds while a parameter is exchanged with its owner: the gathered parameter and
+/// gradient and the buffer sent back, each `[chunk · world_size]` (the optimizer's own
+/// temporaries on the owner come on top, as at stages 1-2).
+pub(crate) fn exchange_bytes(chunk: usize, world_size: usize, [param, grad]: [DType; 2]) -> usize {
+    chunk * world_size * (2 * param.size() + grad.size())
 }
