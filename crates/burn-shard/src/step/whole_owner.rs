@@ -67,14 +67,14 @@ impl WholeOwners {
         let mut owners = vec![None; layout.slots().len()];
         let mut load = vec![0; world_size.max(1)];
         let mut new = Vec::new();
-        for index in 0..layout.slots().len() {
+        for (index, slot_owner) in owners.iter_mut().enumerate() {
             if !wants_whole(index) {
                 continue;
             }
             match previous.of(index) {
                 Some(owner) => {
                     load[owner.rank] += owner.numel();
-                    owners[index] = Some(owner.clone());
+                    *slot_owner = Some(owner.clone());
                 }
                 None => new.push((index, shape_of(index))),
             }
