@@ -146,3 +146,81 @@ pub(crate) fn scatter_from_owner(
 pub(crate) fn exchange_bytes(chunk: usize, world_size: usize, [param, grad]: [DType; 2]) -> usize {
     chunk * world_size * (2 * param.size() + grad.size())
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::module::ParamId;
+
+    use super::*;
+    use crate::model::layout::ParamSlot;
+
+    /// Stage 3's local layout of `shapes` over `world_size` ranks: each slot its `[chunk]`.
+    fn local(shapes: &[Vec<usize>], world_size: usize) -> FlatLayout {
+        let slots = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, shape)| {
+                let chunk = shape.iter().product::<usize>().div_ceil(world_size);
+                ParamSlot {
+                    path: format!("p{i}"),
+                    id: ParamId::new(),
+                    shape: vec![chunk],
+                    numel: chunk,
+                    dtype: DType::F32,
+                    bucket: usize::MAX,
+                    offset: usize::MAX,
+                }
+            })
+            .collect();
+        FlatLayout::from_slots(slots, 1, 1 << 20).expect("a layout")
+    }
+
+    /// The elements each rank owns.
+    fn loads(owners: &WholeOwners, slots: usize, world_size: usize) -> Vec<usize> {
+        let mut load = vec![0; world_size];
+        (0..slots)
+            .filter_map(|i| owners.of(i))
+            .for_each(|o| load[o.rank] += o.numel());
+        load
+    }
+
+    #[test]
+    fn owners_are_balanced_by_size_and_kept_when_groups_change() {
+        // Eight equal matrices and two biases over 4 ranks: 2 matrices per rank, biases flat.
+        let mut shapes = vec![vec![16, 16]; 8];
+        shapes.extend([vec![16], vec![16]]);
+        let layout = local(&shapes, 4);
+        let shape_of = |i: usize| shapes[i].clone();
+        let matrices = |i: usize| i < 8;
+        let owners = WholeOwners::assign(&layout, shape_of, 4, &WholeOwners::default(), matrices);
+        assert_eq!(loads(&owners, shapes.len(), 4), [512; 4]);
+        assert!(owners.of(8).is_none() && owners.of(9).is_none(), "the biases stay flat");
+        assert_eq!(owners.of(0).map(|o| o.shape.clone()), Some(vec![16, 16]), "full shapes");
+
+        // Uneven sizes: the busiest rank within Graham's 4/3 of the optimum (here the mean).
+        let uneven: Vec<Vec<usize>> = [7, 5, 4, 4, 3, 3, 3].iter().map(|&n| vec![n, 10]).collect();
+        let layout = local(&uneven, 3);
+        let owners = WholeOwners::assign(&layout, |i| uneven[i].clone(), 3, &WholeOwners::default(), |_| true);
+        let load = loads(&owners, uneven.len(), 3);
+        let total: usize = load.iter().sum();
+        assert_eq!(total, 290);
+        assert!(3 * 3 * load.iter().max().unwrap() <= 4 * total, "{load:?}");
+
+        // A group added later (the biases read whole too): every matrix keeps its owner.
+        let layout = local(&shapes, 4);
+        let before = WholeOwners::assign(&layout, shape_of, 4, &WholeOwners::default(), matrices);
+        let after = WholeOwners::assign(&layout, shape_of, 4, &before, |_| true);
+        for i in 0..8 {
+            assert_eq!(after.of(i), before.of(i), "matrix {i} moved");
+        }
+        assert!(after.of(8).is_some() && after.of(9).is_some());
+        assert_ne!(
+            after.of(8).unwrap().rank,
+            after.of(9).unwrap().rank,
+            "the new ones spread"
+        );
+        // One dropped from the group loses its owner.
+        let dropped = WholeOwners::assign(&layout, shape_of, 4, &after, |i| i != 3);
+        assert!(dropped.of(3).is_none() && dropped.of(2) == after.of(2));
+    }
+}
