@@ -77,7 +77,6 @@ impl HeldValues {
 }
 
 /// One piece of an entry, read on demand.
-#[derive(Debug)]
 pub(crate) struct PieceReader {
     value: Shard,
     start: usize,
