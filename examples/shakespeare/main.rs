@@ -89,6 +89,11 @@ struct Args {
     /// without training: pick a stage before renting GPUs.
     #[arg(long)]
     estimate: bool,
+    /// Seconds a collective between processes (under mpirun) may wait for the other ranks
+    /// before every rank fails with an error naming the call: a rank that is gone or a link
+    /// that is down ends the job in this time, not TCP's minutes (default: MpiComm's 300 s).
+    #[arg(long, value_parser = positive_f64)]
+    comm_timeout: Option<f64>,
     /// Folder for metrics.csv and losses.png.
     #[arg(long, default_value = "runs/shakespeare")]
     out: PathBuf,
@@ -125,6 +130,10 @@ struct RankOutcome {
     metrics: Metrics,
     memory: MemoryReport,
     sample: Option<String>,
+    /// Collective calls of this rank's world communicator per step trained (`init` and the
+    /// evaluations included; with `--replicas`, the calls of the shard and replica groups are
+    /// not counted).
+    calls_per_step: f64,
 }
 
 fn main() {
@@ -222,10 +231,11 @@ fn run(mut args: Args) -> Result<(), String> {
     let tokens = ((args.steps - outcomes[0].start) * args.batch_size * args.block_size) as f64;
     let m = &outcomes[0].memory;
     println!(
-        "final: val loss {:.4} nats/char | {:.0} tokens/s | {:.1} s | per-rank memory: params {:.2} MiB, grads {:.2} MiB, optim {:.2} MiB | wrote {} and {}",
+        "final: val loss {:.4} nats/char | {:.0} tokens/s | {:.1} s | {:.1} collective calls per step | per-rank memory: params {:.2} MiB, grads {:.2} MiB, optim {:.2} MiB | wrote {} and {}",
         outcomes[0].val_loss,
         tokens / seconds,
         seconds,
+        outcomes[0].calls_per_step,
         m.parameters_bytes as f64 / 1048576.0,
         m.gradients_bytes as f64 / 1048576.0,
         m.optimizer_state_bytes as f64 / 1048576.0,
@@ -245,7 +255,12 @@ fn mpi_comm(args: &Args) -> Result<Option<MpiComm>, String> {
     if !launched_by_mpirun() {
         return Ok(None);
     }
-    let comm = MpiComm::init().map_err(|e| e.to_string())?;
+    let mut comm = MpiComm::init().map_err(|e| e.to_string())?;
+    if let Some(seconds) = args.comm_timeout {
+        let timeout = std::time::Duration::try_from_secs_f64(seconds)
+            .map_err(|e| format!("--comm-timeout {seconds}: {e}; give seconds, for example 60"))?;
+        comm = comm.with_timeout(timeout);
+    }
     if comm.world_size() != args.shard.world_size {
         return Err(format!(
             "mpirun started {} processes but --world-size is {}: pass --world-size {}",
@@ -331,6 +346,7 @@ fn train_rank(
         val_loss = estimated.unwrap_or(val_loss);
     }
     progress.finish();
+    let calls_per_step = optim.comm().stats().total_calls() as f64 / (args.steps - start).max(1) as f64;
     let memory = optim.report().memory(&model);
     // At stage 3 unsharding is a collective, so every rank takes part; then rank 0 samples.
     let full = model.valid().materialize();
@@ -353,5 +369,6 @@ fn train_rank(
         metrics,
         memory,
         sample,
+        calls_per_step,
     })
 }

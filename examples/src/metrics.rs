@@ -2,6 +2,7 @@
 //! loss curves (`plotters`).
 
 use std::path::Path;
+use std::time::Instant;
 
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -23,6 +24,12 @@ pub struct Row {
     pub val_loss: Option<f32>,
     /// Share of the validation set classified right (classifiers only).
     pub val_accuracy: Option<f32>,
+    /// Wall-clock seconds of training up to the end of this step (rank 0's clock, from when
+    /// the run's metrics were set up; a resumed run continues from the last time its
+    /// predecessor recorded, so the time between the two runs is left out): step times are
+    /// differences of it. Empty in CSVs written before this column existed.
+    #[serde(default)]
+    pub seconds: Option<f64>,
 }
 
 /// The rows of a run, in step order.
@@ -30,6 +37,11 @@ pub struct Row {
 pub struct Metrics {
     /// Every measurement so far.
     pub rows: Vec<Row>,
+    /// When this process's training started: at [`Metrics::earlier`], else at the first
+    /// [`Metrics::train`].
+    started: Option<Instant>,
+    /// Seconds an earlier run recorded before this one resumed (its last `seconds`).
+    offset: f64,
 }
 
 impl Metrics {
@@ -41,26 +53,33 @@ impl Metrics {
     /// The file exists but is not a metrics CSV.
     pub fn earlier(dir: &Path, step: usize) -> Result<Self, String> {
         let path = dir.join("metrics.csv");
+        let started = Some(Instant::now());
         if step == 0 || !path.is_file() {
-            return Ok(Self::default());
+            return Ok(Self {
+                rows: Vec::new(),
+                started,
+                offset: 0.0,
+            });
         }
         let mut reader = csv::Reader::from_path(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         let rows = reader
             .deserialize::<Row>()
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| format!("{} is not a metrics CSV: {e}", path.display()))?;
-        Ok(Self {
-            rows: rows.into_iter().filter(|r| r.step <= step).collect(),
-        })
+        let rows: Vec<Row> = rows.into_iter().filter(|r| r.step <= step).collect();
+        let offset = rows.iter().rev().find_map(|r| r.seconds).unwrap_or(0.0);
+        Ok(Self { rows, started, offset })
     }
 
-    /// Records the training loss of step `step`.
+    /// Records the training loss of step `step`, at the end of the step (the row's `seconds`).
     pub fn train(&mut self, step: usize, loss: f32) {
+        let started = *self.started.get_or_insert_with(Instant::now);
         self.rows.push(Row {
             step,
             train_loss: Some(loss),
             val_loss: None,
             val_accuracy: None,
+            seconds: Some(self.offset + started.elapsed().as_secs_f64()),
         });
     }
 
@@ -76,6 +95,7 @@ impl Metrics {
                 train_loss: None,
                 val_loss: Some(loss),
                 val_accuracy: accuracy,
+                seconds: None,
             }),
         }
     }

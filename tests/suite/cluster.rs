@@ -1,8 +1,8 @@
 //! The cluster of network namespaces that multi-node tests run on (`burn-shard-cluster`, and
 //! `cargo xtask cluster`): nodes reach each other only across their links, at the rate the
 //! links are shaped to, a cut link stops traffic until it is restored, and nothing the cluster
-//! made is left once it is dropped. Needs root and iproute2: elsewhere each test says why it
-//! skips.
+//! made is left once it is dropped; the job's rendezvous store refuses a node without the job
+//! token across the links. Needs root and iproute2: elsewhere each test says why it skips.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -118,7 +118,7 @@ fn connect(cluster: &Cluster, from: usize, to: SocketAddr, timeout: Duration) ->
 
 /// Two nodes on links limited to 100 Mbit/s: 8 MB crosses at that rate (an unshaped pair of
 /// namespaces moves gigabits, so the upper bound shows the limit; the lower one allows for a
-/// loaded host); node 1's link cut at the bridge makes node 0 silent to it (a connection times
+/// loaded host); a 1-byte round trip takes microseconds; node 1's link cut at the bridge makes node 0 silent to it (a connection times
 /// out, as across a broken cable), and the restored link answers again; dropping the cluster
 /// leaves none of its namespaces.
 #[test]
@@ -136,6 +136,14 @@ fn two_nodes_talk_across_a_shaped_link_and_nothing_is_left() {
         let rate = transfer_mbit(&cluster, 5001, 8_000_000);
         println!("{test}: 8 MB at {rate:.1} Mbit/s on a 100 Mbit/s link");
         assert!((10.0..110.0).contains(&rate), "{rate:.1} Mbit/s on a 100 Mbit/s link");
+
+        // Two namespaces on one host: tens of microseconds, never zero, never milliseconds.
+        let rtt = cluster.round_trip(1, 0, 50).unwrap();
+        println!("{test}: round trip {rtt:?}");
+        assert!(
+            (Duration::from_micros(1)..Duration::from_millis(20)).contains(&rtt),
+            "{rtt:?}"
+        );
 
         let node0: SocketAddr = (cluster.address(0), 5002).into();
         let short = Duration::from_millis(300);
@@ -190,5 +198,120 @@ fn delay_needs_netem_and_is_refused_without_it() {
     assert!(
         (Duration::from_millis(40)..Duration::from_millis(400)).contains(&rtt),
         "{rtt:?} for a round trip"
+    );
+}
+
+/// The job's rendezvous store in node 0 of a 3-node cluster, its 4 ranks in node 1, and a
+/// stranger in node 2 without the job token, all across the bridge. The stranger's client is
+/// refused within 2 s, naming the token's variable; its 200 silent connections (8 threads) are
+/// each closed by the store within the handshake timeout (1 s) plus slack; meanwhile the ranks
+/// finish their set, get, add and barrier with the right values.
+#[test]
+fn a_third_node_without_the_job_token_is_refused_and_the_job_finishes() {
+    use burn_shard_comm::{JobToken, StoreClient, StoreLimits, StoreServer};
+    let test = "a_third_node_without_the_job_token_is_refused_and_the_job_finishes";
+    if capabilities_or_skip(test).is_none() {
+        return;
+    }
+    let cluster = Cluster::create(&ClusterSpec::new(3)).unwrap();
+    let addr = format!("{}:29517", cluster.address(0));
+    let token = crate::job_fixtures::token();
+    let stranger = JobToken::new("another-job-another-job-another-job-0000").unwrap();
+    let second = Duration::from_secs(1);
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let world_size = 4;
+    std::thread::scope(|s| {
+        let (node0, store_addr, job_token) = (&cluster, &addr, &token);
+        let server = s.spawn(move || {
+            let (cluster, addr, token) = (node0, store_addr, job_token);
+            cluster.enter(0).unwrap();
+            let limits = StoreLimits::default().with_handshake_timeout(second);
+            let server = StoreServer::bind_with_limits(&addr, token.clone(), limits).unwrap();
+            bound_tx.send(()).unwrap();
+            done_rx.recv_timeout(Duration::from_secs(60)).ok();
+            drop(server);
+        });
+        bound_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        let refused = s.spawn(|| {
+            cluster.enter(2).unwrap();
+            let start = Instant::now();
+            let err = StoreClient::connect(&addr, &stranger, 10 * second).unwrap_err();
+            (err.to_string(), start.elapsed())
+        });
+        let flooders: Vec<_> = (0..8)
+            .map(|_| {
+                s.spawn(|| {
+                    cluster.enter(2).unwrap();
+                    let target: SocketAddr = addr.parse().unwrap();
+                    let mut streams: Vec<TcpStream> = (0..25)
+                        .filter_map(|_| TcpStream::connect_timeout(&target, 5 * second).ok())
+                        .collect();
+                    let last = Instant::now();
+                    let opened = streams.len();
+                    let slowest = streams
+                        .iter_mut()
+                        .map(|stream| {
+                            stream.set_read_timeout(Some(10 * second)).unwrap();
+                            let mut buf = [0u8; 256];
+                            loop {
+                                match stream.read(&mut buf) {
+                                    Ok(0) => break last.elapsed(),
+                                    Ok(_) => {}
+                                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break last.elapsed(),
+                                    Err(e) => panic!("a silent connection stayed open: {e}"),
+                                }
+                            }
+                        })
+                        .max()
+                        .unwrap_or_default();
+                    (opened, slowest)
+                })
+            })
+            .collect();
+        let ranks: Vec<_> = (0..world_size)
+            .map(|rank| {
+                let (addr, token, cluster) = (&addr, &token, &cluster);
+                s.spawn(move || {
+                    cluster.enter(1).unwrap();
+                    let store = StoreClient::connect(addr, token, 20 * second).unwrap();
+                    store.set(&format!("part/{rank}"), &[rank as u8; 3]).unwrap();
+                    let total: usize = (0..world_size)
+                        .map(|r| {
+                            store
+                                .get(&format!("part/{r}"), 20 * second)
+                                .unwrap()
+                                .iter()
+                                .map(|&b| b as usize)
+                                .sum::<usize>()
+                        })
+                        .sum();
+                    store.add("sum", rank as i64).unwrap();
+                    store.barrier(world_size, 20 * second).unwrap();
+                    (total, store.add("sum", 0).unwrap())
+                })
+            })
+            .collect();
+        let (message, took) = refused.join().unwrap();
+        println!("{test}: the stranger was refused after {took:?}: {message}");
+        assert!(took < 2 * second, "refused after {took:?}");
+        assert!(
+            message.contains("another job token") && message.contains("BURN_SHARD_JOB_TOKEN"),
+            "{message}"
+        );
+        for flooder in flooders {
+            let (opened, slowest) = flooder.join().unwrap();
+            assert!(opened >= 20, "only {opened} of 25 connections opened");
+            assert!(slowest < 3 * second, "a silent connection stayed open {slowest:?}");
+        }
+        for (rank, job) in ranks.into_iter().enumerate() {
+            assert_eq!(job.join().unwrap(), (3 * 6, 6), "rank {rank}");
+        }
+        done_tx.send(()).unwrap();
+        server.join().unwrap();
+    });
+    assert!(
+        cluster.link_bytes(2).unwrap().sent > 0,
+        "node 2's traffic crossed its link"
     );
 }

@@ -434,3 +434,121 @@ fn estimate_command_takes_a_mesh_and_prints_the_traffic_by_group() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("does not divide --world-size 64"));
 }
+
+/// `step_time` on 2 nodes of 2 ranks, 1e6 f32 parameters, 1 Gbit/s (1.25e8 bytes/s), 50 us one
+/// way, 0.3 s without the link, 40 calls across: flat stage 3's link carries one rank's ring
+/// volume, `3·3/4·Ψ·4` = 9 MB (0.072 s), and each call is 3 messages in a row (40·3·50 us =
+/// 6 ms); on one group per node the link carries the 2 ranks' all-reduces of their shards,
+/// `2·2·1/2·Ψ/2·4` = 4 MB (0.032 s), 2 messages a call. Half hidden halves the part added.
+/// Meshes the model does not cover and bad inputs are refused.
+#[test]
+fn step_time_adds_the_ring_bytes_and_latency_across_nodes_to_the_step_without_the_link() {
+    use burn_shard::estimate::{ComputeProfile, Links, ParamDtype, step_time};
+    let links = Links {
+        nodes: 2,
+        ranks_per_node: 2,
+        bytes_per_s: 1.25e8,
+        latency_s: 50e-6,
+    };
+    let compute = ComputeProfile {
+        step_s: 0.3,
+        calls_across: 40.0,
+        hidden_share: 0.0,
+    };
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-9 * b.abs().max(1.0);
+    let flat = step_time(1e6, Stage::Three, 1, ParamDtype::F32, &links, &compute).unwrap();
+    assert!(close(flat.link_bytes, 9e6), "{flat:?}");
+    assert!(close(flat.transfer_s, 0.072), "{flat:?}");
+    assert!(close(flat.latency_s, 0.006), "{flat:?}");
+    assert!(close(flat.step_s, 0.378), "{flat:?}");
+    let hybrid = step_time(1e6, Stage::Three, 2, ParamDtype::F32, &links, &compute).unwrap();
+    assert!(close(hybrid.link_bytes, 4e6), "{hybrid:?}");
+    assert!(close(hybrid.latency_s, 0.004), "{hybrid:?}");
+    assert!(close(hybrid.step_s, 0.3 + 0.032 + 0.004), "{hybrid:?}");
+    let half = ComputeProfile {
+        hidden_share: 0.5,
+        ..compute
+    };
+    let hidden = step_time(1e6, Stage::Three, 1, ParamDtype::F32, &links, &half).unwrap();
+    assert!(close(hidden.step_s, 0.3 + 0.039), "{hidden:?}");
+    // One node: nothing crosses.
+    let one = Links { nodes: 1, ..links };
+    assert!(close(
+        step_time(1e6, Stage::Three, 1, ParamDtype::F32, &one, &compute)
+            .unwrap()
+            .step_s,
+        0.3
+    ));
+    for (replicas, nodes, bytes_per_s, why) in [
+        (3, 4, 1.25e8, "replicas"),
+        (1, 2, 0.0, "bandwidth"),
+        (1, 0, 1.25e8, "nodes"),
+    ] {
+        let links = Links {
+            nodes,
+            bytes_per_s,
+            ..links
+        };
+        let err = step_time(1e6, Stage::Three, replicas, ParamDtype::F32, &links, &compute).unwrap_err();
+        assert!(err.to_string().contains(why), "{why}: {err}");
+    }
+}
+
+/// `burn-shard estimate --time` for 7.5e9 bf16 parameters on 16 nodes x 8 GPUs with 400 Gbit/s
+/// between nodes, 1 s per step without the link: flat stage 3 sends `3·127/128·Ψ·2` = 44.65 GB
+/// per link (0.893 s at 50 GB/s), one group per node `2·15/16·Ψ·2` = 28.1 GB (0.5625 s) at
+/// stages 1-3 alike; with 80 GB per GPU all three fit, and the tie goes to the least memory:
+/// stage 3 on groups of 8 (15 GB of model state per rank). `--time` without its options is
+/// refused.
+#[test]
+fn estimate_command_predicts_the_step_time_and_picks_a_stage_and_mesh() {
+    let run = |extra: &[&str]| {
+        std::process::Command::new(burn_shard_bin())
+            .args(["estimate", "--params", "7.5e9", "--world-size", "128"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&[
+        "--time",
+        "--nodes",
+        "16",
+        "--link-gbit",
+        "400",
+        "--step-s",
+        "1",
+        "--device-gb",
+        "80",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{text}", String::from_utf8_lossy(&out.stderr));
+    let row = |stage: &str, mesh: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("stage {stage}")) && l.contains(mesh))
+            .unwrap_or_else(|| panic!("no row for stage {stage}, {mesh}:\n{text}"))
+            .to_string()
+    };
+    let flat3 = row("3", "flat");
+    assert!(
+        flat3.contains("44.648") && flat3.trim_end().ends_with("1.8930"),
+        "{flat3}\n{text}"
+    );
+    let hybrid3 = row("3", "16 groups of 8");
+    assert!(
+        hybrid3.contains("28.125") && hybrid3.trim_end().ends_with("1.5625"),
+        "{hybrid3}\n{text}"
+    );
+    let pick = text.lines().find(|l| l.starts_with("pick:")).expect("a pick");
+    assert!(
+        pick.contains("stage 3, 16 groups of 8") && pick.contains("1.5625 s"),
+        "{pick}\n{text}"
+    );
+    assert!(text.contains("Extrapolated"), "{text}");
+    let bad = run(&["--time", "--nodes", "16"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--link-gbit"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}

@@ -293,6 +293,9 @@ fn rows(csv: &Path) -> Vec<Row> {
                 train_loss: cell(c[1]),
                 val_loss: cell(c[2]),
                 val_accuracy: cell(c[3]),
+                seconds: c
+                    .get(4)
+                    .and_then(|s| (!s.is_empty()).then(|| s.parse::<f64>().unwrap())),
             }
         })
         .collect()

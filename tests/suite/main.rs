@@ -7,6 +7,8 @@ mod checkpoint;
 mod checkpoint_dirs;
 mod clipping;
 mod cluster;
+#[cfg(feature = "mpi")]
+mod cluster_mpi;
 mod comm;
 mod common;
 mod config;

@@ -6,7 +6,10 @@
 //! and `MASTER_ADDR` (node 0's), as a multi-node launcher expects: for example
 //! `cargo xtask cluster --nodes 2 --rate-mbit 1000 -- target/release/burn-shard-run --nnodes 2
 //! --node-rank '$NODE_RANK' ...` (through `sh -c` to expand them). The first node whose command
-//! fails ends the run (the others are killed with the cluster). `cargo xtask cluster -- clean`
+//! fails ends the run (the others are killed with the cluster). With `--mpirun K` the command
+//! runs once instead, under OpenMPI's `mpirun` started in node 0, with K ranks on every node
+//! (`Cluster::mpirun`: ranks of a node share memory, nodes talk across their links). Each node's
+//! bytes sent and received on its link are printed at the end. `cargo xtask cluster -- clean`
 //! removes what a killed run left.
 
 use std::sync::Arc;
@@ -37,6 +40,10 @@ pub struct Args {
     /// the start, for 30 s: `1:5:30`).
     #[arg(long)]
     cut: Option<String>,
+    /// Runs the command once under OpenMPI's `mpirun` from node 0 with this many ranks on
+    /// every node, instead of once per node.
+    #[arg(long, value_name = "RANKS_PER_NODE")]
+    mpirun: Option<usize>,
     /// Prints what this host can do (root, namespaces, tbf, netem) and exits.
     #[arg(long)]
     probe: bool,
@@ -105,17 +112,28 @@ pub fn run(args: &Args) -> Result<(), String> {
     }
     let master = cluster.address(0).to_string();
     let mut children = Vec::with_capacity(args.nodes);
-    for node in 0..args.nodes {
+    if let Some(ranks_per_node) = args.mpirun {
         let child = cluster
-            .command(node, program)
+            .mpirun(ranks_per_node)
+            .map_err(|e| e.to_string())?
+            .arg(program)
             .args(program_args)
-            .env("NODE_RANK", node.to_string())
-            .env("NNODES", args.nodes.to_string())
-            .env("NODE_ADDR", cluster.address(node).to_string())
-            .env("MASTER_ADDR", &master)
             .spawn()
-            .map_err(|e| format!("starting {program} on node {node}: {e}"))?;
+            .map_err(|e| format!("starting mpirun in node 0: {e}"))?;
         children.push(Some(child));
+    } else {
+        for node in 0..args.nodes {
+            let child = cluster
+                .command(node, program)
+                .args(program_args)
+                .env("NODE_RANK", node.to_string())
+                .env("NNODES", args.nodes.to_string())
+                .env("NODE_ADDR", cluster.address(node).to_string())
+                .env("MASTER_ADDR", &master)
+                .spawn()
+                .map_err(|e| format!("starting {program} on node {node}: {e}"))?;
+            children.push(Some(child));
+        }
     }
     let start = Instant::now();
     let mut link_down = false;
@@ -143,6 +161,9 @@ pub fn run(args: &Args) -> Result<(), String> {
                 && let Some(status) = child.try_wait().map_err(|e| e.to_string())?
             {
                 *slot = None;
+                if args.mpirun.is_some() && !status.success() {
+                    return Err(format!("mpirun failed ({status}); every node's processes were stopped"));
+                }
                 if !status.success() {
                     // The others may wait for this node forever (a rendezvous): end the run.
                     return Err(format!(
@@ -152,6 +173,15 @@ pub fn run(args: &Args) -> Result<(), String> {
             }
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+    for node in 0..args.nodes {
+        let bytes = cluster.link_bytes(node).map_err(|e| e.to_string())?;
+        println!(
+            "cluster: node {node} ({}) sent {} and received {} bytes on its link",
+            cluster.address(node),
+            bytes.sent,
+            bytes.received
+        );
     }
     Ok(())
 }

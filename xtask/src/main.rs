@@ -14,6 +14,8 @@
 //!   bytes across and within nodes per step against the theory (`bench_hsdp.rs`).
 //! - `cargo xtask bench optimizers`: Muon+AdamW against AdamW at 1, 2 and 4 ranks: state bytes per
 //!   rank, step time, each rank's optimizer time against single-device Muon's (`bench_optimizers.rs`).
+//! - `cargo xtask bench cluster`: the shakespeare GPT on 2 nodes x 2 MPI ranks of a cluster of
+//!   network namespaces: step time and bytes across nodes per link rate, stage and mesh (`bench_cluster.rs`).
 //! - `cargo xtask setup`: lavapipe and CubeCL's LLVM bundle on Debian/Ubuntu (`setup.rs`).
 //! - `cargo xtask multi-gpu-test`: the GPU suite on every GPU (`multi_gpu_test.rs`).
 //! - `cargo xtask gpu-bundle`: the GPU suite and the GPU benchmark as stripped binaries with a
@@ -25,6 +27,7 @@
 
 mod bench_adam;
 mod bench_checkpoint;
+mod bench_cluster;
 mod bench_hsdp;
 mod bench_infinity;
 mod bench_init;
@@ -99,6 +102,10 @@ enum Bench {
     /// Flat sharding against hybrid sharding (2 shard groups of 2) on 4 ranks seen as 2 nodes:
     /// bytes per rank and step across and within nodes, against the theory, and step time.
     Hsdp(bench_hsdp::Args),
+    /// The shakespeare GPT on 2 nodes x 2 MPI ranks of a cluster of network namespaces
+    /// (Linux, root): step time and bytes across nodes per link rate, stage and mesh, and the
+    /// losses against the same job on one host.
+    Cluster(bench_cluster::Args),
     /// Muon for the GPT's hidden matrices with AdamW for the rest, against AdamW, on 1, 2 and 4
     /// ranks at stages 1-2: state bytes per rank, step time, and each rank's optimizer time
     /// (Newton-Schulz) against single-device Muon's.
@@ -129,6 +136,9 @@ fn main() {
         Task::Bench {
             which: Bench::Optimizers(args),
         } => bench_optimizers::run(&args),
+        Task::Bench {
+            which: Bench::Cluster(args),
+        } => bench_cluster::run(&args),
         Task::Setup(args) => setup::run(&args),
         Task::MultiGpuTest(args) => multi_gpu_test::run(&args),
         Task::GpuBundle(args) => gpu_bundle::run(&args),

@@ -5,6 +5,7 @@
 //! burn-shard ckpt consolidate DIR --out model.bpk [--trainable-only]
 //! burn-shard ckpt reshard DIR --world-size 8 --out DIR8
 //! burn-shard estimate --params 7.5e9 --world-size 64 [--stage N] [--dtype bf16|f16|f32] [--offload [cpu|nvme]] [--offload-params [cpu|nvme]] [--replicas R]
+//!     [--time --nodes 8 --link-gbit 400 --step-s 0.9 [--latency-us 5] [--calls-per-step C] [--hidden-share H] [--device-gb 80]]
 //! ```
 
 use std::path::PathBuf;
@@ -14,6 +15,8 @@ use burn_shard::Stage;
 use burn_shard::checkpoint::{self, FileStatus};
 use burn_shard::estimate::{self, GB, GIB, ModelStateEstimate, OffloadTarget, ParamDtype};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+
+mod time;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -66,6 +69,9 @@ struct Estimate {
     /// Must divide --world-size; stages 1-3.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1 << 32))]
     replicas: u64,
+    /// The step time on a cluster (`--time` and its options).
+    #[command(flatten)]
+    time: time::TimeArgs,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -185,6 +191,17 @@ fn run(cli: Cli) -> Result<ExitCode, checkpoint::CheckpointError> {
                 return Ok(ExitCode::from(2));
             }
             print_estimate(&args);
+            if args.time.time {
+                let stages: Vec<Stage> = match args.stage {
+                    Some(n) => vec![Stage::try_from(n).expect("clap checked 0..=3")],
+                    None => estimate::STAGES.to_vec(),
+                };
+                let model = (args.params, args.world_size as usize);
+                if let Err(e) = time::print_time(&args.time, model, &stages, args.dtype.into(), args.offload()) {
+                    eprintln!("error: {e}");
+                    return Ok(ExitCode::from(2));
+                }
+            }
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -9,7 +9,9 @@
 //! them once on its way from one node to another.
 
 use std::net::Ipv4Addr;
+use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -20,6 +22,9 @@ use crate::spec::{ClusterSpec, LinkShape};
 
 /// Prefix of every namespace a cluster makes; [`remove_leftovers`] looks for it.
 const PREFIX: &str = "bsc";
+
+/// The nodes' subnet: node `i` is `10.77.0.(i+1)`, and nothing else is in it.
+pub(crate) const SUBNET: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 77, 0, 0), 24);
 
 /// Clusters made by this process so far, for unique names.
 static MADE: AtomicUsize = AtomicUsize::new(0);
@@ -32,6 +37,8 @@ pub struct Cluster {
     nodes: usize,
     /// Namespaces made so far (the switch first), removed on drop in reverse order.
     made: Vec<String>,
+    /// The cluster's folder, once made (see [`Cluster::folder`]).
+    folder: Mutex<Option<PathBuf>>,
 }
 
 impl Cluster {
@@ -95,6 +102,7 @@ impl Cluster {
             name,
             nodes: spec.nodes,
             made: Vec::new(),
+            folder: Mutex::new(None),
         };
         // Built step by step into `cluster`: a failure drops it, which removes what was made.
         let switch = cluster.add_netns("sw")?;
@@ -110,7 +118,7 @@ impl Cluster {
             ip(&["-n", &switch, "link", "set", &port, "master", "br0"])?;
             ip(&["-n", &switch, "link", "set", &port, "up"])?;
             ip(&["-n", &netns, "link", "set", "lo", "up"])?;
-            let address = format!("{}/24", cluster.address(node));
+            let address = format!("{}/{}", cluster.address(node), SUBNET.1);
             ip(&["-n", &netns, "addr", "add", &address, "dev", "eth0"])?;
             ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
             shape(&netns, "eth0", &spec.link, true)?;
@@ -143,7 +151,27 @@ impl Cluster {
     /// When `node` is not a node of this cluster.
     pub fn address(&self, node: usize) -> Ipv4Addr {
         assert!(node < self.nodes, "node {node} of a {}-node cluster", self.nodes);
-        Ipv4Addr::new(10, 77, 0, node as u8 + 1)
+        let [a, b, c, _] = SUBNET.0.octets();
+        Ipv4Addr::new(a, b, c, node as u8 + 1)
+    }
+
+    /// This cluster's folder for the files it writes (`mpirun`'s rsh agent, which runs as
+    /// root), under the system's temporary folder and named as the cluster; made on first use
+    /// for this process's user alone (mode 0700), removed with the cluster.
+    ///
+    /// # Errors
+    /// [`ClusterError::Io`] when it cannot be made, also when a folder of that name exists
+    /// already: it is not this cluster's, so nothing in it is trusted.
+    pub(crate) fn folder(&self) -> Result<PathBuf, ClusterError> {
+        use std::os::unix::fs::DirBuilderExt;
+        let mut made = self.folder.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(folder) = made.as_ref() {
+            return Ok(folder.clone());
+        }
+        let folder = folder_of(&self.name);
+        std::fs::DirBuilder::new().mode(0o700).create(&folder)?;
+        *made = Some(folder.clone());
+        Ok(folder)
     }
 
     /// Node `node`'s network namespace (a name for `ip netns exec`).
@@ -214,6 +242,23 @@ impl Drop for Cluster {
                 eprintln!("burn-shard-cluster: could not remove namespace {netns}: {e}");
             }
         }
+        if let Some(folder) = self.folder.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            remove_folder(&folder);
+        }
+    }
+}
+
+/// The folder of the cluster named `name` (see [`Cluster::folder`]).
+fn folder_of(name: &str) -> PathBuf {
+    std::env::temp_dir().join(name)
+}
+
+/// Removes a cluster's folder; one never made is not an error.
+fn remove_folder(folder: &std::path::Path) {
+    match std::fs::remove_dir_all(folder) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => eprintln!("burn-shard-cluster: could not remove {}: {e}", folder.display()),
     }
 }
 
@@ -245,9 +290,10 @@ fn remove_netns(netns: &str) -> Result<(), ClusterError> {
 }
 
 /// Removes the namespaces of clusters whose process is gone (a run killed, aborted or exited
-/// before its drop), with their processes; returns their names. Only names this crate gives
-/// (`bsc<pid>-<n>-sw`, `bsc<pid>-<n>-n<i>`, `bsc<pid>-probe<n>`) are considered; one that
-/// cannot be removed is reported on stderr and the others are still removed.
+/// before its drop), with their processes, and their folders; returns the namespaces' names.
+/// Only names this crate gives (`bsc<pid>-<n>-sw`, `bsc<pid>-<n>-n<i>`, `bsc<pid>-probe<n>`,
+/// folders `bsc<pid>-<n>`) are considered; one that cannot be removed is reported on stderr and
+/// the others are still removed.
 ///
 /// # Errors
 /// [`ClusterError::Command`] when `ip netns list` fails.
@@ -262,6 +308,15 @@ pub fn remove_leftovers() -> Result<Vec<String>, ClusterError> {
         match remove_netns(netns) {
             Ok(()) => removed.push(netns.to_string()),
             Err(e) => eprintln!("burn-shard-cluster: could not remove namespace {netns}: {e}"),
+        }
+    }
+    for entry in std::fs::read_dir(std::env::temp_dir()).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        // A folder is named as its cluster; its switch's namespace name has the same owner.
+        if let Some(pid) = owner(&format!("{name}-sw"))
+            && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+        {
+            remove_folder(&entry.path());
         }
     }
     Ok(removed)

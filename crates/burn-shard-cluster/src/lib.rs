@@ -13,15 +13,21 @@
 //! - `capabilities.rs`: what this host can do, probed once ([`Capabilities::probe`]);
 //! - `spec.rs`: [`ClusterSpec`], the nodes and their link;
 //! - `cluster.rs`: [`Cluster`], creation, commands in a node, link faults, removal;
+//! - `mpirun.rs`: OpenMPI's `mpirun` across the nodes ([`Cluster::mpirun`]), and the bytes each
+//!   node's link carried ([`Cluster::link_bytes`]);
+//! - `latency.rs`: the round trip between two nodes as built ([`Cluster::round_trip`]);
 //! - `command.rs`: running `ip` and `tc` with their errors.
 
 mod capabilities;
 mod cluster;
 mod command;
 mod error;
+mod latency;
+mod mpirun;
 mod spec;
 
 pub use capabilities::Capabilities;
 pub use cluster::{Cluster, remove_leftovers};
 pub use error::ClusterError;
+pub use mpirun::{LinkBytes, mpirun_on_this_host};
 pub use spec::{ClusterSpec, LinkShape};

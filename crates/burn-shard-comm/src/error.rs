@@ -83,11 +83,13 @@ pub enum CommError {
         /// How long it waited.
         waited: Duration,
     },
-    /// MPI backend: a collective did not complete within the communicator's timeout (MPI does
-    /// not say which peer is missing); the group was aborted and the call abandoned.
+    /// MPI backend: a collective did not complete within the communicator's timeout; the
+    /// group was aborted and the call abandoned. MPI does not say which peer is missing, so
+    /// the ranks waiting in a collective send each other heartbeats: `silent` names those not
+    /// heard from.
     #[error(
-        "rank {rank}: MPI {op} did not complete within {waited:?}, so the group was aborted; a rank is stuck or \
-         skipped this collective (raise the timeout with MpiComm::with_timeout if the work is legitimately slow)"
+        "rank {rank}: MPI {op} did not complete within {waited:?}, so the group was aborted; {}",
+        silent_text(.silent)
     )]
     MpiTimeout {
         /// The waiting rank.
@@ -96,6 +98,10 @@ pub enum CommError {
         op: String,
         /// How long it waited.
         waited: Duration,
+        /// The other members of the waiting group (as ranks of the job's world, `mpirun`'s
+        /// ranks) that sent no heartbeat in the last 2 beat periods of the wait (a period is a
+        /// quarter of the timeout, at most 1 s): dead, stuck before this call, or unreachable.
+        silent: Vec<usize>,
     },
     /// An earlier error on some rank aborted the group.
     #[error("the group was aborted by an earlier error: {0}")]
@@ -148,4 +154,20 @@ impl From<burn_shard_rendezvous::RendezvousError> for CommError {
             RendezvousError::Rendezvous(message) => Self::Rendezvous(message),
         }
     }
+}
+
+/// What [`CommError::MpiTimeout`] says about the processes not heard from.
+fn silent_text(silent: &[usize]) -> String {
+    if silent.is_empty() {
+        return "every other member of the group was heard from while it waited, so they wait in different \
+                calls or a link between two of them is down; raise the timeout with MpiComm::with_timeout if \
+                the work is legitimately slow"
+            .into();
+    }
+    let list: Vec<String> = silent.iter().map(usize::to_string).collect();
+    format!(
+        "no word from mpirun rank(s) {} during the wait: dead, stuck before this call, or unreachable (a network \
+         link down); raise the timeout with MpiComm::with_timeout if their work is legitimately slow",
+        list.join(", ")
+    )
 }

@@ -66,6 +66,11 @@ impl CommStats {
         self.ops[kind.index()]
     }
 
+    /// Calls this rank completed over all collectives.
+    pub fn total_calls(&self) -> u64 {
+        self.ops.iter().map(|o| o.calls).sum()
+    }
+
     /// Bytes sent by this rank over all collectives.
     pub fn total_bytes_sent(&self) -> u64 {
         self.ops.iter().map(|o| o.bytes_sent).sum()

@@ -15,7 +15,8 @@
 //! - every call is non-blocking and polled: a rank that fails alone calls
 //!   [`Collective::abort`], which sends its reason to every other rank on a second communicator,
 //!   and the others return [`CommError::Aborted`] within a poll; silence longer than the timeout
-//!   is [`CommError::MpiTimeout`];
+//!   is [`CommError::MpiTimeout`], naming the processes that sent no heartbeat (dead, stuck or
+//!   cut off);
 //! - a rank that dies is `mpirun`'s business: it ends the whole job and names the rank.
 //!
 //! MPI is finalised when the process exits (an `atexit` handler, as mpi4py does), not when the
@@ -27,7 +28,7 @@
 //! Files: `comm.rs` ([`MpiComm`], its lock and abort state, `Drop`), `init.rs` (starting MPI),
 //! `process.rs` (the process-wide lock, finalisation at exit, `mpirun` detection), `calls.rs`
 //! (one collective, and the MPI calls it is made of), `signature.rs` (the check that all ranks
-//! call the same thing), `wait.rs` (polling a pending call), `abort.rs` (abort notices),
+//! call the same thing), `wait.rs` (polling a pending call), `heartbeat.rs` (who is heard from during a long wait), `abort.rs` (abort notices),
 //! `pinned.rs` (buffers MPI holds), `group.rs` (the `*_many` calls), `split.rs` (sub-groups); this file wires them into
 //! [`Collective`].
 
@@ -35,6 +36,7 @@ mod abort;
 mod calls;
 mod comm;
 mod group;
+mod heartbeat;
 mod init;
 mod pinned;
 mod process;

@@ -1,6 +1,7 @@
 //! Waiting for a non-blocking MPI call ([`MpiComm::wait`]): polled, spinning first, for
-//! completion, abort notices, this rank's own abort and the timeout; on a failure the call is
-//! abandoned and the other ranks are told.
+//! completion, abort notices, this rank's own abort and the timeout, with heartbeats once the
+//! wait is long (`heartbeat.rs`: a timeout names the processes not heard from); on a failure
+//! the call is abandoned and the other ranks are told.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -8,6 +9,7 @@ use std::time::{Duration, Instant};
 use ::mpi::request::{Request, StaticScope};
 
 use super::comm::{MpiComm, State};
+use super::heartbeat::Heartbeats;
 use super::process::ABANDONED;
 use crate::CommError;
 use crate::call_sig::CallSig;
@@ -30,18 +32,22 @@ impl MpiComm {
     ) -> Result<(), CommError> {
         let start = Instant::now();
         let mut polls = 0u32;
+        // Dropped at return, with the lock still held (it may free a pending beat).
+        let mut beats = Heartbeats::new(self.timeout);
         loop {
             match request.test() {
                 Ok(_) => return Ok(()),
                 Err(pending) => request = pending,
             }
             self.receive_notice(state);
+            beats.poll(state);
             let failure = match self.check() {
                 Err(aborted) => Some(aborted),
                 Ok(()) if start.elapsed() >= self.timeout => Some(CommError::MpiTimeout {
                     rank: self.rank,
                     op: sig.to_string(),
                     waited: start.elapsed(),
+                    silent: beats.silent(state),
                 }),
                 Ok(()) => None,
             };
@@ -51,7 +57,8 @@ impl MpiComm {
                 std::mem::forget(request);
                 state.abandoned = true;
                 ABANDONED.store(true, Ordering::SeqCst);
-                if !matches!(err, CommError::Aborted(_)) && self.mark_aborted(format!("rank {}: {err}", self.rank)) {
+                // A timeout's message starts with its rank already.
+                if !matches!(err, CommError::Aborted(_)) && self.mark_aborted(err.to_string()) {
                     self.send_notices(state, &err.to_string());
                 }
                 return Err(err);

@@ -16,9 +16,19 @@
 //! leaves out activations, temporary buffers (the flat bucket being reduced, stage 3's
 //! gathered parameters: see [`MemoryReport::temporary_peak_bytes`]) and allocator
 //! fragmentation, which come on top.
+//!
+//! Traffic and time: [`step_traffic`] (the bytes a rank sends per step, ring volumes) here, and
+//! [`step_time`] (`time.rs`: the alpha-beta model of what crosses nodes, on top of a step
+//! measured without the link).
 
-use std::fmt;
-use std::str::FromStr;
+mod dtype;
+mod time;
+mod traffic;
+
+pub use dtype::{MIXED_PRECISION_ADAM_K, ParamDtype};
+pub use time::{ComputeProfile, Links, StepTime, step_time};
+pub use traffic::{StepTraffic, step_traffic};
+
 use std::sync::Mutex;
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -36,77 +46,11 @@ use crate::stage::Stage;
 /// The four stages, in order.
 pub const STAGES: [Stage; 4] = [Stage::Zero, Stage::One, Stage::Two, Stage::Three];
 
-/// `K` of the ZeRO paper (§5.1): bytes of optimizer state per parameter for mixed-precision
-/// Adam, an `f32` master copy of the parameters (4 bytes), Adam's first moment (4 bytes) and
-/// second moment (4 bytes).
-pub const MIXED_PRECISION_ADAM_K: f64 = 12.0;
-
 /// Bytes in a GB (10⁹, as the ZeRO paper counts).
 pub const GB: f64 = 1e9;
 
 /// Bytes in a GiB (2³⁰).
 pub const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
-
-/// The dtype the parameters are trained in, for [`zero_formula`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ParamDtype {
-    /// `f32` parameters and gradients, Adam moments in `f32`, no master copy.
-    F32,
-    /// `bf16` parameters and gradients with `f32` master weights and Adam moments (mixed
-    /// precision, as in the ZeRO paper).
-    Bf16,
-    /// `f16` parameters and gradients with `f32` master weights and Adam moments (mixed
-    /// precision, the ZeRO paper's case).
-    F16,
-}
-
-impl ParamDtype {
-    /// Bytes of one parameter element, and of one gradient element: 4 (`f32`) or 2.
-    pub fn element_bytes(self) -> f64 {
-        match self {
-            ParamDtype::F32 => 4.0,
-            ParamDtype::Bf16 | ParamDtype::F16 => 2.0,
-        }
-    }
-
-    /// Bytes of Adam's optimizer state per parameter: `K` = 12 with mixed precision (`f32`
-    /// master 4, first moment 4, second moment 4; ZeRO §5.1), 8 for `f32` (the two moments:
-    /// the parameters are their own master).
-    pub fn optimizer_state_bytes(self) -> f64 {
-        match self {
-            ParamDtype::F32 => 8.0,
-            ParamDtype::Bf16 | ParamDtype::F16 => MIXED_PRECISION_ADAM_K,
-        }
-    }
-
-    /// Whether this is mixed precision (`bf16`/`f16` with `f32` master weights).
-    pub fn is_mixed_precision(self) -> bool {
-        self != ParamDtype::F32
-    }
-}
-
-impl FromStr for ParamDtype {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "f32" | "fp32" => Ok(ParamDtype::F32),
-            "bf16" => Ok(ParamDtype::Bf16),
-            "f16" | "fp16" => Ok(ParamDtype::F16),
-            _ => Err(format!("dtype must be f32, bf16 or f16, got `{s}`")),
-        }
-    }
-}
-
-impl fmt::Display for ParamDtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ParamDtype::F32 => "f32",
-            ParamDtype::Bf16 => "bf16",
-            ParamDtype::F16 => "f16",
-        })
-    }
-}
 
 /// Where an offload keeps the optimizer state and the `f32` master weights, for
 /// [`zero_formula`].
@@ -247,76 +191,6 @@ pub fn zero_formula(
         optimizer_state_bytes: if offload == OffloadTarget::None { optimizer } else { 0.0 },
         host_bytes: if offload == OffloadTarget::Cpu { optimizer } else { 0.0 },
         disk_bytes: if offload == OffloadTarget::Nvme { optimizer } else { 0.0 },
-    }
-}
-
-/// Bytes one rank sends per optimizer step in its collectives, by group, from the ring
-/// algorithms' volumes (each rank of a group of `n` sends `(n-1)/n` of the buffer for a
-/// reduce-scatter or an all-gather, twice that for an all-reduce; NCCL's ring and the
-/// in-process backend send these). See [`step_traffic`].
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct StepTraffic {
-    /// ZeRO stage.
-    pub stage: Stage,
-    /// Ranks per shard group (`world_size / replicas`).
-    pub shard_size: usize,
-    /// Shard groups.
-    pub replicas: usize,
-    /// Bytes sent in the shard group's collectives (the gradients' reduction, the update's
-    /// all-gather, stage 3's gathers): within a node when a group is a node's ranks.
-    pub shard_group_bytes: f64,
-    /// Bytes sent in the replicas' all-reduce of the gradient shard: what crosses nodes when a
-    /// group is a node's ranks. 0 without replicas.
-    pub replica_group_bytes: f64,
-}
-
-/// What one rank sends per optimizer step with `params` (`Ψ`) elements of `dtype` (bf16/f16:
-/// 2 bytes, f32: 4; gradients and gathered parameters travel in it) on `world_size` ranks as
-/// `replicas` shard groups ([`ShardConfig::with_replicas`](crate::ShardConfig::with_replicas);
-/// 1: flat), at `stage`, with `S = world_size / replicas`, `R = replicas`, `b` bytes per
-/// element:
-///
-/// | stage | shard group | replica group |
-/// |---|---|---|
-/// | 0 | all-reduce `2(S-1)/S·Ψ·b` | — (stage 0 takes no replicas) |
-/// | 1 | all-reduce + all-gather `3(S-1)/S·Ψ·b` | all-reduce of the shard `2(R-1)/R·Ψ/S·b` |
-/// | 2 | reduce-scatter + all-gather `2(S-1)/S·Ψ·b` | the same |
-/// | 3 | 2 all-gathers + reduce-scatter `3(S-1)/S·Ψ·b` | the same |
-///
-/// Stage 3 counts two all-gathers (forward, and backward's re-gather with
-/// `reshard_after_forward`); backward skips the re-gather of a weight whose input needs no
-/// gradient (a first layer), so a model sends up to this. The small agreements of a step (a flag
-/// per parameter) are not counted. PyTorch FSDP2's HSDP and DeepSpeed's MiCS have the same
-/// volumes (Zhang et al. 2022, "MiCS: Near-linear Scaling for Training Gigantic Model on Public
-/// Cloud").
-///
-/// # Panics
-/// If `replicas` is 0 or does not divide `world_size`, if `replicas > 1` at stage 0, or if
-/// `params` is negative or not finite.
-pub fn step_traffic(params: f64, world_size: usize, replicas: usize, stage: Stage, dtype: ParamDtype) -> StepTraffic {
-    assert!(
-        replicas > 0 && world_size.is_multiple_of(replicas),
-        "{replicas} replicas do not divide world size {world_size}"
-    );
-    assert!(replicas == 1 || stage != Stage::Zero, "stage 0 takes no replicas");
-    assert!(
-        params.is_finite() && params >= 0.0,
-        "parameter count must be a finite number >= 0, got {params}"
-    );
-    let shard_size = world_size / replicas;
-    let (s, r, b) = (shard_size as f64, replicas as f64, dtype.element_bytes());
-    let ring = |n: f64| (n - 1.0) / n;
-    let passes = match stage {
-        Stage::Zero => 2.0,
-        Stage::One | Stage::Three => 3.0,
-        Stage::Two => 2.0,
-    };
-    StepTraffic {
-        stage,
-        shard_size,
-        replicas,
-        shard_group_bytes: passes * ring(s) * params * b,
-        replica_group_bytes: 2.0 * ring(r) * params / s * b,
     }
 }
 
