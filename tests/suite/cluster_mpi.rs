@@ -6,7 +6,7 @@
 //! suite (`cargo xtask mpi-test` runs this module after `mpi`, one test at a time); needs root
 //! and iproute2, and skips saying why without them.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -14,6 +14,7 @@ use burn_shard_cluster::{Capabilities, Cluster, ClusterSpec, mpirun_on_this_host
 use burn_shard_launch::{LaunchConfig, OutputMode};
 
 use crate::common::scratch;
+use crate::mpi::shakespeare_bin;
 
 /// Nodes, and ranks on each.
 const NODES: usize = 2;
@@ -28,23 +29,6 @@ fn cluster_or_skip(test: &str) -> bool {
         return false;
     }
     true
-}
-
-/// The shakespeare job built with the mpi feature (`cargo xtask mpi-test` builds it).
-fn shakespeare_bin() -> PathBuf {
-    let bin = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("shakespeare");
-    assert!(
-        bin.exists(),
-        "{} is missing: run `cargo xtask mpi-test`, which builds it",
-        bin.display()
-    );
-    bin
 }
 
 /// A tiny GPT's job arguments on 4 ranks (after the program).
@@ -261,6 +245,15 @@ fn a_link_cut_fails_every_rank_within_the_timeout_and_the_supervised_job_resumes
         );
     }
 
+    // Bounded: a hung job fails the test (the cluster's drop then kills what runs in its nodes).
+    while !supervisor.is_finished() {
+        assert!(
+            started.elapsed() < JOB_LIMIT + cut_for,
+            "the supervised job ran over {:?}",
+            JOB_LIMIT + cut_for
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let outcome = supervisor
         .join()
         .unwrap()

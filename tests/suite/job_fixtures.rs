@@ -6,7 +6,7 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use burn_shard_comm::{CommError, JobToken, StoreServer};
+use burn_shard_comm::{CommError, JobToken, StoreClient, StoreServer};
 
 /// One second: the unit of these tests' timeouts.
 pub(crate) const SECOND: Duration = Duration::from_secs(1);
@@ -67,4 +67,32 @@ pub(crate) fn ended(pid: u32) -> bool {
             .rsplit_once(')')
             .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
     }
+}
+
+/// What one rank of a small job does with the rendezvous store at `addr`: joins with `token`,
+/// sets its part (3 bytes of its rank), reads every rank's part, adds its rank to a counter,
+/// waits at a barrier, and returns the sum of the parts it read and the counter's final
+/// value (`(3·Σr, Σr)` when every rank did its share). Every wait is bounded by `timeout`.
+pub(crate) fn store_job(
+    addr: &str,
+    token: &JobToken,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+) -> (usize, i64) {
+    let store = StoreClient::connect(addr, token, timeout).unwrap();
+    store.set(&format!("part/{rank}"), &[rank as u8; 3]).unwrap();
+    let total: usize = (0..world_size)
+        .map(|r| {
+            store
+                .get(&format!("part/{r}"), timeout)
+                .unwrap()
+                .iter()
+                .map(|&b| b as usize)
+                .sum::<usize>()
+        })
+        .sum();
+    store.add("sum", rank as i64).unwrap();
+    store.barrier(world_size, timeout).unwrap();
+    (total, store.add("sum", 0).unwrap())
 }

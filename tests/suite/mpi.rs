@@ -667,7 +667,7 @@ fn metrics(dir: &std::path::Path) -> Vec<Vec<String>> {
 }
 
 /// The shakespeare job, which `cargo xtask mpi-test` builds with the mpi feature before this suite.
-fn shakespeare_bin() -> std::path::PathBuf {
+pub(crate) fn shakespeare_bin() -> std::path::PathBuf {
     let bin = std::env::current_exe()
         .unwrap()
         .parent()

@@ -368,21 +368,7 @@ fn a_thousand_connections_at_once_are_bounded_and_the_job_still_finishes() {
                 let addr = addr.clone();
                 s.spawn(move || {
                     std::thread::sleep(Duration::from_millis(20));
-                    let store = StoreClient::connect(&addr, &token(), 20 * SECOND).unwrap();
-                    store.set(&format!("part/{rank}"), &[rank as u8; 3]).unwrap();
-                    let total: usize = (0..world_size)
-                        .map(|r| {
-                            store
-                                .get(&format!("part/{r}"), 20 * SECOND)
-                                .unwrap()
-                                .iter()
-                                .map(|&b| b as usize)
-                                .sum::<usize>()
-                        })
-                        .sum();
-                    store.add("sum", rank as i64).unwrap();
-                    store.barrier(world_size, 20 * SECOND).unwrap();
-                    (total, store.add("sum", 0).unwrap())
+                    crate::job_fixtures::store_job(&addr, &token(), rank, world_size, 20 * SECOND)
                 })
             })
             .collect();

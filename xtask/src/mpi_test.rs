@@ -38,8 +38,11 @@ pub fn run(args: &Args) -> Result<(), String> {
     };
     test(&["mpi::", "--skip", "cluster_mpi::"])?;
     // The MPI jobs across a cluster of namespaces, one at a time: their timeouts (5 s) and
-    // heartbeats must not share the two cores with the other MPI tests.
+    // heartbeats must not share the two cores with the other MPI tests. CI's cluster scenario;
+    // its duration is printed as a phase of its own.
+    let started = std::time::Instant::now();
     test(&["cluster_mpi::", "--test-threads=1"])?;
+    println!("-- cluster scenario (cluster_mpi): {} s", started.elapsed().as_secs());
     // A second run of the same binary: the MPI tests' timeouts (mpirun, collectives) must not
     // share the two cores with other long tests.
     match args.more_tests.is_empty() {

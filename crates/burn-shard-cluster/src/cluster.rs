@@ -314,6 +314,7 @@ pub fn remove_leftovers() -> Result<Vec<String>, ClusterError> {
         let name = entry.file_name().to_string_lossy().into_owned();
         // A folder is named as its cluster; its switch's namespace name has the same owner.
         if let Some(pid) = owner(&format!("{name}-sw"))
+            && entry.file_type().is_ok_and(|t| t.is_dir())
             && !std::path::Path::new(&format!("/proc/{pid}")).exists()
         {
             remove_folder(&entry.path());

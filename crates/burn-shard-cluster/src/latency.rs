@@ -3,6 +3,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::cluster::Cluster;
@@ -32,8 +33,13 @@ impl Cluster {
             ));
         }
         let server: SocketAddr = (self.address(to), 0).into();
+        // Set by the client when it gives up before connecting: the echo side stops waiting.
+        let client_gone = AtomicBool::new(false);
+        // Set once the client has the echo side's port: from then on its own error is the cause.
+        let echo_started = AtomicBool::new(false);
         std::thread::scope(|scope| {
             let (port_tx, port_rx) = std::sync::mpsc::channel();
+            let (client_gone, echo_started) = (&client_gone, &echo_started);
             let echo = scope.spawn(move || -> Result<(), ClusterError> {
                 self.enter(to)?;
                 let listener = TcpListener::bind(server)?;
@@ -45,6 +51,9 @@ impl Cluster {
                     match listener.accept() {
                         Ok((conn, _)) => break conn,
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            if client_gone.load(Ordering::Relaxed) {
+                                return Ok(());
+                            }
                             if started.elapsed() >= LIMIT {
                                 let why = format!("no connection from node {from} within {LIMIT:?}");
                                 return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why).into());
@@ -68,8 +77,11 @@ impl Cluster {
                 let port = port_rx
                     .recv_timeout(LIMIT)
                     .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "the echo side did not start"))?;
-                self.enter(from)?;
-                let mut conn = TcpStream::connect_timeout(&(self.address(to), port).into(), LIMIT)?;
+                echo_started.store(true, Ordering::Relaxed);
+                let connected = self
+                    .enter(from)
+                    .and_then(|()| Ok(TcpStream::connect_timeout(&(self.address(to), port).into(), LIMIT)?));
+                let mut conn = connected.inspect_err(|_| client_gone.store(true, Ordering::Relaxed))?;
                 conn.set_nodelay(true)?;
                 conn.set_read_timeout(Some(LIMIT))?;
                 let mut byte = [7u8; 1];
@@ -87,9 +99,13 @@ impl Cluster {
             });
             let rtt = client.join().expect("the client thread does not panic");
             let echoed = echo.join().expect("the echo thread does not panic");
-            // The echo side's error first: when it failed, the client's says only that.
-            echoed?;
-            rtt
+            match (rtt, echoed) {
+                (Ok(rtt), Ok(())) => Ok(rtt),
+                // The client never had a port: the echo side's error is the cause.
+                (Err(_), Err(echo)) if !echo_started.load(Ordering::Relaxed) => Err(echo),
+                (Err(client), _) => Err(client),
+                (Ok(_), Err(echo)) => Err(echo),
+            }
         })
     }
 }

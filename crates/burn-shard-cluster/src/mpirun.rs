@@ -126,14 +126,18 @@ impl Cluster {
         // Written beside, then renamed: `mpirun` never sees half a script. The folder is this
         // cluster's own (mode 0700), and the file must be new.
         let partial = path.with_extension("partial");
-        let mut file = fs::OpenOptions::new()
+        let written = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o700)
-            .open(&partial)?;
-        file.write_all(script.as_bytes())?;
-        drop(file);
-        fs::rename(&partial, &path)?;
+            .open(&partial)
+            .and_then(|mut file| file.write_all(script.as_bytes()))
+            .and_then(|()| fs::rename(&partial, &path));
+        if let Err(e) = written {
+            // Not left behind: the next call writes it anew.
+            let _ = fs::remove_file(&partial);
+            return Err(e.into());
+        }
         Ok(path)
     }
 

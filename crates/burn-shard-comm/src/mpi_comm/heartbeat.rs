@@ -70,9 +70,8 @@ impl Heartbeats {
         }
         let started = self.started.get_or_insert_with(|| Started::new(state));
         let control = &state.control;
-        while let Some(probed) = control.any_process().immediate_matched_probe_with_tag(HEARTBEAT_TAG) {
-            let (_, status) = probed.matched_receive_vec::<u8>();
-            if let Some(slot) = started.heard.get_mut(status.source_rank() as usize) {
+        for source in read_beats(state) {
+            if let Some(slot) = started.heard.get_mut(source) {
                 *slot = Some(Instant::now());
             }
         }
@@ -92,6 +91,14 @@ impl Heartbeats {
         }
     }
 
+    /// Reads and drops the beats that reached this rank, at the end of a call that completed:
+    /// a rank that never waits long (the slowest of a job) would otherwise collect them in
+    /// MPI's queue of unexpected messages, which every probe walks. One probe when there are
+    /// none. Call with the MPI lock held.
+    pub(super) fn discard_pending(&self, state: &State) {
+        read_beats(state).for_each(drop);
+    }
+
     /// The other members of the group (ranks of the job's world, `mpirun`'s ranks) not heard
     /// from in the last [`SILENT_AFTER`] periods. Call with the MPI lock held.
     pub(super) fn silent(&mut self, state: &State) -> Vec<usize> {
@@ -104,6 +111,18 @@ impl Heartbeats {
             .map(|&p| p as usize)
             .collect()
     }
+}
+
+/// The sources (ranks of the control communicator) of the beats that arrived, read one by one.
+fn read_beats(state: &State) -> impl Iterator<Item = usize> + '_ {
+    std::iter::from_fn(|| {
+        let probed = state
+            .control
+            .any_process()
+            .immediate_matched_probe_with_tag(HEARTBEAT_TAG)?;
+        let (_, status) = probed.matched_receive_vec::<u8>();
+        Some(status.source_rank() as usize)
+    })
 }
 
 impl Started {

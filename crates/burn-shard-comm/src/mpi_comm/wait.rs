@@ -36,7 +36,10 @@ impl MpiComm {
         let mut beats = Heartbeats::new(self.timeout);
         loop {
             match request.test() {
-                Ok(_) => return Ok(()),
+                Ok(_) => {
+                    beats.discard_pending(state);
+                    return Ok(());
+                }
                 Err(pending) => request = pending,
             }
             self.receive_notice(state);

@@ -17,7 +17,7 @@
 //! gathered parameters: see [`MemoryReport::temporary_peak_bytes`]) and allocator
 //! fragmentation, which come on top.
 //!
-//! Traffic and time: [`step_traffic`] (the bytes a rank sends per step, ring volumes) here, and
+//! Traffic and time: [`step_traffic`] (`traffic.rs`: the bytes a rank sends per step, ring volumes), and
 //! [`step_time`] (`time.rs`: the alpha-beta model of what crosses nodes, on top of a step
 //! measured without the link).
 
