@@ -26,7 +26,7 @@ fn namespaces_of(cluster: &str) -> Vec<String> {
 }
 
 /// This host's capabilities, or `None` (with the reason printed) when it cannot make a cluster.
-fn capabilities_or_skip(test: &str) -> Option<Capabilities> {
+pub(crate) fn capabilities_or_skip(test: &str) -> Option<Capabilities> {
     let caps = Capabilities::probe();
     match &caps.unsupported {
         Some(why) => {

@@ -7,29 +7,21 @@
 //! and iproute2, and skips saying why without them.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use burn_shard_cluster::{Capabilities, Cluster, ClusterSpec, mpirun_on_this_host};
+use burn_shard_cluster::{Cluster, ClusterSpec, mpirun_on_this_host};
 use burn_shard_launch::{LaunchConfig, OutputMode};
 
+use crate::cluster::capabilities_or_skip;
 use crate::common::scratch;
-use crate::mpi::shakespeare_bin;
+use crate::mpi::{run_bounded, shakespeare_bin};
 
 /// Nodes, and ranks on each.
 const NODES: usize = 2;
 const RANKS_PER_NODE: usize = 2;
 /// Longest one job of this module may run.
 const JOB_LIMIT: Duration = Duration::from_secs(240);
-
-/// Whether this host can make a cluster; prints why not.
-fn cluster_or_skip(test: &str) -> bool {
-    if let Some(why) = Capabilities::probe().unsupported {
-        println!("{test}: skipped: {why}");
-        return false;
-    }
-    true
-}
 
 /// A tiny GPT's job arguments on 4 ranks (after the program).
 fn job_args(stage: u8, replicas: usize, steps: usize, out: &Path) -> Vec<String> {
@@ -65,27 +57,15 @@ fn job_args(stage: u8, replicas: usize, steps: usize, out: &Path) -> Vec<String>
     args
 }
 
-/// Runs `command` to its end within [`JOB_LIMIT`]; panics with its output when it fails.
-fn run_ok(mut command: Command, what: &str) -> String {
-    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let out = std::thread::spawn(move || std::io::read_to_string(&mut out).unwrap_or_default());
-    let err = std::thread::spawn(move || std::io::read_to_string(&mut err).unwrap_or_default());
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > JOB_LIMIT {
-            let _ = child.kill();
-        }
-        std::thread::sleep(Duration::from_millis(50));
+/// Runs `command` to its end within [`JOB_LIMIT`]; panics with its output when it fails or
+/// runs over.
+fn run_ok(command: Command, what: &str) -> String {
+    let (status, text) = run_bounded(command, JOB_LIMIT);
+    match status {
+        Some(status) if status.success() => text,
+        Some(status) => panic!("{what} failed ({status}):\n{text}"),
+        None => panic!("{what} ran over {JOB_LIMIT:?}:\n{text}"),
     }
-    let status = child.wait().unwrap();
-    let text = format!("{}{}", out.join().unwrap(), err.join().unwrap());
-    assert!(
-        status.success(),
-        "{what} failed ({status}) after {:?}:\n{text}",
-        started.elapsed()
-    );
-    text
 }
 
 /// `mpirun` of 4 ranks on this host, every rank on shared memory.
@@ -115,7 +95,7 @@ fn losses(out: &Path) -> Vec<[String; 3]> {
 #[test]
 fn a_job_on_two_nodes_has_the_losses_of_the_same_job_on_one_host() {
     let test = "a_job_on_two_nodes_has_the_losses_of_the_same_job_on_one_host";
-    if !cluster_or_skip(test) {
+    if capabilities_or_skip(test).is_none() {
         return;
     }
     let bin = shakespeare_bin();
@@ -161,7 +141,7 @@ fn a_job_on_two_nodes_has_the_losses_of_the_same_job_on_one_host() {
 #[test]
 fn a_link_cut_fails_every_rank_within_the_timeout_and_the_supervised_job_resumes() {
     let test = "a_link_cut_fails_every_rank_within_the_timeout_and_the_supervised_job_resumes";
-    if !cluster_or_skip(test) {
+    if capabilities_or_skip(test).is_none() {
         return;
     }
     let bin = shakespeare_bin();

@@ -25,24 +25,37 @@ const MPIRUN_LIMIT: Duration = Duration::from_secs(240);
 /// Runs `scenario` on `np` processes; returns mpirun's exit success and its stdout + stderr.
 fn mpirun(np: usize, scenario: &str) -> (bool, String) {
     let exe = std::env::current_exe().unwrap();
-    let spawned = Command::new("mpirun")
+    let mut spawned = Command::new("mpirun");
+    spawned
         .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()])
         .args(["-x", SCENARIO, "-x", "RUST_BACKTRACE"])
         .arg(exe)
         .args(["mpi::rank", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
         .env(SCENARIO, scenario)
         .env("RUST_BACKTRACE", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match spawned {
-        Ok(child) => child,
-        Err(e) => panic!("cannot start mpirun ({e}): install OpenMPI with `cargo xtask setup`"),
+        .stdin(Stdio::null());
+    let (status, text) = run_bounded(spawned, MPIRUN_LIMIT);
+    let Some(status) = status else {
+        panic!("mpirun -np {np} ({scenario}) ran over {MPIRUN_LIMIT:?}:\n{text}");
     };
-    // Both pipes are drained on threads so a chatty rank cannot block on a full pipe.
-    let mut out = child.stdout.take().unwrap();
-    let mut err = child.stderr.take().unwrap();
+    (status.success(), text)
+}
+
+/// Runs `command` for at most `limit` (killed past it) and returns its exit status (`None`
+/// when it was killed for the limit) and its standard output followed by its standard error.
+/// Both pipes are drained on threads, so a chatty child cannot block on a full pipe.
+///
+/// # Panics
+/// When the command cannot start (naming OpenMPI's install, which every caller runs).
+pub(crate) fn run_bounded(mut command: Command, limit: Duration) -> (Option<std::process::ExitStatus>, String) {
+    let mut child = match command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn() {
+        Ok(child) => child,
+        Err(e) => panic!(
+            "cannot start {:?} ({e}): install OpenMPI with `cargo xtask setup`",
+            command.get_program()
+        ),
+    };
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
     let out = std::thread::spawn(move || {
         let mut s = String::new();
         let _ = out.read_to_string(&mut s);
@@ -58,18 +71,14 @@ fn mpirun(np: usize, scenario: &str) -> (bool, String) {
         if let Some(status) = child.try_wait().unwrap() {
             break Some(status);
         }
-        if start.elapsed() > MPIRUN_LIMIT {
+        if start.elapsed() > limit {
             let _ = child.kill();
             let _ = child.wait();
             break None;
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    let text = format!("{}{}", out.join().unwrap(), err.join().unwrap());
-    let Some(status) = status else {
-        panic!("mpirun -np {np} ({scenario}) ran over {MPIRUN_LIMIT:?}:\n{text}");
-    };
-    (status.success(), text)
+    (status, format!("{}{}", out.join().unwrap(), err.join().unwrap()))
 }
 
 /// The `RESULT` line of each of `np` ranks, in rank order; fails naming a rank that printed none.
