@@ -2,7 +2,7 @@
 //! `cargo xtask cluster`): nodes reach each other only across their links, at the rate the
 //! links are shaped to, a cut link stops traffic until it is restored, and nothing the cluster
 //! made is left once it is dropped; the job's rendezvous store refuses a node without the job
-//! token across the links. Needs root and iproute2: elsewhere each test says why it skips.
+//! token across the links, and a node killed and started again rejoins its elastic job. Needs root and iproute2: elsewhere each test says why it skips.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -304,4 +304,23 @@ fn a_third_node_without_the_job_token_is_refused_and_the_job_finishes() {
         cluster.link_bytes(2).unwrap().sent > 0,
         "node 2's traffic crossed its link"
     );
+}
+
+/// A node's processes killed mid-run and the node started again, across the links: one
+/// launcher per node (`--nnodes 1:2`, job token on, the ranks' store in node 0), the stand-in
+/// training program of the elastic tests. Node 1's launcher is killed with SIGKILL (its ranks
+/// with it); node 0's launcher finds it lost and restarts at world size 2; node 1's launcher,
+/// started again, is taken in at the next start; the job ends at world size 4, bit for bit the
+/// uninterrupted run (see [`crate::elastic::a_lost_node_comes_back`]).
+#[test]
+fn a_node_killed_and_started_again_across_the_links_rejoins_and_the_job_ends_as_if_uninterrupted() {
+    let test = "a_node_killed_and_started_again_across_the_links_rejoins_and_the_job_ends_as_if_uninterrupted";
+    if capabilities_or_skip(test).is_none() {
+        return;
+    }
+    let cluster = Cluster::create(&ClusterSpec::new(2).with_rate_mbit(1000.0)).unwrap();
+    let dir = crate::job_fixtures::scratch_dir("cluster-node-back");
+    let master = cluster.address(0).to_string();
+    let exe = std::env::current_exe().unwrap();
+    crate::elastic::a_lost_node_comes_back(test, &dir, &master, |node| cluster.command(node, &exe));
 }

@@ -314,24 +314,163 @@ fn assert_finished(dir: &Path, world: usize, steps: usize, started: Instant) -> 
     start
 }
 
-/// Node 1 of [`a_lost_node_restarts_the_job_at_world_size_two`]: its launcher, in a process of
-/// its own so that the test can kill it with SIGKILL (its ranks die with it).
+/// A node's launcher (`--nnodes 1:2`, 2 ranks) in a process of its own, so that a test can
+/// kill it with SIGKILL (its ranks die with it) or start it in a cluster's node. Writes how it
+/// ended to `outcome-node-K` in the job's folder ([`node_outcome`]).
 #[test]
 #[ignore = "a node launcher of the elastic tests, which start it"]
 fn node_process() {
     let Ok(options) = std::env::var(NODE) else {
         return; // started by hand: there is no job
     };
-    let [dir, steps, port]: [&str; 3] = options.split(' ').collect::<Vec<_>>().try_into().unwrap();
-    let config = stand_in(
+    let [dir, steps, port, node, master]: [&str; 5] = options.split(' ').collect::<Vec<_>>().try_into().unwrap();
+    let node: usize = node.parse().unwrap();
+    let mut config = stand_in(
         Path::new(dir),
         steps.parse().unwrap(),
         2,
-        (1, 1, 2),
+        (node, 1, 2),
         port.parse().unwrap(),
         &[],
     );
-    let _ = run(&config);
+    config.master_addr = master.to_string();
+    let text = match run(&config) {
+        Ok(outcome) => {
+            let lines = [format!("world_size {}", outcome.world_size)].into_iter();
+            let restarts = outcome.restarts.iter().map(|r| format!("restart {r}"));
+            let changes = outcome.member_changes.iter().map(|c| format!("member_change {c}"));
+            lines.chain(restarts).chain(changes).collect::<Vec<_>>().join("\n")
+        }
+        Err(e) => format!("error {e}"),
+    };
+    write_atomic(&Path::new(dir).join(format!("outcome-node-{node}")), &text);
+}
+
+/// [`node_process`] as node `node` of the job in `dir`, with its ranks' store at
+/// `master:port`, run by `command` (this test binary, perhaps inside a cluster's node).
+pub(crate) fn node_process_command(
+    mut command: std::process::Command,
+    dir: &Path,
+    steps: usize,
+    port: u16,
+    (node, master): (usize, &str),
+) -> std::process::Command {
+    command
+        .args([
+            "elastic::node_process",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(NODE, format!("{} {steps} {port} {node} {master}", dir.display()))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    command
+}
+
+/// How [`node_process`] `node` of the job in `dir` ended: its world size, restarts' causes and
+/// changes of members, or its error.
+pub(crate) fn node_outcome(dir: &Path, node: usize) -> Result<(usize, Vec<String>, Vec<String>), String> {
+    let text = std::fs::read_to_string(dir.join(format!("outcome-node-{node}")))
+        .map_err(|e| format!("node {node} wrote no outcome: {e}"))?;
+    if let Some(error) = text.strip_prefix("error ") {
+        return Err(error.to_string());
+    }
+    let (mut world, mut restarts, mut changes) = (0, Vec::new(), Vec::new());
+    for line in text.lines() {
+        let (what, rest) = line.split_once(' ').unwrap();
+        match what {
+            "world_size" => world = rest.parse().unwrap(),
+            "restart" => restarts.push(rest.to_string()),
+            _ => changes.push(rest.to_string()),
+        }
+    }
+    Ok((world, restarts, changes))
+}
+
+/// A lost node back: 2 nodes of 2 ranks ([`node_process`], started by `node_command(node)`,
+/// with the ranks' store at `master`). Node 1's launcher is killed with SIGKILL (its ranks die
+/// with it) after a random checkpoint; node 0 restarts the job at world size 2; then node 1's
+/// launcher is started again, node 0 stops that start, and the next start takes node 1 in. The
+/// job ends at world size 4 with the uninterrupted run's state, bit for bit, one restart (the
+/// lost node) and one change of members (not counted as a restart: `--max-restarts 2`, and
+/// every count here would pass with 1), within a minute; no rank is left running.
+pub(crate) fn a_lost_node_comes_back(
+    test: &str,
+    dir: &Path,
+    master: &str,
+    node_command: impl Fn(usize) -> std::process::Command,
+) {
+    let steps = 240;
+    let port = free_port();
+    let started = Instant::now();
+    let start_node = |node: usize| {
+        node_process_command(node_command(node), dir, steps, port, (node, master))
+            .spawn()
+            .unwrap()
+    };
+    let mut node0 = start_node(0);
+    let mut node1 = start_node(1);
+    let kill_at = random_step(1, 4) * EVERY;
+    while newest_checkpoint(dir).is_none_or(|(step, _)| step < kill_at) {
+        assert!(
+            started.elapsed() < 60 * SECOND,
+            "{test}: the 4-rank job made no checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    node1.kill().unwrap();
+    node1.wait().unwrap();
+    let killed_at = newest_checkpoint(dir).unwrap().0;
+    // Start 1 runs without node 1 (its rank 0 records its pid): bring node 1 back.
+    while !dir.join("pid-1-0").exists() {
+        assert!(started.elapsed() < 60 * SECOND, "{test}: no start without node 1");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let back_at = newest_checkpoint(dir).map_or(0, |(step, _)| step);
+    let mut node1 = start_node(1);
+    for (node, child) in [(0, &mut node0), (1, &mut node1)] {
+        while child.try_wait().unwrap().is_none() {
+            assert!(
+                started.elapsed() < 90 * SECOND,
+                "{test}: node {node}'s launcher still runs"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let (world, restarts, changes) = node_outcome(dir, 0).unwrap_or_else(|e| panic!("{test}: node 0: {e}"));
+    println!(
+        "{test}: node 1 killed after checkpoint {killed_at}, back after {back_at}, done in {:?}; restart: \
+         {restarts:?}; change: {changes:?}",
+        started.elapsed()
+    );
+    assert_eq!(world, 4, "{test}: the last start has node 1 again");
+    assert_eq!(restarts.len(), 1, "{test}: {restarts:?}");
+    assert!(
+        restarts[0].contains("node 1's launcher stopped answering"),
+        "{test}: {restarts:?}"
+    );
+    assert_eq!(changes.len(), 1, "{test}: {changes:?}");
+    assert!(changes[0].contains("node(s) 1 asked to join"), "{test}: {changes:?}");
+    let (world1, _, _) = node_outcome(dir, 1).unwrap_or_else(|e| panic!("{test}: node 1 back: {e}"));
+    assert_eq!(world1, 4);
+    let start = assert_finished(dir, 4, steps, started);
+    assert!(
+        start >= back_at,
+        "{test}: resumed from step {start}, the newest checkpoint was {back_at}"
+    );
+    assert!(dir.join("pid-2-3").exists(), "{test}: start 2 ran node 1's ranks");
+}
+
+#[test]
+fn a_lost_node_that_comes_back_is_taken_in_and_the_job_ends_as_if_uninterrupted() {
+    let dir = scratch_dir("elastic-back");
+    let test = "a_lost_node_that_comes_back_is_taken_in_and_the_job_ends_as_if_uninterrupted";
+    a_lost_node_comes_back(test, &dir, "127.0.0.1", |_| {
+        std::process::Command::new(std::env::current_exe().unwrap())
+    });
 }
 
 #[test]
@@ -344,18 +483,8 @@ fn a_lost_node_restarts_the_job_at_world_size_two() {
         let config = stand_in(&dir, steps, 2, (0, 1, 2), port, &[]);
         std::thread::spawn(move || run(&config))
     };
-    let mut node1 = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "elastic::node_process",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(NODE, format!("{} {steps} {port}", dir.display()))
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+    let exe = std::process::Command::new(std::env::current_exe().unwrap());
+    let mut node1 = node_process_command(exe, &dir, steps, port, (1, "127.0.0.1"))
         .spawn()
         .unwrap();
     // Lose node 1 (its launcher and, with it, ranks 2 and 3) once the job has checkpointed.
@@ -509,8 +638,10 @@ fn a_node_that_cannot_start_its_program_ends_the_job_on_every_node_without_a_res
     assert_no_rank_left(&dir);
 }
 
+/// Node 1 starts after node 0 went ahead alone: node 0 stops its start and the next one has
+/// both nodes (a change of members, not a restart).
 #[test]
-fn a_node_that_starts_while_the_job_runs_without_it_is_refused() {
+fn a_node_that_starts_while_the_job_runs_without_it_joins_the_next_start() {
     let dir = scratch_dir("elastic-late");
     let port = free_port();
     // Node 0 waits 4 s for node 1, then starts alone (MIN 1) at world size 2.
@@ -523,14 +654,19 @@ fn a_node_that_starts_while_the_job_runs_without_it_is_refused() {
         assert!(started.elapsed() < 30 * SECOND, "node 0 did not start alone");
         std::thread::sleep(Duration::from_millis(5));
     }
-    let error = run(&stand_in(&dir, 90, 2, (1, 1, 2), port, &[])).unwrap_err();
-    assert!(
-        matches!(&error, LaunchError::Agent(m) if m.contains("cannot join a running start")),
-        "{error}"
-    );
+    let late = run(&stand_in(&dir, 90, 2, (1, 1, 2), port, &[])).unwrap();
     let outcome = node0.join().unwrap().unwrap();
-    assert_eq!((outcome.world_size, outcome.restarts.len()), (2, 0));
+    for (node, outcome) in [(0, &outcome), (1, &late)] {
+        assert_eq!((outcome.world_size, outcome.restarts.len()), (4, 0), "node {node}");
+    }
+    assert_eq!(outcome.member_changes.len(), 1, "{:?}", outcome.member_changes);
+    assert!(
+        outcome.member_changes[0].contains("node(s) 1 asked to join"),
+        "{:?}",
+        outcome.member_changes
+    );
     assert_eq!(encode(&final_state(&dir).2), encode(&reference(90)));
+    assert_eq!(final_state(&dir).0, 4);
     assert_no_rank_left(&dir);
 }
 

@@ -12,6 +12,12 @@
 //! a lost node) is published once; every launcher then stops its ranks, and all go on to the
 //! next round or end together. The round ends well when every member's ranks exited 0.
 //!
+//! A node outside the running start (a lost node whose launcher was started again) registers
+//! for the next one; node 0's launcher sees it, stops the start ([`LaunchError::MembersChanged`],
+//! not counted against `--max-restarts`) and the next start takes it in, as torchrun's agents
+//! restart their workers when a node is waiting. The ranks resume from their newest checkpoint
+//! at the larger world size.
+//!
 //! Node 0 is where the store lives: if its launcher is lost, the others stop with an error
 //! naming it (no restart: as with torchrun's c10d store, whose host must survive).
 
@@ -61,7 +67,16 @@ pub(crate) fn run_elastic(config: &LaunchConfig) -> Result<LaunchOutcome, Launch
             config.node_wait
         ))
     })?;
-    let result = Agent { config, client }.rounds();
+    let agent = Agent { config, client };
+    let result = agent.rounds();
+    if server.is_some() {
+        // A node waiting to join a next start learns that there is none.
+        let how = match &result {
+            Ok(_) => "it finished".to_string(),
+            Err(e) => format!("it failed: {e}"),
+        };
+        let _ = agent.client.set(ENDED, how.as_bytes());
+    }
     if let Some(server) = server {
         // The other launchers read the round's end from it: let them leave first.
         server.wait_for_clients_to_leave(config.node_timeout);
@@ -76,12 +91,17 @@ struct Agent<'a> {
 }
 
 impl Agent<'_> {
-    fn rounds(self) -> Result<LaunchOutcome, LaunchError> {
+    fn rounds(&self) -> Result<LaunchOutcome, LaunchError> {
         let mut attempts = Attempts::new(self.config);
         self.find_current_round(&mut attempts)?;
         loop {
             let round = attempts.count();
-            let members = self.join(round, &attempts)?;
+            let Some(members) = self.join(round, &mut attempts)? else {
+                // The start formed without this node: wait for the next one, which node 0's
+                // launcher begins as soon as it sees this node waiting.
+                self.find_current_round(&mut attempts)?;
+                continue;
+            };
             let result = self.run_round(round, &members, &attempts);
             if let Some(outcome) = attempts.settle(result)? {
                 return Ok(outcome);
@@ -89,32 +109,63 @@ impl Agent<'_> {
         }
     }
 
-    /// A node other than 0 that starts while the job is already running: it joins the round
-    /// being formed (counted as that start), or is refused when the round has started without
-    /// it (its old ranks' places are taken; a node cannot rejoin a running start).
+    /// Which start a node other than 0 joins when it begins, or when a start formed without
+    /// it: the one being formed, else the one after the running start (node 0's launcher stops
+    /// the running start when it sees the node waiting). A node still listed in the running
+    /// start (its old launcher was lost and node 0 has not noticed yet) waits until that start
+    /// ends, at most `--node-timeout` + `--stop-grace` + 2 s; after that it is taken for a
+    /// second launcher with the same `--node-rank` and refused.
     fn find_current_round(&self, attempts: &mut Attempts<'_>) -> Result<(), LaunchError> {
-        if self.config.node_rank == 0 {
+        let config = self.config;
+        if config.node_rank == 0 {
             return Ok(());
         }
-        let Some(current) = self.client.try_get(CURRENT, Duration::ZERO).map_err(lost)? else {
-            return Ok(()); // the job's first round, or node 0 has not got that far
-        };
-        let round: usize = String::from_utf8_lossy(&current).parse().unwrap_or(0);
-        if self
-            .client
-            .try_get(&self.key(round, "members"), Duration::ZERO)
-            .map_err(lost)?
-            .is_some()
-        {
-            return Err(LaunchError::Agent(format!(
-                "node {} started while start {round} of the job runs without it: a node cannot join a running \
-                 start; it may join the next one only if it is already waiting when that one forms, so restart \
-                 the whole job (it resumes from its newest checkpoint)",
-                self.config.node_rank
-            )));
+        let deadline = Instant::now() + config.node_timeout + config.stop_grace + Duration::from_secs(2);
+        loop {
+            self.check_ended()?;
+            let Some(current) = self.client.try_get(CURRENT, Duration::ZERO).map_err(lost)? else {
+                return Ok(()); // the job's first round, or node 0 has not got that far
+            };
+            let round: usize = String::from_utf8_lossy(&current).parse().unwrap_or(0);
+            let members = self
+                .client
+                .try_get(&self.key(round, "members"), Duration::ZERO)
+                .map_err(lost)?;
+            let Some(members) = members.map(|m| String::from_utf8_lossy(&m).into_owned()) else {
+                attempts.join_at(round); // being formed: join it
+                return Ok(());
+            };
+            if !members.starts_with('!') && !parse_list(&members).contains(&config.node_rank) {
+                attempts.join_at(round + 1);
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(LaunchError::Agent(format!(
+                    "node {} is still a member of the running start {round} (nodes {members}) after {:?}: is \
+                     another burn-shard-run with --node-rank {} running? Each node's --node-rank must be unique",
+                    config.node_rank,
+                    config.node_timeout + config.stop_grace + Duration::from_secs(2),
+                    config.node_rank
+                )));
+            }
+            if let Some(interrupted) = attempts.interrupted() {
+                return Err(interrupted);
+            }
+            thread::sleep(CHECK);
         }
-        attempts.join_at(round);
-        Ok(())
+    }
+
+    /// An error when node 0's launcher said that the job has ended: a node waiting for a next
+    /// start learns there is none.
+    fn check_ended(&self) -> Result<(), LaunchError> {
+        match self.client.try_get(ENDED, Duration::ZERO).map_err(lost)? {
+            Some(how) => Err(LaunchError::Agent(format!(
+                "the job ended before node {} could join a start: {}",
+                self.config.node_rank,
+                String::from_utf8_lossy(&how)
+            ))),
+            None => Ok(()),
+        }
     }
 
     fn key(&self, round: usize, what: &str) -> String {
@@ -122,8 +173,9 @@ impl Agent<'_> {
     }
 
     /// Registers this node for `round` and returns the round's members (node ranks, ascending),
-    /// which node 0's launcher decides. A termination signal while waiting ends the job.
-    fn join(&self, round: usize, attempts: &Attempts<'_>) -> Result<Vec<usize>, LaunchError> {
+    /// which node 0's launcher decides, or `None` when the round formed without this node. A
+    /// termination signal while waiting ends the job.
+    fn join(&self, round: usize, attempts: &mut Attempts<'_>) -> Result<Option<Vec<usize>>, LaunchError> {
         let (config, store) = (self.config, &self.client);
         if config.node_rank == 0 {
             store.set(CURRENT, round.to_string().as_bytes()).map_err(lost)?;
@@ -171,9 +223,17 @@ impl Agent<'_> {
                     list(&members)
                 ),
             };
+            // Before the members: a node that reads them finds the count.
+            let restarts = attempts.restarts().to_string();
+            store
+                .set(&self.key(round, "restarts"), restarts.as_bytes())
+                .map_err(lost)?;
             store.set(&members_key, published.as_bytes()).map_err(lost)?;
         }
-        let deadline = Instant::now() + config.node_wait + config.node_timeout;
+        // Node 0 may first stop the running start's ranks (--stop-grace), then waits for the
+        // nodes (--node-wait).
+        let patience = config.node_wait + config.node_timeout + config.stop_grace;
+        let deadline = Instant::now() + patience;
         let value = loop {
             if let Some(value) = store.try_get(&members_key, Duration::ZERO).map_err(lost)? {
                 break String::from_utf8_lossy(&value).into_owned();
@@ -181,11 +241,14 @@ impl Agent<'_> {
             if let Some(interrupted) = attempts.interrupted() {
                 return Err(interrupted);
             }
+            if config.node_rank != 0 {
+                self.check_ended()?;
+            }
             if Instant::now() >= deadline {
                 return Err(LaunchError::Agent(format!(
-                    "node 0 did not say which nodes make start {round} within --node-wait + --node-timeout ({:?}): \
-                     is node 0's burn-shard-run running with the same --master-addr and --master-port?",
-                    config.node_wait + config.node_timeout
+                    "node 0 did not say which nodes make start {round} within --node-wait + --node-timeout + \
+                     --stop-grace ({patience:?}): is node 0's burn-shard-run running with the same --master-addr \
+                     and --master-port?"
                 )));
             }
             thread::sleep(CHECK);
@@ -193,13 +256,15 @@ impl Agent<'_> {
         if let Some(problem) = value.strip_prefix('!') {
             return Err(LaunchError::Agent(problem.to_string()));
         }
-        let members: Vec<usize> = value.split(',').filter_map(|n| n.parse().ok()).collect();
+        let members = parse_list(&value);
         if !members.contains(&config.node_rank) {
-            return Err(LaunchError::Agent(format!(
-                "node {} came after start {round} of the job had begun without it (nodes {value}); \
-                 start every node within --node-wait of node 0, or restart the job",
-                config.node_rank
-            )));
+            return Ok(None);
+        }
+        if config.node_rank != 0 {
+            let restarts = store
+                .get(&self.key(round, "restarts"), config.node_timeout)
+                .map_err(lost)?;
+            attempts.agree(String::from_utf8_lossy(&restarts).parse().unwrap_or(0));
         }
         if config.output == OutputMode::Prefix && (round > 0 || members.len() < config.nnodes) {
             eprintln!(
@@ -208,7 +273,7 @@ impl Agent<'_> {
                 members.len() * config.nproc_per_node
             );
         }
-        Ok(members)
+        Ok(Some(members))
     }
 
     /// Starts this node's ranks as node `index` of the members and watches them and the other
@@ -225,9 +290,13 @@ impl Agent<'_> {
         let launched = launch_with(&config, &attempts.env(), &mut || watch.check(), attempts.signals_before);
         let outcome = match launched {
             Ok(outcome) => outcome,
-            Err(error @ (LaunchError::Stopped { .. } | LaunchError::Agent(_))) => return Err(error),
+            Err(error @ (LaunchError::Stopped { .. } | LaunchError::MembersChanged { .. } | LaunchError::Agent(_))) => {
+                return Err(error);
+            }
             Err(error) => return Err(self.fail(round, error)),
         };
+        // This node's ranks finished: a node asking to join now waits for the job's end.
+        watch.admit_joins = false;
         self.client.add(&self.key(round, "done"), 1).map_err(lost)?;
         loop {
             if self.client.add(&self.key(round, "done"), 0).map_err(lost)? as usize >= members.len() {
@@ -260,8 +329,13 @@ impl Agent<'_> {
 
     /// Publishes the round's failure, unless another launcher published one first.
     fn publish(&self, round: usize, cause: &str, code: u8, restartable: bool) -> Result<(), RendezvousError> {
+        self.publish_end(round, &format!("{code}\n{}\n{cause}", u8::from(restartable)))
+    }
+
+    /// Publishes why `round` ends early (a failure, or [`MEMBERS_CHANGED`]), unless another
+    /// launcher published a reason first.
+    fn publish_end(&self, round: usize, value: &str) -> Result<(), RendezvousError> {
         if self.client.add(&self.key(round, "failures"), 1)? == 1 {
-            let value = format!("{code}\n{}\n{cause}", u8::from(restartable));
             self.client.set(&self.key(round, "failure"), value.as_bytes())?;
         }
         Ok(())
@@ -269,12 +343,17 @@ impl Agent<'_> {
 }
 
 /// What a launcher checks while its ranks run: its own heartbeat, another node's published
-/// failure, and on node 0 the other members' heartbeats.
+/// failure, and on node 0 the other members' heartbeats and nodes asking to join.
 struct RoundWatch<'a> {
     agent: &'a Agent<'a>,
     round: usize,
     /// Each other member's last heartbeat count and when it last changed (node 0 only).
     peers: Vec<(usize, i64, Instant)>,
+    /// The nodes outside this round (node 0 only): one that registers for the next round
+    /// while this node's ranks run stops the round ([`LaunchError::MembersChanged`]).
+    absent: Vec<usize>,
+    /// Whether a node asking to join stops the round: while this node's ranks run.
+    admit_joins: bool,
     last_check: Option<Instant>,
     last_beat: Option<Instant>,
 }
@@ -289,10 +368,16 @@ impl<'a> RoundWatch<'a> {
                 .collect(),
             _ => Vec::new(),
         };
+        let absent = match agent.config.node_rank {
+            0 => (0..agent.config.nnodes).filter(|n| !members.contains(n)).collect(),
+            _ => Vec::new(),
+        };
         Self {
             agent,
             round,
             peers,
+            absent,
+            admit_joins: true,
             last_check: None,
             last_beat: None,
         }
@@ -336,13 +421,40 @@ impl<'a> RoundWatch<'a> {
                 return Ok(Some(stopped(&failure)));
             }
         }
+        if self.admit_joins && !self.absent.is_empty() && store.add(&agent.key(self.round + 1, "joined"), 0)? > 0 {
+            let mut waiting = Vec::new();
+            for &node in &self.absent {
+                let key = agent.key(self.round + 1, &format!("node-{node}"));
+                if store.try_get(&key, Duration::ZERO)?.is_some() {
+                    waiting.push(node);
+                }
+            }
+            if waiting.is_empty() {
+                return Ok(None); // a member's registration (it failed and moved on): its failure stops the round
+            }
+            let cause = format!(
+                "node(s) {} asked to join: start {} takes them in (a change of members, not counted against \
+                 --max-restarts)",
+                list(&waiting),
+                self.round + 1
+            );
+            agent.publish_end(self.round, &format!("{MEMBERS_CHANGED}\n{cause}"))?;
+            let failure = store.get(&agent.key(self.round, "failure"), agent.config.node_timeout)?;
+            return Ok(Some(stopped(&failure)));
+        }
         Ok(None)
     }
 }
 
-/// The error of a published failure (`code\nrestartable\ncause`).
+/// The error of a published failure (`code\nrestartable\ncause`), or of a change of members
+/// (`MEMBERS_CHANGED\ncause`).
 fn stopped(failure: &[u8]) -> LaunchError {
     let text = String::from_utf8_lossy(failure);
+    if let Some(cause) = text.strip_prefix(MEMBERS_CHANGED).and_then(|t| t.strip_prefix('\n')) {
+        return LaunchError::MembersChanged {
+            cause: cause.to_string(),
+        };
+    }
     let mut lines = text.splitn(3, '\n');
     let (code, restartable, cause) = (lines.next(), lines.next(), lines.next());
     LaunchError::Stopped {
@@ -362,6 +474,16 @@ fn lost(error: RendezvousError) -> LaunchError {
 
 /// The key where node 0 says which start is being formed or run.
 const CURRENT: &str = "burn-shard-agent/current";
+/// The key where node 0 says that the job has ended, and how.
+const ENDED: &str = "burn-shard-agent/ended";
+/// The first line of a round's published end when a node asked to join (a failure's first
+/// line is its exit code, a number).
+const MEMBERS_CHANGED: &str = "members-changed";
+
+/// `[0, 1, 3]` from `0,1,3`.
+fn parse_list(text: &str) -> Vec<usize> {
+    text.split(',').filter_map(|n| n.parse().ok()).collect()
+}
 
 /// `0,1,3`.
 fn list(nodes: &[usize]) -> String {

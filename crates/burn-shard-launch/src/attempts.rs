@@ -7,9 +7,15 @@ use crate::{LaunchConfig, LaunchError, LaunchOutcome, MAX_RESTARTS, OutputMode, 
 /// The starts of one job so far: the failures that led to restarts.
 pub(crate) struct Attempts<'a> {
     config: &'a LaunchConfig,
+    /// The failures this launcher saw end a start, in order.
     failures: Vec<LaunchError>,
-    /// Starts made before this launcher joined (a node that joined an elastic job late).
-    skipped: usize,
+    /// Starts this launcher saw stopped because a node asked to join (not failures).
+    member_changes: Vec<String>,
+    /// The number of the next start: 0 for the first, then one more per restart or change of
+    /// members (the job's count: a launcher that joined late takes it from node 0).
+    round: usize,
+    /// The job's restarts so far, counted against `max_restarts` (changes of members are not).
+    restarts: usize,
     /// Termination signals counted before the job began: one that arrives at any point
     /// (between two starts too) ends the job instead of a restart.
     pub(crate) signals_before: usize,
@@ -20,19 +26,34 @@ impl<'a> Attempts<'a> {
         Self {
             config,
             failures: Vec::new(),
-            skipped: 0,
+            member_changes: Vec::new(),
+            round: 0,
+            restarts: 0,
             signals_before: signals::count(),
         }
     }
 
-    /// The number of this start: 0 for the first, then one more per restart.
+    /// The number of this start: 0 for the first, then one more per restart or change of
+    /// members.
     pub(crate) fn count(&self) -> usize {
-        self.skipped + self.failures.len()
+        self.round
     }
 
-    /// Counts this launcher's first start as the job's start `round` (it joined late).
+    /// The job's restarts so far (what node 0's launcher publishes with each start's members).
+    pub(crate) fn restarts(&self) -> usize {
+        self.restarts
+    }
+
+    /// Counts this launcher's next start as the job's start `round` (it joined late, or comes
+    /// back after a start went on without it).
     pub(crate) fn join_at(&mut self, round: usize) {
-        self.skipped = round.saturating_sub(self.failures.len());
+        self.round = round;
+    }
+
+    /// Takes the job's restart count from node 0's launcher, so that every node gives up at
+    /// the same start, also one that joined late.
+    pub(crate) fn agree(&mut self, restarts: usize) {
+        self.restarts = restarts;
     }
 
     /// The termination signal received since the job began, as the error that ends it.
@@ -63,17 +84,28 @@ impl<'a> Attempts<'a> {
         match result {
             Ok(mut outcome) => {
                 outcome.restarts = self.failures.iter().map(ToString::to_string).collect();
+                outcome.member_changes = std::mem::take(&mut self.member_changes);
                 Ok(Some(outcome))
             }
-            Err(error) if error.is_restartable() && self.count() < self.config.max_restarts => {
+            Err(LaunchError::MembersChanged { cause }) => {
+                if self.config.output == OutputMode::Prefix {
+                    eprintln!("burn-shard-run: start {} after: {cause}", self.round + 1);
+                }
+                self.member_changes.push(cause);
+                self.round += 1;
+                Ok(None)
+            }
+            Err(error) if error.is_restartable() && self.restarts < self.config.max_restarts => {
                 if self.config.output == OutputMode::Prefix {
                     eprintln!(
                         "burn-shard-run: restart {} of {} after: {error}",
-                        self.count() + 1,
+                        self.restarts + 1,
                         self.config.max_restarts
                     );
                 }
                 self.failures.push(error);
+                self.restarts += 1;
+                self.round += 1;
                 Ok(None)
             }
             Err(error) => Err(self.give_up(error)),
@@ -141,11 +173,28 @@ mod tests {
             output: Vec::new(),
             world_size: 1,
             restarts: Vec::new(),
+            member_changes: Vec::new(),
         };
         let done = attempts.settle(Ok(outcome)).unwrap().expect("finished");
         assert_eq!(done.restarts, [failed(3).to_string()]);
+        // A node asking to join starts the job again without using up a restart.
+        let mut attempts = Attempts::new(&config);
+        for _ in 0..3 {
+            let changed = LaunchError::MembersChanged {
+                cause: "node 1 asked to join".into(),
+            };
+            assert!(attempts.settle(Err(changed)).unwrap().is_none());
+        }
+        assert!(attempts.settle(Err(failed(3))).unwrap().is_none());
+        assert!(attempts.settle(Err(failed(4))).unwrap().is_none());
+        assert_eq!(attempts.count(), 5);
+        assert!(matches!(
+            attempts.settle(Err(failed(5))),
+            Err(LaunchError::GaveUp { restarts: 2, .. })
+        ));
         let mut late = Attempts::new(&config);
         late.join_at(2);
+        late.agree(2);
         assert_eq!(late.count(), 2, "joined at start 2");
         assert!(
             matches!(late.settle(Err(failed(6))), Err(LaunchError::CommandFailed { .. })),

@@ -46,7 +46,8 @@ pub struct Cli {
     pub nproc_per_node: Option<usize>,
     /// Nodes in the job; start one burn-shard-run on each. `MIN:MAX` makes the job elastic: a
     /// start goes ahead with the nodes present after --node-wait if there are at least MIN,
-    /// at a smaller world size.
+    /// at a smaller world size; a node started again later is taken in at a new start (not
+    /// counted against --max-restarts).
     #[arg(long, default_value = "1", value_name = "M|MIN:MAX", value_parser = node_range)]
     pub nnodes: (usize, usize),
     /// This node's index in 0..nnodes: its ranks are node_rank·N .. node_rank·N+N-1.

@@ -71,6 +71,14 @@ pub enum LaunchError {
         /// node saw): every node restarts, or ends, as the published failure says.
         restartable: bool,
     },
+    /// Node 0's launcher stopped this start of an elastic job because a node outside it asked
+    /// to join (a lost node back, `--nnodes MIN:MAX`): every node stops its ranks and the next
+    /// start takes the new node in. Not a failure: it does not count against `--max-restarts`.
+    #[error("{cause}; stopped every rank of this node to start again with it")]
+    MembersChanged {
+        /// Which nodes asked to join, as node 0's launcher published it.
+        cause: String,
+    },
     /// The launchers of an elastic job cannot agree on a start: fewer than the fewest nodes
     /// came, this node came after its start closed, or node 0's launcher (which hosts their
     /// store) is gone.
@@ -112,16 +120,24 @@ impl LaunchError {
             LaunchError::Interrupted { signal } => (128 + signal).clamp(1, 255) as u8,
             LaunchError::Stopped { code, .. } => *code,
             LaunchError::GaveUp { first, .. } => first.exit_code(),
-            LaunchError::Watch { .. } | LaunchError::Agent(_) | LaunchError::Token(_) | LaunchError::Unsupported => 1,
+            LaunchError::Watch { .. }
+            | LaunchError::MembersChanged { .. }
+            | LaunchError::Agent(_)
+            | LaunchError::Token(_)
+            | LaunchError::Unsupported => 1,
         }
     }
 
     /// Whether starting the job again could help: a rank that failed or died (here or on
-    /// another node), a rank whose process could not be watched, or a lost node. Not: bad
+    /// another node), a rank whose process could not be watched, a lost node, or a node that
+    /// asked to join ([`LaunchError::MembersChanged`], not counted as a restart). Not: bad
     /// options, a program that cannot start, an interrupted launcher.
     pub fn is_restartable(&self) -> bool {
         match self {
-            LaunchError::RankFailed { .. } | LaunchError::CommandFailed { .. } | LaunchError::Watch { .. } => true,
+            LaunchError::RankFailed { .. }
+            | LaunchError::CommandFailed { .. }
+            | LaunchError::Watch { .. }
+            | LaunchError::MembersChanged { .. } => true,
             LaunchError::Stopped { restartable, .. } => *restartable,
             _ => false,
         }

@@ -43,6 +43,9 @@ pub struct LaunchOutcome {
     pub world_size: usize,
     /// Why the job was restarted, one line per restart, in order (empty with [`launch`]).
     pub restarts: Vec<String>,
+    /// Why a start of an elastic job was stopped to take in a node that asked to join (a lost
+    /// node back), one line each, in order; these are not counted as restarts.
+    pub member_changes: Vec<String>,
 }
 
 /// One started rank.
@@ -178,6 +181,7 @@ pub(crate) fn launch_with(
             output,
             world_size: config.world_size(),
             restarts: Vec::new(),
+            member_changes: Vec::new(),
         }),
         Some(Failure::Rank(i)) if config.supervise => Err(LaunchError::CommandFailed {
             program: config.program.to_string_lossy().into_owned(),
