@@ -6,6 +6,7 @@
 pub mod bert;
 pub mod char_data;
 pub mod cli;
+pub mod comm_bench;
 mod data_dir;
 pub mod finetune_minilm;
 pub mod finetune_minilm_learner;

@@ -324,3 +324,42 @@ fn a_node_killed_and_started_again_across_the_links_rejoins_and_the_job_ends_as_
     let exe = std::env::current_exe().unwrap();
     crate::elastic::a_lost_node_comes_back(test, &dir, &master, |node| cluster.command(node, &exe));
 }
+
+/// What OpenMPI leaves of a cluster job killed with SIGKILL (its session folder in the temp
+/// folder, its shared-memory segments in `/dev/shm`, both named after the node's hostname, its
+/// namespace's name) is removed by `remove_leftovers` when the cluster's process is gone, and
+/// kept while it runs.
+#[test]
+fn openmpi_leftovers_of_a_dead_cluster_are_removed_and_a_live_ones_kept() {
+    let test = "openmpi_leftovers_of_a_dead_cluster_are_removed_and_a_live_ones_kept";
+    if capabilities_or_skip(test).is_none() {
+        return;
+    }
+    // A pid that is gone: a child that has exited and been reaped.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    child.wait().unwrap();
+    let (dead, alive) = (child.id(), std::process::id());
+    let shm = std::path::Path::new("/dev/shm");
+    let paths = |pid: u32| {
+        let node = format!("bsc{pid}-9-n1");
+        [
+            std::env::temp_dir().join(format!("ompi.{node}.0")),
+            shm.join(format!("vader_segment.{node}.5c3a0001.0")),
+        ]
+    };
+    for pid in [dead, alive] {
+        let [session, segment] = paths(pid);
+        std::fs::create_dir_all(session.join("jf.0")).unwrap();
+        std::fs::write(session.join("jf.0/contact.txt"), "x").unwrap();
+        std::fs::write(&segment, "x").unwrap();
+    }
+    burn_shard_cluster::remove_leftovers().unwrap();
+    for path in paths(dead) {
+        assert!(!path.exists(), "{} is left", path.display());
+    }
+    for path in paths(alive) {
+        assert!(path.exists(), "{} of a live cluster was removed", path.display());
+        let _ = std::fs::remove_dir_all(&path);
+        let _ = std::fs::remove_file(&path);
+    }
+}

@@ -116,7 +116,7 @@ fn rank_process() {
     let restart: usize = std::env::var(RESTART_COUNT).unwrap().parse().unwrap();
     let (rank, world) = (env.rank, env.world_size);
     std::fs::write(
-        dir.join(format!("pid-{restart}-{rank}")),
+        dir.join(format!("pid-{restart}-{world}-{rank}")),
         std::process::id().to_string(),
     )
     .unwrap();
@@ -314,7 +314,7 @@ fn assert_finished(dir: &Path, world: usize, steps: usize, started: Instant) -> 
     start
 }
 
-/// A node's launcher (`--nnodes 1:2`, 2 ranks) in a process of its own, so that a test can
+/// A node's launcher (`--nnodes 1:2`, 2 ranks, `--max-restarts 1`) in a process of its own, so that a test can
 /// kill it with SIGKILL (its ranks die with it) or start it in a cluster's node. Writes how it
 /// ended to `outcome-node-K` in the job's folder ([`node_outcome`]).
 #[test]
@@ -334,6 +334,7 @@ fn node_process() {
         &[],
     );
     config.master_addr = master.to_string();
+    config.max_restarts = 1;
     let text = match run(&config) {
         Ok(outcome) => {
             let lines = [format!("world_size {}", outcome.world_size)].into_iter();
@@ -395,8 +396,9 @@ pub(crate) fn node_outcome(dir: &Path, node: usize) -> Result<(usize, Vec<String
 /// with it) after a random checkpoint; node 0 restarts the job at world size 2; then node 1's
 /// launcher is started again, node 0 stops that start, and the next start takes node 1 in. The
 /// job ends at world size 4 with the uninterrupted run's state, bit for bit, one restart (the
-/// lost node) and one change of members (not counted as a restart: `--max-restarts 2`, and
-/// every count here would pass with 1), within a minute; no rank is left running.
+/// lost node) and one change of members (not counted as a restart: `--max-restarts 1`, and
+/// the ranks' `BURN_SHARD_RESTART_COUNT` stays 1), within a minute; no rank or launcher is
+/// left running.
 pub(crate) fn a_lost_node_comes_back(
     test: &str,
     dir: &Path,
@@ -411,8 +413,8 @@ pub(crate) fn a_lost_node_comes_back(
             .spawn()
             .unwrap()
     };
-    let mut node0 = start_node(0);
-    let mut node1 = start_node(1);
+    // Killed on every way out, a failed assertion included.
+    let mut nodes = Launchers(vec![start_node(0), start_node(1)]);
     let kill_at = random_step(1, 4) * EVERY;
     while newest_checkpoint(dir).is_none_or(|(step, _)| step < kill_at) {
         assert!(
@@ -421,17 +423,18 @@ pub(crate) fn a_lost_node_comes_back(
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    node1.kill().unwrap();
-    node1.wait().unwrap();
+    nodes.0[1].kill().unwrap();
+    nodes.0[1].wait().unwrap();
     let killed_at = newest_checkpoint(dir).unwrap().0;
-    // Start 1 runs without node 1 (its rank 0 records its pid): bring node 1 back.
-    while !dir.join("pid-1-0").exists() {
+    // Start 1 runs without node 1 (its rank 0 records its pid, restart 1, world size 2):
+    // bring node 1 back.
+    while !dir.join("pid-1-2-0").exists() {
         assert!(started.elapsed() < 60 * SECOND, "{test}: no start without node 1");
         std::thread::sleep(Duration::from_millis(5));
     }
     let back_at = newest_checkpoint(dir).map_or(0, |(step, _)| step);
-    let mut node1 = start_node(1);
-    for (node, child) in [(0, &mut node0), (1, &mut node1)] {
+    nodes.0[1] = start_node(1);
+    for (node, child) in nodes.0.iter_mut().enumerate() {
         while child.try_wait().unwrap().is_none() {
             assert!(
                 started.elapsed() < 90 * SECOND,
@@ -461,7 +464,22 @@ pub(crate) fn a_lost_node_comes_back(
         start >= back_at,
         "{test}: resumed from step {start}, the newest checkpoint was {back_at}"
     );
-    assert!(dir.join("pid-2-3").exists(), "{test}: start 2 ran node 1's ranks");
+    assert!(
+        dir.join("pid-1-4-3").exists(),
+        "{test}: start 2 ran node 1's ranks with BURN_SHARD_RESTART_COUNT 1"
+    );
+}
+
+/// Node launcher processes, killed when dropped (a failed test leaves none running).
+struct Launchers(Vec<std::process::Child>);
+
+impl Drop for Launchers {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 #[test]

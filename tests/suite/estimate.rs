@@ -552,3 +552,63 @@ fn estimate_command_predicts_the_step_time_and_picks_a_stage_and_mesh() {
         String::from_utf8_lossy(&bad.stderr)
     );
 }
+
+/// `comm-bench`'s probe (`burn_shard_examples::comm_bench::measure`) counts the bytes crossing
+/// a node's link as `estimate::step_time` does for a stage-2 step, flat and one shard group per
+/// node, so that its bandwidth goes into `--link-gbit` in the model's units; and those bytes are
+/// what the ranks' ring collectives send (their own counters). 4 in-process ranks as 2 nodes of
+/// 2, a 4096-parameter flat parameter in 2 calls, 3 timed iterations after 1.
+#[test]
+fn the_link_probe_counts_the_bytes_the_step_time_model_counts() {
+    use std::sync::Arc;
+
+    use burn_shard::comm::{Collective, CollectiveKind, InProcessGroup, run_ranks};
+    use burn_shard::{Mesh, MeshLayout};
+    use burn_shard_examples::comm_bench::measure;
+
+    let (params, world, per_node, iterations) = (4096.0, 4, 2, 3);
+    for replicas in [1, 2] {
+        let traffic = estimate::step_traffic(params, world, replicas, Stage::Two, ParamDtype::F32);
+        // Flat: the whole flat parameter; hybrid: one rank's shard of it.
+        let bytes = (params * 4.0) as usize / if replicas == 1 { 1 } else { world / replicas };
+        let group = InProcessGroup::new(world).unwrap();
+        let results = run_ranks(group, |comm| {
+            let mesh = Mesh::new(Arc::new(comm), replicas, MeshLayout::Consecutive).unwrap();
+            // After the mesh's own agreement (an all-gather of two numbers).
+            let before = (mesh.world().stats(), mesh.replicate().stats());
+            let measured = measure(&mesh, bytes, 2, (1, iterations), per_node).unwrap();
+            let sent = match replicas {
+                1 => {
+                    let stats = mesh.world().stats().since(&before.0);
+                    stats.get(CollectiveKind::ReduceScatter).bytes_sent
+                        + stats.get(CollectiveKind::AllGather).bytes_sent
+                }
+                _ => {
+                    let stats = mesh.replicate().stats().since(&before.1);
+                    stats.get(CollectiveKind::AllReduce).bytes_sent
+                }
+            };
+            (measured, sent as f64 / (1 + iterations) as f64)
+        })
+        .unwrap();
+        let model_link_bytes = match replicas {
+            1 => traffic.shard_group_bytes,
+            _ => per_node as f64 * traffic.replica_group_bytes,
+        };
+        for (rank, (measured, sent_per_iteration)) in results.into_iter().enumerate() {
+            assert_eq!(
+                measured.link_bytes, model_link_bytes,
+                "replicas {replicas}, rank {rank}"
+            );
+            // Flat: the link carries one rank's ring volume; hybrid: the k replica rings' volumes.
+            let rings = if replicas == 1 { 1.0 } else { per_node as f64 };
+            assert_eq!(
+                measured.link_bytes,
+                rings * sent_per_iteration,
+                "replicas {replicas}, rank {rank}"
+            );
+            assert!(measured.iteration_s > 0.0);
+            assert_eq!(measured.link_bytes_per_s, measured.link_bytes / measured.iteration_s);
+        }
+    }
+}

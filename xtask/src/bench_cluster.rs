@@ -10,10 +10,13 @@
 //! every node's ranks share this host's cores, so compute is that of 4 processes on them.
 //!
 //! Each cluster run is also predicted by `burn_shard::estimate::step_time` from the one-host
-//! step time of the same stage and mesh, the link rate, the round trip measured between the
-//! nodes while the job trains, and twice rank 0's collective calls per step (each MPI call
-//! starts with its signature's all-gather; with `--replicas` the groups' own calls are not
-//! counted); the table ends with the range of predicted/measured over every cluster run.
+//! step time of the same stage and mesh, the round trip measured between the nodes while the
+//! job trains, twice rank 0's collective calls per step (each MPI call starts with its
+//! signature's all-gather; with `--replicas` the groups' own calls are not counted), and a
+//! bandwidth: the link bandwidth `comm-bench` measured on the same cluster for the mesh's
+//! pattern (flat or hybrid, the GPT's flat parameter, no compute), as a user would measure
+//! their cluster; and, for comparison, the link rate itself. The table ends with the range of
+//! predicted/measured over every cluster run, for each.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -52,6 +55,9 @@ pub struct Args {
     /// Embedding width of the GPT (the job's `--n-embd`).
     #[arg(long, default_value_t = 128)]
     n_embd: usize,
+    /// Calls `comm-bench` splits the flat parameter into (as the step's units or buckets).
+    #[arg(long, default_value_t = 4)]
+    probe_calls: usize,
     /// Folder for each run's `metrics.csv` and this benchmark's `cluster.csv`.
     #[arg(long, default_value = "runs/bench-cluster")]
     out: PathBuf,
@@ -73,9 +79,14 @@ struct Row {
     link_mb_per_step: f64,
     /// What `estimate::step_time` says each link carries per step, MB (payload, no headers).
     model_link_mb: f64,
-    /// `estimate::step_time`'s step, from the one-host step, the link rate and the measured
-    /// round trip; equal to the one-host step there.
+    /// `estimate::step_time`'s step, from the one-host step, the link bandwidth `comm-bench`
+    /// measured and the measured round trip; equal to the one-host step there.
     predicted_s: f64,
+    /// The link bandwidth `comm-bench` measured for this mesh on this link, Mbit/s (0 on one
+    /// host).
+    probe_mbit: f64,
+    /// `estimate::step_time`'s step with the link rate as the bandwidth.
+    predicted_at_rate_s: f64,
     /// Median round trip between the nodes in microseconds, idle and while the job trains.
     rtt_idle_us: f64,
     rtt_loaded_us: f64,
@@ -104,6 +115,9 @@ pub fn run(args: &Args) -> Result<(), String> {
         args.steps,
         args.steps - args.warmup - 1
     );
+    let probe_bin = bin.with_file_name("comm-bench");
+    // (link rate, replicas) -> link bytes per second that comm-bench measured.
+    let mut probed: Vec<((f64, usize), f64)> = Vec::new();
     let mut rows = Vec::new();
     for &stage in &stages {
         for replicas in [1, NODES] {
@@ -116,16 +130,24 @@ pub fn run(args: &Args) -> Result<(), String> {
             let reference = job.on_one_host()?;
             let compute_s = reference.step_s(args.warmup);
             let mut row = reference.row(None, 0.0, true, args.warmup);
-            row.predicted_s = compute_s;
+            (row.predicted_s, row.predicted_at_rate_s) = (compute_s, compute_s);
             rows.push(row);
             for &rate in &rates {
                 let (run, sent, rtt) = job.on_cluster(rate)?;
                 let same = run.losses == reference.losses;
                 let mut row = run.row(Some(rate), sent / 2.0 / args.steps as f64, same, args.warmup);
-                let links = Links {
+                let probe = match probed.iter().find(|(key, _)| *key == (rate, replicas)) {
+                    Some(&(_, measured)) => measured,
+                    None => {
+                        let measured = probe_link(&probe_bin, rate, replicas, run.params, args.probe_calls)?;
+                        probed.push(((rate, replicas), measured));
+                        measured
+                    }
+                };
+                let links = |bytes_per_s: f64| Links {
                     nodes: NODES,
                     ranks_per_node: RANKS_PER_NODE,
-                    bytes_per_s: rate * 1e6 / 8.0,
+                    bytes_per_s,
                     latency_s: rtt / 2.0,
                 };
                 let compute = ComputeProfile {
@@ -136,9 +158,21 @@ pub fn run(args: &Args) -> Result<(), String> {
                     hidden_share: 0.0,
                 };
                 let stage = Stage::try_from(stage).map_err(|e| e.to_string())?;
-                let predicted = step_time(run.params, stage, replicas, ParamDtype::F32, &links, &compute)
-                    .map_err(|e| e.to_string())?;
+                let predict = |bytes_per_s: f64| {
+                    step_time(
+                        run.params,
+                        stage,
+                        replicas,
+                        ParamDtype::F32,
+                        &links(bytes_per_s),
+                        &compute,
+                    )
+                    .map_err(|e| e.to_string())
+                };
+                let predicted = predict(probe)?;
                 row.predicted_s = predicted.step_s;
+                row.predicted_at_rate_s = predict(rate * 1e6 / 8.0)?.step_s;
+                row.probe_mbit = probe * 8.0 / 1e6;
                 row.model_link_mb = predicted.link_bytes / MB;
                 rows.push(row);
             }
@@ -153,6 +187,44 @@ pub fn run(args: &Args) -> Result<(), String> {
     writer.flush().map_err(|e| e.to_string())?;
     println!("wrote {}", csv_path.display());
     Ok(())
+}
+
+/// The link bandwidth (bytes per second) that `comm-bench` measures on a fresh cluster whose
+/// links run at `rate_mbit`, for the pattern of `replicas` (flat or one shard group per node)
+/// on the flat parameter of `params` `f32` parameters (hybrid: one rank's shard of it) in
+/// `calls` calls.
+fn probe_link(bin: &Path, rate_mbit: f64, replicas: usize, params: f64, calls: usize) -> Result<f64, String> {
+    let cluster = Cluster::create(&ClusterSpec::new(NODES).with_rate_mbit(rate_mbit)).map_err(|e| e.to_string())?;
+    let bytes = (params * 4.0) as usize / if replicas == 1 { 1 } else { RANKS_PER_NODE };
+    let mut command = cluster.mpirun(RANKS_PER_NODE).map_err(|e| e.to_string())?;
+    command.arg(bin).args([
+        "--bytes",
+        &bytes.to_string(),
+        "--calls",
+        &calls.to_string(),
+        "--replicas",
+        &replicas.to_string(),
+        "--ranks-per-node",
+        &RANKS_PER_NODE.to_string(),
+    ]);
+    let output = command.output().map_err(|e| format!("cannot start mpirun: {e}"))?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        return Err(format!(
+            "comm-bench at {rate_mbit} Mbit/s failed ({}):\n{text}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    print!("probe at {rate_mbit} Mbit/s, replicas {replicas}: {text}");
+    // "link bandwidth: 412.3 Mbit/s (...)".
+    let mbit: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("link bandwidth: "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| format!("comm-bench printed no link bandwidth:\n{text}"))?;
+    Ok(mbit * 1e6 / 8.0)
 }
 
 /// One stage and mesh, run on one host or on a cluster.
@@ -318,6 +390,8 @@ impl Recorded {
             link_mb_per_step: link_per_step / MB,
             model_link_mb: 0.0,
             predicted_s: f64::NAN,
+            probe_mbit: 0.0,
+            predicted_at_rate_s: f64::NAN,
             rtt_idle_us: self.rtt[0] * 1e6,
             rtt_loaded_us: self.rtt[1] * 1e6,
             same_losses,
@@ -329,9 +403,9 @@ impl Recorded {
 /// model's range over every cluster run.
 fn print_table(rows: &[Row]) {
     println!(
-        "| link | stage | mesh | step (s) | predicted (s) | predicted/measured | MB per link per step (model) | round trip idle / training (us) | losses = one host |"
+        "| link | stage | mesh | step (s) | probed link (Mbit/s) | predicted (s) | predicted/measured | at the link rate: predicted/measured | MB per link per step (model) | round trip idle / training (us) | losses = one host |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let link = r.rate_mbit.map_or("one host".to_string(), |m| format!("{m} Mbit/s"));
         let mesh = if r.replicas == 1 {
@@ -340,11 +414,13 @@ fn print_table(rows: &[Row]) {
             format!("{NODES} x {RANKS_PER_NODE}")
         };
         println!(
-            "| {link} | {} | {mesh} | {:.3} | {:.3} | {:.2} | {:.2} ({:.2}) | {:.0} / {:.0} | {} |",
+            "| {link} | {} | {mesh} | {:.3} | {:.0} | {:.3} | {:.2} | {:.2} | {:.2} ({:.2}) | {:.0} / {:.0} | {} |",
             r.stage,
             r.step_s,
+            r.probe_mbit,
             r.predicted_s,
             r.predicted_s / r.step_s,
+            r.predicted_at_rate_s / r.step_s,
             r.link_mb_per_step,
             r.model_link_mb,
             r.rtt_idle_us,
@@ -395,13 +471,14 @@ fn print_table(rows: &[Row]) {
             ),
         }
     }
-    let ratios: Vec<f64> = rows
-        .iter()
-        .filter(|r| r.rate_mbit.is_some())
-        .map(|r| r.predicted_s / r.step_s)
-        .collect();
-    let (min, max) = ratios.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
-        (lo.min(x), hi.max(x))
-    });
+    let range = |predicted: fn(&Row) -> f64| {
+        rows.iter()
+            .filter(|r| r.rate_mbit.is_some())
+            .map(|r| predicted(r) / r.step_s)
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| (lo.min(x), hi.max(x)))
+    };
+    let (lo, hi) = range(|r| r.predicted_at_rate_s);
+    println!("at the link rate instead of the probed bandwidth: predicted/measured min {lo:.2}, max {hi:.2}");
+    let (min, max) = range(|r| r.predicted_s);
     println!("predicted/measured: min {min:.2}, max {max:.2}");
 }

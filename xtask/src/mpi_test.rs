@@ -82,7 +82,7 @@ fn build(features: &str) -> Result<Vec<String>, String> {
         .to_vec();
     let mut build = vec!["build", "-p", "burn-shard-examples", "-p", "burn-shard-tests"];
     build.extend(common.iter().map(String::as_str));
-    build.extend(["--bin", "shakespeare", "--test", "suite"]);
+    build.extend(["--bin", "shakespeare", "--bin", "comm-bench", "--test", "suite"]);
     cargo(&build)?;
     Ok(common)
 }

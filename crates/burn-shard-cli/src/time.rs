@@ -16,7 +16,9 @@ pub struct TimeArgs {
     /// Nodes the ranks are on (ranks per node: --world-size / --nodes, consecutive ranks on a node).
     #[arg(long, requires = "time", value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pub nodes: Option<u64>,
-    /// Each node's link to the others in Gbit/s, each direction (400 for a 400 Gbit/s NIC).
+    /// Each node's link to the others in Gbit/s, each direction: best the bandwidth the
+    /// `comm-bench` example measured on the cluster (what the collectives get), else the NIC's
+    /// rate (400 for a 400 Gbit/s NIC), which makes the step a lower bound.
     #[arg(long, requires = "time", value_parser = positive)]
     pub link_gbit: Option<f64>,
     /// One-way latency between two nodes in microseconds: half a measured round trip of a small
@@ -208,8 +210,9 @@ pub fn print_time(
         "Extrapolated: the step without the link is taken as measured, so the per-rank batch and device must be those \
          of the run planned; collectives are rings over the ranks in node order (NCCL's trees for small messages are \
          not modelled); the link's protocol overhead, the host CPU a TCP transport takes and congestion between jobs are left \
-         out. On a cluster of network namespaces over TCP (OpenMPI) it predicted 0.54-0.86 of the measured steps: \
-         read it as a lower bound there (docs/clusters.md)."
+         out, unless --link-gbit is what comm-bench measured. On a cluster of network namespaces over TCP (OpenMPI) \
+         it predicted 0.76-1.02 of the measured steps from comm-bench's bandwidth, and 0.57-0.88 from the links' \
+         rate (docs/clusters.md)."
     );
     Ok(())
 }

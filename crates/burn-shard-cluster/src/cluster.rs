@@ -291,6 +291,9 @@ fn remove_netns(netns: &str) -> Result<(), ClusterError> {
 
 /// Removes the namespaces of clusters whose process is gone (a run killed, aborted or exited
 /// before its drop), with their processes, and their folders; returns the namespaces' names.
+/// Also what OpenMPI left of their jobs: the session folders `<temp>/ompi.<node>.*` and the
+/// shared-memory segments `/dev/shm/vader_segment.<node>.*` of their nodes (each node's
+/// hostname is its namespace's name), which a job killed with SIGKILL does not remove.
 /// Only names this crate gives (`bsc<pid>-<n>-sw`, `bsc<pid>-<n>-n<i>`, `bsc<pid>-probe<n>`,
 /// folders `bsc<pid>-<n>`) are considered; one that cannot be removed is reported on stderr and
 /// the others are still removed.
@@ -320,7 +323,34 @@ pub fn remove_leftovers() -> Result<Vec<String>, ClusterError> {
             remove_folder(&entry.path());
         }
     }
+    remove_mpi_leftovers(&std::env::temp_dir(), "ompi.");
+    remove_mpi_leftovers(std::path::Path::new("/dev/shm"), "vader_segment.");
     Ok(removed)
+}
+
+/// Removes the entries of `folder` named `<prefix><node>.<rest>` whose `<node>` is a node of a
+/// cluster whose process is gone.
+fn remove_mpi_leftovers(folder: &std::path::Path, prefix: &str) {
+    for entry in std::fs::read_dir(folder).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(node) = name.strip_prefix(prefix).and_then(|rest| rest.split('.').next()) else {
+            continue;
+        };
+        let Some(pid) = owner(node) else { continue };
+        if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let path = entry.path();
+        let removed = match entry.file_type() {
+            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&path),
+            _ => std::fs::remove_file(&path),
+        };
+        if let Err(e) = removed
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            eprintln!("burn-shard-cluster: could not remove {}: {e}", path.display());
+        }
+    }
 }
 
 /// The pid in a name this crate gives; `None` for any other name.

@@ -112,15 +112,16 @@ impl Agent<'_> {
     /// Which start a node other than 0 joins when it begins, or when a start formed without
     /// it: the one being formed, else the one after the running start (node 0's launcher stops
     /// the running start when it sees the node waiting). A node still listed in the running
-    /// start (its old launcher was lost and node 0 has not noticed yet) waits until that start
-    /// ends, at most `--node-timeout` + `--stop-grace` + 2 s; after that it is taken for a
-    /// second launcher with the same `--node-rank` and refused.
+    /// start waits until that start ends if its old launcher's heartbeat stands still (node 0
+    /// finds it lost within `--node-timeout`); a heartbeat that moves is a second launcher with
+    /// the same `--node-rank`, refused.
     fn find_current_round(&self, attempts: &mut Attempts<'_>) -> Result<(), LaunchError> {
         let config = self.config;
         if config.node_rank == 0 {
             return Ok(());
         }
-        let deadline = Instant::now() + config.node_timeout + config.stop_grace + Duration::from_secs(2);
+        // The running start and this node's heartbeat count in it, as first read.
+        let mut beat: Option<(usize, i64)> = None;
         loop {
             self.check_ended()?;
             let Some(current) = self.client.try_get(CURRENT, Duration::ZERO).map_err(lost)? else {
@@ -139,14 +140,21 @@ impl Agent<'_> {
                 attempts.join_at(round + 1);
                 return Ok(());
             }
-            if Instant::now() >= deadline {
-                return Err(LaunchError::Agent(format!(
-                    "node {} is still a member of the running start {round} (nodes {members}) after {:?}: is \
-                     another burn-shard-run with --node-rank {} running? Each node's --node-rank must be unique",
-                    config.node_rank,
-                    config.node_timeout + config.stop_grace + Duration::from_secs(2),
-                    config.node_rank
-                )));
+            let beats = self
+                .client
+                .add(&self.key(round, &format!("beat-{}", config.node_rank)), 0)
+                .map_err(lost)?;
+            match beat {
+                Some((seen_round, seen)) if seen_round == round && seen != beats => {
+                    return Err(LaunchError::Agent(format!(
+                        "node {0} is a member of the running start {round} (nodes {members}) and its launcher's \
+                         heartbeat moves: another burn-shard-run with --node-rank {0} is running; each node's \
+                         --node-rank must be unique",
+                        config.node_rank
+                    )));
+                }
+                Some((seen_round, _)) if seen_round == round => {}
+                _ => beat = Some((round, beats)),
             }
             if let Some(interrupted) = attempts.interrupted() {
                 return Err(interrupted);
@@ -155,17 +163,25 @@ impl Agent<'_> {
         }
     }
 
-    /// An error when node 0's launcher said that the job has ended: a node waiting for a next
-    /// start learns there is none.
+    /// An error when node 0's launcher said that the job has ended: a node waiting for a start
+    /// learns there is none.
     fn check_ended(&self) -> Result<(), LaunchError> {
         match self.client.try_get(ENDED, Duration::ZERO).map_err(lost)? {
             Some(how) => Err(LaunchError::Agent(format!(
-                "the job ended before node {} could join a start: {}",
+                "the job ended while node {} waited for a start: {}",
                 self.config.node_rank,
                 String::from_utf8_lossy(&how)
             ))),
             None => Ok(()),
         }
+    }
+
+    /// Records that this node stopped waiting for `round` (interrupted, or gave up), so that
+    /// node 0 does not count it a member; returns `error`.
+    fn leave(&self, round: usize, error: LaunchError) -> LaunchError {
+        let key = self.key(round, &format!("left-{}", self.config.node_rank));
+        let _ = self.client.set(&key, b"");
+        error
     }
 
     fn key(&self, round: usize, what: &str) -> String {
@@ -183,7 +199,14 @@ impl Agent<'_> {
         store
             .set(&self.key(round, &format!("node-{}", config.node_rank)), b"")
             .map_err(lost)?;
-        store.add(&self.key(round, "joined"), 1).map_err(lost)?;
+        // Once per node (a launcher started again registers again).
+        if store
+            .add(&self.key(round, &format!("node-{}-count", config.node_rank)), 1)
+            .map_err(lost)?
+            == 1
+        {
+            store.add(&self.key(round, "joined"), 1).map_err(lost)?;
+        }
         let members_key = self.key(round, "members");
         if config.node_rank == 0 {
             let deadline = Instant::now() + config.node_wait;
@@ -202,11 +225,11 @@ impl Agent<'_> {
             }
             let mut members = Vec::new();
             for node in 0..config.nnodes {
-                if store
-                    .try_get(&self.key(round, &format!("node-{node}")), Duration::ZERO)
-                    .map_err(lost)?
-                    .is_some()
-                {
+                let has = |what: &str| -> Result<bool, LaunchError> {
+                    let key = self.key(round, &format!("{what}-{node}"));
+                    Ok(store.try_get(&key, Duration::ZERO).map_err(lost)?.is_some())
+                };
+                if has("node")? && !has("left")? {
                     members.push(node);
                 }
             }
@@ -231,25 +254,34 @@ impl Agent<'_> {
             store.set(&members_key, published.as_bytes()).map_err(lost)?;
         }
         // Node 0 may first stop the running start's ranks (--stop-grace), then waits for the
-        // nodes (--node-wait).
+        // nodes (--node-wait). While the start before this one still runs (node 0 has not
+        // begun this one), a waiting node waits for it to end.
         let patience = config.node_wait + config.node_timeout + config.stop_grace;
-        let deadline = Instant::now() + patience;
+        let mut deadline = Instant::now() + patience;
         let value = loop {
             if let Some(value) = store.try_get(&members_key, Duration::ZERO).map_err(lost)? {
                 break String::from_utf8_lossy(&value).into_owned();
             }
             if let Some(interrupted) = attempts.interrupted() {
-                return Err(interrupted);
+                return Err(self.leave(round, interrupted));
             }
             if config.node_rank != 0 {
-                self.check_ended()?;
+                self.check_ended().map_err(|e| self.leave(round, e))?;
+                let current = store.try_get(CURRENT, Duration::ZERO).map_err(lost)?;
+                let current: Option<usize> = current.and_then(|c| String::from_utf8_lossy(&c).parse().ok());
+                if current.is_some_and(|c| c < round) {
+                    deadline = Instant::now() + patience;
+                }
             }
             if Instant::now() >= deadline {
-                return Err(LaunchError::Agent(format!(
-                    "node 0 did not say which nodes make start {round} within --node-wait + --node-timeout + \
+                return Err(self.leave(
+                    round,
+                    LaunchError::Agent(format!(
+                        "node 0 did not say which nodes make start {round} within --node-wait + --node-timeout + \
                      --stop-grace ({patience:?}): is node 0's burn-shard-run running with the same --master-addr \
                      and --master-port?"
-                )));
+                    )),
+                ));
             }
             thread::sleep(CHECK);
         };
@@ -421,7 +453,13 @@ impl<'a> RoundWatch<'a> {
                 return Ok(Some(stopped(&failure)));
             }
         }
-        if self.admit_joins && !self.absent.is_empty() && store.add(&agent.key(self.round + 1, "joined"), 0)? > 0 {
+        if self.admit_joins
+            && !self.absent.is_empty()
+            && store.add(&agent.key(self.round + 1, "joined"), 0)? > 0
+            // A member whose ranks finished (its program may be writing its last files): the
+            // start is left to end, and the waiting node learns that the job ended.
+            && store.add(&agent.key(self.round, "done"), 0)? == 0
+        {
             let mut waiting = Vec::new();
             for &node in &self.absent {
                 let key = agent.key(self.round + 1, &format!("node-{node}"));

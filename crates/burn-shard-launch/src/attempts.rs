@@ -61,10 +61,12 @@ impl<'a> Attempts<'a> {
         signals::received_since(self.signals_before).map(|signal| LaunchError::Interrupted { signal })
     }
 
-    /// The variables every rank of this start gets on top of its rank variables.
+    /// The variables every rank of this start gets on top of its rank variables: the job's
+    /// restarts so far (as torchrun's `TORCHELASTIC_RESTART_COUNT`, changes of members are not
+    /// restarts) and `--max-restarts`.
     pub(crate) fn env(&self) -> [(&'static str, String); 2] {
         [
-            (RESTART_COUNT, self.count().to_string()),
+            (RESTART_COUNT, self.restarts.to_string()),
             (MAX_RESTARTS, self.config.max_restarts.to_string()),
         ]
     }

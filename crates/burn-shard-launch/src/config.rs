@@ -18,8 +18,9 @@ pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(5);
 pub const DEFAULT_NODE_WAIT: Duration = Duration::from_secs(30);
 /// Default time after which a node whose launcher stopped answering counts as lost (15 s).
 pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_secs(15);
-/// The variable that tells each rank how many times the job was restarted before this start
-/// (0 the first time; torchrun's `TORCHELASTIC_RESTART_COUNT`).
+/// The variable that tells each rank how many times the job was restarted after a failure
+/// before this start (0 the first time; torchrun's `TORCHELASTIC_RESTART_COUNT`). A start that
+/// takes in a node that asked to join is not a restart: it keeps the count.
 pub const RESTART_COUNT: &str = "BURN_SHARD_RESTART_COUNT";
 /// The variable that tells each rank the job's `--max-restarts`.
 pub const MAX_RESTARTS: &str = "BURN_SHARD_MAX_RESTARTS";

@@ -80,8 +80,9 @@ pub enum LaunchError {
         cause: String,
     },
     /// The launchers of an elastic job cannot agree on a start: fewer than the fewest nodes
-    /// came, this node came after its start closed, or node 0's launcher (which hosts their
-    /// store) is gone.
+    /// came, node 0's launcher (which hosts their store) is gone or did not answer in time, the
+    /// job ended while this node waited to join, or another launcher runs with this node's
+    /// `--node-rank`.
     #[error("elastic job: {0}")]
     Agent(String),
     /// The job failed again after its last allowed restart (`--max-restarts`); the first

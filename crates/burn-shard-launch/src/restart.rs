@@ -18,7 +18,9 @@ use crate::{LaunchConfig, LaunchError, LaunchOutcome, agent};
 /// launcher hosts at [`LaunchConfig::agent_port`] (see [`LaunchConfig::is_elastic`]); a node
 /// whose launcher stops answering for [`LaunchConfig::node_timeout`] is lost, and the next
 /// start goes ahead without it once [`LaunchConfig::node_wait`] has passed, at the smaller
-/// world size, if at least `min_nodes` nodes are left.
+/// world size, if at least `min_nodes` nodes are left. A node whose launcher starts while a
+/// start runs without it is taken in at a new start, which node 0's launcher begins at once
+/// (a change of members: [`LaunchOutcome::member_changes`], not counted as a restart).
 ///
 /// Each restart's cause is logged on stderr (with [`OutputMode::Prefix`](crate::OutputMode::Prefix)) and returned in
 /// [`LaunchOutcome::restarts`].
@@ -29,7 +31,8 @@ use crate::{LaunchConfig, LaunchError, LaunchOutcome, agent};
 /// [`LaunchError::GaveUp`] with the *first* failure (and its exit code) when the job failed
 /// again after its last restart; [`LaunchError::Stopped`] on a node stopped because another
 /// node failed in a way no restart mends; [`LaunchError::Agent`] when the nodes cannot agree
-/// on a start (too few nodes, node 0's launcher gone, this node too late).
+/// on a start (too few nodes, node 0's launcher gone, the job ended while this node waited, a
+/// second launcher with this node's `--node-rank`).
 pub fn run(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     config.validate()?;
     if config.is_elastic() {

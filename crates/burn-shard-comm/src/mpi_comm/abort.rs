@@ -19,7 +19,7 @@ impl MpiComm {
         if let Some(probed) = state.control.any_process().immediate_matched_probe_with_tag(ABORT_TAG) {
             let (bytes, status) = probed.matched_receive_vec::<u8>();
             let reason = String::from_utf8_lossy(&bytes).into_owned();
-            self.mark_aborted(format!("rank {} aborted: {reason}", status.source_rank()));
+            self.mark_aborted(notice_text(status.source_rank(), &reason));
         }
     }
 
@@ -60,5 +60,33 @@ impl MpiComm {
         }
         let state = self.state();
         self.send_notices(&state, reason);
+    }
+}
+
+/// The abort reason a rank reads from `source`'s notice: `rank S aborted: REASON`, without the
+/// `rank S` that most reasons already start with (`rank 1 failed: ...` reads `rank 1 aborted:
+/// failed: ...`, not `rank 1 aborted: rank 1 failed: ...`).
+fn notice_text(source: i32, reason: &str) -> String {
+    let own = format!("rank {source}");
+    let rest = match reason.strip_prefix(&own) {
+        Some(rest) if rest.starts_with([' ', ':']) => rest.trim_start_matches(':').trim_start(),
+        _ => reason,
+    };
+    format!("rank {source} aborted: {rest}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::notice_text;
+
+    #[test]
+    fn a_notice_names_its_rank_once() {
+        assert_eq!(
+            notice_text(1, "rank 1 failed: out of memory"),
+            "rank 1 aborted: failed: out of memory"
+        );
+        assert_eq!(notice_text(1, "rank 1: invalid mesh"), "rank 1 aborted: invalid mesh");
+        assert_eq!(notice_text(1, "rank 10 failed: x"), "rank 1 aborted: rank 10 failed: x");
+        assert_eq!(notice_text(2, "the loss is NaN"), "rank 2 aborted: the loss is NaN");
     }
 }
