@@ -13,7 +13,8 @@
 
 use std::sync::Arc;
 
-use burn_shard::comm::{Collective, InProcessGroup, run_ranks};
+use burn::prelude::*;
+use burn_shard::comm::{Collective, InProcessGroup, ReduceOp, run_ranks};
 use burn_shard::{Mesh, MeshLayout};
 use burn_shard_examples::cli::at_least;
 use burn_shard_examples::comm_bench::{LinkBandwidth, measure};
@@ -54,11 +55,26 @@ fn main() {
 
 fn run(args: &Args) -> Result<(), String> {
     if let Some(comm) = mpi_comm()? {
-        let local = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
-            .ok()
-            .and_then(|v| v.parse().ok());
-        let ranks_per_node = args.ranks_per_node.or(local).unwrap_or(comm.world_size());
+        let local = |var: &str| std::env::var(var).ok().and_then(|v| v.parse::<usize>().ok());
+        let ranks_per_node = args
+            .ranks_per_node
+            .or(local("OMPI_COMM_WORLD_LOCAL_SIZE"))
+            .unwrap_or(comm.world_size());
         let rank = comm.rank();
+        // The patterns count link bytes for consecutive ranks on a node (`--map-by` slot or
+        // ppr, not node): every rank checks its place, and all agree before any fails.
+        let placed = local("OMPI_COMM_WORLD_LOCAL_RANK").is_none_or(|l| l == rank % ranks_per_node.max(1));
+        let flag = Tensor::<1>::from_floats([f32::from(u8::from(!placed))], &Device::flex());
+        let misplaced = comm
+            .all_reduce(flag, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?
+            .into_scalar::<f32>();
+        if misplaced > 0.0 {
+            return Err(format!(
+                "{misplaced} rank(s) are not the consecutive ranks of their node that {ranks_per_node} ranks per node \
+                 mean: start mpirun with --map-by slot (or ppr:{ranks_per_node}:node), not --map-by node"
+            ));
+        }
         let result = rank_bench(args, Arc::new(comm), ranks_per_node)?;
         if rank == 0 {
             report(args, &result, ranks_per_node);

@@ -28,8 +28,8 @@ use crate::gpu_bench::median;
 /// What [`measure`] measured.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinkBandwidth {
-    /// Median seconds of one iteration (all `calls` calls), over the timed iterations, on
-    /// rank 0 (every iteration starts at a barrier).
+    /// Median seconds of one iteration (all `calls` calls, from a barrier to the barrier after
+    /// them), over the timed iterations, on rank 0.
     pub iteration_s: f64,
     /// Bytes one node's link carries per iteration by the ring volumes (one direction; no
     /// headers).
@@ -98,6 +98,9 @@ pub fn measure(
                 let _ = mesh.replicate().all_reduce(buffer.clone(), ReduceOp::Sum)?;
             }
         }
+        // Until every rank's calls are done: the hybrid pattern's rings share a link, and
+        // rank 0's ring may finish first.
+        world.barrier()?;
         if i >= warmup {
             times.push(start.elapsed().as_secs_f64());
         }

@@ -347,6 +347,15 @@ fn openmpi_leftovers_of_a_dead_cluster_are_removed_and_a_live_ones_kept() {
             shm.join(format!("vader_segment.{node}.5c3a0001.0")),
         ]
     };
+    // Not this crate's names, or not a node's: kept whatever their pid.
+    let strangers = [
+        std::env::temp_dir().join("ompi.otherhost.0"),
+        shm.join(format!("vader_segment.bsc{dead}-x-n1.0")),
+        shm.join(format!("vader_segment.bsc{dead}-9.0")),
+    ];
+    for path in &strangers {
+        std::fs::write(path, "x").unwrap();
+    }
     for pid in [dead, alive] {
         let [session, segment] = paths(pid);
         std::fs::create_dir_all(session.join("jf.0")).unwrap();
@@ -356,6 +365,14 @@ fn openmpi_leftovers_of_a_dead_cluster_are_removed_and_a_live_ones_kept() {
     burn_shard_cluster::remove_leftovers().unwrap();
     for path in paths(dead) {
         assert!(!path.exists(), "{} is left", path.display());
+    }
+    for path in &strangers {
+        assert!(
+            path.exists(),
+            "{} is not a dead cluster's node's, yet was removed",
+            path.display()
+        );
+        std::fs::remove_file(path).unwrap();
     }
     for path in paths(alive) {
         assert!(path.exists(), "{} of a live cluster was removed", path.display());

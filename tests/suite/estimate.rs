@@ -595,6 +595,20 @@ fn the_link_probe_counts_the_bytes_the_step_time_model_counts() {
             1 => traffic.shard_group_bytes,
             _ => per_node as f64 * traffic.replica_group_bytes,
         };
+        // And what step_time itself says crosses a link at stage 2.
+        let links = estimate::Links {
+            nodes: world / per_node,
+            ranks_per_node: per_node,
+            bytes_per_s: 1e9,
+            latency_s: 0.0,
+        };
+        let compute = estimate::ComputeProfile {
+            step_s: 1.0,
+            calls_across: 0.0,
+            hidden_share: 0.0,
+        };
+        let modelled = estimate::step_time(params, Stage::Two, replicas, ParamDtype::F32, &links, &compute).unwrap();
+        assert_eq!(modelled.link_bytes, model_link_bytes, "replicas {replicas}");
         for (rank, (measured, sent_per_iteration)) in results.into_iter().enumerate() {
             assert_eq!(
                 measured.link_bytes, model_link_bytes,

@@ -179,8 +179,13 @@ impl Agent<'_> {
     /// Records that this node stopped waiting for `round` (interrupted, or gave up), so that
     /// node 0 does not count it a member; returns `error`.
     fn leave(&self, round: usize, error: LaunchError) -> LaunchError {
-        let key = self.key(round, &format!("left-{}", self.config.node_rank));
-        let _ = self.client.set(&key, b"");
+        // The registration this leaves: a launcher started again registers anew, and counts.
+        let node = self.config.node_rank;
+        if let Ok(count) = self.client.add(&self.key(round, &format!("node-{node}-count")), 0) {
+            let _ = self
+                .client
+                .set(&self.key(round, &format!("left-{node}")), count.to_string().as_bytes());
+        }
         error
     }
 
@@ -225,11 +230,16 @@ impl Agent<'_> {
             }
             let mut members = Vec::new();
             for node in 0..config.nnodes {
-                let has = |what: &str| -> Result<bool, LaunchError> {
+                let get = |what: &str| -> Result<Option<Vec<u8>>, LaunchError> {
                     let key = self.key(round, &format!("{what}-{node}"));
-                    Ok(store.try_get(&key, Duration::ZERO).map_err(lost)?.is_some())
+                    store.try_get(&key, Duration::ZERO).map_err(lost)
                 };
-                if has("node")? && !has("left")? {
+                // Left: its last registration was withdrawn (not one made after it).
+                let registrations = store
+                    .add(&self.key(round, &format!("node-{node}-count")), 0)
+                    .map_err(lost)?;
+                let left = get("left")?.is_some_and(|v| String::from_utf8_lossy(&v) == registrations.to_string());
+                if get("node")?.is_some() && !left {
                     members.push(node);
                 }
             }

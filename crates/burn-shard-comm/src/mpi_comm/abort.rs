@@ -77,7 +77,7 @@ fn notice_text(source: i32, reason: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::notice_text;
+    use super::*;
 
     #[test]
     fn a_notice_names_its_rank_once() {
