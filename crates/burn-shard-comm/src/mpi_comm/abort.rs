@@ -63,16 +63,17 @@ impl MpiComm {
     }
 }
 
-/// The abort reason a rank reads from `source`'s notice: `rank S aborted: REASON`, without the
-/// `rank S` that most reasons already start with (`rank 1 failed: ...` reads `rank 1 aborted:
-/// failed: ...`, not `rank 1 aborted: rank 1 failed: ...`).
+/// The abort reason a rank reads from `source`'s notice: the reason as sent when it starts by
+/// naming its rank (`rank 1 failed: ...`, most do), else `rank S aborted: REASON` (never `rank
+/// 1 aborted: rank 1 failed: ...`).
 fn notice_text(source: i32, reason: &str) -> String {
-    let own = format!("rank {source}");
-    let rest = match reason.strip_prefix(&own) {
-        Some(rest) if rest.starts_with([' ', ':']) => rest.trim_start_matches(':').trim_start(),
-        _ => reason,
-    };
-    format!("rank {source} aborted: {rest}")
+    let names_itself = reason
+        .strip_prefix(&format!("rank {source}"))
+        .is_some_and(|rest| rest.starts_with([' ', ':']));
+    match names_itself {
+        true => reason.to_string(),
+        false => format!("rank {source} aborted: {reason}"),
+    }
 }
 
 #[cfg(test)]
@@ -83,9 +84,9 @@ mod tests {
     fn a_notice_names_its_rank_once() {
         assert_eq!(
             notice_text(1, "rank 1 failed: out of memory"),
-            "rank 1 aborted: failed: out of memory"
+            "rank 1 failed: out of memory"
         );
-        assert_eq!(notice_text(1, "rank 1: invalid mesh"), "rank 1 aborted: invalid mesh");
+        assert_eq!(notice_text(1, "rank 1: invalid mesh"), "rank 1: invalid mesh");
         assert_eq!(notice_text(1, "rank 10 failed: x"), "rank 1 aborted: rank 10 failed: x");
         assert_eq!(notice_text(2, "the loss is NaN"), "rank 2 aborted: the loss is NaN");
     }
