@@ -688,6 +688,47 @@ fn a_node_that_starts_while_the_job_runs_without_it_joins_the_next_start() {
     assert_no_rank_left(&dir);
 }
 
+/// Two launchers with the same `--node-rank 1` while the first start forms: the one node 0
+/// counted runs node 1's ranks, the other stops naming the mistake, and the job ends at world
+/// size 4 with the uninterrupted run's state (no rank numbers twice).
+#[test]
+fn of_two_launchers_with_one_node_rank_one_runs_and_the_other_is_refused() {
+    let dir = scratch_dir("elastic-twice");
+    let port = free_port();
+    let started = Instant::now();
+    let launchers: Vec<_> = [0, 1, 1]
+        .into_iter()
+        .map(|node| {
+            let config = stand_in(&dir, 60, 2, (node, 2, 2), port, &[]);
+            std::thread::spawn(move || run(&config))
+        })
+        .collect();
+    let outcomes: Vec<_> = launchers.into_iter().map(|l| l.join().unwrap()).collect();
+    let node0 = outcomes[0].as_ref().unwrap_or_else(|e| panic!("node 0: {e}"));
+    assert_eq!((node0.world_size, node0.restarts.len()), (4, 0));
+    let refused: Vec<String> = outcomes[1..]
+        .iter()
+        .filter_map(|o| o.as_ref().err())
+        .map(|e| e.to_string())
+        .collect();
+    assert_eq!(
+        refused.len(),
+        1,
+        "exactly one of the two node-1 launchers is refused: {refused:?}"
+    );
+    assert!(
+        refused[0].contains("another burn-shard-run registered as node 1") && refused[0].contains("--node-rank"),
+        "{}",
+        refused[0]
+    );
+    assert!(
+        outcomes[1..]
+            .iter()
+            .any(|o| o.as_ref().is_ok_and(|o| o.world_size == 4))
+    );
+    assert_finished(&dir, 4, 60, started);
+}
+
 #[test]
 fn a_supervised_command_is_started_again_and_its_first_failure_reported() {
     let dir = scratch_dir("elastic-supervise");

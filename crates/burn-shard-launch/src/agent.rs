@@ -176,16 +176,12 @@ impl Agent<'_> {
         }
     }
 
-    /// Records that this node stopped waiting for `round` (interrupted, or gave up), so that
-    /// node 0 does not count it a member; returns `error`.
-    fn leave(&self, round: usize, error: LaunchError) -> LaunchError {
-        // The registration this leaves: a launcher started again registers anew, and counts.
-        let node = self.config.node_rank;
-        if let Ok(count) = self.client.add(&self.key(round, &format!("node-{node}-count")), 0) {
-            let _ = self
-                .client
-                .set(&self.key(round, &format!("left-{node}")), count.to_string().as_bytes());
-        }
+    /// Records that this node's registration `claim` for `round` stopped waiting (interrupted,
+    /// or gave up), so that node 0 does not count it a member (a launcher started again
+    /// registers anew, with a new claim); returns `error`.
+    fn leave(&self, round: usize, claim: i64, error: LaunchError) -> LaunchError {
+        let key = self.key(round, &format!("left-{}", self.config.node_rank));
+        let _ = self.client.set(&key, claim.to_string().as_bytes());
         error
     }
 
@@ -201,15 +197,19 @@ impl Agent<'_> {
         if config.node_rank == 0 {
             store.set(CURRENT, round.to_string().as_bytes()).map_err(lost)?;
         }
-        store
-            .set(&self.key(round, &format!("node-{}", config.node_rank)), b"")
-            .map_err(lost)?;
-        // Once per node (a launcher started again registers again).
-        if store
+        // Each registration of this node gets its own number (its claim), and the node's key
+        // holds the last one: node 0 names the claim it counted, so that of two launchers
+        // with the same --node-rank (or a launcher started again), exactly one runs the ranks.
+        let claim = store
             .add(&self.key(round, &format!("node-{}-count", config.node_rank)), 1)
-            .map_err(lost)?
-            == 1
-        {
+            .map_err(lost)?;
+        store
+            .set(
+                &self.key(round, &format!("node-{}", config.node_rank)),
+                claim.to_string().as_bytes(),
+            )
+            .map_err(lost)?;
+        if claim == 1 {
             store.add(&self.key(round, "joined"), 1).map_err(lost)?;
         }
         let members_key = self.key(round, "members");
@@ -234,14 +234,15 @@ impl Agent<'_> {
                     let key = self.key(round, &format!("{what}-{node}"));
                     store.try_get(&key, Duration::ZERO).map_err(lost)
                 };
-                // Left: its last registration was withdrawn (not one made after it).
-                let registrations = store
-                    .add(&self.key(round, &format!("node-{node}-count")), 0)
-                    .map_err(lost)?;
-                let left = get("left")?.is_some_and(|v| String::from_utf8_lossy(&v) == registrations.to_string());
-                if get("node")?.is_some() && !left {
-                    members.push(node);
+                // The node's last registration, unless it was withdrawn.
+                let Some(claim) = get("node")? else { continue };
+                if get("left")?.is_some_and(|left| left == claim) {
+                    continue;
                 }
+                store
+                    .set(&self.key(round, &format!("claim-{node}")), &claim)
+                    .map_err(lost)?;
+                members.push(node);
             }
             let published = match members.len() >= config.min_nodes {
                 true => list(&members),
@@ -273,10 +274,10 @@ impl Agent<'_> {
                 break String::from_utf8_lossy(&value).into_owned();
             }
             if let Some(interrupted) = attempts.interrupted() {
-                return Err(self.leave(round, interrupted));
+                return Err(self.leave(round, claim, interrupted));
             }
             if config.node_rank != 0 {
-                self.check_ended().map_err(|e| self.leave(round, e))?;
+                self.check_ended().map_err(|e| self.leave(round, claim, e))?;
                 let current = store.try_get(CURRENT, Duration::ZERO).map_err(lost)?;
                 let current: Option<usize> = current.and_then(|c| String::from_utf8_lossy(&c).parse().ok());
                 if current.is_some_and(|c| c < round) {
@@ -286,6 +287,7 @@ impl Agent<'_> {
             if Instant::now() >= deadline {
                 return Err(self.leave(
                     round,
+                    claim,
                     LaunchError::Agent(format!(
                         "node 0 did not say which nodes make start {round} within --node-wait + --node-timeout + \
                      --stop-grace ({patience:?}): is node 0's burn-shard-run running with the same --master-addr \
@@ -303,6 +305,21 @@ impl Agent<'_> {
             return Ok(None);
         }
         if config.node_rank != 0 {
+            let counted = store
+                .get(
+                    &self.key(round, &format!("claim-{}", config.node_rank)),
+                    config.node_timeout,
+                )
+                .map_err(lost)?;
+            if counted != claim.to_string().into_bytes() {
+                return Err(LaunchError::Agent(format!(
+                    "another burn-shard-run registered as node {0} for start {round} (registration {1} was counted, \
+                     this one is {claim}): each node's --node-rank must be unique; this launcher stops, the other \
+                     runs node {0}'s ranks",
+                    config.node_rank,
+                    String::from_utf8_lossy(&counted)
+                )));
+            }
             let restarts = store
                 .get(&self.key(round, "restarts"), config.node_timeout)
                 .map_err(lost)?;
