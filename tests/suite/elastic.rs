@@ -688,9 +688,10 @@ fn a_node_that_starts_while_the_job_runs_without_it_joins_the_next_start() {
     assert_no_rank_left(&dir);
 }
 
-/// Two launchers with the same `--node-rank 1` while the first start forms: the one node 0
-/// counted runs node 1's ranks, the other stops naming the mistake, and the job ends at world
-/// size 4 with the uninterrupted run's state (no rank numbers twice).
+/// Two launchers with the same `--node-rank 1` while the first start forms (node 0 waits its
+/// whole `--node-wait` for a third node, so both register before it counts): the one node 0
+/// counted runs node 1's ranks, the other is refused once it sees that one's heartbeat move,
+/// and the job ends at world size 4 with the uninterrupted run's state (no rank numbers twice).
 #[test]
 fn of_two_launchers_with_one_node_rank_one_runs_and_the_other_is_refused() {
     let dir = scratch_dir("elastic-twice");
@@ -699,7 +700,7 @@ fn of_two_launchers_with_one_node_rank_one_runs_and_the_other_is_refused() {
     let launchers: Vec<_> = [0, 1, 1]
         .into_iter()
         .map(|node| {
-            let config = stand_in(&dir, 60, 2, (node, 2, 2), port, &[]);
+            let config = stand_in(&dir, 60, 2, (node, 2, 3), port, &[]);
             std::thread::spawn(move || run(&config))
         })
         .collect();
@@ -717,7 +718,7 @@ fn of_two_launchers_with_one_node_rank_one_runs_and_the_other_is_refused() {
         "exactly one of the two node-1 launchers is refused: {refused:?}"
     );
     assert!(
-        refused[0].contains("another burn-shard-run registered as node 1") && refused[0].contains("--node-rank"),
+        refused[0].contains("another burn-shard-run with --node-rank 1 is running") && refused[0].contains("unique"),
         "{}",
         refused[0]
     );

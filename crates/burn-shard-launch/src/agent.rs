@@ -312,13 +312,10 @@ impl Agent<'_> {
                 )
                 .map_err(lost)?;
             if counted != claim.to_string().into_bytes() {
-                return Err(LaunchError::Agent(format!(
-                    "another burn-shard-run registered as node {0} for start {round} (registration {1} was counted, \
-                     this one is {claim}): each node's --node-rank must be unique; this launcher stops, the other \
-                     runs node {0}'s ranks",
-                    config.node_rank,
-                    String::from_utf8_lossy(&counted)
-                )));
+                // Node 0 counted another registration of this node: a second launcher with this
+                // --node-rank (refused once its heartbeat is seen moving in the start), or this
+                // launcher's predecessor, killed (then this one joins the next start).
+                return Ok(None);
             }
             let restarts = store
                 .get(&self.key(round, "restarts"), config.node_timeout)

@@ -82,8 +82,7 @@ pub enum LaunchError {
     /// The launchers of an elastic job cannot agree on a start: fewer than the fewest nodes
     /// came, node 0's launcher (which hosts their store) is gone or did not answer in time, the
     /// job ended while this node waited to join, or another launcher runs with this node's
-    /// `--node-rank` (it registered for the same start and node 0 counted it, or it beats in
-    /// the running start that lists this node).
+    /// `--node-rank` (its heartbeat moves in the running start that lists this node).
     #[error("elastic job: {0}")]
     Agent(String),
     /// The job failed again after its last allowed restart (`--max-restarts`); the first

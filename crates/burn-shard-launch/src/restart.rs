@@ -32,7 +32,7 @@ use crate::{LaunchConfig, LaunchError, LaunchOutcome, agent};
 /// again after its last restart; [`LaunchError::Stopped`] on a node stopped because another
 /// node failed in a way no restart mends; [`LaunchError::Agent`] when the nodes cannot agree
 /// on a start (too few nodes, node 0's launcher gone, the job ended while this node waited, a
-/// second launcher with this node's `--node-rank`, counted for the start or beating in it).
+/// second launcher with this node's `--node-rank` seen beating in the running start).
 pub fn run(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     config.validate()?;
     if config.is_elastic() {
