@@ -21,7 +21,9 @@
 use std::time::Instant;
 
 use burn::prelude::*;
+use burn_shard::Stage;
 use burn_shard::comm::{CommError, Mesh, ReduceOp};
+use burn_shard::estimate::{ComputeProfile, Links, ParamDtype, step_time};
 
 use crate::gpu_bench::median;
 
@@ -105,15 +107,23 @@ pub fn measure(
             times.push(start.elapsed().as_secs_f64());
         }
     }
-    let call_bytes = (elements * 4 * calls) as f64;
-    let link_bytes = if nodes == 1 {
-        0.0
-    } else if flat {
-        2.0 * (w - 1) as f64 / w as f64 * call_bytes
-    } else {
-        let r = mesh.replicas() as f64;
-        ranks_per_node as f64 * 2.0 * (r - 1.0) / r * call_bytes
+    // The model's own count for a stage-2 step of the flat parameter these calls carry (hybrid:
+    // each rank's buffer is a shard, 1/k of it): one place decides what crosses a link.
+    let params = (elements * calls * if flat { 1 } else { ranks_per_node }) as f64;
+    let links = Links {
+        nodes,
+        ranks_per_node,
+        bytes_per_s: 1.0,
+        latency_s: 0.0,
     };
+    let compute = ComputeProfile {
+        step_s: 1.0,
+        calls_across: 0.0,
+        hidden_share: 0.0,
+    };
+    let link_bytes = step_time(params, Stage::Two, mesh.replicas(), ParamDtype::F32, &links, &compute)
+        .map_err(|e| CommError::InvalidMesh(e.to_string()))?
+        .link_bytes;
     let iteration_s = median(&times);
     Ok(LinkBandwidth {
         iteration_s,
